@@ -1,0 +1,43 @@
+// merge_states: combine two partial attention results over disjoint key sets.
+//   m = max(lse_a, lse_b); wa = exp(lse_a - m); wb = exp(lse_b - m)
+//   out = (wa * out_a + wb * out_b) / (wa + wb);  lse = m + log(wa + wb)
+// An empty part (lse = -inf) has weight 0; both empty gives out = 0, lse = -inf (never NaN).
+// One warp per (token, head) row; out may alias out_a and lse_out may alias lse_a (in-place fold).
+#include "common.cuh"
+
+namespace mla {
+
+constexpr int kMergeWarps = 8;
+
+template <typename InT, typename OutT>
+__global__ void __launch_bounds__(kMergeWarps * 32) merge_states_kernel(
+    const InT* a, const float* lse_a, const InT* b, const float* lse_b, OutT* out, float* lse_out,
+    i64 tokens, int heads, int dv,
+    i64 a_st, i64 a_sh, i64 b_st, i64 b_sh, i64 o_st, i64 o_sh, i64 la_st, i64 lb_st, i64 lo_st) {
+  const i64 row = static_cast<i64>(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= tokens * heads) return;
+  const i64 t = row / heads;
+  const int h = static_cast<int>(row % heads);
+  const float la = lse_a[t * la_st + h];
+  const float lb = lse_b[t * lb_st + h];
+  const float m = fmaxf(la, lb);
+  const bool empty = m == neg_inf();
+  const float wa = empty ? 0.f : expf(la - m);
+  const float wb = empty ? 0.f : expf(lb - m);
+  const float denom = wa + wb;
+  const float inv = empty ? 0.f : 1.f / denom;
+  const InT* pa = a + t * a_st + h * a_sh;
+  const InT* pb = b + t * b_st + h * b_sh;
+  OutT* po = out + t * o_st + h * o_sh;
+  for (int d = lane; d < dv; d += 32) {
+    // An empty side contributes nothing, even if its partial output holds garbage or NaN.
+    const float xa = wa > 0.f ? wa * to_float<InT>(pa[d]) : 0.f;
+    const float xb = wb > 0.f ? wb * to_float<InT>(pb[d]) : 0.f;
+    po[d] = from_float<OutT>((xa + xb) * inv);
+  }
+  __syncwarp();  // every lane has read lse_a before lane 0 may overwrite it in place
+  if (lane == 0 && lse_out != nullptr) lse_out[t * lo_st + h] = empty ? neg_inf() : m + logf(denom);
+}
+
+}  // namespace mla

@@ -1,0 +1,276 @@
+// Portable MLA prefill kernel (sm_80 and newer): FlashAttention-2 style.
+//
+//   * One CTA = 128 query rows of one head of one sequence; 8 warps, 16 rows each.
+//   * Key tiles of 64 keys stream through a 2-stage cp.async ring. A K tile row is 192 values:
+//     the head's 128 "nope" values from k, then the 64 rope values that every head shares,
+//     read from k_rope (or the paged cache) once per key tile. Nothing materializes [Tk, H, 192].
+//   * S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16/fp16 in, float32 accumulate);
+//     the online softmax works in the log2 domain with the scale folded in.
+//   * Key tiles a mask removes entirely are never loaded (visible_key_span); tiles fully visible
+//     skip the per-element predicate; a warp whose 16 rows see nothing of a tile skips its MMAs.
+#include "common.cuh"
+#include "mask.cuh"
+#include "rope_source.cuh"
+#include "tile_scheduler.cuh"
+
+namespace mla {
+namespace sm80 {
+
+constexpr int kDv = 128;                     // value / nope head size
+constexpr int kDr = 64;                      // shared rope size
+constexpr int kDqk = kDv + kDr;              // 192
+constexpr int kBlockM = 128;                 // query rows per CTA
+constexpr int kBlockN = 64;                  // keys per tile
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kWarpRows = kBlockM / kWarps;  // 16 = one mma M
+constexpr int kStages = 2;
+
+constexpr int kQkChunks = kDqk * 2 / 16;     // 24 16-byte chunks per Q/K row
+constexpr int kNopeChunks = kDv * 2 / 16;    // 16 of them from k
+constexpr int kRopeChunks = kDr * 2 / 16;    // 8 of them from the rope source
+constexpr int kVChunks = kDv * 2 / 16;       // 16 per V row
+using QKTile = SwizzledTile<kQkChunks>;
+using VTile = SwizzledTile<kVChunks>;
+
+constexpr int kQBytes = kBlockM * QKTile::kRowBytes;  // 48 KiB
+constexpr int kKBytes = kBlockN * QKTile::kRowBytes;  // 24 KiB
+constexpr int kVBytes = kBlockN * VTile::kRowBytes;   // 16 KiB
+constexpr int kStageBytes = kKBytes + kVBytes;
+constexpr int kKeyOkOffset = kQBytes + kStages * kStageBytes;
+constexpr int kSmemBytes = kKeyOkOffset + kStages * kBlockN;  // + per-key "readable" flags (paged)
+
+constexpr int kQkSteps = kDqk / 16;          // 12 k-steps of 16 for S = Q K^T
+constexpr int kSTiles = kBlockN / 8;         // 8 n-tiles of 8 keys in S
+constexpr int kOTiles = kDv / 8;             // 16 n-tiles of 8 values in O
+constexpr int kPvSteps = kBlockN / 16;       // 4 k-steps of 16 keys for O += P V
+
+static_assert(kBlockM * kQkChunks % kThreads == 0, "Q tile copy must divide evenly");
+static_assert(kBlockN * kNopeChunks % kThreads == 0, "K/V tile copy must divide evenly");
+static_assert(kBlockN * kRopeChunks == 2 * kThreads, "rope copy: two chunks per thread");
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T, typename OutT, typename Mask, bool kPaged>
+__global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    OutT* __restrict__ out, float* __restrict__ lse,
+    const u32* __restrict__ q_offsets, const u32* __restrict__ kv_begin, const u32* __restrict__ kv_end,
+    const u32* __restrict__ cache_offsets, const i64* __restrict__ q_start_pos,
+    i64 q_st, i64 q_sh, i64 k_st, i64 k_sh, i64 v_st, i64 v_sh, i64 o_st, i64 o_sh, i64 lse_st,
+    const void* rope_base, i64 rope_row_stride, i64 rope_block_stride, const u32* __restrict__ lookup,
+    i64 lookup_stride, int log2_page_size, u32 num_blocks, u32 max_pages,
+    int num_heads, int batch, int num_m_blocks, float scale_log2, i64 mask_arg) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+
+  const SeqOffsets so{q_offsets, kv_begin, kv_end, cache_offsets, q_start_pos};
+  WorkTile w;
+  if (!decode_work_tile(so, num_heads, batch, num_m_blocks, kBlockM, w)) return;
+  const RopeArgs ra{rope_base, rope_row_stride, rope_block_stride, lookup, lookup_stride,
+                    log2_page_size, num_blocks, max_pages};
+  const Mask mask{mask_arg};
+
+  const int m0 = w.m_block * kBlockM;             // first row of this CTA within the sequence
+  const int rows = min(kBlockM, w.sq - m0);
+  int n_begin, n_end;                             // keys any row of this CTA may see
+  visible_key_span(mask, w, w.q_pos0 + m0, w.q_pos0 + m0 + rows - 1, n_begin, n_end);
+  const int num_tiles = (n_end - n_begin + kBlockN - 1) / kBlockN;
+
+  const u32 sQ = smem_addr(smem);
+  unsigned char* key_ok = smem + kKeyOkOffset;    // [kStages][kBlockN]
+
+  // ---- loaders: consecutive threads copy consecutive 16-byte chunks of one row (coalesced) ----
+  auto load_q = [&]() {
+#pragma unroll
+    for (int i = 0; i < kBlockM * kQkChunks / kThreads; ++i) {
+      const int idx = tid + i * kThreads;
+      const int r = idx / kQkChunks, c = idx % kQkChunks;
+      const bool ok = m0 + r < w.sq;
+      const T* src = ok ? q + (w.q_row0 + m0 + r) * q_st + w.h * q_sh + c * 8 : q;
+      cp_async_16(sQ + QKTile::offset(r, c), src, ok);
+    }
+  };
+  // Returns true when some key of the tile could not be read (paged cache: bad block id).
+  auto load_kv = [&](int tile, int stage) -> bool {
+    const int n0 = n_begin + tile * kBlockN;
+    const u32 sK = sQ + kQBytes + stage * kStageBytes;
+    const u32 sV = sK + kKBytes;
+#pragma unroll
+    for (int i = 0; i < kBlockN * kNopeChunks / kThreads; ++i) {
+      const int idx = tid + i * kThreads;
+      const int r = idx / kNopeChunks, c = idx % kNopeChunks;
+      const bool ok = n0 + r < n_end;
+      const i64 row = w.kv_row0 + n0 + r;
+      cp_async_16(sK + QKTile::offset(r, c), ok ? k + row * k_st + w.h * k_sh + c * 8 : k, ok);
+      cp_async_16(sV + VTile::offset(r, c), ok ? v + row * v_st + w.h * v_sh + c * 8 : v, ok);
+    }
+    // Rope: key r = tid / 4, chunks 2 * (tid % 4) + {0, 1}; one source lookup per thread.
+    const int r = tid / 4;
+    const int j = n0 + r;
+    const T* rp = j < n_end ? RopeSource<kPaged>::template row<T>(ra, w.b, w.kv_row0 + j, w.k_pos0 + j) : nullptr;
+    const bool ok = rp != nullptr;
+#pragma unroll
+    for (int cc = 0; cc < 2; ++cc) {
+      const int c = (tid % 4) * 2 + cc;
+      cp_async_16(sK + QKTile::offset(r, kNopeChunks + c), ok ? rp + c * 8 : k, ok);
+    }
+    if (kPaged && (tid % 4) == 0) key_ok[stage * kBlockN + r] = ok;
+    return kPaged && j < n_end && !ok;
+  };
+
+  // ---- per-warp state: rows wr0 .. wr0+15 of the sequence ----
+  const int wr0 = m0 + warp * kWarpRows;
+  const bool warp_active = wr0 < w.sq;
+  const i64 wq_lo = w.q_pos0 + wr0;
+  const i64 wq_hi = w.q_pos0 + min(wr0 + kWarpRows - 1, w.sq - 1);
+  int wn_begin = 0, wn_end = 0;  // keys these rows may see
+  if (warp_active) visible_key_span(mask, w, wq_lo, wq_hi, wn_begin, wn_end);
+
+  float o[kOTiles][4];
+#pragma unroll
+  for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float row_max[2] = {neg_inf(), neg_inf()};  // rows g and g + 8 of the warp, log2 domain
+  float row_sum[2] = {0.f, 0.f};              // this lane's partial sums; quad-reduced at the end
+  u32 qf[kQkSteps][4];                        // Q fragments, loaded once
+
+  bool bad_cur = false, bad_next = false;
+  if (num_tiles > 0) {
+    load_q();
+    bad_cur = load_kv(0, 0);
+  }
+  cp_async_commit();
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int stage = t % kStages;
+    if (t + 1 < num_tiles) {
+      bad_next = load_kv(t + 1, (t + 1) % kStages);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    int tile_bad = 0;
+    if (kPaged) tile_bad = __syncthreads_or(bad_cur);
+    else __syncthreads();
+    bad_cur = bad_next;
+
+    if (t == 0) {
+#pragma unroll
+      for (int kk = 0; kk < kQkSteps; ++kk)
+        ldmatrix_x4(qf[kk], sQ + QKTile::offset(warp * kWarpRows + (lane & 15), kk * 2 + (lane >> 4)));
+    }
+
+    const int n0 = n_begin + t * kBlockN;
+    const bool warp_skip = !warp_active || n0 >= wn_end || n0 + kBlockN <= wn_begin;
+    if (!warp_skip) {
+      const u32 sK = sQ + kQBytes + stage * kStageBytes;
+      const u32 sV = sK + kKBytes;
+
+      // S = Q K^T: 16 rows x 64 keys per warp.
+      float s[kSTiles][4];
+#pragma unroll
+      for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < kQkSteps; ++kk) {
+#pragma unroll
+        for (int np = 0; np < kSTiles / 2; ++np) {
+          // matrices: keys np*16+{0..7, 0..7, 8..15, 8..15} x chunks kk*2+{0,1,0,1}
+          u32 kb[4];
+          ldmatrix_x4(kb, sK + QKTile::offset(np * 16 + (lane >> 4) * 8 + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
+          Elem<T>::mma(s[2 * np], qf[kk], kb[0], kb[1]);
+          Elem<T>::mma(s[2 * np + 1], qf[kk], kb[2], kb[3]);
+        }
+      }
+
+      // Mask: fragment element e of n-tile nt is row g + 8 * (e / 2), key nt * 8 + 2 * (lane % 4) + e % 2.
+      const bool full = !tile_bad && n0 + kBlockN <= n_end &&
+                        mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
+      if (!full) {
+#pragma unroll
+        for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = nt * 8 + 2 * (lane & 3) + (e & 1);
+            const int row = wr0 + (lane >> 2) + 8 * (e >> 1);
+            bool vis = n0 + col < n_end && mask.visible(w.q_pos0 + row, w.k_pos0 + n0 + col);
+            if (kPaged && tile_bad) vis = vis && key_ok[stage * kBlockN + col];
+            if (!vis) s[nt][e] = neg_inf();
+          }
+        }
+      }
+
+      // Online softmax (log2 domain). A row with nothing visible yet keeps max = -inf and uses 0
+      // as its reference, so exp2(-inf) = 0 and no NaN appears.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[r];
+#pragma unroll
+        for (int nt = 0; nt < kSTiles; ++nt)
+          mx = fmaxf(mx, fmaxf(s[nt][2 * r] * scale_log2, s[nt][2 * r + 1] * scale_log2));
+        mx = quad_max(mx);
+        const float ref = mx == neg_inf() ? 0.f : mx;
+        const float corr = fast_exp2(row_max[r] - ref);
+        row_max[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -ref));
+            sum += s[nt][e];
+          }
+        }
+        row_sum[r] = row_sum[r] * corr + sum;
+#pragma unroll
+        for (int dt = 0; dt < kOTiles; ++dt) {
+          o[dt][2 * r] *= corr;
+          o[dt][2 * r + 1] *= corr;
+        }
+      }
+
+      // O += P V: the S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
+#pragma unroll
+      for (int kk = 0; kk < kPvSteps; ++kk) {
+        const u32 pa[4] = {Elem<T>::pack(s[2 * kk][0], s[2 * kk][1]), Elem<T>::pack(s[2 * kk][2], s[2 * kk][3]),
+                           Elem<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                           Elem<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int dp = 0; dp < kOTiles / 2; ++dp) {
+          // matrices (transposed): keys kk*16+{0..7, 8..15, 0..7, 8..15} x chunks dp*2+{0,0,1,1}
+          u32 vb[4];
+          ldmatrix_x4_trans(vb, sV + VTile::offset(kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7), dp * 2 + (lane >> 4)));
+          Elem<T>::mma(o[2 * dp], pa, vb[0], vb[1]);
+          Elem<T>::mma(o[2 * dp + 1], pa, vb[2], vb[3]);
+        }
+      }
+    }
+    __syncthreads();  // the next iteration's loads overwrite this stage
+  }
+
+  // ---- epilogue: normalize, write rows that exist; rows with no visible key get 0 and lse -inf ----
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(row_sum[r]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int row = wr0 + (lane >> 2) + 8 * r;
+    if (row < w.sq) {
+      const i64 grow = w.q_row0 + row;
+      OutT* op = out + grow * o_st + w.h * o_sh + 2 * (lane & 3);
+#pragma unroll
+      for (int dt = 0; dt < kOTiles; ++dt) store2<OutT>(op + dt * 8, o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+      if (lse != nullptr && (lane & 3) == 0)
+        lse[grow * lse_st + w.h] = l > 0.f ? row_max[r] * kLn2 + logf(l) : neg_inf();
+    }
+  }
+}
+
+}  // namespace sm80
+}  // namespace mla

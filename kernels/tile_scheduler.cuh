@@ -1,0 +1,60 @@
+// Work decomposition for ragged batches: one launch covers every (query block, sequence, head).
+// Linear block id -> (m_block, b, h) with heads fastest, so the blocks that read one sequence's
+// shared rope tiles run side by side (L2 reuse), and with the LAST query blocks of every sequence
+// first: under causal masks they see the most keys, so the longest work starts earliest.
+// Sequences shorter than the grid's q_max_seq_len leave blocks that exit at once.
+#pragma once
+#include "common.cuh"
+
+namespace mla {
+
+struct SeqOffsets {
+  const u32* q_offsets;      // valid_length[B + 1]: rows of each sequence in q / out
+  const u32* kv_begin;       // [B]: row of each sequence's first key in k / v (/ plain k_rope)
+  const u32* kv_end;         // [B]: one past its last key (cache_row_offsets + 1 in the plain call)
+  const u32* cache_offsets;  // [B] absolute position of key 0, or nullptr (0)
+  const i64* q_start_pos;    // [B] absolute position of query 0, or nullptr (end-aligned default)
+};
+
+struct WorkTile {
+  int b, h, m_block;
+  int sq, sk;      // query and key counts of the sequence
+  i64 q_row0;      // first row of the sequence in q / out
+  i64 kv_row0;     // first row of the sequence in k / v
+  i64 q_pos0;      // absolute position of query 0
+  i64 k_pos0;      // absolute position of key 0
+};
+
+// Returns false when the block has no rows (its sequence is shorter than m_block * block_m).
+__device__ __forceinline__ bool decode_work_tile(const SeqOffsets& so, int num_heads, int batch,
+                                                 int num_m_blocks, int block_m, WorkTile& w) {
+  const int bid = blockIdx.x;
+  w.h = bid % num_heads;
+  const int rest = bid / num_heads;
+  w.b = rest % batch;
+  w.m_block = num_m_blocks - 1 - rest / batch;
+  w.q_row0 = so.q_offsets[w.b];
+  w.sq = static_cast<int>(so.q_offsets[w.b + 1] - so.q_offsets[w.b]);
+  if (w.m_block * block_m >= w.sq) return false;
+  w.kv_row0 = so.kv_begin[w.b];
+  w.sk = static_cast<int>(so.kv_end[w.b] - so.kv_begin[w.b]);
+  w.k_pos0 = so.cache_offsets ? static_cast<i64>(so.cache_offsets[w.b]) : 0;
+  // Default: queries aligned to the end of the keys (MAX, FA bottom-right causal, FlashInfer append).
+  w.q_pos0 = so.q_start_pos ? so.q_start_pos[w.b] : w.k_pos0 + w.sk - w.sq;
+  return true;
+}
+
+// Key indices [n_begin, n_end) of the sequence that any query position in [q_lo, q_hi] may see.
+template <typename Mask>
+__device__ __forceinline__ void visible_key_span(const Mask& mask, const WorkTile& w, i64 q_lo, i64 q_hi,
+                                                 int& n_begin, int& n_end) {
+  i64 k_lo, k_hi;
+  mask.key_range(q_lo, q_hi, k_lo, k_hi);
+  const i64 sk = w.sk;
+  const i64 lo = k_lo - w.k_pos0 < 0 ? 0 : (k_lo - w.k_pos0 > sk ? sk : k_lo - w.k_pos0);
+  const i64 hi = k_hi - w.k_pos0 < lo ? lo : (k_hi - w.k_pos0 > sk ? sk : k_hi - w.k_pos0);
+  n_begin = static_cast<int>(lo);
+  n_end = static_cast<int>(hi);
+}
+
+}  // namespace mla

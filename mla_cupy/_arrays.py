@@ -1,0 +1,115 @@
+"""Array interop: CuPy arrays, anything with DLPack (torch CUDA tensors) or
+``__cuda_array_interface__`` (Numba, JAX...), without copies. NumPy arrays are refused where a
+device array is needed, with a message that says how to move them."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+try:  # ml_dtypes gives NumPy (and CuPy >= 14) bfloat16 / float8 dtypes.
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+    FP8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+except ImportError:  # pragma: no cover - ml_dtypes is a base dependency
+    BF16 = None
+    FP8_E4M3 = None
+
+FP16 = np.dtype(np.float16)
+FP32 = np.dtype(np.float32)
+
+__all__ = ["BF16", "FP16", "FP32", "FP8_E4M3", "cupy_or_none", "as_device", "is_torch", "result_wrapper", "to_host"]
+
+
+def cupy_or_none():
+    """The ``cupy`` module, or ``None`` when it is not installed (the reference needs only NumPy)."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def as_device(x: Any, name: str):
+    """Return ``x`` as an array the kernels can read in place, or raise ``TypeError`` naming ``name``.
+
+    CuPy arrays pass through. Objects with ``shape``/``dtype``/``strides`` and
+    ``__cuda_array_interface__`` (Numba device arrays) are kept as they are. Torch CUDA tensors and
+    other DLPack producers become zero-copy CuPy views; so do other CUDA-array-interface objects.
+    """
+    cp = cupy_or_none()
+    if cp is not None and isinstance(x, cp.ndarray):
+        return x
+    if isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__"):
+        raise TypeError(
+            f"{name}: expected a device array (CuPy array, torch CUDA tensor, or an object with "
+            f"__cuda_array_interface__ / DLPack), got a NumPy array; move it with cupy.asarray({name}) "
+            f"or call mla_cupy.reference.mla_prefill for the CPU reference"
+        )
+    if hasattr(x, "__cuda_array_interface__") and all(hasattr(x, a) for a in ("shape", "dtype", "strides")) and not is_torch(x):
+        return x
+    if cp is None:
+        raise TypeError(f"{name}: CuPy is not installed, so device arrays cannot be used (pip install mla_cupy[cuda12] or [cuda13])")
+    if hasattr(x, "__dlpack__"):
+        if is_torch(x) and not x.is_cuda:
+            raise TypeError(f"{name}: expected a CUDA tensor, got a torch tensor on {x.device}")
+        return cp.from_dlpack(x)
+    if hasattr(x, "__cuda_array_interface__"):
+        return cp.asarray(x)
+    raise TypeError(f"{name}: expected a device array, got {type(x).__module__}.{type(x).__name__}")
+
+
+def to_host(x: Any) -> np.ndarray:
+    """Copy a (small) device array to a NumPy array."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "copy_to_host"):  # Numba-style device arrays
+        return np.asarray(x.copy_to_host())
+    return x.get()
+
+
+def device_pointer(x: Any) -> int:
+    cp = cupy_or_none()
+    if cp is not None and isinstance(x, cp.ndarray):
+        return int(x.data.ptr)
+    return int(x.__cuda_array_interface__["data"][0])
+
+
+def result_wrapper(like: Any) -> Callable[[Any], Any]:
+    """Results come back as the kind of array ``like`` is: a torch tensor for torch input (zero-copy)."""
+    if is_torch(like):
+        import torch
+
+        def wrap(a):
+            return None if a is None else torch.from_dlpack(a)
+
+        return wrap
+    return lambda a: a
+
+
+def stream_of(stream: Any, torch_input: bool):
+    """Resolve the ``stream=`` argument to a CuPy stream object."""
+    import cupy
+
+    if stream is None:
+        if torch_input:
+            import torch
+
+            return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+        return stream
+    if isinstance(stream, int):
+        return cupy.cuda.ExternalStream(stream)
+    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        return cupy.cuda.ExternalStream(int(stream.cuda_stream))
+    raise TypeError(f"stream: expected a cupy.cuda.Stream, a torch.cuda.Stream or a raw cudaStream_t int, got {type(stream).__name__}")
+
+
+def optional_ptr(x: Optional[Any]) -> int:
+    return 0 if x is None else device_pointer(x)

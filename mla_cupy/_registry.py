@@ -1,0 +1,55 @@
+"""Every kernel family the package compiles: one place that knows the template instantiations.
+
+A *family* is one RawModule: a source file plus the name expressions compiled together. The API
+asks for one family per (kernel, dtype, mask) on first use; CI compiles all of them for every
+target architecture (``all_families``).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from ._arrays import BF16, FP16, FP32
+from .masks import MASKS, Mask
+
+CPP_TYPE: Dict[np.dtype, str] = {BF16: "__nv_bfloat16", FP16: "__half", FP32: "float"}
+
+#: Architectures CI compiles each family for.
+TARGET_ARCHS = {"mla_prefill_sm80.cu": ("sm_80", "sm_90a"), "merge_states.cu": ("sm_80", "sm_90a")}
+
+PREFILL_SM80 = ("mla_prefill_sm80.cu", "mla::sm80::mla_prefill_kernel")
+MERGE = ("merge_states.cu", "mla::merge_states_kernel")
+
+Family = Tuple[str, Tuple[str, ...]]
+
+
+def prefill_sm80(dtype: np.dtype, mask: Mask) -> Family:
+    """Family for (dtype, mask): output in the input dtype or float32, plain or paged rope."""
+    t = CPP_TYPE[np.dtype(dtype)]
+    names = tuple(
+        f"{PREFILL_SM80[1]}<{t}, {o}, {mask.cpp_name}, {paged}>" for o in (t, "float") for paged in ("false", "true")
+    )
+    return PREFILL_SM80[0], names
+
+
+def prefill_sm80_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool) -> str:
+    t, o = CPP_TYPE[np.dtype(dtype)], CPP_TYPE[np.dtype(out_dtype)]
+    return f"{PREFILL_SM80[1]}<{t}, {o}, {mask.cpp_name}, {'true' if paged else 'false'}>"
+
+
+def merge_family() -> Family:
+    """merge_states over partial outputs of any 16-bit or float32 dtype (into a float32 or same-dtype result)."""
+    names = tuple(f"{MERGE[1]}<{a}, {o}>" for a in ("float", "__nv_bfloat16", "__half") for o in ("float", "__nv_bfloat16", "__half"))
+    return MERGE[0], names
+
+
+def merge_name(in_dtype: np.dtype, out_dtype: np.dtype) -> str:
+    return f"{MERGE[1]}<{CPP_TYPE[np.dtype(in_dtype)]}, {CPP_TYPE[np.dtype(out_dtype)]}>"
+
+
+def all_families() -> List[Tuple[str, Family]]:
+    """(arch, family) for every module CI must compile."""
+    fams: List[Family] = [prefill_sm80(d, m) for d in (BF16, FP16) for m in MASKS]
+    fams.append(merge_family())
+    return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]

@@ -1,0 +1,164 @@
+"""``mla_prefill``: the public entry point, its launch, and the small device helpers around it."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Tuple, Union
+
+import numpy as np
+
+from . import _registry as reg
+from ._arrays import FP32, as_device, device_pointer, is_torch, optional_ptr, result_wrapper, stream_of
+from .jit import get_function
+from .masks import CausalMask, Mask
+from .paged import PagedKVCache
+from .validation import DV, Problem, check_inputs
+
+__all__ = ["mla_prefill"]
+
+BLOCK_M = 128  # query rows per CTA of the portable kernel (kernels/mla_prefill_sm80.cu: kBlockM)
+THREADS = 256  # its threads per CTA (kThreads)
+SMEM_BYTES = 128 * 384 + 2 * (64 * 384 + 64 * 256) + 2 * 64  # its kSmemBytes
+LOG2E = 1.4426950408889634
+
+
+def _empty(shape, dtype, like_torch: Optional[Any]):
+    """Allocate through torch's allocator for torch callers, CuPy's pool otherwise."""
+    import cupy
+
+    if like_torch is not None:
+        import torch
+
+        tdt = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}.get(np.dtype(dtype), torch.bfloat16)
+        return cupy.from_dlpack(torch.empty(shape, dtype=tdt, device=like_torch.device))
+    return cupy.empty(shape, dtype=dtype)
+
+
+def _rope_args(k_rope, dtype) -> Tuple[int, int, int, int, int, int, int, int]:
+    """(base, row_stride, block_stride, lookup, lookup_stride, log2_page, num_blocks, max_pages)."""
+    item = np.dtype(dtype).itemsize
+    if isinstance(k_rope, PagedKVCache):
+        bl, lut = k_rope.blocks, k_rope.lookup_table
+        return (device_pointer(bl) + k_rope.rope_offset * item, int(bl.strides[1]) // item, int(bl.strides[0]) // item,
+                device_pointer(lut), int(lut.strides[0]) // 4, int(math.log2(k_rope.page_size)),
+                int(bl.shape[0]), int(lut.shape[1]))
+    return (device_pointer(k_rope), int(k_rope.strides[0]) // item, 0, 0, 0, 0, 0, 0)
+
+
+def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv_begin_ptr: int, kv_end_ptr: int,
+                   cache_offsets_ptr: int, q_start_ptr: int, stream) -> None:
+    """Launch the portable kernel over a checked problem (no checks here; pointers are raw)."""
+    if p.batch == 0 or p.tq == 0 or not p.max_sq:
+        return
+    name = reg.prefill_sm80_name(p.dtype, p.out_dtype, p.mask, p.paged)
+    fn = get_function(*reg.prefill_sm80(p.dtype, p.mask), name)
+    if fn.max_dynamic_shared_size_bytes < SMEM_BYTES:
+        fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+    item, oitem = p.dtype.itemsize, p.out_dtype.itemsize
+    nmb = -(-p.max_sq // BLOCK_M)
+    rope = _rope_args(k_rope, p.dtype)
+    i64 = np.int64
+    args = (
+        device_pointer(q), device_pointer(k), device_pointer(v), device_pointer(out), optional_ptr(lse),
+        q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr, q_start_ptr,
+        i64(q.strides[0] // item), i64(q.strides[1] // item), i64(k.strides[0] // item), i64(k.strides[1] // item),
+        i64(v.strides[0] // item), i64(v.strides[1] // item), i64(out.strides[0] // oitem), i64(out.strides[1] // oitem),
+        i64(p.heads),
+        rope[0], i64(rope[1]), i64(rope[2]), rope[3], i64(rope[4]), np.int32(rope[5]), np.uint32(rope[6]), np.uint32(rope[7]),
+        np.int32(p.heads), np.int32(p.batch), np.int32(nmb), np.float32(p.scale * LOG2E), i64(p.mask.arg),
+    )
+    with stream:
+        fn((nmb * p.batch * p.heads,), (THREADS,), args, shared_mem=SMEM_BYTES)
+
+
+def _q_start_i64(q_start_pos):
+    """The kernel reads int64 positions; an int32 array is widened (a B-element copy)."""
+    if q_start_pos is None or np.dtype(q_start_pos.dtype) == np.int64:
+        return q_start_pos
+    import cupy
+
+    return cupy.asarray(q_start_pos).astype(cupy.int64)
+
+
+def mla_prefill(
+    q, k, v, k_rope: Union[Any, PagedKVCache], valid_length, cache_row_offsets, *,
+    scale: Optional[float] = None, mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
+    cache_offsets=None, q_start_pos=None, out=None, out_dtype=None, return_lse: bool = False,
+    stream=None, validate: bool = True,
+):
+    """Multi-head Latent Attention prefill over a ragged batch (MAX's ``flare_mla_prefill``).
+
+    Parameters
+    ----------
+    q : ``[Tq, H, 192]`` bfloat16 or float16 device array
+        Queries of all sequences, packed. The last 64 values of each head are its rope part.
+    k, v : ``[Tk, H, 128]``, same dtype
+        Per-head ("nope") part of the keys, and the values, packed.
+    k_rope : ``[Tk, 1, 64]`` array (any row stride, e.g. ``latent[:, :, 512:576]``) or :class:`PagedKVCache`
+        The rotary part of the keys: one vector per key, shared by every head. Read once per key
+        tile; the full ``[Tk, H, 192]`` keys are never built.
+    valid_length : ``[B + 1]`` int32/uint32 device array
+        Row offsets of each sequence in ``q`` (0, ..., Tq). Despite its name, offsets, as in MAX.
+    cache_row_offsets : ``[B + 1]`` int32/uint32 device array
+        Row offsets of each sequence's keys in ``k``/``v`` (and a plain ``k_rope``); last <= Tk.
+    scale : float, optional
+        Score scale; default ``1 / sqrt(192)``.
+    mask : Mask, optional
+        ``CausalMask()`` (default), ``NullMask()``, ``SlidingWindowCausalMask(w)``, ``ChunkedMask(c)``
+        or ``ChunkedCausalMask(c)``, on absolute positions.
+    q_max_seq_len : int, optional
+        Upper bound on any sequence's query count. Sizes the grid without reading offsets back to
+        the host; with ``validate=False`` the call then does no device-to-host copy (CUDA-graph
+        capturable). A bound below the true maximum leaves rows unwritten (checked when ``validate``).
+    cache_offsets : ``[B]`` int32/uint32 device array, optional
+        Absolute position of each sequence's first key (default 0).
+    q_start_pos : ``[B]`` int32/int64 device array, optional
+        Absolute position of each sequence's first query. Default ``cache_offsets + Sk - Sq``:
+        queries aligned to the end of the keys (bottom-right causal).
+    out : ``[Tq, H, 128]`` device array, optional
+        Written in place (any 16-byte-aligned strides, last dim contiguous).
+    out_dtype : dtype, optional
+        ``q.dtype`` (default) or ``numpy.float32``.
+    return_lse : bool
+        Also return ``lse[Tq, H]`` float32: the NATURAL-log log-sum-exp of the scaled scores
+        (``-inf`` for rows that see no key). Base e, not base 2 as in FlashInfer/TRT-LLM.
+    stream : cupy / torch stream or raw ``cudaStream_t`` int, optional
+        Default: CuPy's current stream, or torch's current stream for torch inputs.
+    validate : bool
+        Check offset values and paged block ids on the host (one small device-to-host copy).
+
+    Returns
+    -------
+    out : ``[Tq, H, 128]``, same kind of array as ``q`` (CuPy in, CuPy out; torch in, torch out)
+    lse : ``[Tq, H]`` float32, only with ``return_lse=True``
+
+    Notes
+    -----
+    A query row that sees no key gets output 0 and lse ``-inf`` (MAX would return the mean of V).
+    Inputs are read in place; nothing is copied except an int32 ``q_start_pos`` (widened).
+    """
+    torch_q = q if is_torch(q) else None
+    wrap = result_wrapper(q)
+    q, k, v = as_device(q, "q"), as_device(k, "k"), as_device(v, "v")
+    if isinstance(k_rope, PagedKVCache):
+        k_rope = PagedKVCache(as_device(k_rope.blocks, "k_rope.blocks"), as_device(k_rope.lookup_table, "k_rope.lookup_table"),
+                              k_rope.page_size, k_rope.rope_offset)
+    else:
+        k_rope = as_device(k_rope, "k_rope")
+    valid_length = as_device(valid_length, "valid_length")
+    cache_row_offsets = as_device(cache_row_offsets, "cache_row_offsets")
+    cache_offsets = None if cache_offsets is None else as_device(cache_offsets, "cache_offsets")
+    q_start_pos = None if q_start_pos is None else as_device(q_start_pos, "q_start_pos")
+    out = None if out is None else as_device(out, "out")
+    p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
+                     q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
+                     out_dtype=out_dtype, validate=validate, device=True, read_offsets=q_max_seq_len is None)
+    s = stream_of(stream, torch_q is not None)
+    with s:
+        if out is None:
+            out = _empty((p.tq, p.heads, DV), p.out_dtype, torch_q)
+        lse = _empty((p.tq, p.heads), FP32, torch_q) if return_lse else None
+        q_start_pos = _q_start_i64(q_start_pos)
+    cro_ptr = device_pointer(cache_row_offsets)
+    launch_prefill(p, q, k, v, k_rope, out, lse, device_pointer(valid_length), cro_ptr, cro_ptr + 4,
+                   optional_ptr(cache_offsets), optional_ptr(q_start_pos), s)
+    return (wrap(out), wrap(lse)) if return_lse else wrap(out)

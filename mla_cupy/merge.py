@@ -1,0 +1,154 @@
+"""Exact merging of partial attention results over disjoint key sets, and chunked prefill."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _registry as reg
+from ._arrays import BF16, FP16, FP32, as_device, device_pointer, is_torch, result_wrapper, stream_of
+from .api import launch_prefill, _empty
+from .jit import get_function
+from .masks import Mask
+from .paged import PagedKVCache
+from .validation import DV, check_array, check_inputs, check_shape
+
+__all__ = ["merge_states", "mla_prefill_chunked"]
+
+_MERGE_WARPS = 8  # kernels/merge_states.cu: kMergeWarps
+
+
+def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=None):
+    """Merge two partial attention results over disjoint key sets.
+
+    ``out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / (exp(lse_a - m) + exp(lse_b - m))`` with
+    ``m = max(lse_a, lse_b)``, and ``lse = m + log(...)``: exact in float32 arithmetic (keep partial
+    outputs in float32 when they will be merged). A side with ``lse = -inf`` (it saw no key)
+    contributes nothing, even if its output holds NaN; two empty sides give 0 and ``-inf``.
+
+    Parameters
+    ----------
+    out_a, out_b : ``[T, H, Dv]`` float32, bfloat16 or float16 device arrays (same dtype)
+    lse_a, lse_b : ``[T, H]`` float32, natural-log lse (as returned with ``return_lse=True``)
+    out : optional ``[T, H, Dv]`` result (float32 or the input dtype); ``out=out_a`` folds in place
+    lse_out : optional ``[T, H]`` float32 result; ``lse_out=lse_a`` folds in place
+
+    Returns
+    -------
+    (out, lse_out)
+    """
+    torch_in = out_a if is_torch(out_a) else None
+    wrap = result_wrapper(out_a)
+    a, b = as_device(out_a, "out_a"), as_device(out_b, "out_b")
+    la, lb = as_device(lse_a, "lse_a"), as_device(lse_b, "lse_b")
+    dtypes = (FP32, BF16, FP16)
+    check_array(a, "out_a", 3, dtypes, device=True)
+    t, h, dv = (int(n) for n in a.shape)
+    check_array(b, "out_b", 3, (np.dtype(a.dtype),), device=True)
+    check_shape(b, "out_b", (t, h, dv), "the shape of out_a")
+    for name, x in (("lse_a", la), ("lse_b", lb)):
+        check_array(x, name, 2, (FP32,), device=False)
+        check_shape(x, name, (t, h), "[T, H] matching out_a")
+        if x.size and int(x.strides[1]) != 4:
+            raise ValueError(f"{name}: the last dimension must be contiguous, got strides {tuple(x.strides)}")
+    s = stream_of(stream, torch_in is not None)
+    with s:
+        if out is None:
+            out = _empty((t, h, dv), a.dtype, torch_in)
+        else:
+            out = as_device(out, "out")
+            check_array(out, "out", 3, dtypes, device=True)
+            check_shape(out, "out", (t, h, dv), "the shape of out_a")
+        if lse_out is None:
+            lse_out = _empty((t, h), FP32, torch_in)
+        else:
+            lse_out = as_device(lse_out, "lse_out")
+            check_array(lse_out, "lse_out", 2, (FP32,), device=False)
+            check_shape(lse_out, "lse_out", (t, h), "[T, H]")
+    if t * h:
+        fn = get_function(*reg.merge_family(), reg.merge_name(a.dtype, out.dtype))
+        ia, io = np.dtype(a.dtype).itemsize, np.dtype(out.dtype).itemsize
+        i64 = np.int64
+        args = (device_pointer(a), device_pointer(la), device_pointer(b), device_pointer(lb), device_pointer(out),
+                device_pointer(lse_out), i64(t), np.int32(h), np.int32(dv),
+                i64(a.strides[0] // ia), i64(a.strides[1] // ia), i64(b.strides[0] // ia), i64(b.strides[1] // ia),
+                i64(out.strides[0] // io), i64(out.strides[1] // io), i64(la.strides[0] // 4), i64(lb.strides[0] // 4),
+                i64(lse_out.strides[0] // 4))
+        with s:
+            fn(((t * h + _MERGE_WARPS - 1) // _MERGE_WARPS,), (_MERGE_WARPS * 32,), args)
+    return wrap(out), wrap(lse_out)
+
+
+def mla_prefill_chunked(
+    q, k, v, k_rope, valid_length, cache_row_offsets, *, chunk_size: int, scale: Optional[float] = None,
+    mask: Optional[Mask] = None, cache_offsets=None, q_start_pos=None, out=None, out_dtype=None,
+    return_lse: bool = False, stream=None, validate: bool = True,
+):
+    """``mla_prefill`` over each sequence's keys in chunks of ``chunk_size``, merged exactly.
+
+    Chunk ``c`` covers keys ``[c * chunk_size, (c + 1) * chunk_size)`` of every sequence, with the
+    TRUE query positions (those of the one-shot call) and key positions; its float32 partial
+    result is folded into a float32 accumulator with :func:`merge_states`. The result equals the
+    one-shot call within float32 rounding. Extra device memory: two float32 ``[Tq, H, 128]``
+    buffers and three ``[Tq, H]`` lse buffers, whatever the number of keys.
+
+    Takes the same arguments as :func:`mla_prefill`, plus ``chunk_size`` (keys per chunk, >= 1).
+    """
+    import cupy as cp
+
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    torch_q = q if is_torch(q) else None
+    wrap = result_wrapper(q)
+    q, k, v = as_device(q, "q"), as_device(k, "k"), as_device(v, "v")
+    if isinstance(k_rope, PagedKVCache):
+        k_rope = PagedKVCache(as_device(k_rope.blocks, "k_rope.blocks"), as_device(k_rope.lookup_table, "k_rope.lookup_table"),
+                              k_rope.page_size, k_rope.rope_offset)
+    else:
+        k_rope = as_device(k_rope, "k_rope")
+    vl = as_device(valid_length, "valid_length")
+    cro = as_device(cache_row_offsets, "cache_row_offsets")
+    co = None if cache_offsets is None else as_device(cache_offsets, "cache_offsets")
+    qs = None if q_start_pos is None else as_device(q_start_pos, "q_start_pos")
+    p = check_inputs(q, k, v, k_rope, vl, cro, scale=scale, mask=mask, q_max_seq_len=None, cache_offsets=co,
+                     q_start_pos=qs, out=out, out_dtype=out_dtype, validate=validate, device=True, read_offsets=True)
+    s = stream_of(stream, torch_q is not None)
+    with s:
+        vl64, cro64 = cp.asarray(vl).astype(cp.int64), cp.asarray(cro).astype(cp.int64)
+        sk = cro64[1:] - cro64[:-1]
+        sq = vl64[1:] - vl64[:-1]
+        k_pos0 = cp.zeros(p.batch, cp.int64) if co is None else cp.asarray(co).astype(cp.int64)
+        q_pos0 = (k_pos0 + sk - sq) if qs is None else cp.asarray(qs).astype(cp.int64)
+        max_sk = int(sk.max().get()) if p.batch else 0
+        acc = cp.empty((p.tq, p.heads, DV), cp.float32)
+        acc_lse = cp.full((p.tq, p.heads), -np.inf, cp.float32)
+        part = cp.empty((p.tq, p.heads, DV), cp.float32)
+        part_lse = cp.empty((p.tq, p.heads), cp.float32)
+        acc.fill(0)
+    part_p = _with_f32_output(p)
+    first = True
+    for c0 in range(0, max(max_sk, 1), chunk_size):
+        with s:
+            begin = (cro64[:-1] + cp.minimum(sk, c0)).astype(cp.uint32)
+            end = (cro64[:-1] + cp.minimum(sk, c0 + chunk_size)).astype(cp.uint32)
+            chunk_co = (k_pos0 + cp.minimum(sk, c0)).astype(cp.uint32)
+        target, target_lse = (acc, acc_lse) if first else (part, part_lse)
+        launch_prefill(part_p, q, k, v, k_rope, target, target_lse, device_pointer(vl), device_pointer(begin),
+                       device_pointer(end), device_pointer(chunk_co), device_pointer(q_pos0), s)
+        if not first:
+            merge_states(acc, acc_lse, part, part_lse, out=acc, lse_out=acc_lse, stream=s)
+        first = False
+    with s:
+        if out is None:
+            out = _empty((p.tq, p.heads, DV), p.out_dtype, torch_q)
+        else:
+            out = as_device(out, "out")
+        out[...] = acc.astype(out.dtype, copy=False)
+    return (wrap(out), wrap(acc_lse)) if return_lse else wrap(out)
+
+
+def _with_f32_output(p):
+    """The same problem with a float32 output (partial results are merged in float32)."""
+    from dataclasses import replace
+
+    return replace(p, out_dtype=FP32)

@@ -1,0 +1,52 @@
+"""The paged KV cache that MAX uses for MLA, as a source of the shared rope part of the keys."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["PagedKVCache"]
+
+
+@dataclass(frozen=True)
+class PagedKVCache:
+    """MAX's ``PagedKVCache`` layout for MLA, passed as ``k_rope``.
+
+    Parameters
+    ----------
+    blocks : array ``[num_blocks, page_size, 1, Dc]``
+        Cache pages; each row is ``Dc`` (576 for DeepSeek: 512 latent values, then 64 rope values).
+        Same dtype as ``q``.
+    lookup_table : array ``[B, max_pages]`` int32 or uint32
+        Block id of each sequence's pages. With ``t = cache_offsets[b] + j`` key ``j`` of sequence
+        ``b`` has its rope values at ``blocks[lookup_table[b, t // page_size], t % page_size, 0,
+        rope_offset : rope_offset + 64]``.
+    page_size : int
+        Keys per page: a power of two from 16 to 512, equal to ``blocks.shape[1]``.
+    rope_offset : int
+        Column of the first rope value in a cache row; a multiple of 64 (default 512).
+    scales : array, optional
+        Per-64-value scales of an fp8 cache (``[num_blocks, page_size, 1, Dc // 64]`` float32).
+        Not supported yet: passing it raises ``NotImplementedError``.
+
+    Notes
+    -----
+    Block ids are checked on the host when ``validate=True`` (an id outside ``[0, num_blocks)`` is
+    a ``ValueError``). With ``validate=False`` the kernel still never reads outside ``blocks``: a
+    key whose block id (or page index) is out of range is treated as masked.
+    """
+
+    blocks: Any
+    lookup_table: Any
+    page_size: int
+    rope_offset: int = 512
+    scales: Optional[Any] = None
+
+    def __post_init__(self):
+        ps = self.page_size
+        if isinstance(ps, bool) or not isinstance(ps, int) or ps < 16 or ps > 512 or ps & (ps - 1):
+            raise ValueError(f"PagedKVCache.page_size: expected a power of two from 16 to 512, got {ps!r}")
+        ro = self.rope_offset
+        if isinstance(ro, bool) or not isinstance(ro, int) or ro < 0 or ro % 64:
+            raise ValueError(f"PagedKVCache.rope_offset: expected a non-negative multiple of 64, got {ro!r}")
+        if self.scales is not None:
+            raise NotImplementedError("PagedKVCache.scales: fp8 paged caches are not supported yet")

@@ -1,0 +1,138 @@
+"""Float64 reference of MLA prefill: the SPEC to the letter, written for clarity, not speed.
+
+It is the oracle of every test and the CLI's fallback without a GPU. It takes NumPy arrays (any
+float dtype, ``ml_dtypes.bfloat16`` included) and also CuPy arrays, in which case the same code
+runs on the GPU in float64 (useful for large checks).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple, Union
+
+import numpy as np
+
+from ._arrays import to_host
+from .masks import CausalMask, Mask
+from .paged import PagedKVCache
+from .validation import DR, DV, check_inputs
+
+__all__ = ["mla_prefill", "rope_rows", "visible_pairs"]
+
+#: Scores materialized at once per head group (float64 elements) before the loop splits heads.
+_BLOCK_ELEMS = 1 << 25
+
+
+def _xp(x):
+    try:
+        import cupy
+
+        return cupy.get_array_module(x)
+    except ImportError:
+        return np
+
+
+def rope_rows(k_rope: Union[Any, PagedKVCache], b: int, kv_row0: int, k_pos0: int, sk: int):
+    """The rope vectors of sequence ``b``'s ``sk`` keys as float64 ``[sk, Dr]``, and a boolean
+    ``[sk]`` that is False for keys whose paged-cache page is unreadable (treated as masked)."""
+    if not isinstance(k_rope, PagedKVCache):
+        xp = _xp(k_rope)
+        return k_rope[kv_row0:kv_row0 + sk, 0, :].astype(np.float64), xp.ones(sk, dtype=bool)
+    blocks = k_rope.blocks
+    xp = _xp(blocks)
+    lut = to_host(k_rope.lookup_table).astype(np.int64)
+    t = k_pos0 + np.arange(sk, dtype=np.int64)
+    page_idx = t // k_rope.page_size
+    ok = page_idx < lut.shape[1]
+    ids = np.where(ok, lut[b, np.minimum(page_idx, lut.shape[1] - 1)], 0)
+    ok &= (ids >= 0) & (ids < blocks.shape[0])
+    ids = np.where(ok, ids, 0)
+    ro = k_rope.rope_offset
+    rows = blocks[xp.asarray(ids), xp.asarray(t % k_rope.page_size), 0, ro:ro + DR].astype(np.float64)
+    ok_x = xp.asarray(ok)
+    return xp.where(ok_x[:, None], rows, 0.0), ok_x
+
+
+def positions(b: int, sq: int, sk: int, cache_offsets, q_start_pos) -> Tuple[np.ndarray, np.ndarray]:
+    """Absolute query and key positions of sequence ``b`` (int64), per the SPEC."""
+    k_pos0 = 0 if cache_offsets is None else int(cache_offsets[b])
+    q_pos0 = k_pos0 + sk - sq if q_start_pos is None else int(q_start_pos[b])
+    return q_pos0 + np.arange(sq, dtype=np.int64), k_pos0 + np.arange(sk, dtype=np.int64)
+
+
+def visible_pairs(valid_length, cache_row_offsets, mask: Optional[Mask] = None, cache_offsets=None, q_start_pos=None) -> int:
+    """Number of visible (query, key) pairs of one head: what a FLOP count should use."""
+    mask = CausalMask() if mask is None else mask
+    vl, cro = to_host(valid_length).astype(np.int64), to_host(cache_row_offsets).astype(np.int64)
+    co = None if cache_offsets is None else to_host(cache_offsets).astype(np.int64)
+    qs = None if q_start_pos is None else to_host(q_start_pos).astype(np.int64)
+    total = 0
+    for b in range(len(vl) - 1):
+        sq, sk = int(vl[b + 1] - vl[b]), int(cro[b + 1] - cro[b])
+        qp, kp = positions(b, sq, sk, co, qs)
+        for i0 in range(0, sq, 1024):  # rows in blocks: bounded memory for long sequences
+            total += int(mask.visible(qp[i0:i0 + 1024, None], kp[None, :]).sum())
+    return total
+
+
+def mla_prefill(
+    q, k, v, k_rope, valid_length, cache_row_offsets, *, scale: Optional[float] = None, mask: Optional[Mask] = None,
+    q_max_seq_len: Optional[int] = None, cache_offsets=None, q_start_pos=None, out=None, out_dtype=None,
+    return_lse: bool = False, stream=None, validate: bool = True,
+):
+    """Reference MLA prefill in float64; same signature and semantics as :func:`mla_cupy.mla_prefill`.
+
+    Differences: inputs are NumPy (or CuPy) arrays of any float dtype; the output is float64
+    unless ``out_dtype`` or ``out`` say otherwise; ``stream`` and ``q_max_seq_len`` are accepted
+    and ignored (``q_max_seq_len`` is still checked when ``validate``).
+
+    Returns
+    -------
+    out : ``[Tq, H, Dv]``
+    lse : ``[Tq, H]`` float64, natural-log log-sum-exp of the scaled scores (only with ``return_lse``)
+    """
+    p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
+                     q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
+                     out_dtype=out_dtype, validate=validate, device=False, read_offsets=True)
+    xp = _xp(q)
+    vl, cro = to_host(valid_length).astype(np.int64), to_host(cache_row_offsets).astype(np.int64)
+    co = None if cache_offsets is None else to_host(cache_offsets).astype(np.int64)
+    qs = None if q_start_pos is None else to_host(q_start_pos).astype(np.int64)
+    H = p.heads
+    o64 = xp.zeros((p.tq, H, DV), dtype=np.float64)
+    lse = xp.full((p.tq, H), -np.inf, dtype=np.float64)
+    for b in range(p.batch):
+        q0, sq = int(vl[b]), int(vl[b + 1] - vl[b])
+        kv0, sk = int(cro[b]), int(cro[b + 1] - cro[b])
+        if sq == 0 or sk == 0:
+            continue
+        qp, kp = positions(b, sq, sk, co, qs)
+        rope, readable = rope_rows(k_rope, b, kv0, int(kp[0]), sk)
+        vis = xp.asarray(p.mask.visible(qp[:, None], kp[None, :])) & readable[None, :]
+        qb = q[q0:q0 + sq].astype(np.float64)
+        kb = k[kv0:kv0 + sk].astype(np.float64)
+        vb = v[kv0:kv0 + sk].astype(np.float64)
+        kt = kb.transpose(1, 2, 0)                      # [H, Dv, Sk]
+        vt = vb.transpose(1, 0, 2)                      # [H, Sk, Dv]
+        hstep = max(1, _BLOCK_ELEMS // max(1, sq * sk))
+        qstep = max(1, _BLOCK_ELEMS // max(1, sk * min(H, hstep)))
+        for h0 in range(0, H, hstep):
+            hs = slice(h0, min(H, h0 + hstep))
+            for i0 in range(0, sq, qstep):
+                rs = slice(i0, min(sq, i0 + qstep))
+                qh = qb[rs, hs].transpose(1, 0, 2)      # [h, rows, Dqk]
+                s = xp.matmul(qh[..., :DV], kt[hs])     # per-head part
+                s += xp.matmul(qh[..., DV:], rope.T)    # the rope part, shared by all heads
+                s = xp.where(vis[None, rs], s * p.scale, -np.inf)
+                m = s.max(axis=-1)
+                m_safe = xp.where(xp.isfinite(m), m, 0.0)
+                e = xp.exp(s - m_safe[..., None])
+                l = e.sum(axis=-1)
+                o = xp.matmul(e, vt[hs])                # [h, rows, Dv]
+                l_ = l[..., None]
+                o = xp.where(l_ > 0, o / xp.where(l_ > 0, l_, 1.0), 0.0)
+                o64[q0 + rs.start:q0 + rs.stop, hs] = o.transpose(1, 0, 2)
+                lse[q0 + rs.start:q0 + rs.stop, hs] = xp.where(l > 0, m_safe + xp.log(xp.where(l > 0, l, 1.0)), -np.inf).T
+    result = o64.astype(p.out_dtype) if p.out_dtype != np.float64 else o64
+    if out is not None:
+        out[...] = result
+        result = out
+    return (result, lse) if return_lse else result

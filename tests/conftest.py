@@ -1,0 +1,29 @@
+import functools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run against the checkout (cli.py lives at the top level)
+    sys.path.insert(0, str(ROOT))
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_count() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_count() > 0:
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

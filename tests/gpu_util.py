@@ -1,0 +1,47 @@
+"""Helpers for GPU tests: upload a Case, run the kernel with a NaN-poisoned output, compare with
+the float64 reference per (sequence, head) slice as the SPEC defines accuracy."""
+import numpy as np
+
+import mla_cupy
+from mla_cupy import reference
+
+from _cases import per_slice_errors
+
+
+def upload(case):
+    import cupy as cp
+
+    return {name: (None if getattr(case, name) is None else cp.asarray(getattr(case, name)))
+            for name in ("q", "k", "v", "k_rope", "valid_length", "cache_row_offsets", "cache_offsets", "q_start_pos")}
+
+
+def run_and_check(case, mask=None, out_dtype=None, tol=1e-2, k_rope=None, ref_k_rope=None, return_lse=True, **kw):
+    """Kernel vs reference; returns (out, lse, max_err). Output is poisoned with NaN first."""
+    import cupy as cp
+
+    d = upload(case)
+    tq, h = case.q.shape[:2]
+    odt = np.dtype(out_dtype) if out_dtype is not None else case.q.dtype
+    out = cp.full((tq, h, 128), np.nan, dtype=odt)
+    res = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"] if k_rope is None else k_rope, d["valid_length"],
+                               d["cache_row_offsets"], mask=mask, cache_offsets=d["cache_offsets"],
+                               q_start_pos=d["q_start_pos"], out=out, out_dtype=out_dtype, return_lse=return_lse, **kw)
+    got, lse = (res if return_lse else (res, None))
+    assert got is out
+    got_h = cp.asnumpy(got).astype(np.float64)
+    ref, ref_lse = reference.mla_prefill(case.q, case.k, case.v, case.k_rope if ref_k_rope is None else ref_k_rope,
+                                         case.valid_length, case.cache_row_offsets, mask=mask, scale=kw.get("scale"),
+                                         cache_offsets=case.cache_offsets, q_start_pos=case.q_start_pos, return_lse=True)
+    assert not np.isnan(got_h).any(), f"{np.isnan(got_h).sum()} output elements unwritten or NaN"
+    empty_rows = np.isneginf(ref_lse)
+    assert np.all(got_h[empty_rows] == 0), "rows with no visible key must be exactly 0"
+    errs = per_slice_errors(got_h, ref, case.valid_length)
+    worst = max(errs) if errs else 0.0
+    assert worst < tol, f"worst per-slice relative error {worst:.3g} >= {tol}"
+    if lse is not None:
+        lse_h = cp.asnumpy(lse)
+        assert lse_h.dtype == np.float32
+        np.testing.assert_array_equal(np.isneginf(lse_h), empty_rows)
+        fin = ~empty_rows
+        np.testing.assert_allclose(lse_h[fin], ref_lse[fin], rtol=2e-2, atol=2e-2)
+    return got, lse, worst

@@ -1,0 +1,170 @@
+"""GPU tests of the paged cache, merge_states and chunked prefill (pytest -m gpu)."""
+import numpy as np
+import pytest
+
+import mla_cupy
+from mla_cupy import CausalMask, NullMask, PagedKVCache, SlidingWindowCausalMask, reference
+
+from _cases import BF16, make_case
+from gpu_util import run_and_check, upload
+
+pytestmark = pytest.mark.gpu
+
+
+def build_paged(case, page_size, seed=0, shuffle=True, spare_blocks=3, dc=576, rope_offset=512):
+    """A paged cache holding the case's rope rows at their absolute positions, pages shuffled.
+    Latent columns get random data (never read)."""
+    rng = np.random.default_rng(seed)
+    cro = case.cache_row_offsets.astype(np.int64)
+    sk = np.diff(cro)
+    b_ = len(sk)
+    co = np.zeros(b_, np.int64) if case.cache_offsets is None else case.cache_offsets.astype(np.int64)
+    pages = [int((co[b] + sk[b] + page_size - 1) // page_size) for b in range(b_)]
+    nblocks = sum(pages) + spare_blocks
+    order = rng.permutation(nblocks) if shuffle else np.arange(nblocks)
+    blocks = rng.standard_normal((nblocks, page_size, 1, dc)).astype(case.k_rope.dtype)
+    lut = np.full((b_, max(pages + [1])), nblocks + 100, np.int32)  # unused entries out of range on purpose
+    used = 0
+    for b in range(b_):
+        for p in range(pages[b]):
+            lut[b, p] = order[used]
+            used += 1
+        for j in range(sk[b]):
+            t = co[b] + j
+            blocks[lut[b, t // page_size], t % page_size, 0, rope_offset:rope_offset + 64] = case.k_rope[cro[b] + j, 0]
+    return blocks, lut
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256, 512])
+def test_paged_equals_plain_bit_for_bit(page_size):
+    import cupy as cp
+
+    c = make_case([65, 1, 130], [300, 17, 700], 16, BF16, seed=page_size, cache_offsets=[5, 0, 1000])
+    blocks, lut = build_paged(c, page_size, seed=page_size)
+    d = upload(c)
+    cache = PagedKVCache(cp.asarray(blocks), cp.asarray(lut), page_size)
+    args = (d["q"], d["k"], d["v"])
+    plain = mla_cupy.mla_prefill(*args, d["k_rope"], d["valid_length"], d["cache_row_offsets"], cache_offsets=d["cache_offsets"])
+    paged = mla_cupy.mla_prefill(*args, cache, d["valid_length"], d["cache_row_offsets"], cache_offsets=d["cache_offsets"])
+    np.testing.assert_array_equal(paged.get().view(np.uint16), plain.get().view(np.uint16))
+    run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, page_size))
+
+
+def test_paged_noncontiguous_table_and_rope_offset():
+    """A lookup table that is a column slice of a wider one, and rope values at column 0."""
+    import cupy as cp
+
+    c = make_case([40, 90], [100, 90], 16, BF16, seed=3, cache_offsets=[16, 48])
+    blocks, lut = build_paged(c, 16, seed=4, dc=128, rope_offset=0)
+    wide = np.zeros((lut.shape[0], lut.shape[1] + 4), np.int32)
+    wide[:, 2:2 + lut.shape[1]] = lut
+    dlut = cp.asarray(wide)[:, 2:2 + lut.shape[1]]
+    cache = PagedKVCache(cp.asarray(blocks), dlut, 16, rope_offset=0)
+    run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, 16, rope_offset=0), mask=SlidingWindowCausalMask(40))
+
+
+def test_paged_bad_block_ids_are_masked_without_validation():
+    """validate=False: out-of-range block ids never cause a wild read; their keys are masked."""
+    import cupy as cp
+
+    c = make_case([30, 20], [64, 80], 16, BF16, seed=5)
+    blocks, lut = build_paged(c, 16, seed=6)
+    lut[0, 1] = 10**6   # keys 16..31 of sequence 0 unreadable
+    lut[1, 4] = -5      # keys 64..79 of sequence 1 unreadable
+    cache = PagedKVCache(cp.asarray(blocks), cp.asarray(lut), 16)
+    with pytest.raises(ValueError, match="block id"):
+        d = upload(c)
+        mla_cupy.mla_prefill(d["q"], d["k"], d["v"], cache, d["valid_length"], d["cache_row_offsets"])
+    run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, 16), validate=False, mask=NullMask())
+
+
+def test_merge_states_exact_and_empty_sides():
+    import cupy as cp
+
+    rng = np.random.default_rng(0)
+    t, h = 37, 16
+    oa = rng.standard_normal((t, h, 128)).astype(np.float32)
+    ob = rng.standard_normal((t, h, 128)).astype(np.float32)
+    la = rng.standard_normal((t, h)).astype(np.float32) * 3
+    lb = rng.standard_normal((t, h)).astype(np.float32) * 3
+    la[0] = -np.inf          # empty side a: result is b exactly
+    lb[1] = -np.inf          # empty side b
+    la[2] = lb[2] = -np.inf  # both empty: 0, -inf
+    oa[0] = np.nan           # garbage in an empty side must not leak
+    out, lse = mla_cupy.merge_states(cp.asarray(oa), cp.asarray(la), cp.asarray(ob), cp.asarray(lb))
+    out, lse = out.get(), lse.get()
+    m = np.maximum(la, lb).astype(np.float64)
+    m_safe = np.where(np.isfinite(m), m, 0)
+    wa, wb = np.exp(la - m_safe), np.exp(lb - m_safe)
+    with np.errstate(invalid="ignore"):
+        want = (wa[..., None] * np.nan_to_num(oa) + wb[..., None] * ob) / (wa + wb)[..., None]
+    want[2] = 0
+    np.testing.assert_allclose(out[3:], want[3:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out[0], ob[0])
+    np.testing.assert_array_equal(out[1], oa[1])
+    assert np.all(out[2] == 0) and np.all(np.isneginf(lse[2]))
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(lse[3:], (m + np.log(wa + wb))[3:], rtol=1e-5)
+
+
+def test_merge_of_two_key_halves_equals_one_shot():
+    """Attention over keys [0, s) and [s, Sk) merged == attention over all keys."""
+    import cupy as cp
+
+    c = make_case([100], [500], 16, BF16, seed=21)
+    d = upload(c)
+    full, full_lse = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                                          mask=NullMask(), out_dtype=np.float32, return_lse=True)
+    s = 200
+    parts = []
+    for lo, hi in ((0, s), (s, 500)):
+        cro = cp.asarray(np.array([0, hi - lo], np.uint32))
+        parts.append(mla_cupy.mla_prefill(d["q"], d["k"][lo:hi], d["v"][lo:hi], d["k_rope"][lo:hi], d["valid_length"], cro,
+                                          mask=NullMask(), out_dtype=np.float32, return_lse=True))
+    (oa, la), (ob, lb) = parts
+    mla_cupy.merge_states(oa, la, ob, lb, out=oa, lse_out=la)  # in-place fold
+    np.testing.assert_allclose(oa.get(), full.get(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(la.get(), full_lse.get(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [1, 4, 16])
+def test_chunked_64k_context_equals_one_shot(chunks):
+    """1k new queries after 64k keys of context, in 1, 4 and 16 chunks, vs the one-shot kernel."""
+    import cupy as cp
+
+    rng = np.random.default_rng(chunks)
+    sq, sk, h = 1024, 65536 + 1024, 16
+    q = cp.asarray(rng.standard_normal((sq, h, 192)).astype(BF16))
+    k = cp.asarray(rng.standard_normal((sk, h, 128)).astype(BF16))
+    v = cp.asarray(rng.standard_normal((sk, h, 128)).astype(BF16))
+    kr = cp.asarray(rng.standard_normal((sk, 1, 64)).astype(BF16))
+    vl = cp.asarray(np.array([0, sq], np.uint32))
+    cro = cp.asarray(np.array([0, sk], np.uint32))
+    one = mla_cupy.mla_prefill(q, k, v, kr, vl, cro).get().astype(np.float64)
+    pool = cp.get_default_memory_pool()
+    base = pool.used_bytes()
+    got = mla_cupy.mla_prefill_chunked(q, k, v, kr, vl, cro, chunk_size=-(-sk // chunks)).get().astype(np.float64)
+    assert np.linalg.norm(got - one) / np.linalg.norm(one) < 1e-2
+    # extra memory: a few [Tq, H, 128] float32 buffers, independent of the 65k keys
+    assert pool.total_bytes() - base < 6 * sq * h * 128 * 4 + (64 << 20)
+
+
+def test_chunked_8k_against_reference():
+    c = make_case([256, 1], [8192, 900], 16, BF16, seed=31, cache_offsets=[0, 50])
+    d = upload(c)
+    got = mla_cupy.mla_prefill_chunked(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                                       cache_offsets=d["cache_offsets"], chunk_size=3000).get().astype(np.float64)
+    ref = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets, cache_offsets=c.cache_offsets)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_merge_and_chunked_with_batch_zero():
+    import cupy as cp
+
+    c = make_case([], [], 16, BF16)
+    d = upload(c)
+    out = mla_cupy.mla_prefill_chunked(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"], chunk_size=64)
+    assert out.shape == (0, 16, 128)
+    o, l = mla_cupy.merge_states(cp.zeros((0, 16, 128), cp.float32), cp.zeros((0, 16), cp.float32),
+                                 cp.zeros((0, 16, 128), cp.float32), cp.zeros((0, 16), cp.float32))
+    assert o.shape == (0, 16, 128) and l.shape == (0, 16)

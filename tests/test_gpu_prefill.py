@@ -1,0 +1,165 @@
+"""GPU tests of mla_prefill against the float64 reference (pytest -m gpu; skipped without a GPU)."""
+import threading
+
+import numpy as np
+import pytest
+
+import mla_cupy
+from mla_cupy import (CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, PagedKVCache, SlidingWindowCausalMask,
+                      reference)
+
+from _cases import BF16, FP16, make_case
+from gpu_util import run_and_check, upload
+
+pytestmark = pytest.mark.gpu
+
+MASKS = [NullMask(), CausalMask(), SlidingWindowCausalMask(37), ChunkedMask(50), ChunkedCausalMask(50)]
+ODD_SQ = [1, 7, 63, 65, 129, 0, 200]
+ODD_SK = [1, 7, 63, 65, 129, 5, 300]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_every_mask_dtype_heads(mask, dtype, heads):
+    c = make_case(ODD_SQ, ODD_SK, heads, dtype, seed=heads + len(type(mask).__name__))
+    run_and_check(c, mask=mask)
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
+def test_prefix_context_and_cache_offsets(mask):
+    # Sk > Sq with nonzero cache offsets: queries aligned to the end of the keys.
+    c = make_case([65, 100, 1, 33], [300, 1000, 129, 33], 16, BF16, seed=7, cache_offsets=[0, 77, 1000, 5])
+    run_and_check(c, mask=mask)
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
+def test_explicit_query_positions(mask):
+    # q_start_pos overrides the end alignment; negative positions see nothing under causal masks.
+    c = make_case([64, 50, 20], [128, 40, 20], 16, FP16, seed=8, cache_offsets=[100, 0, 3], q_start_pos=[150, -30, -7])
+    run_and_check(c, mask=mask)
+
+
+def test_more_queries_than_keys():
+    c = make_case([129, 70], [63, 1], 16, BF16, seed=9)
+    run_and_check(c, mask=CausalMask())
+
+
+def test_long_odd_sequence_1000():
+    c = make_case([1000], [1000], 16, BF16, seed=10)
+    run_and_check(c)
+
+
+def test_batch_zero_and_all_empty():
+    import cupy as cp
+
+    c = make_case([], [], 16, BF16)
+    d = upload(c)
+    out = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"])
+    assert out.shape == (0, 16, 128)
+    c = make_case([0, 0], [5, 0], 16, BF16, seed=2)
+    run_and_check(c)
+
+
+def test_float32_output_and_default_allocation():
+    c = make_case([65, 7], [129, 7], 16, BF16, seed=11)
+    run_and_check(c, out_dtype=np.float32)
+    d = upload(c)
+    out = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                               out_dtype=np.float32)
+    ref = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets)
+    assert out.dtype == np.float32
+    assert np.linalg.norm(out.get() - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_strided_rope_view_of_latent_rows():
+    """k_rope as latent[:, :, 512:576] (576-wide rows), read in place without a copy."""
+    import cupy as cp
+
+    c = make_case([33, 90], [100, 90], 16, BF16, seed=12)
+    latent = cp.asarray(np.random.default_rng(0).standard_normal((c.k.shape[0], 1, 576)).astype(BF16))
+    latent[:, :, 512:576] = cp.asarray(c.k_rope)
+    view = latent[:, :, 512:576]
+    assert not view.flags.c_contiguous
+    run_and_check(c, k_rope=view)
+
+
+def test_strided_q_and_out():
+    """q as a head-slice of a wider buffer and out as a strided view: both used in place."""
+    import cupy as cp
+
+    c = make_case([40, 24], [64, 30], 16, BF16, seed=13)
+    d = upload(c)
+    big = cp.asarray(np.random.default_rng(1).standard_normal((64, 20, 192)).astype(BF16))
+    big[:, 2:18] = d["q"]
+    qv = big[:, 2:18]
+    outbuf = cp.full((64, 16, 256), np.nan, dtype=BF16)
+    ov = outbuf[:, :, 64:192]
+    mla_cupy.mla_prefill(qv, d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"], out=ov)
+    ref = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets)
+    got = ov.get().astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+    assert np.isnan(outbuf[:, :, :64].get().astype(np.float32)).all()  # nothing written outside the view
+
+
+def test_int32_offsets_and_scale():
+    c = make_case([50, 17], [80, 17], 16, FP16, seed=14, offset_dtype=np.int32)
+    run_and_check(c, scale=0.3)
+
+
+def test_q_max_seq_len_and_graph_capture():
+    import cupy as cp
+
+    c = make_case([100, 300, 5], [100, 400, 5], 16, BF16, seed=15)
+    d = upload(c)
+    out = cp.full((c.q.shape[0], 16, 128), np.nan, dtype=BF16)
+    args = (d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"])
+    eager = mla_cupy.mla_prefill(*args, q_max_seq_len=300).get()
+    s = cp.cuda.Stream(non_blocking=True)
+    mla_cupy.mla_prefill(*args, q_max_seq_len=300, validate=False, out=out, stream=s)  # compile outside capture
+    out.fill(np.nan)
+    with s:
+        s.begin_capture()
+        mla_cupy.mla_prefill(*args, q_max_seq_len=300, validate=False, out=out, stream=s)
+        g = s.end_capture()
+    g.launch(s)
+    s.synchronize()
+    np.testing.assert_array_equal(out.get().view(np.uint16), eager.view(np.uint16))
+
+
+def test_torch_interop_zero_copy():
+    torch = pytest.importorskip("torch")
+    c = make_case([40, 24], [64, 30], 16, BF16, seed=16)
+    d = upload(c)
+    t = {k: torch.from_dlpack(v) for k, v in d.items() if v is not None}
+    out = mla_cupy.mla_prefill(t["q"], t["k"], t["v"], t["k_rope"], t["valid_length"], t["cache_row_offsets"])
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.is_cuda
+    ref = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets)
+    got = out.float().cpu().numpy()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_threads_compile_once():
+    """Eight threads ask for kernels at once, on their own streams: each family compiles once."""
+    import cupy as cp
+
+    from mla_cupy import jit
+
+    c = make_case([70, 3], [90, 3], 16, FP16, seed=17)
+    before = jit.compile_count()
+    errors = []
+
+    def work(i):
+        try:
+            with cp.cuda.Stream(non_blocking=True):
+                run_and_check(c, mask=SlidingWindowCausalMask(5 + i), out_dtype=np.float32)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert jit.compile_count() - before <= 1

@@ -1,0 +1,123 @@
+"""Every bad input is a clear TypeError/ValueError naming the argument, raised before any launch.
+Runs without a GPU: inputs are fake device arrays that never reach a kernel."""
+import numpy as np
+import pytest
+
+import mla_cupy
+from mla_cupy import CausalMask, PagedKVCache, SlidingWindowCausalMask
+from mla_cupy.validation import check_inputs
+
+from _cases import BF16, FP16, make_case
+from _fake import dev
+
+
+def base_args(sq=(5, 3), sk=(6, 3), heads=4, dtype=BF16):
+    c = make_case(list(sq), list(sk), heads=heads, dtype=dtype, seed=1)
+    return dict(q=dev(c.q), k=dev(c.k), v=dev(c.v), k_rope=dev(c.k_rope), valid_length=dev(c.valid_length),
+                cache_row_offsets=dev(c.cache_row_offsets))
+
+
+def call(**over):
+    a = base_args()
+    kw = {}
+    for name, val in over.items():
+        if name in a:
+            a[name] = val
+        else:
+            kw[name] = val
+    return mla_cupy.mla_prefill(a["q"], a["k"], a["v"], a["k_rope"], a["valid_length"], a["cache_row_offsets"], **kw)
+
+
+def test_valid_fake_inputs_pass_the_checks():
+    a = base_args()
+    p = check_inputs(*a.values(), scale=None, mask=None, q_max_seq_len=None, cache_offsets=None, q_start_pos=None,
+                     out=None, out_dtype=None, validate=True, device=True, read_offsets=True)
+    assert (p.batch, p.heads, p.tq, p.tk, p.max_sq) == (2, 4, 8, 9, 5)
+    assert p.out_dtype == BF16 and isinstance(p.mask, CausalMask)
+
+
+A = base_args()
+BAD = [
+    # (argument overrides, exception type, substrings the message must contain)
+    (dict(q=dev(np.ones((8, 4), BF16))), ValueError, ["q:", "3-D", "2-D"]),
+    (dict(q=dev(np.ones((8, 4, 128), BF16))), ValueError, ["q:", "192", "128"]),
+    (dict(q=dev(np.ones((8, 4, 192), np.float32))), TypeError, ["q:", "bfloat16 or float16", "float32"]),
+    (dict(k=dev(np.ones((9, 3, 128), BF16))), ValueError, ["k:", "H = 4", "[9, 3, 128]"]),
+    (dict(k=dev(np.ones((9, 4, 96), BF16))), ValueError, ["k:", "Dv = 128", "[9, 4, 96]"]),
+    (dict(v=dev(np.ones((9, 4, 128), FP16))), TypeError, ["v:", "bfloat16", "float16"]),
+    (dict(v=dev(np.ones((7, 4, 128), BF16))), ValueError, ["v:", "[7, 4, 128]"]),
+    (dict(k_rope=dev(np.ones((9, 4, 64), BF16))), ValueError, ["k_rope:", "[9, 1, 64]"]),
+    (dict(k_rope=dev(np.ones((9, 1, 64), FP16))), TypeError, ["k_rope:", "bfloat16", "float16"]),
+    (dict(q=A["q"].view(np.ndarray)), TypeError, ["q:", "NumPy", "cupy.asarray"]),
+    (dict(valid_length=np.array([0, 5, 8], np.uint32)), TypeError, ["valid_length:", "NumPy"]),
+    (dict(valid_length=dev(np.array([0, 5, 8], np.int64))), TypeError, ["valid_length:", "int32 or uint32", "int64"]),
+    (dict(cache_row_offsets=dev(np.array([0, 6], np.uint32))), ValueError, ["cache_row_offsets:", "3 entries", "got 2"]),
+    (dict(valid_length=dev(np.array([1, 5, 8], np.uint32))), ValueError, ["valid_length:", "starting at 0"]),
+    (dict(valid_length=dev(np.array([0, 6, 5], np.uint32))), ValueError, ["valid_length:", "non-decreasing"]),
+    (dict(valid_length=dev(np.array([0, 5, 9], np.uint32))), ValueError, ["valid_length:", "Tq", "9"]),
+    (dict(cache_row_offsets=dev(np.array([0, 6, 10], np.uint32))), ValueError, ["cache_row_offsets:", "<= Tk", "10"]),
+    (dict(cache_row_offsets=dev(np.array([0, 7, 6], np.uint32))), ValueError, ["cache_row_offsets:", "non-decreasing"]),
+    (dict(cache_offsets=dev(np.array([0], np.uint32))), ValueError, ["cache_offsets:", "2 entries"]),
+    (dict(cache_offsets=dev(np.array([0, -4], np.int32))), ValueError, ["cache_offsets:", "non-negative"]),
+    (dict(q_start_pos=dev(np.array([0, 1], np.float32))), TypeError, ["q_start_pos:", "int32 or int64"]),
+    (dict(mask="causal"), TypeError, ["mask:", "str"]),
+    (dict(scale=float("nan")), TypeError, ["scale:"]),
+    (dict(out_dtype=np.float16), TypeError, ["out_dtype:", "float32", "float16"]),
+    (dict(out=dev(np.ones((8, 4, 192), BF16))), ValueError, ["out:", "[8, 4, 128]"]),
+    (dict(out=dev(np.ones((8, 4, 128), np.float32)), out_dtype=BF16), TypeError, ["out:", "bfloat16", "float32"]),
+    (dict(q_max_seq_len=4), ValueError, ["q_max_seq_len:", "5 queries"]),
+    (dict(q_max_seq_len=-1), ValueError, ["q_max_seq_len:"]),
+    (dict(q=dev(np.ones((8, 4, 196), BF16))[:, :, :192]), ValueError, ["q:", "multiple of 16 bytes"]),
+    (dict(k=dev(np.ones((9, 4, 256), BF16))[:, :, ::2]), ValueError, ["k:", "contiguous"]),
+]
+
+
+@pytest.mark.parametrize("over,exc,words", BAD, ids=[f"{i}-{'-'.join(b[0])}" for i, b in enumerate(BAD)])
+def test_bad_input_is_named(over, exc, words):
+    with pytest.raises(exc) as info:
+        call(**over)
+    msg = str(info.value)
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+
+
+def test_mask_arguments_checked():
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        SlidingWindowCausalMask(0)
+    with pytest.raises(TypeError, match="window must be an int"):
+        SlidingWindowCausalMask(2.5)
+
+
+def _paged(blocks, lut, ps=16):
+    return PagedKVCache(dev(blocks), dev(lut), ps)
+
+
+def test_paged_cache_errors():
+    a = base_args()
+    blocks = np.ones((4, 16, 1, 576), BF16)
+    with pytest.raises(ValueError, match="page_size"):
+        PagedKVCache(dev(blocks), dev(np.zeros((2, 1), np.int32)), 24)
+    with pytest.raises(ValueError, match="rope_offset"):
+        PagedKVCache(dev(blocks), dev(np.zeros((2, 1), np.int32)), 16, rope_offset=500)
+    with pytest.raises(NotImplementedError, match="scales"):
+        PagedKVCache(dev(blocks), dev(np.zeros((2, 1), np.int32)), 16, scales=dev(np.ones((4, 16, 1, 9), np.float32)))
+    kw = dict(q=a["q"], k=a["k"], v=a["v"], valid_length=a["valid_length"], cache_row_offsets=a["cache_row_offsets"])
+    # block id out of range
+    with pytest.raises(ValueError, match=r"block id 7 at \[1, 0\] is outside \[0, 4\)"):
+        mla_cupy.mla_prefill(k_rope=_paged(blocks, np.array([[0], [7]], np.int32)), **kw)
+    # table too narrow for cache_offsets + Sk
+    with pytest.raises(ValueError, match="needs pages up to 1"):
+        mla_cupy.mla_prefill(k_rope=_paged(blocks, np.array([[0], [1]], np.int32)), cache_offsets=dev(np.array([0, 20], np.uint32)), **kw)
+    # wrong page_size vs blocks
+    with pytest.raises(ValueError, match="k_rope.blocks"):
+        mla_cupy.mla_prefill(k_rope=PagedKVCache(dev(blocks), dev(np.zeros((2, 1), np.int32)), 32), **kw)
+    with pytest.raises(ValueError, match="k_rope.lookup_table: expected 2 rows"):
+        mla_cupy.mla_prefill(k_rope=_paged(blocks, np.zeros((3, 1), np.int32)), **kw)
+    with pytest.raises(TypeError, match="k_rope.blocks: expected dtype bfloat16"):
+        mla_cupy.mla_prefill(k_rope=_paged(blocks.astype(np.float16), np.zeros((2, 1), np.int32)), **kw)
+
+
+def test_reference_validates_too():
+    c = make_case([3], [3], heads=2, dtype=np.float64)
+    with pytest.raises(ValueError, match="valid_length: the last offset must equal"):
+        mla_cupy.reference.mla_prefill(c.q, c.k, c.v, c.k_rope, np.array([0, 2], np.uint32), c.cache_row_offsets)
