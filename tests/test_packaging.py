@@ -1,0 +1,56 @@
+"""The wheel carries the kernel sources; installed into a fresh venv, it compiles a kernel from
+its own copy (NVRTC, no GPU needed) and exposes the mla-cupy command."""
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    pytest.importorskip("hatchling")
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+                   check=True)
+    (whl,) = out.glob("mla_cupy-*.whl")
+    return whl
+
+
+def test_wheel_contents(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    kernels = sorted(Path(n).name for n in names if n.startswith("mla_cupy/kernels/"))
+    assert set(kernels) == {p.name for p in (ROOT / "kernels").iterdir() if p.suffix in (".cu", ".cuh")}
+    assert "cli.py" in names and "mla_cupy/__init__.py" in names
+    assert not any(n.startswith("tests/") for n in names)
+
+
+def test_installed_wheel_compiles_from_its_own_kernels(wheel, tmp_path):
+    """Install the wheel alone into a fresh prefix (pip --target) that shadows any other copy, run
+    from a directory outside the checkout, and compile a kernel from the installed sources."""
+    pytest.importorskip("cupy")
+    import os
+
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
+                    str(wheel)], check=True)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    script = (
+        "import mla_cupy, mla_cupy.jit as j, mla_cupy._registry as r\n"
+        "from mla_cupy.masks import CausalMask\n"
+        "from mla_cupy._arrays import BF16\n"
+        f"assert str(j.KERNEL_DIR).startswith({str(target)!r}), j.KERNEL_DIR\n"
+        "f, names = r.prefill_sm80(BF16, CausalMask())\n"
+        "print(len(j.compile_offline(f, names[:1], 'sm_90a')), j.KERNEL_DIR)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    size, kdir = res.stdout.split()
+    assert int(size) > 1000 and kdir.endswith("mla_cupy/kernels")
+    res = subprocess.run([sys.executable, str(target / "bin" / "mla-cupy"), "smoke", "--cpu"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "no GPU: ran the float64 reference only" in res.stdout
