@@ -1,0 +1,61 @@
+"""Property-based GPU test: random ragged batches, masks, windows, heads, dtypes, strides and rope
+sources against the float64 reference, with NaN-poisoned outputs (pytest -m gpu)."""
+import warnings
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, PagedKVCache, SlidingWindowCausalMask
+
+from _cases import BF16, FP16, make_case
+from gpu_util import run_and_check
+from test_gpu_paged_merge import build_paged
+
+pytestmark = pytest.mark.gpu
+
+# lengths: 0, 1, and values around every tile size (64 keys, 128 query rows)
+LENGTHS = st.one_of(st.sampled_from([0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 257]), st.integers(0, 300))
+MASK = st.one_of(
+    st.just(NullMask()), st.just(CausalMask()),
+    st.builds(SlidingWindowCausalMask, st.integers(1, 300)),
+    st.builds(ChunkedMask, st.integers(1, 300)),
+    st.builds(ChunkedCausalMask, st.integers(1, 300)),
+)
+RAN = []
+
+
+@st.composite
+def problems(draw):
+    b = draw(st.integers(0, 12))
+    heads = draw(st.sampled_from([1, 16, 128])) if b <= 3 else draw(st.sampled_from([1, 16]))
+    sq = [draw(LENGTHS) for _ in range(b)]
+    prefix = [draw(st.sampled_from([0, 0, 1, 37, 200])) for _ in range(b)]
+    sk = [max(0, s + p - draw(st.sampled_from([0, 0, 5]))) for s, p in zip(sq, prefix)]
+    co = [draw(st.integers(0, 1000)) for _ in range(b)] if draw(st.booleans()) else None
+    qs = [draw(st.integers(-300, 1500)) for _ in range(b)] if draw(st.booleans()) else None
+    return dict(sq=sq, sk=sk, heads=heads, co=co, qs=qs, mask=draw(MASK), dtype=draw(st.sampled_from([BF16, FP16])),
+                out_f32=draw(st.booleans()), paged=draw(st.sampled_from([None, 16, 64, 512])), seed=draw(st.integers(0, 2**31)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(problems())
+def test_fuzz_against_reference(p):
+    import cupy as cp
+
+    c = make_case(p["sq"], p["sk"], p["heads"], p["dtype"], seed=p["seed"], cache_offsets=p["co"], q_start_pos=p["qs"])
+    kw = {}
+    if p["paged"] and len(p["sq"]):
+        blocks, lut = build_paged(c, p["paged"], seed=p["seed"] % 1000)
+        kw = dict(k_rope=PagedKVCache(cp.asarray(blocks), cp.asarray(lut), p["paged"]),
+                  ref_k_rope=PagedKVCache(blocks, lut, p["paged"]))
+    run_and_check(c, mask=p["mask"], out_dtype=np.float32 if p["out_f32"] else None, **kw)
+    RAN.append(1)
+
+
+def test_fuzz_report():
+    warnings.warn(UserWarning(f"fuzz: {len(RAN)} random cases ran against the reference"))
+    assert len(RAN) >= 1
