@@ -22,13 +22,18 @@ FP32 = np.dtype(np.float32)
 __all__ = ["BF16", "FP16", "FP32", "FP8_E4M3", "cupy_or_none", "as_device", "is_torch", "result_wrapper", "to_host"]
 
 
+_CUPY = []  # memo: [module or None]
+
+
 def cupy_or_none():
     """The ``cupy`` module, or ``None`` when it is not installed (the reference needs only NumPy)."""
-    try:
-        import cupy
-    except ImportError:
-        return None
-    return cupy
+    if not _CUPY:
+        try:
+            import cupy
+        except ImportError:
+            cupy = None
+        _CUPY.append(cupy)
+    return _CUPY[0]
 
 
 def is_torch(x: Any) -> bool:

@@ -6,6 +6,7 @@ for vector loads) and the NumPy reference (``device=False``: any float dtype, an
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
@@ -47,7 +48,7 @@ def check_array(x: Any, name: str, ndim: int, dtypes: Optional[Sequence[np.dtype
 
 def check_layout(x: Any, name: str) -> None:
     """Last dimension contiguous, other strides and the base address multiples of 16 bytes."""
-    if int(np.prod(x.shape)) == 0:
+    if math.prod(x.shape) == 0:
         return
     item = _dt(x).itemsize
     strides = tuple(int(s) for s in x.strides)
