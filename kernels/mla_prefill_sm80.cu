@@ -11,6 +11,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "rope_source.cuh"
+#include "softmax.cuh"
 #include "tile_scheduler.cuh"
 
 namespace mla {
@@ -48,12 +49,6 @@ constexpr int kPvSteps = kBlockN / 16;       // 4 k-steps of 16 keys for O += P 
 static_assert(kBlockM * kQkChunks % kThreads == 0, "Q tile copy must divide evenly");
 static_assert(kBlockN * kNopeChunks % kThreads == 0, "K/V tile copy must divide evenly");
 static_assert(kBlockN * kRopeChunks == 2 * kThreads, "rope copy: two chunks per thread");
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 template <typename T, typename OutT, typename Mask, bool kPaged>
 __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
@@ -136,8 +131,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   float o[kOTiles][4];
 #pragma unroll
   for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float row_max[2] = {neg_inf(), neg_inf()};  // rows g and g + 8 of the warp, log2 domain
-  float row_sum[2] = {0.f, 0.f};              // this lane's partial sums; quad-reduced at the end
+  OnlineSoftmax sm;                           // rows g and g + 8 of the warp
+  sm.init();
   u32 qf[kQkSteps][4];                        // Q fragments, loaded once
 
   bool bad_cur = false, bad_next = false;
@@ -189,58 +184,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         }
       }
 
-      // Mask: fragment element e of n-tile nt is row g + 8 * (e / 2), key nt * 8 + 2 * (lane % 4) + e % 2.
       const bool full = !tile_bad && n0 + kBlockN <= n_end &&
                         mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
-      if (!full) {
-#pragma unroll
-        for (int nt = 0; nt < kSTiles; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = nt * 8 + 2 * (lane & 3) + (e & 1);
-            const int row = wr0 + (lane >> 2) + 8 * (e >> 1);
-            bool vis = n0 + col < n_end && mask.visible(w.q_pos0 + row, w.k_pos0 + n0 + col);
-            if (kPaged && tile_bad) vis = vis && key_ok[stage * kBlockN + col];
-            if (!vis) s[nt][e] = neg_inf();
-          }
-        }
-      }
-
-      // Online softmax (log2 domain). A row with nothing visible yet keeps max = -inf and uses 0
-      // as its reference, so exp2(-inf) = 0 and no NaN appears.
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = row_max[r];
-#pragma unroll
-        for (int nt = 0; nt < kSTiles; ++nt)
-          mx = fmaxf(mx, fmaxf(s[nt][2 * r] * scale_log2, s[nt][2 * r + 1] * scale_log2));
-        mx = quad_max(mx);
-        const float ref = mx == neg_inf() ? 0.f : mx;
-        const float corr = fast_exp2(row_max[r] - ref);
-        row_max[r] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kSTiles; ++nt) {
-#pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -ref));
-            sum += s[nt][e];
-          }
-        }
-        row_sum[r] = row_sum[r] * corr + sum;
-#pragma unroll
-        for (int dt = 0; dt < kOTiles; ++dt) {
-          o[dt][2 * r] *= corr;
-          o[dt][2 * r + 1] *= corr;
-        }
-      }
+      if (!full)
+        apply_mask(s, mask, w, wr0 + (lane >> 2), n0, n_end, kPaged && tile_bad ? key_ok + stage * kBlockN : nullptr);
+      sm.update(s, o, scale_log2);
 
       // O += P V: the S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
 #pragma unroll
       for (int kk = 0; kk < kPvSteps; ++kk) {
-        const u32 pa[4] = {Elem<T>::pack(s[2 * kk][0], s[2 * kk][1]), Elem<T>::pack(s[2 * kk][2], s[2 * kk][3]),
-                           Elem<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                           Elem<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        u32 pa[4];
+        pack_p<T>(s, kk, pa);
 #pragma unroll
         for (int dp = 0; dp < kOTiles / 2; ++dp) {
           // matrices (transposed): keys kk*16+{0..7, 8..15, 0..7, 8..15} x chunks dp*2+{0,0,1,1}
@@ -255,21 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   }
 
   // ---- epilogue: normalize, write rows that exist; rows with no visible key get 0 and lse -inf ----
-  constexpr float kLn2 = 0.6931471805599453f;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(row_sum[r]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int row = wr0 + (lane >> 2) + 8 * r;
-    if (row < w.sq) {
-      const i64 grow = w.q_row0 + row;
-      OutT* op = out + grow * o_st + w.h * o_sh + 2 * (lane & 3);
-#pragma unroll
-      for (int dt = 0; dt < kOTiles; ++dt) store2<OutT>(op + dt * 8, o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
-      if (lse != nullptr && (lane & 3) == 0)
-        lse[grow * lse_st + w.h] = l > 0.f ? row_max[r] * kLn2 + logf(l) : neg_inf();
-    }
-  }
+  store_rows<OutT>(o, sm, w, wr0 + (lane >> 2), out, o_st, o_sh, lse, lse_st);
 }
 
 }  // namespace sm80

@@ -16,9 +16,11 @@ from .masks import MASKS, Mask
 CPP_TYPE: Dict[np.dtype, str] = {BF16: "__nv_bfloat16", FP16: "__half", FP32: "float"}
 
 #: Architectures CI compiles each family for.
-TARGET_ARCHS = {"mla_prefill_sm80.cu": ("sm_80", "sm_90a"), "merge_states.cu": ("sm_80", "sm_90a")}
+TARGET_ARCHS = {"mla_prefill_sm80.cu": ("sm_80", "sm_90a"), "mla_prefill_sm90.cu": ("sm_90a",),
+                "merge_states.cu": ("sm_80", "sm_90a")}
 
 PREFILL_SM80 = ("mla_prefill_sm80.cu", "mla::sm80::mla_prefill_kernel")
+PREFILL_SM90 = ("mla_prefill_sm90.cu", "mla::sm90::mla_prefill_kernel")
 MERGE = ("merge_states.cu", "mla::merge_states_kernel")
 
 Family = Tuple[str, Tuple[str, ...]]
@@ -38,6 +40,16 @@ def prefill_sm80_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: b
     return f"{PREFILL_SM80[1]}<{t}, {o}, {mask.cpp_name}, {'true' if paged else 'false'}>"
 
 
+def prefill_sm90(dtype: np.dtype, mask: Mask) -> Family:
+    """Hopper family for (dtype, mask): output in the input dtype or float32 (plain rope only)."""
+    t = CPP_TYPE[np.dtype(dtype)]
+    return PREFILL_SM90[0], tuple(f"{PREFILL_SM90[1]}<{t}, {o}, {mask.cpp_name}>" for o in (t, "float"))
+
+
+def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask) -> str:
+    return f"{PREFILL_SM90[1]}<{CPP_TYPE[np.dtype(dtype)]}, {CPP_TYPE[np.dtype(out_dtype)]}, {mask.cpp_name}>"
+
+
 def merge_family() -> Family:
     """merge_states over partial outputs of any 16-bit or float32 dtype (into a float32 or same-dtype result)."""
     names = tuple(f"{MERGE[1]}<{a}, {o}>" for a in ("float", "__nv_bfloat16", "__half") for o in ("float", "__nv_bfloat16", "__half"))
@@ -51,5 +63,6 @@ def merge_name(in_dtype: np.dtype, out_dtype: np.dtype) -> str:
 def all_families() -> List[Tuple[str, Family]]:
     """(arch, family) for every module CI must compile."""
     fams: List[Family] = [prefill_sm80(d, m) for d in (BF16, FP16) for m in MASKS]
+    fams += [prefill_sm90(d, m) for d in (BF16, FP16) for m in MASKS]
     fams.append(merge_family())
     return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]

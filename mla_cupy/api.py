@@ -1,6 +1,7 @@
 """``mla_prefill``: the public entry point, its launch, and the small device helpers around it."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional, Tuple, Union
 
@@ -11,7 +12,7 @@ from ._arrays import FP32, as_device, device_pointer, is_torch, optional_ptr, re
 from .jit import get_function
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
-from .validation import DV, Problem, check_inputs
+from .validation import DQK, DR, DV, Problem, check_inputs
 
 __all__ = ["mla_prefill"]
 
@@ -44,10 +45,71 @@ def _rope_args(k_rope, dtype) -> Tuple[int, int, int, int, int, int, int, int]:
     return (device_pointer(k_rope), int(k_rope.strides[0]) // item, 0, 0, 0, 0, 0, 0)
 
 
+KERNELS = ("auto", "sm80", "sm90")
+SM90_THREADS = 384  # kernels/mla_prefill_sm90.cu: kThreads
+SM90_SMEM_BYTES = 128 * 384 + 2 * (128 * 384 + 128 * 256) + 128 + 1024  # its kSmemBytes
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_id: int) -> str:
+    import cupy
+
+    return cupy.cuda.Device(device_id).compute_capability
+
+
+def choose_kernel(kernel: str, paged: bool) -> str:
+    """``'sm90'`` (the Hopper TMA + wgmma kernel) on compute capability 9.0 for a plain k_rope,
+    else ``'sm80'`` (the portable mma.sync kernel). ``kernel`` forces one."""
+    import cupy
+
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    hopper = _capability(cupy.cuda.Device().id) == "90"
+    if kernel == "sm90":
+        if not hopper:
+            raise ValueError(f"kernel: 'sm90' needs a compute capability 9.0 GPU, this one is {_capability(cupy.cuda.Device().id)}")
+        if paged:
+            raise ValueError("kernel: 'sm90' does not read a PagedKVCache yet; use kernel='auto' or 'sm80'")
+        return "sm90"
+    if kernel == "sm80":
+        return "sm80"
+    return "sm90" if hopper and not paged else "sm80"
+
+
+def _stride16(x, dim: int) -> int:
+    """Byte stride of ``dim`` for a tensor map (a size-1 dimension's stride is arbitrary: use 16)."""
+    st = int(x.strides[dim])
+    return st if x.shape[dim] > 1 and st % 16 == 0 else 16
+
+
+def _launch_sm90(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr,
+                 q_start_ptr, stream, nmb: int) -> None:
+    from .tma import encode_tiled
+
+    tm_q = encode_tiled(device_pointer(q), p.dtype, (DQK, p.heads, p.tq), (_stride16(q, 1), _stride16(q, 0)), (64, 1, 128))
+    tm_k = encode_tiled(device_pointer(k), p.dtype, (DV, p.heads, p.tk), (_stride16(k, 1), _stride16(k, 0)), (64, 1, 128))
+    tm_v = encode_tiled(device_pointer(v), p.dtype, (DV, p.heads, p.tk), (_stride16(v, 1), _stride16(v, 0)), (64, 1, 128))
+    tm_r = encode_tiled(device_pointer(k_rope), p.dtype, (DR, p.tk), (_stride16(k_rope, 0),), (64, 128))
+    fn = get_function(*reg.prefill_sm90(p.dtype, p.mask), reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask))
+    if fn.max_dynamic_shared_size_bytes < SM90_SMEM_BYTES:
+        fn.max_dynamic_shared_size_bytes = SM90_SMEM_BYTES
+    oitem = p.out_dtype.itemsize
+    i64 = np.int64
+    args = (tm_q, tm_k, tm_v, tm_r, device_pointer(out), optional_ptr(lse), q_offsets_ptr, kv_begin_ptr, kv_end_ptr,
+            cache_offsets_ptr, q_start_ptr, i64(out.strides[0] // oitem), i64(out.strides[1] // oitem), i64(p.heads),
+            np.int32(p.heads), np.int32(p.batch), np.int32(nmb), np.float32(p.scale * LOG2E), i64(p.mask.arg))
+    with stream:
+        fn((nmb * p.batch * p.heads,), (SM90_THREADS,), args, shared_mem=SM90_SMEM_BYTES)
+
+
 def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv_begin_ptr: int, kv_end_ptr: int,
-                   cache_offsets_ptr: int, q_start_ptr: int, stream) -> None:
-    """Launch the portable kernel over a checked problem (no checks here; pointers are raw)."""
+                   cache_offsets_ptr: int, q_start_ptr: int, stream, kernel: str = "auto") -> None:
+    """Launch a prefill kernel over a checked problem (no checks here; pointers are raw)."""
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
+        return
+    if choose_kernel(kernel, p.paged) == "sm90":
+        _launch_sm90(p, q, k, v, k_rope, out, lse, q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr,
+                     q_start_ptr, stream, -(-p.max_sq // BLOCK_M))
         return
     name = reg.prefill_sm80_name(p.dtype, p.out_dtype, p.mask, p.paged)
     fn = get_function(*reg.prefill_sm80(p.dtype, p.mask), name)
@@ -83,7 +145,7 @@ def mla_prefill(
     q, k, v, k_rope: Union[Any, PagedKVCache], valid_length, cache_row_offsets, *,
     scale: Optional[float] = None, mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
     cache_offsets=None, q_start_pos=None, out=None, out_dtype=None, return_lse: bool = False,
-    stream=None, validate: bool = True,
+    stream=None, validate: bool = True, kernel: str = "auto",
 ):
     """Multi-head Latent Attention prefill over a ragged batch (MAX's ``flare_mla_prefill``).
 
@@ -125,6 +187,9 @@ def mla_prefill(
         Default: CuPy's current stream, or torch's current stream for torch inputs.
     validate : bool
         Check offset values and paged block ids on the host (one small device-to-host copy).
+    kernel : {"auto", "sm80", "sm90"}
+        ``"auto"`` runs the Hopper TMA + wgmma kernel on compute capability 9.0 (plain k_rope) and
+        the portable mma.sync kernel elsewhere; the others force one.
 
     Returns
     -------
@@ -160,5 +225,5 @@ def mla_prefill(
         q_start_pos = _q_start_i64(q_start_pos)
     cro_ptr = device_pointer(cache_row_offsets)
     launch_prefill(p, q, k, v, k_rope, out, lse, device_pointer(valid_length), cro_ptr, cro_ptr + 4,
-                   optional_ptr(cache_offsets), optional_ptr(q_start_pos), s)
+                   optional_ptr(cache_offsets), optional_ptr(q_start_pos), s, kernel)
     return (wrap(out), wrap(lse)) if return_lse else wrap(out)

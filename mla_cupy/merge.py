@@ -82,7 +82,7 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=N
 def mla_prefill_chunked(
     q, k, v, k_rope, valid_length, cache_row_offsets, *, chunk_size: int, scale: Optional[float] = None,
     mask: Optional[Mask] = None, cache_offsets=None, q_start_pos=None, out=None, out_dtype=None,
-    return_lse: bool = False, stream=None, validate: bool = True,
+    return_lse: bool = False, stream=None, validate: bool = True, kernel: str = "auto",
 ):
     """``mla_prefill`` over each sequence's keys in chunks of ``chunk_size``, merged exactly.
 
@@ -134,7 +134,7 @@ def mla_prefill_chunked(
             chunk_co = (k_pos0 + cp.minimum(sk, c0)).astype(cp.uint32)
         target, target_lse = (acc, acc_lse) if first else (part, part_lse)
         launch_prefill(part_p, q, k, v, k_rope, target, target_lse, device_pointer(vl), device_pointer(begin),
-                       device_pointer(end), device_pointer(chunk_co), device_pointer(q_pos0), s)
+                       device_pointer(end), device_pointer(chunk_co), device_pointer(q_pos0), s, kernel)
         if not first:
             merge_states(acc, acc_lse, part, part_lse, out=acc, lse_out=acc_lse, stream=s)
         first = False

@@ -31,7 +31,8 @@ def run_and_check(case, mask=None, out_dtype=None, tol=1e-2, k_rope=None, ref_k_
     got_h = cp.asnumpy(got).astype(np.float64)
     ref, ref_lse = reference.mla_prefill(case.q, case.k, case.v, case.k_rope if ref_k_rope is None else ref_k_rope,
                                          case.valid_length, case.cache_row_offsets, mask=mask, scale=kw.get("scale"),
-                                         cache_offsets=case.cache_offsets, q_start_pos=case.q_start_pos, return_lse=True)
+                                         cache_offsets=case.cache_offsets, q_start_pos=case.q_start_pos, return_lse=True,
+                                         validate=kw.get("validate", True))
     assert not np.isnan(got_h).any(), f"{np.isnan(got_h).sum()} output elements unwritten or NaN"
     empty_rows = np.isneginf(ref_lse)
     assert np.all(got_h[empty_rows] == 0), "rows with no visible key must be exactly 0"

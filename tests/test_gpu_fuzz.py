@@ -38,10 +38,11 @@ def problems(draw):
     co = [draw(st.integers(0, 1000)) for _ in range(b)] if draw(st.booleans()) else None
     qs = [draw(st.integers(-300, 1500)) for _ in range(b)] if draw(st.booleans()) else None
     return dict(sq=sq, sk=sk, heads=heads, co=co, qs=qs, mask=draw(MASK), dtype=draw(st.sampled_from([BF16, FP16])),
-                out_f32=draw(st.booleans()), paged=draw(st.sampled_from([None, 16, 64, 512])), seed=draw(st.integers(0, 2**31)))
+                out_f32=draw(st.booleans()), paged=draw(st.sampled_from([None, 16, 64, 512])), seed=draw(st.integers(0, 2**31)),
+                kernel=draw(st.sampled_from(["auto", "sm80"])))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(problems())
 def test_fuzz_against_reference(p):
     import cupy as cp
@@ -52,7 +53,7 @@ def test_fuzz_against_reference(p):
         blocks, lut = build_paged(c, p["paged"], seed=p["seed"] % 1000)
         kw = dict(k_rope=PagedKVCache(cp.asarray(blocks), cp.asarray(lut), p["paged"]),
                   ref_k_rope=PagedKVCache(blocks, lut, p["paged"]))
-    run_and_check(c, mask=p["mask"], out_dtype=np.float32 if p["out_f32"] else None, **kw)
+    run_and_check(c, mask=p["mask"], out_dtype=np.float32 if p["out_f32"] else None, kernel=p["kernel"], **kw)
     RAN.append(1)
 
 

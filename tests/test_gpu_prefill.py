@@ -13,6 +13,20 @@ from gpu_util import run_and_check, upload
 
 pytestmark = pytest.mark.gpu
 
+
+def _kernels():
+    """Every kernel this GPU runs: the portable one always, the Hopper one on compute capability 9.0."""
+    try:
+        import cupy
+
+        return ["sm80", "sm90"] if cupy.cuda.Device().compute_capability == "90" else ["sm80"]
+    except Exception:
+        return ["sm80"]
+
+
+KERNELS = _kernels()
+kernels = pytest.mark.parametrize("kernel", KERNELS)
+
 MASKS = [NullMask(), CausalMask(), SlidingWindowCausalMask(37), ChunkedMask(50), ChunkedCausalMask(50)]
 ODD_SQ = [1, 7, 63, 65, 129, 0, 200]
 ODD_SK = [1, 7, 63, 65, 129, 5, 300]
@@ -21,49 +35,56 @@ ODD_SK = [1, 7, 63, 65, 129, 5, 300]
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_every_mask_dtype_heads(mask, dtype, heads):
+@kernels
+def test_every_mask_dtype_heads(mask, dtype, heads, kernel):
     c = make_case(ODD_SQ, ODD_SK, heads, dtype, seed=heads + len(type(mask).__name__))
-    run_and_check(c, mask=mask)
+    run_and_check(c, mask=mask, kernel=kernel)
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
-def test_prefix_context_and_cache_offsets(mask):
+@kernels
+def test_prefix_context_and_cache_offsets(mask, kernel):
     # Sk > Sq with nonzero cache offsets: queries aligned to the end of the keys.
     c = make_case([65, 100, 1, 33], [300, 1000, 129, 33], 16, BF16, seed=7, cache_offsets=[0, 77, 1000, 5])
-    run_and_check(c, mask=mask)
+    run_and_check(c, mask=mask, kernel=kernel)
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
-def test_explicit_query_positions(mask):
+@kernels
+def test_explicit_query_positions(mask, kernel):
     # q_start_pos overrides the end alignment; negative positions see nothing under causal masks.
     c = make_case([64, 50, 20], [128, 40, 20], 16, FP16, seed=8, cache_offsets=[100, 0, 3], q_start_pos=[150, -30, -7])
-    run_and_check(c, mask=mask)
+    run_and_check(c, mask=mask, kernel=kernel)
 
 
-def test_more_queries_than_keys():
+@kernels
+def test_more_queries_than_keys(kernel):
     c = make_case([129, 70], [63, 1], 16, BF16, seed=9)
-    run_and_check(c, mask=CausalMask())
+    run_and_check(c, mask=CausalMask(), kernel=kernel)
 
 
-def test_long_odd_sequence_1000():
+@kernels
+def test_long_odd_sequence_1000(kernel):
     c = make_case([1000], [1000], 16, BF16, seed=10)
-    run_and_check(c)
+    run_and_check(c, kernel=kernel)
 
 
-def test_batch_zero_and_all_empty():
+@kernels
+def test_batch_zero_and_all_empty(kernel):
     import cupy as cp
 
     c = make_case([], [], 16, BF16)
     d = upload(c)
-    out = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"])
+    out = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"], kernel=kernel)
     assert out.shape == (0, 16, 128)
     c = make_case([0, 0], [5, 0], 16, BF16, seed=2)
-    run_and_check(c)
+    run_and_check(c, kernel=kernel)
 
 
-def test_float32_output_and_default_allocation():
+@kernels
+def test_float32_output_and_default_allocation(kernel):
     c = make_case([65, 7], [129, 7], 16, BF16, seed=11)
-    run_and_check(c, out_dtype=np.float32)
+    run_and_check(c, out_dtype=np.float32, kernel=kernel)
     d = upload(c)
     out = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
                                out_dtype=np.float32)
@@ -72,7 +93,8 @@ def test_float32_output_and_default_allocation():
     assert np.linalg.norm(out.get() - ref) / np.linalg.norm(ref) < 1e-2
 
 
-def test_strided_rope_view_of_latent_rows():
+@kernels
+def test_strided_rope_view_of_latent_rows(kernel):
     """k_rope as latent[:, :, 512:576] (576-wide rows), read in place without a copy."""
     import cupy as cp
 
@@ -81,10 +103,11 @@ def test_strided_rope_view_of_latent_rows():
     latent[:, :, 512:576] = cp.asarray(c.k_rope)
     view = latent[:, :, 512:576]
     assert not view.flags.c_contiguous
-    run_and_check(c, k_rope=view)
+    run_and_check(c, k_rope=view, kernel=kernel)
 
 
-def test_strided_q_and_out():
+@kernels
+def test_strided_q_and_out(kernel):
     """q as a head-slice of a wider buffer and out as a strided view: both used in place."""
     import cupy as cp
 
@@ -95,32 +118,34 @@ def test_strided_q_and_out():
     qv = big[:, 2:18]
     outbuf = cp.full((64, 16, 256), np.nan, dtype=BF16)
     ov = outbuf[:, :, 64:192]
-    mla_cupy.mla_prefill(qv, d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"], out=ov)
+    mla_cupy.mla_prefill(qv, d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"], out=ov, kernel=kernel)
     ref = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets)
     got = ov.get().astype(np.float64)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2
     assert np.isnan(outbuf[:, :, :64].get().astype(np.float32)).all()  # nothing written outside the view
 
 
-def test_int32_offsets_and_scale():
+@kernels
+def test_int32_offsets_and_scale(kernel):
     c = make_case([50, 17], [80, 17], 16, FP16, seed=14, offset_dtype=np.int32)
-    run_and_check(c, scale=0.3)
+    run_and_check(c, scale=0.3, kernel=kernel)
 
 
-def test_q_max_seq_len_and_graph_capture():
+@kernels
+def test_q_max_seq_len_and_graph_capture(kernel):
     import cupy as cp
 
     c = make_case([100, 300, 5], [100, 400, 5], 16, BF16, seed=15)
     d = upload(c)
     out = cp.full((c.q.shape[0], 16, 128), np.nan, dtype=BF16)
     args = (d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"])
-    eager = mla_cupy.mla_prefill(*args, q_max_seq_len=300).get()
+    eager = mla_cupy.mla_prefill(*args, q_max_seq_len=300, kernel=kernel).get()
     s = cp.cuda.Stream(non_blocking=True)
-    mla_cupy.mla_prefill(*args, q_max_seq_len=300, validate=False, out=out, stream=s)  # compile outside capture
+    mla_cupy.mla_prefill(*args, q_max_seq_len=300, validate=False, out=out, stream=s, kernel=kernel)  # compile outside capture
     out.fill(np.nan)
     with s:
         s.begin_capture()
-        mla_cupy.mla_prefill(*args, q_max_seq_len=300, validate=False, out=out, stream=s)
+        mla_cupy.mla_prefill(*args, q_max_seq_len=300, validate=False, out=out, stream=s, kernel=kernel)
         g = s.end_capture()
     g.launch(s)
     s.synchronize()
@@ -163,3 +188,35 @@ def test_threads_compile_once():
         t.join()
     assert not errors, errors
     assert jit.compile_count() - before <= 1
+
+
+@kernels
+def test_nan_in_one_sequence_stays_there(kernel):
+    """NaN in sequence 0's q, k and v never reaches sequence 1 (tiles past a sequence's end are
+    masked and their V rows zeroed, never mixed in)."""
+    import cupy as cp
+
+    c = make_case([100, 70], [130, 70], 16, BF16, seed=40)
+    for a in (c.q, c.k, c.v):
+        a[:40] = np.nan
+    d = upload(c)
+    out = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                               mask=NullMask(), kernel=kernel).get().astype(np.float64)
+    c1 = make_case([70], [70], 16, BF16, seed=0)
+    c1.q, c1.k, c1.v, c1.k_rope = c.q[100:], c.k[130:], c.v[130:], c.k_rope[130:]
+    ref = reference.mla_prefill(c1.q, c1.k, c1.v, c1.k_rope, c1.valid_length, c1.cache_row_offsets, mask=NullMask())
+    assert np.isfinite(out[100:]).all()
+    assert np.linalg.norm(out[100:] - ref) / np.linalg.norm(ref) < 1e-2
+    assert np.isnan(out[:100]).any()  # within sequence 0, NaN keys reach every row (documented)
+
+
+def test_auto_picks_the_hopper_kernel_on_hopper():
+    import cupy as cp
+
+    from mla_cupy.api import choose_kernel
+
+    want = "sm90" if cp.cuda.Device().compute_capability == "90" else "sm80"
+    assert choose_kernel("auto", paged=False) == want
+    assert choose_kernel("auto", paged=True) == "sm80"
+    with pytest.raises(ValueError, match="kernel: expected one of"):
+        choose_kernel("fast", paged=False)

@@ -1,0 +1,198 @@
+// Hopper MLA prefill kernel (sm_90a): warp-specialized, TMA + wgmma, FlashAttention-3 style.
+//
+//   * One CTA = 128 query rows of one head of one sequence; 3 warpgroups:
+//       WG0, the producer: one thread issues TMA copies of Q once and of each K/V tile into a
+//           2-stage shared-memory ring guarded by mbarriers (setmaxnreg: 24 registers);
+//       WG1, WG2, the consumers: 64 query rows each; S = Q K^T with wgmma (both operands in shared
+//           memory), online softmax in registers, O += P V with wgmma (P from registers, V read
+//           transposed from shared memory) (setmaxnreg: 240 registers).
+//   * A K tile is 128 keys x 192: two 64-wide column blocks of the head's nope part from k, then
+//     the 64 rope values every head shares, copied from k_rope by their own tensor map. Nothing
+//     materializes [Tk, H, 192].
+//   * Tiles are 64-element column blocks with the 128-byte swizzle (what TMA writes; see sm90.cuh).
+//   * Key tiles a mask removes entirely are never loaded; fully visible tiles skip the predicate.
+//   * Keys past a sequence's end arrive from TMA (the neighbour's rows or zero-filled past Tk): their
+//     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
+//     before P V, so a neighbour's NaN can never reach this sequence.
+#include "common.cuh"
+#include "mask.cuh"
+#include "sm90.cuh"
+#include "softmax.cuh"
+#include "tile_scheduler.cuh"
+
+namespace mla {
+namespace sm90 {
+
+constexpr int kDv = 128;
+constexpr int kDqk = 192;
+constexpr int kBlockM = 128;                       // query rows per CTA
+constexpr int kBlockN = 128;                       // keys per tile
+constexpr int kStages = 2;
+constexpr int kConsumers = 2;                      // consumer warpgroups
+constexpr int kThreads = 128 * (1 + kConsumers);   // 384
+constexpr int kConsumerThreads = 128 * kConsumers;
+constexpr int kWgRows = kBlockM / kConsumers;      // 64 = one wgmma M
+
+constexpr int kColBlock = 64;                      // elements per 128-byte swizzled column block
+constexpr int kQColBytes = kBlockM * 128;          // one column block of Q: 16 KiB
+constexpr int kKColBytes = kBlockN * 128;          // one column block of K or V: 16 KiB
+constexpr int kQBytes = (kDqk / kColBlock) * kQColBytes;  // 48 KiB
+constexpr int kKBytes = (kDqk / kColBlock) * kKColBytes;  // 48 KiB: nope 0..63, nope 64..127, rope
+constexpr int kVBytes = (kDv / kColBlock) * kKColBytes;   // 32 KiB
+constexpr int kStageBytes = kKBytes + kVBytes;
+constexpr int kBarOffset = kQBytes + kStages * kStageBytes;
+constexpr int kSmemBytes = kBarOffset + 128 + 1024;      // barriers, and slack to align the base to 1 KiB
+
+constexpr int kQkSteps = kDqk / 16;                // 12 wgmma k-steps for S
+constexpr int kPvSteps = kBlockN / 16;             // 8 wgmma k-steps for O
+constexpr int kSTiles = kBlockN / 8;               // 16
+constexpr int kOTiles = kDv / 8;                   // 16
+
+template <typename T, typename OutT, typename Mask>
+__global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
+    const __grid_constant__ TensorMap tm_q, const __grid_constant__ TensorMap tm_k,
+    const __grid_constant__ TensorMap tm_v, const __grid_constant__ TensorMap tm_rope,
+    OutT* __restrict__ out, float* __restrict__ lse,
+    const u32* __restrict__ q_offsets, const u32* __restrict__ kv_begin, const u32* __restrict__ kv_end,
+    const u32* __restrict__ cache_offsets, const i64* __restrict__ q_start_pos,
+    i64 o_st, i64 o_sh, i64 lse_st, int num_heads, int batch, int num_m_blocks, float scale_log2, i64 mask_arg) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const SeqOffsets so{q_offsets, kv_begin, kv_end, cache_offsets, q_start_pos};
+  WorkTile w;
+  if (!decode_work_tile(so, num_heads, batch, num_m_blocks, kBlockM, w)) return;
+  const Mask mask{mask_arg};
+  const int m0 = w.m_block * kBlockM;
+  const int rows = min(kBlockM, w.sq - m0);
+  int n_begin, n_end;
+  visible_key_span(mask, w, w.q_pos0 + m0, w.q_pos0 + m0 + rows - 1, n_begin, n_end);
+  const int num_tiles = (n_end - n_begin + kBlockN - 1) / kBlockN;
+
+  // Shared memory: [Q][K0 V0][K1 V1][barriers], the base rounded up to 1 KiB for the swizzle.
+  const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const u32 sQ = base;
+  const u32 bar = base + kBarOffset;
+  const u32 q_full = bar;
+  auto k_full = [&](int s) { return bar + 8 + 8 * s; };
+  auto v_full = [&](int s) { return bar + 8 + 8 * kStages + 8 * s; };
+  auto kv_empty = [&](int s) { return bar + 8 + 16 * kStages + 8 * s; };
+  auto sK = [&](int s) { return base + kQBytes + s * kStageBytes; };
+  auto sV = [&](int s) { return base + kQBytes + s * kStageBytes + kKBytes; };
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    mbar_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(k_full(s), 1);
+      mbar_init(v_full(s), 1);
+      mbar_init(kv_empty(s), kConsumerThreads);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ------------------------------------ producer ------------------------------------
+    regs_dealloc<24>();
+    if (threadIdx.x == 0 && num_tiles > 0) {
+      mbar_expect_tx(q_full, kQBytes);
+      for (int c = 0; c < kDqk / kColBlock; ++c)
+        tma_load_3d(sQ + c * kQColBytes, &tm_q, q_full, c * kColBlock, w.h, static_cast<int>(w.q_row0 + m0));
+      for (int t = 0; t < num_tiles; ++t) {
+        const int s = t % kStages;
+        mbar_wait(kv_empty(s), ((t / kStages) & 1) ^ 1);  // the first pass over the ring does not wait
+        const int row = static_cast<int>(w.kv_row0 + n_begin + t * kBlockN);
+        mbar_expect_tx(k_full(s), kKBytes);
+        tma_load_3d(sK(s), &tm_k, k_full(s), 0, w.h, row);
+        tma_load_3d(sK(s) + kKColBytes, &tm_k, k_full(s), kColBlock, w.h, row);
+        tma_load_2d(sK(s) + 2 * kKColBytes, &tm_rope, k_full(s), 0, row);  // shared by every head
+        mbar_expect_tx(v_full(s), kVBytes);
+        tma_load_3d(sV(s), &tm_v, v_full(s), 0, w.h, row);
+        tma_load_3d(sV(s) + kKColBytes, &tm_v, v_full(s), kColBlock, w.h, row);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------ consumers ------------------------------------
+  regs_alloc<240>();
+  const int cw = wg - 1;                           // consumer index: rows cw * 64 .. cw * 64 + 63
+  const int ctid = threadIdx.x - 128;              // 0 .. 255 across both consumers
+  const int warp_in_wg = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int wr0 = m0 + cw * kWgRows;               // first sequence row of this warpgroup
+  const int row0 = wr0 + warp_in_wg * 16 + (lane >> 2);  // sequence row of this thread's row g
+  const i64 wq_lo = w.q_pos0 + wr0;
+  const i64 wq_hi = w.q_pos0 + min(wr0 + kWgRows - 1, w.sq - 1);
+  int wn_begin = 0, wn_end = 0;
+  if (wr0 < w.sq) visible_key_span(mask, w, wq_lo, wq_hi, wn_begin, wn_end);
+
+  float o[kOTiles][4];
+#pragma unroll
+  for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  OnlineSoftmax sm;
+  sm.init();
+
+  if (num_tiles > 0) mbar_wait(q_full, 0);
+  const u32 sQw = sQ + cw * kWgRows * 128;         // this warpgroup's 64 rows inside each column block
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int s = t % kStages;
+    const u32 parity = (t / kStages) & 1;
+    const int n0 = n_begin + t * kBlockN;
+    // A warpgroup whose rows see nothing of this tile skips its math (it still releases the stage).
+    const bool skip = wr0 >= w.sq || n0 >= wn_end || n0 + kBlockN <= wn_begin;
+    const bool partial = n0 + kBlockN > n_end;     // uniform across the CTA
+
+    float sacc[kSTiles][4];
+    if (!skip) {
+      mbar_wait(k_full(s), parity);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kQkSteps; ++kk) {
+        // k-step kk: column block kk / 4, 32-byte step kk % 4 inside the 128-byte swizzled row
+        const u32 off = (kk / 4) * kQColBytes + (kk % 4) * 32;
+        const u32 koff = (kk / 4) * kKColBytes + (kk % 4) * 32;
+        Wgmma<T>::ss(sacc, make_desc(sQw + off, 16, 1024), make_desc(sK(s) + koff, 16, 1024), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      const bool full = !partial && mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
+      if (!full) apply_mask(sacc, mask, w, row0, n0, n_end, nullptr);
+      sm.update(sacc, o, scale_log2);
+    }
+
+    mbar_wait(v_full(s), parity);
+    if (partial) {
+      // Zero the V rows past the block's keys (both consumers share the stage), then make the
+      // generic-proxy stores visible to wgmma before either warpgroup reads V.
+      const int valid = n_end - n0;
+      for (int i = ctid; i < (kBlockN - valid) * (kDv / 8); i += kConsumerThreads) {
+        const int r = valid + i / (kDv / 8);
+        const int c = i % (kDv / 8);             // 16-byte chunk: block c / 8, chunk c % 8 of the row
+        const u32 addr = sV(s) + (c / 8) * kKColBytes + r * 128 + (c % 8) * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0));
+      }
+      fence_proxy_async();
+      named_barrier_sync(1, kConsumerThreads);
+    }
+    if (!skip) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kPvSteps; ++kk) {
+        u32 pa[4];
+        pack_p<T>(sacc, kk, pa);
+        // keys 16kk .. 16kk+15 are rows of V: 16 rows x 128 bytes = 2048 bytes per k-step;
+        // the two 64-wide column blocks of V are one block (16 KiB) apart (the LBO).
+        Wgmma<T>::rs_tb(o, pa, make_desc(sV(s) + kk * 2048, kKColBytes, 1024));
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+    }
+    mbar_arrive(kv_empty(s));
+  }
+
+  store_rows<OutT>(o, sm, w, row0, out, o_st, o_sh, lse, lse_st);
+}
+
+}  // namespace sm90
+}  // namespace mla

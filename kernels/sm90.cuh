@@ -1,0 +1,133 @@
+// Hopper (sm_90a) primitives: mbarriers, the bulk tensor copy engine (TMA), wgmma with shared-memory
+// descriptors, register reallocation and named barriers. Small wrappers over PTX, one per concept.
+#pragma once
+#include "common.cuh"
+
+namespace mla {
+namespace sm90 {
+
+// ---------------------------------------------------------------------------------------------
+// mbarrier: a transaction-counting barrier in shared memory (8 bytes).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {  // arrive + expect `bytes`
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes));
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar));
+}
+// cp.async completions of this thread arrive on `bar` (without raising its expected count).
+__device__ __forceinline__ void mbar_cp_async_arrive(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar));
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar), "r"(parity));
+}
+__device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::); }
+// Generic-proxy smem writes (st.shared, cp.async) made visible to the async proxy (wgmma, TMA).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::); }
+
+// ---------------------------------------------------------------------------------------------
+// TMA: tiled bulk tensor copies global -> shared, completing on an mbarrier. The tensor map is a
+// __grid_constant__ kernel parameter (built on the host with cuTensorMapEncodeTiled).
+// ---------------------------------------------------------------------------------------------
+struct alignas(64) TensorMap { unsigned long long opaque[16]; };
+
+__device__ __forceinline__ void tma_prefetch(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1) : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Register reallocation between warpgroup roles, and named barriers among a subset of warps.
+// ---------------------------------------------------------------------------------------------
+template <int N> __device__ __forceinline__ void regs_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N> __device__ __forceinline__ void regs_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// wgmma shared-memory descriptors for tiles stored as 64-element (128-byte) wide column blocks of
+// 16-bit values with the 128-byte swizzle (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B):
+// block b of a tile with R rows starts at b * R * 128 bytes; 8-row groups are 1024 bytes apart.
+//   K-major operand (rows = M or N, contiguous = K): LBO unused (16), SBO = 1024.
+//   MN-major operand (rows = K, contiguous = N, used transposed): LBO = bytes of one column block
+//   (distance between 64-wide N blocks), SBO = 1024.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned long long desc_encode(u32 x) { return (x & 0x3FFFF) >> 4; }
+__device__ __forceinline__ unsigned long long make_desc(u32 smem, u32 lbo, u32 sbo) {
+  return desc_encode(smem) | (desc_encode(lbo) << 16) | (desc_encode(sbo) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Accumulator registers of an m64n128 f32 tile, as 16 n-tiles of 4 (the mma.sync C layout per warp).
+#define MLA_ACC16(a)                                                                                      \
+  "+f"(a[0][0]), "+f"(a[0][1]), "+f"(a[0][2]), "+f"(a[0][3]), "+f"(a[1][0]), "+f"(a[1][1]), "+f"(a[1][2]),   \
+  "+f"(a[1][3]), "+f"(a[2][0]), "+f"(a[2][1]), "+f"(a[2][2]), "+f"(a[2][3]), "+f"(a[3][0]), "+f"(a[3][1]),   \
+  "+f"(a[3][2]), "+f"(a[3][3]), "+f"(a[4][0]), "+f"(a[4][1]), "+f"(a[4][2]), "+f"(a[4][3]), "+f"(a[5][0]),   \
+  "+f"(a[5][1]), "+f"(a[5][2]), "+f"(a[5][3]), "+f"(a[6][0]), "+f"(a[6][1]), "+f"(a[6][2]), "+f"(a[6][3]),   \
+  "+f"(a[7][0]), "+f"(a[7][1]), "+f"(a[7][2]), "+f"(a[7][3]), "+f"(a[8][0]), "+f"(a[8][1]), "+f"(a[8][2]),   \
+  "+f"(a[8][3]), "+f"(a[9][0]), "+f"(a[9][1]), "+f"(a[9][2]), "+f"(a[9][3]), "+f"(a[10][0]), "+f"(a[10][1]), \
+  "+f"(a[10][2]), "+f"(a[10][3]), "+f"(a[11][0]), "+f"(a[11][1]), "+f"(a[11][2]), "+f"(a[11][3]),            \
+  "+f"(a[12][0]), "+f"(a[12][1]), "+f"(a[12][2]), "+f"(a[12][3]), "+f"(a[13][0]), "+f"(a[13][1]),            \
+  "+f"(a[13][2]), "+f"(a[13][3]), "+f"(a[14][0]), "+f"(a[14][1]), "+f"(a[14][2]), "+f"(a[14][3]),            \
+  "+f"(a[15][0]), "+f"(a[15][1]), "+f"(a[15][2]), "+f"(a[15][3])
+
+#define MLA_D64                                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "   \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "     \
+  "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "     \
+  "%62, %63}"
+
+template <typename T> struct Wgmma;
+
+#define MLA_DEFINE_WGMMA(TYPE, PTXT)                                                                       \
+  template <> struct Wgmma<TYPE> {                                                                         \
+    /* D[64x128] (+)= A[64x16] (smem, K-major) * B[16x128] (smem, K-major: stored [n][k]) */               \
+    static __device__ __forceinline__ void ss(float (&d)[16][4], unsigned long long da, unsigned long long db, \
+                                              int accumulate) {                                            \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                           \
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTXT "." PTXT " " MLA_D64                 \
+                   ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                       \
+                   : MLA_ACC16(d)                                                                          \
+                   : "l"(da), "l"(db), "r"(accumulate));                                                   \
+    }                                                                                                      \
+    /* D[64x128] += A[64x16] (registers) * B[16x128] (smem, MN-major: stored [k][n], transposed) */        \
+    static __device__ __forceinline__ void rs_tb(float (&d)[16][4], const u32 (&a)[4], unsigned long long db) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                            \
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTXT "." PTXT " " MLA_D64                 \
+                   ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                       \
+                   : MLA_ACC16(d)                                                                          \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));                                 \
+    }                                                                                                      \
+  };
+
+MLA_DEFINE_WGMMA(__nv_bfloat16, "bf16")
+MLA_DEFINE_WGMMA(__half, "f16")
+#undef MLA_DEFINE_WGMMA
+
+}  // namespace sm90
+}  // namespace mla

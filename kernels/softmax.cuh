@@ -1,0 +1,111 @@
+// Per-thread pieces of the attention tile shared by every kernel variant. A thread holds two rows
+// of an accumulator tile (rows g and g + 8 of its warp's 16, g = lane / 4) in the mma.sync / wgmma
+// C layout: element e of n-tile j is (row g + 8 * (e / 2), column 8 * j + 2 * (lane % 4) + e % 2).
+#pragma once
+#include "common.cuh"
+#include "tile_scheduler.cuh"
+
+namespace mla {
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Sets invisible scores to -inf: keys past the block's span (n_end), pairs the mask removes, and
+// (when `key_ok` is given) keys whose data could not be read. `row0` is the sequence row of g.
+template <int kSTiles, typename Mask>
+__device__ __forceinline__ void apply_mask(float (&s)[kSTiles][4], const Mask& mask, const WorkTile& w, int row0,
+                                           int n0, int n_end, const unsigned char* key_ok) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = nt * 8 + 2 * (lane & 3) + (e & 1);
+      const int row = row0 + 8 * (e >> 1);
+      bool vis = n0 + col < n_end && mask.visible(w.q_pos0 + row, w.k_pos0 + n0 + col);
+      if (key_ok != nullptr) vis = vis && key_ok[col];
+      if (!vis) s[nt][e] = neg_inf();
+    }
+  }
+}
+
+// Online softmax in the log2 domain with the scale folded in. A row with nothing visible yet keeps
+// max = -inf and uses 0 as its reference, so exp2(-inf) = 0 and no NaN appears.
+struct OnlineSoftmax {
+  float row_max[2];
+  float row_sum[2];  // this lane's partial sums; quad-reduced in finish()
+
+  __device__ __forceinline__ void init() {
+    row_max[0] = row_max[1] = neg_inf();
+    row_sum[0] = row_sum[1] = 0.f;
+  }
+
+  // Turns scores s into unnormalized probabilities and rescales the output accumulator o.
+  template <int kSTiles, int kOTiles>
+  __device__ __forceinline__ void update(float (&s)[kSTiles][4], float (&o)[kOTiles][4], float scale_log2) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt)
+        mx = fmaxf(mx, fmaxf(s[nt][2 * r] * scale_log2, s[nt][2 * r + 1] * scale_log2));
+      mx = quad_max(mx);
+      const float ref = mx == neg_inf() ? 0.f : mx;
+      const float corr = fast_exp2(row_max[r] - ref);
+      row_max[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -ref));
+          sum += s[nt][e];
+        }
+      }
+      row_sum[r] = row_sum[r] * corr + sum;
+#pragma unroll
+      for (int dt = 0; dt < kOTiles; ++dt) {
+        o[dt][2 * r] *= corr;
+        o[dt][2 * r + 1] *= corr;
+      }
+    }
+  }
+};
+
+// The probabilities of k-step kk (keys 16kk .. 16kk+15) as an m16n8k16 / wgmma A fragment: the
+// accumulators of n-tiles 2kk and 2kk+1 are exactly that fragment, rounded to 16 bits.
+template <typename T, int kSTiles>
+__device__ __forceinline__ void pack_p(const float (&s)[kSTiles][4], int kk, u32 (&a)[4]) {
+  a[0] = Elem<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = Elem<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = Elem<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = Elem<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// Normalizes and writes the thread's two rows of O (those < sq) and their natural-log lse.
+// Rows with no visible key get 0 and -inf.
+template <typename OutT, int kOTiles>
+__device__ __forceinline__ void store_rows(const float (&o)[kOTiles][4], const OnlineSoftmax& sm, const WorkTile& w,
+                                          int row0, OutT* out, i64 o_st, i64 o_sh, float* lse, i64 lse_st) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(sm.row_sum[r]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int row = row0 + 8 * r;
+    if (row < w.sq) {
+      const i64 grow = w.q_row0 + row;
+      OutT* op = out + grow * o_st + w.h * o_sh + 2 * (lane & 3);
+#pragma unroll
+      for (int dt = 0; dt < kOTiles; ++dt) store2<OutT>(op + dt * 8, o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+      if (lse != nullptr && (lane & 3) == 0)
+        lse[grow * lse_st + w.h] = l > 0.f ? sm.row_max[r] * kLn2 + logf(l) : neg_inf();
+    }
+  }
+}
+
+}  // namespace mla
