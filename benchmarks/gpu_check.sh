@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call: a quick Hopper-kernel smoke (bounded), the whole GPU suite, then sanitizers.
+set -u -o pipefail
+export PYTHONPATH="$PWD:$PWD/tests" PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+echo "== smoke (sm90, one small case)"
+timeout 120 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu_prefill.py \
+  -k "every_mask_dtype_heads and sm90 and 16-bf16 and Causal" 2>&1 | tail -15
+echo "== GPU suite"
+timeout ${SUITE_S:-330} python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider --timeout=120 tests 2>&1 \
+  | tee "$OUT/pytest.log" | tail -45
+echo "== sanitizers"
+SAN_S=${SAN_S:-120}
+for tool in ${SAN_TOOLS:-memcheck racecheck}; do
+  OUT=$OUT timeout $SAN_S bash benchmarks/sanitize.sh $tool 2>&1 | tail -4 || echo "($tool: stopped after ${SAN_S}s)"
+done
