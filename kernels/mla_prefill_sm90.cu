@@ -10,12 +10,15 @@
 //     the 64 rope values every head shares, copied from k_rope by their own tensor map. Nothing
 //     materializes [Tk, H, 192].
 //   * Tiles are 64-element column blocks with the 128-byte swizzle (what TMA writes; see sm90.cuh).
+//   * With a paged cache the producer warp gathers the rope rows itself (cp.async, one lookup per
+//     key, unreadable pages zero-filled and flagged) and they arrive on the same K barrier.
 //   * Key tiles a mask removes entirely are never loaded; fully visible tiles skip the predicate.
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows or zero-filled past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
 //     before P V, so a neighbour's NaN can never reach this sequence.
 #include "common.cuh"
 #include "mask.cuh"
+#include "rope_source.cuh"
 #include "sm90.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
@@ -41,21 +44,24 @@ constexpr int kKBytes = (kDqk / kColBlock) * kKColBytes;  // 48 KiB: nope 0..63,
 constexpr int kVBytes = (kDv / kColBlock) * kKColBytes;   // 32 KiB
 constexpr int kStageBytes = kKBytes + kVBytes;
 constexpr int kBarOffset = kQBytes + kStages * kStageBytes;
-constexpr int kSmemBytes = kBarOffset + 128 + 1024;      // barriers, and slack to align the base to 1 KiB
+constexpr int kKeyOkOffset = kBarOffset + 128;             // paged: per-key "readable" flags + a tile flag
+constexpr int kSmemBytes = kKeyOkOffset + kStages * (kBlockN + 16) + 1024;  // + slack to align the base to 1 KiB
 
 constexpr int kQkSteps = kDqk / 16;                // 12 wgmma k-steps for S
 constexpr int kPvSteps = kBlockN / 16;             // 8 wgmma k-steps for O
 constexpr int kSTiles = kBlockN / 8;               // 16
 constexpr int kOTiles = kDv / 8;                   // 16
 
-template <typename T, typename OutT, typename Mask>
+template <typename T, typename OutT, typename Mask, bool kPaged>
 __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     const __grid_constant__ TensorMap tm_q, const __grid_constant__ TensorMap tm_k,
     const __grid_constant__ TensorMap tm_v, const __grid_constant__ TensorMap tm_rope,
     OutT* __restrict__ out, float* __restrict__ lse,
     const u32* __restrict__ q_offsets, const u32* __restrict__ kv_begin, const u32* __restrict__ kv_end,
     const u32* __restrict__ cache_offsets, const i64* __restrict__ q_start_pos,
-    i64 o_st, i64 o_sh, i64 lse_st, int num_heads, int batch, int num_m_blocks, float scale_log2, i64 mask_arg) {
+    i64 o_st, i64 o_sh, i64 lse_st, const void* rope_base, i64 rope_row_stride, i64 rope_block_stride,
+    const u32* __restrict__ lookup, i64 lookup_stride, int log2_page_size, u32 num_blocks, u32 max_pages,
+    int num_heads, int batch, int num_m_blocks, float scale_log2, i64 mask_arg) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const SeqOffsets so{q_offsets, kv_begin, kv_end, cache_offsets, q_start_pos};
   WorkTile w;
@@ -77,12 +83,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   auto kv_empty = [&](int s) { return bar + 8 + 16 * kStages + 8 * s; };
   auto sK = [&](int s) { return base + kQBytes + s * kStageBytes; };
   auto sV = [&](int s) { return base + kQBytes + s * kStageBytes + kKBytes; };
+  // paged only: key_ok[s][0..127] flags, then tile_bad[s] at byte kBlockN
+  unsigned char* key_ok = smem_raw + (base - smem_addr(smem_raw)) + kKeyOkOffset;
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full(s), 1);
+      // paged: + 32 cp.async completions and 32 plain arrivals (after the flags) of the producer warp
+      mbar_init(k_full(s), kPaged ? 1 + 64 : 1);
       mbar_init(v_full(s), 1);
       mbar_init(kv_empty(s), kConsumerThreads);
     }
@@ -93,21 +102,52 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   if (wg == 0) {
     // ------------------------------------ producer ------------------------------------
     regs_dealloc<24>();
-    if (threadIdx.x == 0 && num_tiles > 0) {
-      mbar_expect_tx(q_full, kQBytes);
-      for (int c = 0; c < kDqk / kColBlock; ++c)
-        tma_load_3d(sQ + c * kQColBytes, &tm_q, q_full, c * kColBlock, w.h, static_cast<int>(w.q_row0 + m0));
+    const int lane = threadIdx.x % 32;
+    if (threadIdx.x < 32 && num_tiles > 0) {
+      const RopeArgs ra{rope_base, rope_row_stride, rope_block_stride, lookup, lookup_stride, log2_page_size,
+                        num_blocks, max_pages};
+      if (lane == 0) {
+        mbar_expect_tx(q_full, kQBytes);
+        for (int c = 0; c < kDqk / kColBlock; ++c)
+          tma_load_3d(sQ + c * kQColBytes, &tm_q, q_full, c * kColBlock, w.h, static_cast<int>(w.q_row0 + m0));
+      }
       for (int t = 0; t < num_tiles; ++t) {
         const int s = t % kStages;
         mbar_wait(kv_empty(s), ((t / kStages) & 1) ^ 1);  // the first pass over the ring does not wait
-        const int row = static_cast<int>(w.kv_row0 + n_begin + t * kBlockN);
-        mbar_expect_tx(k_full(s), kKBytes);
-        tma_load_3d(sK(s), &tm_k, k_full(s), 0, w.h, row);
-        tma_load_3d(sK(s) + kKColBytes, &tm_k, k_full(s), kColBlock, w.h, row);
-        tma_load_2d(sK(s) + 2 * kKColBytes, &tm_rope, k_full(s), 0, row);  // shared by every head
-        mbar_expect_tx(v_full(s), kVBytes);
-        tma_load_3d(sV(s), &tm_v, v_full(s), 0, w.h, row);
-        tma_load_3d(sV(s) + kKColBytes, &tm_v, v_full(s), kColBlock, w.h, row);
+        const int n0 = n_begin + t * kBlockN;
+        const int row = static_cast<int>(w.kv_row0 + n0);
+        if (lane == 0) {
+          mbar_expect_tx(k_full(s), kPaged ? kKBytes - kKColBytes : kKBytes);
+          tma_load_3d(sK(s), &tm_k, k_full(s), 0, w.h, row);
+          tma_load_3d(sK(s) + kKColBytes, &tm_k, k_full(s), kColBlock, w.h, row);
+          if (!kPaged) tma_load_2d(sK(s) + 2 * kKColBytes, &tm_rope, k_full(s), 0, row);  // shared by every head
+          mbar_expect_tx(v_full(s), kVBytes);
+          tma_load_3d(sV(s), &tm_v, v_full(s), 0, w.h, row);
+          tma_load_3d(sV(s) + kKColBytes, &tm_v, v_full(s), kColBlock, w.h, row);
+        }
+        if (kPaged) {
+          // Gather the rope rows from the cache: lane handles keys lane + 32 i, 8 chunks each,
+          // written in the 128-byte swizzle (chunk c of row r at chunk c ^ (r % 8)).
+          const u32 rope_blk = sK(s) + 2 * kKColBytes;
+          bool bad = false;
+#pragma unroll
+          for (int i = 0; i < kBlockN / 32; ++i) {
+            const int r = lane + 32 * i;
+            const int j = n0 + r;
+            const T* rp = j < n_end ? RopeSource<true>::template row<T>(ra, w.b, w.kv_row0 + j, w.k_pos0 + j) : nullptr;
+            const bool ok = rp != nullptr;
+            bad |= j < n_end && !ok;
+#pragma unroll
+            for (int c = 0; c < 8; ++c)
+              cp_async_16(rope_blk + r * 128 + ((c ^ (r & 7)) << 4), ok ? rp + c * 8 : static_cast<const T*>(rope_base), ok);
+            key_ok[s * (kBlockN + 16) + r] = ok;
+          }
+          mbar_cp_async_arrive(k_full(s));
+          bad = __any_sync(0xffffffffu, bad);
+          if (lane == 0) key_ok[s * (kBlockN + 16) + kBlockN] = bad;
+          __syncwarp();
+          mbar_arrive(k_full(s));  // release: the flags are visible once the barrier completes
+        }
       }
     }
     return;
@@ -156,8 +196,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       }
       wgmma_commit();
       wgmma_wait<0>();
-      const bool full = !partial && mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
-      if (!full) apply_mask(sacc, mask, w, row0, n0, n_end, nullptr);
+      const unsigned char* ok = key_ok + s * (kBlockN + 16);
+      const bool tile_bad = kPaged && ok[kBlockN];
+      const bool full = !partial && !tile_bad &&
+                        mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
+      if (!full) apply_mask(sacc, mask, w, row0, n0, n_end, tile_bad ? ok : nullptr);
       sm.update(sacc, o, scale_log2);
     }
 

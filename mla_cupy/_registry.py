@@ -28,26 +28,31 @@ Family = Tuple[str, Tuple[str, ...]]
 
 def prefill_sm80(dtype: np.dtype, mask: Mask) -> Family:
     """Family for (dtype, mask): output in the input dtype or float32, plain or paged rope."""
-    t = CPP_TYPE[np.dtype(dtype)]
-    names = tuple(
-        f"{PREFILL_SM80[1]}<{t}, {o}, {mask.cpp_name}, {paged}>" for o in (t, "float") for paged in ("false", "true")
-    )
-    return PREFILL_SM80[0], names
+    return _prefill_family(PREFILL_SM80, dtype, mask)
 
 
 def prefill_sm80_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool) -> str:
-    t, o = CPP_TYPE[np.dtype(dtype)], CPP_TYPE[np.dtype(out_dtype)]
-    return f"{PREFILL_SM80[1]}<{t}, {o}, {mask.cpp_name}, {'true' if paged else 'false'}>"
+    return _prefill_name(PREFILL_SM80, dtype, out_dtype, mask, paged)
+
+
+def _prefill_family(kernel: Tuple[str, str], dtype: np.dtype, mask: Mask) -> Family:
+    t = CPP_TYPE[np.dtype(dtype)]
+    names = tuple(f"{kernel[1]}<{t}, {o}, {mask.cpp_name}, {paged}>" for o in (t, "float") for paged in ("false", "true"))
+    return kernel[0], names
 
 
 def prefill_sm90(dtype: np.dtype, mask: Mask) -> Family:
-    """Hopper family for (dtype, mask): output in the input dtype or float32 (plain rope only)."""
-    t = CPP_TYPE[np.dtype(dtype)]
-    return PREFILL_SM90[0], tuple(f"{PREFILL_SM90[1]}<{t}, {o}, {mask.cpp_name}>" for o in (t, "float"))
+    """Hopper family for (dtype, mask): output in the input dtype or float32, plain or paged rope."""
+    return _prefill_family(PREFILL_SM90, dtype, mask)
 
 
-def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask) -> str:
-    return f"{PREFILL_SM90[1]}<{CPP_TYPE[np.dtype(dtype)]}, {CPP_TYPE[np.dtype(out_dtype)]}, {mask.cpp_name}>"
+def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool) -> str:
+    return _prefill_name(PREFILL_SM90, dtype, out_dtype, mask, paged)
+
+
+def _prefill_name(kernel: Tuple[str, str], dtype, out_dtype, mask: Mask, paged: bool) -> str:
+    t, o = CPP_TYPE[np.dtype(dtype)], CPP_TYPE[np.dtype(out_dtype)]
+    return f"{kernel[1]}<{t}, {o}, {mask.cpp_name}, {'true' if paged else 'false'}>"
 
 
 def merge_family() -> Family:

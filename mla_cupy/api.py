@@ -47,7 +47,7 @@ def _rope_args(k_rope, dtype) -> Tuple[int, int, int, int, int, int, int, int]:
 
 KERNELS = ("auto", "sm80", "sm90")
 SM90_THREADS = 384  # kernels/mla_prefill_sm90.cu: kThreads
-SM90_SMEM_BYTES = 128 * 384 + 2 * (128 * 384 + 128 * 256) + 128 + 1024  # its kSmemBytes
+SM90_SMEM_BYTES = 128 * 384 + 2 * (128 * 384 + 128 * 256) + 128 + 2 * (128 + 16) + 1024  # its kSmemBytes
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,8 +58,8 @@ def _capability(device_id: int) -> str:
 
 
 def choose_kernel(kernel: str, paged: bool) -> str:
-    """``'sm90'`` (the Hopper TMA + wgmma kernel) on compute capability 9.0 for a plain k_rope,
-    else ``'sm80'`` (the portable mma.sync kernel). ``kernel`` forces one."""
+    """``'sm90'`` (the Hopper TMA + wgmma kernel) on compute capability 9.0, else ``'sm80'`` (the
+    portable mma.sync kernel). ``kernel`` forces one."""
     import cupy
 
     if kernel not in KERNELS:
@@ -68,12 +68,10 @@ def choose_kernel(kernel: str, paged: bool) -> str:
     if kernel == "sm90":
         if not hopper:
             raise ValueError(f"kernel: 'sm90' needs a compute capability 9.0 GPU, this one is {_capability(cupy.cuda.Device().id)}")
-        if paged:
-            raise ValueError("kernel: 'sm90' does not read a PagedKVCache yet; use kernel='auto' or 'sm80'")
         return "sm90"
     if kernel == "sm80":
         return "sm80"
-    return "sm90" if hopper and not paged else "sm80"
+    return "sm90" if hopper else "sm80"
 
 
 def _stride16(x, dim: int) -> int:
@@ -84,20 +82,25 @@ def _stride16(x, dim: int) -> int:
 
 def _launch_sm90(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr,
                  q_start_ptr, stream, nmb: int) -> None:
-    from .tma import encode_tiled
+    from .tma import TENSOR_MAP_DTYPE, encode_tiled
 
     tm_q = encode_tiled(device_pointer(q), p.dtype, (DQK, p.heads, p.tq), (_stride16(q, 1), _stride16(q, 0)), (64, 1, 128))
     tm_k = encode_tiled(device_pointer(k), p.dtype, (DV, p.heads, p.tk), (_stride16(k, 1), _stride16(k, 0)), (64, 1, 128))
     tm_v = encode_tiled(device_pointer(v), p.dtype, (DV, p.heads, p.tk), (_stride16(v, 1), _stride16(v, 0)), (64, 1, 128))
-    tm_r = encode_tiled(device_pointer(k_rope), p.dtype, (DR, p.tk), (_stride16(k_rope, 0),), (64, 128))
-    fn = get_function(*reg.prefill_sm90(p.dtype, p.mask), reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask))
+    rope = _rope_args(k_rope, p.dtype)
+    if p.paged:  # the producer warp gathers rope rows itself; the map is unused
+        tm_r = np.zeros(1, TENSOR_MAP_DTYPE)[0]
+    else:
+        tm_r = encode_tiled(device_pointer(k_rope), p.dtype, (DR, p.tk), (_stride16(k_rope, 0),), (64, 128))
+    fn = get_function(*reg.prefill_sm90(p.dtype, p.mask), reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask, p.paged))
     if fn.max_dynamic_shared_size_bytes < SM90_SMEM_BYTES:
         fn.max_dynamic_shared_size_bytes = SM90_SMEM_BYTES
     oitem = p.out_dtype.itemsize
     i64 = np.int64
     args = (tm_q, tm_k, tm_v, tm_r, device_pointer(out), optional_ptr(lse), q_offsets_ptr, kv_begin_ptr, kv_end_ptr,
             cache_offsets_ptr, q_start_ptr, i64(out.strides[0] // oitem), i64(out.strides[1] // oitem), i64(p.heads),
-            np.int32(p.heads), np.int32(p.batch), np.int32(nmb), np.float32(p.scale * LOG2E), i64(p.mask.arg))
+            rope[0], i64(rope[1]), i64(rope[2]), rope[3], i64(rope[4]), np.int32(rope[5]), np.uint32(rope[6]),
+            np.uint32(rope[7]), np.int32(p.heads), np.int32(p.batch), np.int32(nmb), np.float32(p.scale * LOG2E), i64(p.mask.arg))
     with stream:
         fn((nmb * p.batch * p.heads,), (SM90_THREADS,), args, shared_mem=SM90_SMEM_BYTES)
 

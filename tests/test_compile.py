@@ -36,14 +36,14 @@ def test_family_compiles(compiled, i):
 def test_matrix_covers_every_dtype_mask_and_arch():
     from mla_cupy.masks import MASKS
 
-    names = [n for a, (f, ns) in FAMILIES if f == "mla_prefill_sm80.cu" for n in ns]
-    archs = {a for a, (f, _) in FAMILIES if f == "mla_prefill_sm80.cu"}
-    assert archs == {"sm_80", "sm_90a"}
-    for m in MASKS:
-        for t in ("__nv_bfloat16", "__half"):
-            for o in (t, "float"):
-                for paged in ("false", "true"):
-                    assert f"mla::sm80::mla_prefill_kernel<{t}, {o}, {m.cpp_name}, {paged}>" in names
+    for f, ns, want_archs in (("mla_prefill_sm80.cu", "sm80", {"sm_80", "sm_90a"}), ("mla_prefill_sm90.cu", "sm90", {"sm_90a"})):
+        names = [n for a, (ff, nn) in FAMILIES if ff == f for n in nn]
+        assert {a for a, (ff, _) in FAMILIES if ff == f} == want_archs
+        for m in MASKS:
+            for t in ("__nv_bfloat16", "__half"):
+                for o in (t, "float"):
+                    for paged in ("false", "true"):
+                        assert f"mla::{ns}::mla_prefill_kernel<{t}, {o}, {m.cpp_name}, {paged}>" in names
 
 
 def test_sm90a_features_are_enabled():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, PagedKVCache, SlidingWindowCausalMask
 
 from _cases import BF16, FP16, make_case
-from gpu_util import run_and_check
+from gpu_util import KERNELS, run_and_check
 from test_gpu_paged_merge import build_paged
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +39,7 @@ def problems(draw):
     qs = [draw(st.integers(-300, 1500)) for _ in range(b)] if draw(st.booleans()) else None
     return dict(sq=sq, sk=sk, heads=heads, co=co, qs=qs, mask=draw(MASK), dtype=draw(st.sampled_from([BF16, FP16])),
                 out_f32=draw(st.booleans()), paged=draw(st.sampled_from([None, 16, 64, 512])), seed=draw(st.integers(0, 2**31)),
-                kernel=draw(st.sampled_from(["auto", "sm80"])))
+                kernel=draw(st.sampled_from(KERNELS)))
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))

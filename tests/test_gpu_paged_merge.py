@@ -6,7 +6,9 @@ import mla_cupy
 from mla_cupy import CausalMask, NullMask, PagedKVCache, SlidingWindowCausalMask, reference
 
 from _cases import BF16, make_case
-from gpu_util import run_and_check, upload
+from gpu_util import KERNELS, run_and_check, upload
+
+kernels = pytest.mark.parametrize("kernel", KERNELS)
 
 pytestmark = pytest.mark.gpu
 
@@ -35,8 +37,9 @@ def build_paged(case, page_size, seed=0, shuffle=True, spare_blocks=3, dc=576, r
     return blocks, lut
 
 
+@kernels
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256, 512])
-def test_paged_equals_plain_bit_for_bit(page_size):
+def test_paged_equals_plain_bit_for_bit(page_size, kernel):
     import cupy as cp
 
     c = make_case([65, 1, 130], [300, 17, 700], 16, BF16, seed=page_size, cache_offsets=[5, 0, 1000])
@@ -44,13 +47,14 @@ def test_paged_equals_plain_bit_for_bit(page_size):
     d = upload(c)
     cache = PagedKVCache(cp.asarray(blocks), cp.asarray(lut), page_size)
     args = (d["q"], d["k"], d["v"])
-    plain = mla_cupy.mla_prefill(*args, d["k_rope"], d["valid_length"], d["cache_row_offsets"], cache_offsets=d["cache_offsets"])
-    paged = mla_cupy.mla_prefill(*args, cache, d["valid_length"], d["cache_row_offsets"], cache_offsets=d["cache_offsets"])
+    plain = mla_cupy.mla_prefill(*args, d["k_rope"], d["valid_length"], d["cache_row_offsets"], cache_offsets=d["cache_offsets"], kernel=kernel)
+    paged = mla_cupy.mla_prefill(*args, cache, d["valid_length"], d["cache_row_offsets"], cache_offsets=d["cache_offsets"], kernel=kernel)
     np.testing.assert_array_equal(paged.get().view(np.uint16), plain.get().view(np.uint16))
-    run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, page_size))
+    run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, page_size), kernel=kernel)
 
 
-def test_paged_noncontiguous_table_and_rope_offset():
+@kernels
+def test_paged_noncontiguous_table_and_rope_offset(kernel):
     """A lookup table that is a column slice of a wider one, and rope values at column 0."""
     import cupy as cp
 
@@ -60,10 +64,12 @@ def test_paged_noncontiguous_table_and_rope_offset():
     wide[:, 2:2 + lut.shape[1]] = lut
     dlut = cp.asarray(wide)[:, 2:2 + lut.shape[1]]
     cache = PagedKVCache(cp.asarray(blocks), dlut, 16, rope_offset=0)
-    run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, 16, rope_offset=0), mask=SlidingWindowCausalMask(40))
+    run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, 16, rope_offset=0), mask=SlidingWindowCausalMask(40),
+                  kernel=kernel)
 
 
-def test_paged_bad_block_ids_are_masked_without_validation():
+@kernels
+def test_paged_bad_block_ids_are_masked_without_validation(kernel):
     """validate=False: out-of-range block ids never cause a wild read; their keys are masked."""
     import cupy as cp
 
@@ -75,7 +81,7 @@ def test_paged_bad_block_ids_are_masked_without_validation():
     with pytest.raises(ValueError, match="block id"):
         d = upload(c)
         mla_cupy.mla_prefill(d["q"], d["k"], d["v"], cache, d["valid_length"], d["cache_row_offsets"])
-    run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, 16), validate=False, mask=NullMask())
+    run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, 16), validate=False, mask=NullMask(), kernel=kernel)
 
 
 def test_merge_states_exact_and_empty_sides():
