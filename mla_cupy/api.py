@@ -22,16 +22,24 @@ SMEM_BYTES = 128 * 384 + 2 * (64 * 384 + 64 * 256) + 2 * 64  # its kSmemBytes
 LOG2E = 1.4426950408889634
 
 
-def _empty(shape, dtype, like_torch: Optional[Any]):
-    """Allocate through torch's allocator for torch callers, CuPy's pool otherwise."""
+def _empty(shape, dtype, like_torch: Optional[Any], name: str = "out"):
+    """Allocate through torch's allocator for torch callers, CuPy's pool otherwise. Running out of
+    device memory is a ``MemoryError`` naming the result; the process stays usable."""
     import cupy
 
-    if like_torch is not None:
-        import torch
+    try:
+        if like_torch is not None:
+            import torch
 
-        tdt = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}.get(np.dtype(dtype), torch.bfloat16)
-        return cupy.from_dlpack(torch.empty(shape, dtype=tdt, device=like_torch.device))
-    return cupy.empty(shape, dtype=dtype)
+            tdt = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}.get(np.dtype(dtype), torch.bfloat16)
+            return cupy.from_dlpack(torch.empty(shape, dtype=tdt, device=like_torch.device))
+        return cupy.empty(shape, dtype=dtype)
+    except (cupy.cuda.memory.OutOfMemoryError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and "out of memory" not in str(exc).lower():
+            raise
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        raise MemoryError(f"{name}: cannot allocate {list(shape)} {np.dtype(dtype).name} ({nbytes / 2**30:.1f} GiB) "
+                          f"on the device; pass out= or split the batch") from exc
 
 
 def _rope_args(k_rope, dtype) -> Tuple[int, int, int, int, int, int, int, int]:
@@ -224,7 +232,7 @@ def mla_prefill(
     with s:
         if out is None:
             out = _empty((p.tq, p.heads, DV), p.out_dtype, torch_q)
-        lse = _empty((p.tq, p.heads), FP32, torch_q) if return_lse else None
+        lse = _empty((p.tq, p.heads), FP32, torch_q, "lse") if return_lse else None
         q_start_pos = _q_start_i64(q_start_pos)
     cro_ptr = device_pointer(cache_row_offsets)
     launch_prefill(p, q, k, v, k_rope, out, lse, device_pointer(valid_length), cro_ptr, cro_ptr + 4,

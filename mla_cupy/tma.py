@@ -37,7 +37,14 @@ def _driver():
 
 def encode_tiled(ptr: int, dtype, dims: Sequence[int], strides_bytes: Sequence[int], box: Sequence[int]) -> np.void:
     """A tiled tensor map with the 128-byte swizzle; ``dims``/``box`` innermost first,
-    ``strides_bytes`` for dims 1.. (multiples of 16). Out-of-bounds elements read as zero."""
+    ``strides_bytes`` for dims 1.. (multiples of 16). Out-of-bounds elements read as zero.
+    Maps are cached by their arguments (repeated calls on the same buffers encode nothing)."""
+    return _encode_cached(int(ptr), np.dtype(dtype), tuple(int(d) for d in dims), tuple(int(s) for s in strides_bytes),
+                          tuple(int(b) for b in box))
+
+
+@functools.lru_cache(maxsize=256)
+def _encode_cached(ptr: int, dtype: np.dtype, dims, strides_bytes, box) -> np.void:
     rank = len(dims)
     buf = np.zeros(1, TENSOR_MAP_DTYPE)
     c_dims = (ctypes.c_uint64 * rank)(*[max(1, int(d)) for d in dims])
