@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any, Optional, Tuple, Union
 
 import numpy as np
@@ -67,7 +68,8 @@ def _capability(device_id: int) -> str:
 
 def choose_kernel(kernel: str, paged: bool) -> str:
     """``'sm90'`` (the Hopper TMA + wgmma kernel) on compute capability 9.0, else ``'sm80'`` (the
-    portable mma.sync kernel). ``kernel`` forces one."""
+    portable mma.sync kernel). ``kernel`` forces one; the environment variable
+    ``MLA_CUPY_DISABLE_SM90=1`` makes ``"auto"`` pick the portable kernel."""
     import cupy
 
     if kernel not in KERNELS:
@@ -79,7 +81,7 @@ def choose_kernel(kernel: str, paged: bool) -> str:
         return "sm90"
     if kernel == "sm80":
         return "sm80"
-    return "sm90" if hopper else "sm80"
+    return "sm90" if hopper and not os.environ.get("MLA_CUPY_DISABLE_SM90") else "sm80"
 
 
 def _stride16(x, dim: int) -> int:
