@@ -6,7 +6,7 @@ export PYTHONPATH="$PWD:$PWD/tests" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 echo "== smoke (sm90, one small case)"
-K=""
+export K=""
 if ! timeout ${SMOKE_S:-90} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu_prefill.py \
   -k "every_mask_dtype_heads and sm90 and 16-bf16 and Causal" 2>&1 | tee "$OUT/smoke.log" | tail -25; then
   echo "!! sm90 smoke failed: suite on the portable kernel only"; export MLA_CUPY_DISABLE_SM90=1; K="not sm90"

@@ -8,6 +8,6 @@ SUBSET='(every_mask_dtype_heads and 16-) or (paged_equals_plain and 64) or nan_i
 for tool in ${@:-memcheck racecheck synccheck}; do
   echo "== compute-sanitizer --tool $tool"
   compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 \
-    python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu_prefill.py tests/test_gpu_paged_merge.py -k "$SUBSET${K:+ and ($K)}" \
+    python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu_prefill.py tests/test_gpu_paged_merge.py -k "($SUBSET)${K:+ and ($K)}" \
     2>&1 | tee "$OUT/sanitize-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|Error" | tail -5
 done
