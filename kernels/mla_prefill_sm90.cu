@@ -186,6 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     float sacc[kSTiles][4];
     if (!skip) {
       mbar_wait(k_full(s), parity);
+      fence_operands(sacc);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kQkSteps; ++kk) {
@@ -196,6 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       }
       wgmma_commit();
       wgmma_wait<0>();
+      fence_operands(sacc);
       const unsigned char* ok = key_ok + s * (kBlockN + 16);
       const bool tile_bad = kPaged && ok[kBlockN];
       const bool full = !partial && !tile_bad &&
@@ -219,17 +221,22 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       named_barrier_sync(1, kConsumerThreads);
     }
     if (!skip) {
+      u32 pa[kPvSteps][4];  // all of P packed before the first wgmma reads any of it
+#pragma unroll
+      for (int kk = 0; kk < kPvSteps; ++kk) pack_p<T>(sacc, kk, pa[kk]);
+      fence_operands(pa);
+      fence_operands(o);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kPvSteps; ++kk) {
-        u32 pa[4];
-        pack_p<T>(sacc, kk, pa);
         // keys 16kk .. 16kk+15 are rows of V: 16 rows x 128 bytes = 2048 bytes per k-step;
         // the two 64-wide column blocks of V are one block (16 KiB) apart (the LBO).
-        Wgmma<T>::rs_tb(o, pa, make_desc(sV(s) + kk * 2048, kKColBytes, 1024));
+        Wgmma<T>::rs_tb(o, pa[kk], make_desc(sV(s) + kk * 2048, kKColBytes, 1024));
       }
       wgmma_commit();
       wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(pa);
     }
     mbar_arrive(kv_empty(s));
   }

@@ -83,6 +83,22 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// Register fences for operands of asynchronous wgmma: the empty volatile asm "rewrites" each
+// register, so the compiler can neither move reads of an accumulator above the wgmma.wait_group
+// that completes it, nor reuse an A-operand register while the wgmma reading it is in flight.
+template <int N> __device__ __forceinline__ void fence_operands(float (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(a[i][j])::"memory");
+}
+template <int N> __device__ __forceinline__ void fence_operands(u32 (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+
 // Accumulator registers of an m64n128 f32 tile, as 16 n-tiles of 4 (the mma.sync C layout per warp).
 #define MLA_ACC16(a)                                                                                      \
   "+f"(a[0][0]), "+f"(a[0][1]), "+f"(a[0][2]), "+f"(a[0][3]), "+f"(a[1][0]), "+f"(a[1][1]), "+f"(a[1][2]),   \
