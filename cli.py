@@ -142,7 +142,7 @@ def bench(cases, list_cases, json_path, csv_path, plot_path, no_peers, reps, cpu
         click.echo("no GPU: timing the float64 reference on tiny cases (no peers)", err=True)
         result = B.run_cpu(chosen)
     else:
-        result = B.run(chosen, peers=not no_peers, reps=reps, progress=not no_progress)
+        result = B.run(chosen, peers=not no_peers, reps=reps, progress=not no_progress, checkpoint=json_path)
     click.echo(B.format_table(result))
     if json_path:
         with open(json_path, "w") as f:

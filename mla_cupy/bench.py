@@ -285,8 +285,10 @@ def bench_peers(case: BenchCase, sets, reps: int) -> List[Row]:
     return rows
 
 
-def run(cases: Sequence[BenchCase], *, peers: bool = True, reps: int = 20, progress: bool = True) -> dict:
-    """Run the matrix on the current GPU; returns {"device", "matmul_tflops", "rows"}."""
+def run(cases: Sequence[BenchCase], *, peers: bool = True, reps: int = 20, progress: bool = True,
+        checkpoint: Optional[str] = None) -> dict:
+    """Run the matrix on the current GPU; returns {"device", "matmul_tflops", "rows"}.
+    With ``checkpoint``, the rows so far are written there (JSON) after every case."""
     import cupy as cp
 
     dev = cp.cuda.Device()
@@ -312,6 +314,10 @@ def run(cases: Sequence[BenchCase], *, peers: bool = True, reps: int = 20, progr
         rows += case_rows
         del sets
         cp.get_default_memory_pool().free_all_blocks()
+        info["rows"] = [asdict(r) for r in rows]
+        if checkpoint:
+            with open(checkpoint, "w") as f:
+                json.dump(info, f, indent=1, default=float)
     info["rows"] = [asdict(r) for r in rows]
     return info
 
