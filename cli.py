@@ -114,6 +114,50 @@ def smoke(cpu):
         sys.exit(1)
 
 
+def _compile_one(job):
+    arch, (filename, names) = job
+    from mla_cupy import jit
+
+    t0 = time.perf_counter()
+    try:
+        if arch is None:  # on this GPU, through CuPy's RawModule (fills CuPy's on-disk kernel cache)
+            jit.get_function(filename, names, names[0])
+        else:
+            jit.compile_offline(filename, names, arch)
+        return filename, names[0], time.perf_counter() - t0, ""
+    except Exception as exc:
+        return filename, names[0], time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"
+
+
+@cli.command(name="compile")
+@click.option("--offline", is_flag=True, help="No GPU: compile every family for every target arch with NVRTC (what CI does).")
+@click.option("-j", "--jobs", default=0, help="Parallel processes (default: all cores).")
+def compile_cmd(offline, jobs):
+    """Compile every kernel family ahead of time (fills CuPy's kernel cache on a GPU machine)."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from mla_cupy import _registry as reg, jit
+
+    if offline or not _gpu_available():
+        todo = reg.all_families()
+    else:
+        import cupy
+
+        arch = jit.arch_for_capability(cupy.cuda.Device().compute_capability)
+        todo = [(None, fam) for a, fam in reg.all_families() if a == arch or (a == "sm_80" and arch != "sm_90a")]
+        todo = list({fam: (None, fam) for _, fam in todo}.values())
+    t0 = time.perf_counter()
+    failed = 0
+    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as ex:
+        for filename, first, secs, err in ex.map(_compile_one, todo):
+            failed += bool(err)
+            click.echo(f"{'FAIL' if err else 'ok  '} {secs:5.1f}s {filename} {first.split('<')[1].split(',')[0]} ...{(' ' + err) if err else ''}")
+    click.echo(f"{len(todo) - failed}/{len(todo)} families compiled in {time.perf_counter() - t0:.1f}s")
+    if failed:
+        sys.exit(1)
+
+
 @cli.command()
 @click.option("--cases", default=None, help="Comma-separated case names (default: the full matrix).")
 @click.option("--list", "list_cases", is_flag=True, help="List the case names and exit.")

@@ -1,5 +1,6 @@
 """Property-based GPU test: random ragged batches, masks, windows, heads, dtypes, strides and rope
 sources against the float64 reference, with NaN-poisoned outputs (pytest -m gpu)."""
+import os
 import warnings
 
 import numpy as np
@@ -42,7 +43,7 @@ def problems(draw):
                 kernel=draw(st.sampled_from(KERNELS)))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("MLA_FUZZ_EXAMPLES", "100")), deadline=None, suppress_health_check=list(HealthCheck))
 @given(problems())
 def test_fuzz_against_reference(p):
     import cupy as cp
