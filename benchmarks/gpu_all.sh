@@ -17,7 +17,7 @@ echo "== GPU suite"
 MLA_FUZZ_EXAMPLES=${FUZZ:-50} timeout ${SUITE_S:-200} python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider \
   --timeout=100 ${K:+-k "$K"} tests 2>&1 | tee "$OUT/pytest.log" | tail -30
 echo "== bench"
-timeout ${BENCH_S:-170} python3 cli.py bench --cases "${CASES:-1x8192,1x16384,1x4096,ragged,16x512,4x2048,1024+ctx8192,H16-1x8192,noncausal-1x4096}" \
+timeout ${BENCH_S:-170} python3 cli.py bench --cases "${CASES:-1x8192,ragged,16x512,1x16384,1x4096,4x2048,1024+ctx8192,H16-1x8192,noncausal-1x4096}" \
   --json "$OUT/bench.json" --no-progress --reps 15 2>&1 | tee "$OUT/bench.txt" | tail -70
 echo "== paged / merge"
 timeout 40 python3 benchmarks/paged_merge_bench.py 2>&1 | tee "$OUT/paged_merge.txt" | tail -10
