@@ -154,6 +154,21 @@ def _q_start_i64(q_start_pos):
     return cupy.asarray(q_start_pos).astype(cupy.int64)
 
 
+def device_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out):
+    """Every array argument as something the kernels read in place (see ``_arrays.as_device``)."""
+    def opt(x, name):
+        return None if x is None else as_device(x, name)
+
+    if isinstance(k_rope, PagedKVCache):
+        k_rope = PagedKVCache(as_device(k_rope.blocks, "k_rope.blocks"), as_device(k_rope.lookup_table, "k_rope.lookup_table"),
+                              k_rope.page_size, k_rope.rope_offset)
+    else:
+        k_rope = as_device(k_rope, "k_rope")
+    return (as_device(q, "q"), as_device(k, "k"), as_device(v, "v"), k_rope, as_device(valid_length, "valid_length"),
+            as_device(cache_row_offsets, "cache_row_offsets"), opt(cache_offsets, "cache_offsets"),
+            opt(q_start_pos, "q_start_pos"), opt(out, "out"))
+
+
 def mla_prefill(
     q, k, v, k_rope: Union[Any, PagedKVCache], valid_length, cache_row_offsets, *,
     scale: Optional[float] = None, mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
@@ -216,17 +231,8 @@ def mla_prefill(
     """
     torch_q = q if is_torch(q) else None
     wrap = result_wrapper(q)
-    q, k, v = as_device(q, "q"), as_device(k, "k"), as_device(v, "v")
-    if isinstance(k_rope, PagedKVCache):
-        k_rope = PagedKVCache(as_device(k_rope.blocks, "k_rope.blocks"), as_device(k_rope.lookup_table, "k_rope.lookup_table"),
-                              k_rope.page_size, k_rope.rope_offset)
-    else:
-        k_rope = as_device(k_rope, "k_rope")
-    valid_length = as_device(valid_length, "valid_length")
-    cache_row_offsets = as_device(cache_row_offsets, "cache_row_offsets")
-    cache_offsets = None if cache_offsets is None else as_device(cache_offsets, "cache_offsets")
-    q_start_pos = None if q_start_pos is None else as_device(q_start_pos, "q_start_pos")
-    out = None if out is None else as_device(out, "out")
+    q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out = device_inputs(
+        q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out)
     p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                      q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
                      out_dtype=out_dtype, validate=validate, device=True, read_offsets=q_max_seq_len is None)

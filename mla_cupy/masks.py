@@ -75,11 +75,8 @@ class SlidingWindowCausalMask(Mask):
 
 
 @dataclass(frozen=True)
-class ChunkedMask(Mask):
-    """``q_pos // chunk == k_pos // chunk`` (bidirectional inside each chunk)."""
-
+class _ChunkMask(Mask):
     chunk: int
-    cpp_name: ClassVar[str] = "mla::ChunkedMask"
 
     def __post_init__(self):
         self._check_positive("chunk", self.chunk)
@@ -88,26 +85,28 @@ class ChunkedMask(Mask):
     def arg(self) -> int:
         return int(self.chunk)
 
-    def visible(self, q_pos, k_pos):
+    def _same_chunk(self, q_pos, k_pos):
         return np.floor_divide(q_pos, self.chunk) == np.floor_divide(k_pos, self.chunk)
 
 
 @dataclass(frozen=True)
-class ChunkedCausalMask(Mask):
-    """Causal and in the same chunk: ``k_pos <= q_pos`` and ``q_pos // chunk == k_pos // chunk``."""
+class ChunkedMask(_ChunkMask):
+    """``q_pos // chunk == k_pos // chunk`` (bidirectional inside each chunk)."""
 
-    chunk: int
-    cpp_name: ClassVar[str] = "mla::ChunkedCausalMask"
-
-    def __post_init__(self):
-        self._check_positive("chunk", self.chunk)
-
-    @property
-    def arg(self) -> int:
-        return int(self.chunk)
+    cpp_name: ClassVar[str] = "mla::ChunkedMask"
 
     def visible(self, q_pos, k_pos):
-        return (k_pos <= q_pos) & (np.floor_divide(q_pos, self.chunk) == np.floor_divide(k_pos, self.chunk))
+        return self._same_chunk(q_pos, k_pos)
+
+
+@dataclass(frozen=True)
+class ChunkedCausalMask(_ChunkMask):
+    """Causal and in the same chunk: ``k_pos <= q_pos`` and ``q_pos // chunk == k_pos // chunk``."""
+
+    cpp_name: ClassVar[str] = "mla::ChunkedCausalMask"
+
+    def visible(self, q_pos, k_pos):
+        return (k_pos <= q_pos) & self._same_chunk(q_pos, k_pos)
 
 
 #: One representative instance of every mask kind (the compile matrix and the tests iterate it).

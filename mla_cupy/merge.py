@@ -7,7 +7,7 @@ import numpy as np
 
 from . import _registry as reg
 from ._arrays import BF16, FP16, FP32, as_device, device_pointer, is_torch, result_wrapper, stream_of
-from .api import launch_prefill, _empty
+from .api import _empty, device_inputs, launch_prefill
 from .jit import get_function
 from .masks import Mask
 from .paged import PagedKVCache
@@ -100,16 +100,8 @@ def mla_prefill_chunked(
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     torch_q = q if is_torch(q) else None
     wrap = result_wrapper(q)
-    q, k, v = as_device(q, "q"), as_device(k, "k"), as_device(v, "v")
-    if isinstance(k_rope, PagedKVCache):
-        k_rope = PagedKVCache(as_device(k_rope.blocks, "k_rope.blocks"), as_device(k_rope.lookup_table, "k_rope.lookup_table"),
-                              k_rope.page_size, k_rope.rope_offset)
-    else:
-        k_rope = as_device(k_rope, "k_rope")
-    vl = as_device(valid_length, "valid_length")
-    cro = as_device(cache_row_offsets, "cache_row_offsets")
-    co = None if cache_offsets is None else as_device(cache_offsets, "cache_offsets")
-    qs = None if q_start_pos is None else as_device(q_start_pos, "q_start_pos")
+    q, k, v, k_rope, vl, cro, co, qs, out = device_inputs(q, k, v, k_rope, valid_length, cache_row_offsets,
+                                                          cache_offsets, q_start_pos, out)
     p = check_inputs(q, k, v, k_rope, vl, cro, scale=scale, mask=mask, q_max_seq_len=None, cache_offsets=co,
                      q_start_pos=qs, out=out, out_dtype=out_dtype, validate=validate, device=True, read_offsets=True)
     s = stream_of(stream, torch_q is not None)
@@ -141,8 +133,6 @@ def mla_prefill_chunked(
     with s:
         if out is None:
             out = _empty((p.tq, p.heads, DV), p.out_dtype, torch_q)
-        else:
-            out = as_device(out, "out")
         out[...] = acc.astype(out.dtype, copy=False)
     return (wrap(out), wrap(acc_lse)) if return_lse else wrap(out)
 
