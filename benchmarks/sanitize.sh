@@ -4,7 +4,7 @@
 set -u -o pipefail
 export PYTHONPATH="$PWD:$PWD/tests" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-SUBSET='(every_mask_dtype_heads and 16-) or (paged_equals_plain and 64) or nan_in_one or merge_states_exact'
+SUBSET=${SUBSET:-'(every_mask_dtype_heads and 16-bf16) or (paged_equals_plain and 64) or nan_in_one or merge_states_exact'}
 for tool in ${@:-memcheck racecheck synccheck}; do
   echo "== compute-sanitizer --tool $tool"
   compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 \
