@@ -246,8 +246,14 @@ def bench_peers(case: BenchCase, sets, reps: int) -> List[Row]:
 
     # --- FlexAttention: one call for the whole batch with a document mask ---
     try:
+        import torch._dynamo
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        # One compiled kernel per case shape: without a higher limit dynamo stops recompiling after
+        # 8 shapes and silently runs the unfused (materializing) implementation.
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
         flex = torch.compile(flex_attention, dynamic=False)
         dev = "cuda"
         q_doc = torch.repeat_interleave(torch.arange(len(case.sq), device=dev), torch.tensor(case.sq, device=dev))
