@@ -1,7 +1,7 @@
 """Random ragged MLA problems on the host, shared by the CPU and GPU tests."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import ml_dtypes
@@ -21,7 +21,6 @@ class Case:
     cache_row_offsets: np.ndarray
     cache_offsets: Optional[np.ndarray] = None
     q_start_pos: Optional[np.ndarray] = None
-    extra: dict = field(default_factory=dict)
 
 
 def make_case(sq: Sequence[int], sk: Sequence[int], heads: int, dtype=BF16, seed: int = 0,
