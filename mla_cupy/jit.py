@@ -87,7 +87,6 @@ class _Key:
 
 
 _modules: Dict[_Key, object] = {}
-_functions: Dict[Tuple[_Key, str], object] = {}
 _locks: Dict[_Key, threading.Lock] = {}
 _registry_lock = threading.Lock()
 _compiles = 0
@@ -111,9 +110,6 @@ def get_function(filename: str, name_expressions: Sequence[str], name: str, arch
     key = _Key(filename, tuple(name_expressions), arch)
     if name not in key.name_expressions:
         raise ValueError(f"{name!r} is not among the name expressions of this module")
-    fn = _functions.get((key, name))
-    if fn is not None:  # hot path: no lock, no driver call
-        return fn
     with _registry_lock:
         module = _modules.get(key)
         lock = _locks.setdefault(key, threading.Lock())
@@ -135,9 +131,7 @@ def get_function(filename: str, name_expressions: Sequence[str], name: str, arch
                 with _registry_lock:
                     _modules[key] = module
                     _compiles += 1
-    fn = module.get_function(name)
-    with _registry_lock:
-        return _functions.setdefault((key, name), fn)  # one kernel object per instantiation, kept
+    return module.get_function(name)
 
 
 def compile_offline(filename: str, name_expressions: Sequence[str], arch: str, method: str = "cubin") -> bytes:
