@@ -69,7 +69,9 @@ def _capability(device_id: int) -> str:
 def choose_kernel(kernel: str, paged: bool) -> str:
     """``'sm90'`` (the Hopper TMA + wgmma kernel) on compute capability 9.0, else ``'sm80'`` (the
     portable mma.sync kernel). ``kernel`` forces one; the environment variable
-    ``MLA_CUPY_DISABLE_SM90=1`` makes ``"auto"`` pick the portable kernel."""
+    ``MLA_CUPY_DISABLE_SM90=1`` makes ``"auto"`` pick the portable kernel. ``paged`` does not change
+    the choice today (both kernels read a PagedKVCache); it stays so a rope source that only one
+    kernel supports (the fp8 cache) can steer it."""
     import cupy
 
     if kernel not in KERNELS:
@@ -216,8 +218,8 @@ def mla_prefill(
     validate : bool
         Check offset values and paged block ids on the host (one small device-to-host copy).
     kernel : {"auto", "sm80", "sm90"}
-        ``"auto"`` runs the Hopper TMA + wgmma kernel on compute capability 9.0 (plain k_rope) and
-        the portable mma.sync kernel elsewhere; the others force one.
+        ``"auto"`` runs the Hopper TMA + wgmma kernel on compute capability 9.0 (plain or paged
+        k_rope) and the portable mma.sync kernel elsewhere; the others force one.
 
     Returns
     -------
