@@ -74,6 +74,28 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
+// Four consecutive values as floats: one 16-byte access for float32, one 8-byte access for 16-bit types.
+template <typename T> __device__ __forceinline__ void load4(const T* p, float (&x)[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = to_float<T>(h[i]);
+}
+template <> __device__ __forceinline__ void load4<float>(const float* p, float (&x)[4]) {
+  const float4 u = *reinterpret_cast<const float4*>(p);
+  x[0] = u.x; x[1] = u.y; x[2] = u.z; x[3] = u.w;
+}
+template <typename T> __device__ __forceinline__ void store4(T* p, const float (&x)[4]) {
+  uint2 u;
+  T* h = reinterpret_cast<T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = from_float<T>(x[i]);
+  *reinterpret_cast<uint2*>(p) = u;
+}
+template <> __device__ __forceinline__ void store4<float>(float* p, const float (&x)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Asynchronous copies (sm_80+). A false predicate copies zero bytes and zero-fills the 16-byte
 // destination: rows past a sequence's end become zeros, never a neighbour's data.

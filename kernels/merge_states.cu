@@ -2,7 +2,8 @@
 //   m = max(lse_a, lse_b); wa = exp(lse_a - m); wb = exp(lse_b - m)
 //   out = (wa * out_a + wb * out_b) / (wa + wb);  lse = m + log(wa + wb)
 // An empty part (lse = -inf) has weight 0; both empty gives out = 0, lse = -inf (never NaN).
-// One warp per (token, head) row; out may alias out_a and lse_out may alias lse_a (in-place fold).
+// One warp per (token, head) row (Dv a multiple of 4); out may alias out_a and lse_out may alias
+// lse_a (in-place fold).
 #include "common.cuh"
 
 namespace mla {
@@ -30,11 +31,17 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_states_kernel(
   const InT* pa = a + t * a_st + h * a_sh;
   const InT* pb = b + t * b_st + h * b_sh;
   OutT* po = out + t * o_st + h * o_sh;
-  for (int d = lane; d < dv; d += 32) {
-    // An empty side contributes nothing, even if its partial output holds garbage or NaN.
-    const float xa = wa > 0.f ? wa * to_float<InT>(pa[d]) : 0.f;
-    const float xb = wb > 0.f ? wb * to_float<InT>(pb[d]) : 0.f;
-    po[d] = from_float<OutT>((xa + xb) * inv);
+  // Four consecutive values per lane and step (16-byte loads for float32, 8-byte for 16-bit types).
+  for (int d = 4 * lane; d < dv; d += 128) {
+    float xa[4], xb[4], r[4];
+    load4<InT>(pa + d, xa);
+    load4<InT>(pb + d, xb);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      // An empty side contributes nothing, even if its partial output holds garbage or NaN.
+      r[i] = ((wa > 0.f ? wa * xa[i] : 0.f) + (wb > 0.f ? wb * xb[i] : 0.f)) * inv;
+    }
+    store4<OutT>(po + d, r);
   }
   __syncwarp();  // every lane has read lse_a before lane 0 may overwrite it in place
   if (lane == 0 && lse_out != nullptr) lse_out[t * lo_st + h] = empty ? neg_inf() : m + logf(denom);

@@ -111,6 +111,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         for (int c = 0; c < kDqk / kColBlock; ++c)
           tma_load_3d(sQ + c * kQColBytes, &tm_q, q_full, c * kColBlock, w.h, static_cast<int>(w.q_row0 + m0));
       }
+      // Paged: lane's rope rows of a tile (keys lane + 32 i), looked up one tile ahead so the page
+      // table reads overlap the wait for a free stage.
+      constexpr int kRopeRows = kBlockN / 32;
+      const T* rp[kRopeRows];
+      auto lookup_rows = [&](int t) {
+#pragma unroll
+        for (int i = 0; i < kRopeRows; ++i) {
+          const int j = n_begin + t * kBlockN + lane + 32 * i;
+          rp[i] = j < n_end ? RopeSource<true>::template row<T>(ra, w.b, w.kv_row0 + j, w.k_pos0 + j) : nullptr;
+        }
+      };
+      if (kPaged) lookup_rows(0);
       for (int t = 0; t < num_tiles; ++t) {
         const int s = t % kStages;
         mbar_wait(kv_empty(s), ((t / kStages) & 1) ^ 1);  // the first pass over the ring does not wait
@@ -126,20 +138,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           tma_load_3d(sV(s) + kKColBytes, &tm_v, v_full(s), kColBlock, w.h, row);
         }
         if (kPaged) {
-          // Gather the rope rows from the cache: lane handles keys lane + 32 i, 8 chunks each,
-          // written in the 128-byte swizzle (chunk c of row r at chunk c ^ (r % 8)).
+          // Gather the rope rows from the cache, 8 chunks each, written in the 128-byte swizzle
+          // (chunk c of row r at chunk c ^ (r % 8)); unreadable pages are zero-filled and flagged.
           const u32 rope_blk = sK(s) + 2 * kKColBytes;
           bool bad = false;
 #pragma unroll
-          for (int i = 0; i < kBlockN / 32; ++i) {
+          for (int i = 0; i < kRopeRows; ++i) {
             const int r = lane + 32 * i;
-            const int j = n0 + r;
-            const T* rp = j < n_end ? RopeSource<true>::template row<T>(ra, w.b, w.kv_row0 + j, w.k_pos0 + j) : nullptr;
-            const bool ok = rp != nullptr;
-            bad |= j < n_end && !ok;
+            const bool ok = rp[i] != nullptr;
+            bad |= n0 + r < n_end && !ok;
 #pragma unroll
             for (int c = 0; c < 8; ++c)
-              cp_async_16(rope_blk + r * 128 + ((c ^ (r & 7)) << 4), ok ? rp + c * 8 : static_cast<const T*>(rope_base), ok);
+              cp_async_16(rope_blk + r * 128 + ((c ^ (r & 7)) << 4), ok ? rp[i] + c * 8 : static_cast<const T*>(rope_base), ok);
             key_ok[s * (kBlockN + 16) + r] = ok;
           }
           mbar_cp_async_arrive(k_full(s));
@@ -147,6 +157,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           if (lane == 0) key_ok[s * (kBlockN + 16) + kBlockN] = bad;
           __syncwarp();
           mbar_arrive(k_full(s));  // release: the flags are visible once the barrier completes
+          if (t + 1 < num_tiles) lookup_rows(t + 1);
         }
       }
     }

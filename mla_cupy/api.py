@@ -86,6 +86,19 @@ def choose_kernel(kernel: str, paged: bool) -> str:
     return "sm90" if hopper and not os.environ.get("MLA_CUPY_DISABLE_SM90") else "sm80"
 
 
+_SMEM_SET: set = set()  # (id of kernel object, bytes) already configured; jit keeps those objects alive
+
+
+def _with_smem(fn, nbytes: int):
+    """Raise a kernel's dynamic shared-memory limit once (a driver call), not on every launch."""
+    key = (id(fn), nbytes)
+    if key not in _SMEM_SET:
+        if fn.max_dynamic_shared_size_bytes < nbytes:
+            fn.max_dynamic_shared_size_bytes = nbytes
+        _SMEM_SET.add(key)
+    return fn
+
+
 def _stride16(x, dim: int) -> int:
     """Byte stride of ``dim`` for a tensor map (a size-1 dimension's stride is arbitrary: use 16)."""
     st = int(x.strides[dim])
@@ -104,9 +117,8 @@ def _launch_sm90(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr, kv_begin_
         tm_r = np.zeros(1, TENSOR_MAP_DTYPE)[0]
     else:
         tm_r = encode_tiled(device_pointer(k_rope), p.dtype, (DR, p.tk), (_stride16(k_rope, 0),), (64, 128))
-    fn = get_function(*reg.prefill_sm90(p.dtype, p.mask), reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask, p.paged))
-    if fn.max_dynamic_shared_size_bytes < SM90_SMEM_BYTES:
-        fn.max_dynamic_shared_size_bytes = SM90_SMEM_BYTES
+    fn = _with_smem(get_function(*reg.prefill_sm90(p.dtype, p.mask), reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask, p.paged)),
+                    SM90_SMEM_BYTES)
     oitem = p.out_dtype.itemsize
     i64 = np.int64
     args = (tm_q, tm_k, tm_v, tm_r, device_pointer(out), optional_ptr(lse), q_offsets_ptr, kv_begin_ptr, kv_end_ptr,
@@ -127,9 +139,7 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
                      q_start_ptr, stream, -(-p.max_sq // BLOCK_M))
         return
     name = reg.prefill_sm80_name(p.dtype, p.out_dtype, p.mask, p.paged)
-    fn = get_function(*reg.prefill_sm80(p.dtype, p.mask), name)
-    if fn.max_dynamic_shared_size_bytes < SMEM_BYTES:
-        fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+    fn = _with_smem(get_function(*reg.prefill_sm80(p.dtype, p.mask), name), SMEM_BYTES)
     item, oitem = p.dtype.itemsize, p.out_dtype.itemsize
     nmb = -(-p.max_sq // BLOCK_M)
     rope = _rope_args(k_rope, p.dtype)

@@ -87,6 +87,7 @@ class _Key:
 
 
 _modules: Dict[_Key, object] = {}
+_functions: Dict[Tuple[_Key, str], object] = {}
 _locks: Dict[_Key, threading.Lock] = {}
 _registry_lock = threading.Lock()
 _compiles = 0
@@ -110,6 +111,9 @@ def get_function(filename: str, name_expressions: Sequence[str], name: str, arch
     key = _Key(filename, tuple(name_expressions), arch)
     if name not in key.name_expressions:
         raise ValueError(f"{name!r} is not among the name expressions of this module")
+    fn = _functions.get((key, name))
+    if fn is not None:  # hot path: no lock, no driver call
+        return fn
     with _registry_lock:
         module = _modules.get(key)
         lock = _locks.setdefault(key, threading.Lock())
@@ -131,7 +135,9 @@ def get_function(filename: str, name_expressions: Sequence[str], name: str, arch
                 with _registry_lock:
                     _modules[key] = module
                     _compiles += 1
-    return module.get_function(name)
+    fn = module.get_function(name)
+    with _registry_lock:
+        return _functions.setdefault((key, name), fn)  # one kernel object per instantiation, kept
 
 
 def compile_offline(filename: str, name_expressions: Sequence[str], arch: str, method: str = "cubin") -> bytes:

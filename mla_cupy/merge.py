@@ -44,6 +44,8 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=N
     dtypes = (FP32, BF16, FP16)
     check_array(a, "out_a", 3, dtypes, device=True)
     t, h, dv = (int(n) for n in a.shape)
+    if dv % 4:
+        raise ValueError(f"out_a: the last dimension must be a multiple of 4, got {dv}")
     check_array(b, "out_b", 3, (np.dtype(a.dtype),), device=True)
     check_shape(b, "out_b", (t, h, dv), "the shape of out_a")
     for name, x in (("lse_a", la), ("lse_b", lb)):
