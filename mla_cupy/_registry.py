@@ -17,11 +17,12 @@ CPP_TYPE: Dict[np.dtype, str] = {BF16: "__nv_bfloat16", FP16: "__half", FP32: "f
 
 #: Architectures CI compiles each family for.
 TARGET_ARCHS = {"mla_prefill_sm80.cu": ("sm_80", "sm_90a"), "mla_prefill_sm90.cu": ("sm_90a",),
-                "merge_states.cu": ("sm_80", "sm_90a")}
+                "merge_states.cu": ("sm_80", "sm_90a"), "bench_spin.cu": ("sm_80", "sm_90a")}
 
 PREFILL_SM80 = ("mla_prefill_sm80.cu", "mla::sm80::mla_prefill_kernel")
 PREFILL_SM90 = ("mla_prefill_sm90.cu", "mla::sm90::mla_prefill_kernel")
 MERGE = ("merge_states.cu", "mla::merge_states_kernel")
+SPIN = ("bench_spin.cu", ("mla::spin_kernel",))  # the benchmark's GPU-busy helper
 
 Family = Tuple[str, Tuple[str, ...]]
 
@@ -69,5 +70,5 @@ def all_families() -> List[Tuple[str, Family]]:
     """(arch, family) for every module CI must compile."""
     fams: List[Family] = [prefill_sm80(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(d, m) for d in (BF16, FP16) for m in MASKS]
-    fams.append(merge_family())
+    fams += [merge_family(), SPIN]
     return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]

@@ -3,8 +3,9 @@
 Every number in a table comes from one process on one warm GPU: our kernel, the peers that are
 importable (torch's cuDNN SDPA and FlexAttention, which need K built at full 192 width: that
 build is timed too), and the card's bf16 matmul rate as a roofline. Times are medians of many
-repeats after warm-up, measured with CUDA events, rotating through enough input sets to defeat
-the L2 cache. FLOPs count visible (query, key) pairs only: ``H * 2 * (192 + 128) * pairs``.
+repeats after warm-up, measured with CUDA events behind a GPU-busy spin kernel (so they are GPU
+time, for every implementation alike; our host time per call is its own column), rotating
+through enough input sets to defeat the L2 cache. FLOPs count visible (query, key) pairs only: ``H * 2 * (192 + 128) * pairs``.
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ class Row:
     rel_err: Optional[float] = None
     extra_mem_mb: Optional[float] = None
     note: str = ""
+    host_us: Optional[float] = None  # host time per call (ours, validate=False, out= given)
     ratios: Dict[str, float] = field(default_factory=dict)
 
 
@@ -110,8 +112,29 @@ def _inputs(case: BenchCase, seed: int):
                 valid_length=cp.asarray(vl), cache_row_offsets=cp.asarray(cro))
 
 
-def time_ms(fn: Callable[[int], object], n_sets: int, warmup: int = 3, reps: int = 20) -> float:
-    """Median of ``reps`` event-timed calls ``fn(i % n_sets)`` after ``warmup`` calls."""
+SPIN_US = 2000.0  # GPU-busy time enqueued before each timed call (covers the host's launch work)
+
+
+def _spin(us: float) -> None:
+    """Keep the GPU busy for ``us`` microseconds (one thread reading the global timer)."""
+    from . import jit
+    from ._registry import SPIN
+
+    import cupy as cp
+
+    fn = jit.get_function(SPIN[0], SPIN[1], SPIN[1][0])
+    fn((1,), (1,), (cp.uint64(int(us * 1000)),))
+
+
+def time_ms(fn: Callable[[int], object], n_sets: int, warmup: int = 3, reps: int = 20,
+            spin_us: Optional[float] = SPIN_US) -> float:
+    """Median GPU time of ``reps`` calls ``fn(i % n_sets)`` after ``warmup`` calls, in ms.
+
+    Each call is bracketed by CUDA events. With ``spin_us`` (the default), a spin kernel enqueued
+    first keeps the GPU busy while the host enqueues the call, so the events measure the GPU's work
+    only, not the Python/driver launch overhead (reported apart: :func:`host_us`). ``spin_us=None``
+    measures from an idle GPU, the host's launch latency included.
+    """
     import cupy as cp
 
     for i in range(warmup):
@@ -119,12 +142,28 @@ def time_ms(fn: Callable[[int], object], n_sets: int, warmup: int = 3, reps: int
     times = []
     for i in range(reps):
         a, b = cp.cuda.Event(), cp.cuda.Event()
+        if spin_us:
+            _spin(spin_us)
         a.record()
         fn(i % n_sets)
         b.record()
         b.synchronize()
         times.append(cp.cuda.get_elapsed_time(a, b))
     return statistics.median(times)
+
+
+def host_us(fn: Callable[[int], object], n_sets: int, reps: int = 200) -> float:
+    """Host time per call in microseconds: enqueueing ``reps`` calls behind a busy GPU."""
+    import cupy as cp
+
+    fn(0)
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for i in range(reps):
+        fn(i % n_sets)
+    dt = time.perf_counter() - t0
+    cp.cuda.Device().synchronize()
+    return dt / reps * 1e6
 
 
 def matmul_tflops(n: int = 8192, reps: int = 20) -> Optional[float]:
@@ -172,13 +211,14 @@ def bench_ours(case: BenchCase, sets, reps: int) -> Row:
                     q_max_seq_len=ms_max, validate=False, out=outs[i])
 
     ms = time_ms(call, n, reps=reps)
+    launch_us = host_us(call, n, reps=max(20, min(200, int(200 / max(ms, 1e-3)))))
     pool = cp.get_default_memory_pool()
     before = pool.used_bytes()
     x = sets[0]
     res = mla_prefill(x["q"], x["k"], x["v"], x["k_rope"], x["valid_length"], x["cache_row_offsets"], mask=case.mask)
     extra = (pool.used_bytes() - before) / 2**20
     err = _rel_err_sampled(case, x, res, (0, case.heads - 1))
-    return Row(case.name, "mla_cupy", ms, case.flops() / ms / 1e9, err, extra)
+    return Row(case.name, "mla_cupy", ms, case.flops() / ms / 1e9, err, extra, host_us=launch_us)
 
 
 def _torch_views(x):
@@ -349,7 +389,7 @@ def run_cpu(cases: Sequence[BenchCase]) -> dict:
 
 def format_table(result: dict) -> str:
     peers = sorted({k for r in result["rows"] for k in r["ratios"]} - {"roofline"})
-    head = ["case", "impl", "ms", "TFLOP/s", "rel_err", "extra MB"] + ["roof%"] + [f"x {p}" for p in peers]
+    head = ["case", "impl", "ms", "TFLOP/s", "rel_err", "extra MB", "host us"] + ["roof%"] + [f"x {p}" for p in peers]
     lines = [f"device: {result['device']}  bf16 matmul: "
              + (f"{result['matmul_tflops']:.0f} TFLOP/s" if result.get("matmul_tflops") else "n/a")]
     body = []
@@ -357,6 +397,7 @@ def format_table(result: dict) -> str:
         cells = [r["case"], r["impl"], f"{r['ms']:.3f}", "" if r["tflops"] != r["tflops"] else f"{r['tflops']:.1f}",
                  "" if r["rel_err"] is None else f"{r['rel_err']:.2e}",
                  "" if r["extra_mem_mb"] is None else f"{r['extra_mem_mb']:.0f}",
+                 "" if r.get("host_us") is None else f"{r['host_us']:.0f}",
                  f"{100 * r['ratios']['roofline']:.0f}" if "roofline" in r["ratios"] else ""]
         cells += [f"{r['ratios'][p]:.2f}" if p in r["ratios"] else "" for p in peers]
         body.append(cells)
@@ -394,7 +435,7 @@ def plot(result: dict, path: str) -> None:
 def write_csv(result: dict, path: str) -> None:
     import csv
 
-    keys = ["case", "impl", "ms", "tflops", "rel_err", "extra_mem_mb", "note", "ratios"]
+    keys = ["case", "impl", "ms", "tflops", "rel_err", "extra_mem_mb", "host_us", "note", "ratios"]
     with open(path, "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=keys)
         wr.writeheader()

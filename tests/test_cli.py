@@ -26,7 +26,7 @@ def test_bench_cpu_json_fields(tmp_path):
     data = json.loads(path.read_text())
     assert {"device", "matmul_tflops", "rows", "date"} <= set(data)
     row = data["rows"][0]
-    assert {"case", "impl", "ms", "tflops", "rel_err", "extra_mem_mb", "note", "ratios"} <= set(row)
+    assert {"case", "impl", "ms", "tflops", "rel_err", "extra_mem_mb", "host_us", "note", "ratios"} <= set(row)
     assert row["impl"] == "reference-cpu" and row["ms"] > 0
     # the FLOP count behind TFLOP/s: H * 2 * (192 + 128) * visible pairs (checked by hand)
     from mla_cupy.bench import CPU_CASES

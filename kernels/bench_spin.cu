@@ -1,0 +1,16 @@
+// Benchmark helper: one thread spins for `ns` nanoseconds of the GPU's global timer. Launched just
+// before a timed call, it keeps the GPU busy while the host enqueues that call, so the CUDA events
+// around the call measure GPU time only (host launch overhead is measured and reported apart).
+#include "common.cuh"
+
+namespace mla {
+
+__global__ void spin_kernel(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+}  // namespace mla
