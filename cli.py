@@ -124,9 +124,9 @@ def _compile_one(job):
             jit.get_function(filename, names, names[0])
         else:
             jit.compile_offline(filename, names, arch)
-        return filename, names[0], time.perf_counter() - t0, ""
+        return arch, (filename, names), time.perf_counter() - t0, ""
     except Exception as exc:
-        return filename, names[0], time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"
+        return arch, (filename, names), time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"
 
 
 @cli.command(name="compile")
@@ -150,9 +150,9 @@ def compile_cmd(offline, jobs):
     t0 = time.perf_counter()
     failed = 0
     with ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as ex:
-        for filename, first, secs, err in ex.map(_compile_one, todo):
+        for arch, fam, secs, err in ex.map(_compile_one, todo):
             failed += bool(err)
-            click.echo(f"{'FAIL' if err else 'ok  '} {secs:5.1f}s {filename} {first.split('<')[1].split(',')[0]} ...{(' ' + err) if err else ''}")
+            click.echo(f"{'FAIL' if err else 'ok  '} {secs:5.1f}s {arch or 'this GPU'} {reg.family_label(fam)}{(' ' + err) if err else ''}")
     click.echo(f"{len(todo) - failed}/{len(todo)} families compiled in {time.perf_counter() - t0:.1f}s")
     if failed:
         sys.exit(1)

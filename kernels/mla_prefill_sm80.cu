@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     i64 q_st, i64 q_sh, i64 k_st, i64 k_sh, i64 v_st, i64 v_sh, i64 o_st, i64 o_sh, i64 lse_st,
     const void* rope_base, i64 rope_row_stride, i64 rope_block_stride, const u32* __restrict__ lookup,
     i64 lookup_stride, int log2_page_size, u32 num_blocks, u32 max_pages,
-    int num_heads, int batch, int num_m_blocks, float scale_log2, i64 mask_arg) {
+    int num_heads, int heads_per_section, int batch, int num_m_blocks, float scale_log2, i64 mask_arg) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 
   const SeqOffsets so{q_offsets, kv_begin, kv_end, cache_offsets, q_start_pos};
   WorkTile w;
-  if (!decode_work_tile(so, num_heads, batch, num_m_blocks, kBlockM, w)) return;
+  if (!decode_work_tile(so, blockIdx.x, num_heads, heads_per_section, batch, num_m_blocks, kBlockM, w)) return;
   const RopeArgs ra{rope_base, rope_row_stride, rope_block_stride, lookup, lookup_stride,
                     log2_page_size, num_blocks, max_pages};
   const Mask mask{mask_arg};

@@ -1,11 +1,18 @@
 // Hopper MLA prefill kernel (sm_90a): warp-specialized, TMA + wgmma, FlashAttention-3 style.
 //
-//   * One CTA = 128 query rows of one head of one sequence; 3 warpgroups:
-//       WG0, the producer: one thread issues TMA copies of Q once and of each K/V tile into a
-//           2-stage shared-memory ring guarded by mbarriers (setmaxnreg: 24 registers);
+//   * Persistent: one CTA per SM strides over the work tiles (128 query rows of one head of one
+//     sequence) in the order of tile_scheduler.cuh (heads in L2-sized sections, longest first).
+//     3 warpgroups:
+//       WG0, the producer: one warp issues TMA copies of each work tile's Q (once the consumers
+//           are done with the previous one) and of its K/V tiles into a 2-stage shared-memory ring
+//           guarded by mbarriers, K and V with their own "full" and "empty" barriers
+//           (setmaxnreg: 24 registers, 56 when paged);
 //       WG1, WG2, the consumers: 64 query rows each; S = Q K^T with wgmma (both operands in shared
 //           memory), online softmax in registers, O += P V with wgmma (P from registers, V read
-//           transposed from shared memory) (setmaxnreg: 240 registers).
+//           transposed from shared memory) (setmaxnreg: 240 registers, 224 when paged).
+//   * Intra-warpgroup overlap: a consumer issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, waits
+//     for S_t only, and runs the softmax of tile t while the tensor cores still work on P V; only
+//     then does it wait for O and rescale it.
 //   * A K tile is 128 keys x 192: two 64-wide column blocks of the head's nope part from k, then
 //     the 64 rope values every head shares, copied from k_rope by their own tensor map. Nothing
 //     materializes [Tk, H, 192].
@@ -43,14 +50,31 @@ constexpr int kQBytes = (kDqk / kColBlock) * kQColBytes;  // 48 KiB
 constexpr int kKBytes = (kDqk / kColBlock) * kKColBytes;  // 48 KiB: nope 0..63, nope 64..127, rope
 constexpr int kVBytes = (kDv / kColBlock) * kKColBytes;   // 32 KiB
 constexpr int kStageBytes = kKBytes + kVBytes;
-constexpr int kBarOffset = kQBytes + kStages * kStageBytes;
+constexpr int kBarOffset = kQBytes + kStages * kStageBytes;  // 2 + 4 * kStages mbarriers of 8 bytes
 constexpr int kKeyOkOffset = kBarOffset + 128;             // paged: per-key "readable" flags + a tile flag
 constexpr int kSmemBytes = kKeyOkOffset + kStages * (kBlockN + 16) + 1024;  // + slack to align the base to 1 KiB
+static_assert(8 * (2 + 4 * kStages) <= 128, "the mbarriers must fit their 128 bytes");
+
+// Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The paged
+// producer warp keeps a tile's page lookups in registers and needs more than the plain one's 24.
+template <bool kPaged> constexpr int kProducerRegs = kPaged ? 56 : 24;
+template <bool kPaged> constexpr int kConsumerRegs = kPaged ? 224 : 240;
+static_assert(128 * (kProducerRegs<true> + kConsumers * kConsumerRegs<true>) <= 65536, "register budget");
+static_assert(128 * (kProducerRegs<false> + kConsumers * kConsumerRegs<false>) <= 65536, "register budget");
 
 constexpr int kQkSteps = kDqk / 16;                // 12 wgmma k-steps for S
 constexpr int kPvSteps = kBlockN / 16;             // 8 wgmma k-steps for O
 constexpr int kSTiles = kBlockN / 8;               // 16
 constexpr int kOTiles = kDv / 8;                   // 16
+
+// O[64x128] += P[64x128] V[128x128]: P from registers (8 k-steps of 16 keys), V from the stage's
+// shared memory read transposed. Keys 16kk .. 16kk+15 are rows of V: 16 rows x 128 bytes = 2048
+// bytes per k-step; V's two 64-wide column blocks are one block (16 KiB) apart (the LBO).
+template <typename T>
+__device__ __forceinline__ void pv_mma(float (&o)[kOTiles][4], const u32 (&pa)[kPvSteps][4], u32 v_stage) {
+#pragma unroll
+  for (int kk = 0; kk < kPvSteps; ++kk) Wgmma<T>::rs_tb(o, pa[kk], make_desc(v_stage + kk * 2048, kKColBytes, 1024));
+}
 
 template <typename T, typename OutT, typename Mask, bool kPaged>
 __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
@@ -61,39 +85,52 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     const u32* __restrict__ cache_offsets, const i64* __restrict__ q_start_pos,
     i64 o_st, i64 o_sh, i64 lse_st, const void* rope_base, i64 rope_row_stride, i64 rope_block_stride,
     const u32* __restrict__ lookup, i64 lookup_stride, int log2_page_size, u32 num_blocks, u32 max_pages,
-    int num_heads, int batch, int num_m_blocks, float scale_log2, i64 mask_arg) {
+    int num_heads, int heads_per_section, int batch, int num_m_blocks, float scale_log2, i64 mask_arg) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const SeqOffsets so{q_offsets, kv_begin, kv_end, cache_offsets, q_start_pos};
-  WorkTile w;
-  if (!decode_work_tile(so, num_heads, batch, num_m_blocks, kBlockM, w)) return;
   const Mask mask{mask_arg};
-  const int m0 = w.m_block * kBlockM;
-  const int rows = min(kBlockM, w.sq - m0);
-  int n_begin, n_end;
-  visible_key_span(mask, w, w.q_pos0 + m0, w.q_pos0 + m0 + rows - 1, n_begin, n_end);
-  const int num_tiles = (n_end - n_begin + kBlockN - 1) / kBlockN;
+  const int num_work = num_m_blocks * batch * num_heads;
 
-  // Shared memory: [Q][K0 V0][K1 V1][barriers], the base rounded up to 1 KiB for the swizzle.
+  // Work tile idx: its rows and the span of keys [n_begin, n_end) any of its rows may see, in
+  // num_tiles key tiles. Producer and consumers decode the same tiles, so they agree on every count.
+  struct Work {
+    WorkTile w;
+    int m0, n_begin, n_end, num_tiles;
+  };
+  auto plan = [&](int idx, Work& k) -> bool {
+    if (!decode_work_tile(so, idx, num_heads, heads_per_section, batch, num_m_blocks, kBlockM, k.w)) return false;
+    k.m0 = k.w.m_block * kBlockM;
+    const int rows = min(kBlockM, k.w.sq - k.m0);
+    visible_key_span(mask, k.w, k.w.q_pos0 + k.m0, k.w.q_pos0 + k.m0 + rows - 1, k.n_begin, k.n_end);
+    k.num_tiles = (k.n_end - k.n_begin + kBlockN - 1) / kBlockN;
+    return true;
+  };
+
+  // Shared memory: [Q][K0 V0][K1 V1][barriers][paged flags], the base rounded up to 1 KiB for the swizzle.
   const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const u32 sQ = base;
   const u32 bar = base + kBarOffset;
-  const u32 q_full = bar;
-  auto k_full = [&](int s) { return bar + 8 + 8 * s; };
-  auto v_full = [&](int s) { return bar + 8 + 8 * kStages + 8 * s; };
-  auto kv_empty = [&](int s) { return bar + 8 + 16 * kStages + 8 * s; };
+  const u32 q_full = bar, q_empty = bar + 8;
+  auto k_full = [&](int s) { return bar + 16 + 8 * s; };
+  auto v_full = [&](int s) { return bar + 16 + 8 * (kStages + s); };
+  auto k_empty = [&](int s) { return bar + 16 + 8 * (2 * kStages + s); };
+  auto v_empty = [&](int s) { return bar + 16 + 8 * (3 * kStages + s); };
   auto sK = [&](int s) { return base + kQBytes + s * kStageBytes; };
   auto sV = [&](int s) { return base + kQBytes + s * kStageBytes + kKBytes; };
   // paged only: key_ok[s][0..127] flags, then tile_bad[s] at byte kBlockN
   unsigned char* key_ok = smem_raw + (base - smem_addr(smem_raw)) + kKeyOkOffset;
 
   const int wg = threadIdx.x / 128;
+  const int lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);
+    mbar_init(q_empty, kConsumerThreads);
     for (int s = 0; s < kStages; ++s) {
       // paged: + 32 cp.async completions and 32 plain arrivals (after the flags) of the producer warp
       mbar_init(k_full(s), kPaged ? 1 + 64 : 1);
       mbar_init(v_full(s), 1);
-      mbar_init(kv_empty(s), kConsumerThreads);
+      mbar_init(k_empty(s), kConsumerThreads);
+      mbar_init(v_empty(s), kConsumerThreads);
     }
     fence_barrier_init();
   }
@@ -101,16 +138,23 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 
   if (wg == 0) {
     // ------------------------------------ producer ------------------------------------
-    regs_dealloc<24>();
-    const int lane = threadIdx.x % 32;
-    if (threadIdx.x < 32 && num_tiles > 0) {
-      const RopeArgs ra{rope_base, rope_row_stride, rope_block_stride, lookup, lookup_stride, log2_page_size,
-                        num_blocks, max_pages};
+    regs_dealloc<kProducerRegs<kPaged>>();
+    if (threadIdx.x >= 32) return;
+    const RopeArgs ra{rope_base, rope_row_stride, rope_block_stride, lookup, lookup_stride, log2_page_size,
+                      num_blocks, max_pages};
+    int it = 0;  // K/V tiles loaded so far: the position in the ring, continued across work tiles
+    int nq = 0;  // Q tiles loaded so far
+    for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
+      Work k;
+      if (!plan(idx, k) || k.num_tiles == 0) continue;
+      const WorkTile& w = k.w;
       if (lane == 0) {
+        mbar_wait(q_empty, (nq & 1) ^ 1);  // the consumers are done with the previous Q
         mbar_expect_tx(q_full, kQBytes);
         for (int c = 0; c < kDqk / kColBlock; ++c)
-          tma_load_3d(sQ + c * kQColBytes, &tm_q, q_full, c * kColBlock, w.h, static_cast<int>(w.q_row0 + m0));
+          tma_load_3d(sQ + c * kQColBytes, &tm_q, q_full, c * kColBlock, w.h, static_cast<int>(w.q_row0 + k.m0));
       }
+      ++nq;
       // Paged: lane's rope rows of a tile (keys lane + 32 i), looked up one tile ahead so the page
       // table reads overlap the wait for a free stage.
       constexpr int kRopeRows = kBlockN / 32;
@@ -118,24 +162,22 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       auto lookup_rows = [&](int t) {
 #pragma unroll
         for (int i = 0; i < kRopeRows; ++i) {
-          const int j = n_begin + t * kBlockN + lane + 32 * i;
-          rp[i] = j < n_end ? RopeSource<true>::template row<T>(ra, w.b, w.kv_row0 + j, w.k_pos0 + j) : nullptr;
+          const int j = k.n_begin + t * kBlockN + lane + 32 * i;
+          rp[i] = j < k.n_end ? RopeSource<true>::template row<T>(ra, w.b, w.kv_row0 + j, w.k_pos0 + j) : nullptr;
         }
       };
       if (kPaged) lookup_rows(0);
-      for (int t = 0; t < num_tiles; ++t) {
-        const int s = t % kStages;
-        mbar_wait(kv_empty(s), ((t / kStages) & 1) ^ 1);  // the first pass over the ring does not wait
-        const int n0 = n_begin + t * kBlockN;
+      for (int t = 0; t < k.num_tiles; ++t, ++it) {
+        const int s = it % kStages;
+        const u32 empty_parity = ((it / kStages) & 1) ^ 1;  // the first pass over the ring does not wait
+        const int n0 = k.n_begin + t * kBlockN;
         const int row = static_cast<int>(w.kv_row0 + n0);
+        mbar_wait(k_empty(s), empty_parity);
         if (lane == 0) {
           mbar_expect_tx(k_full(s), kPaged ? kKBytes - kKColBytes : kKBytes);
           tma_load_3d(sK(s), &tm_k, k_full(s), 0, w.h, row);
           tma_load_3d(sK(s) + kKColBytes, &tm_k, k_full(s), kColBlock, w.h, row);
           if (!kPaged) tma_load_2d(sK(s) + 2 * kKColBytes, &tm_rope, k_full(s), 0, row);  // shared by every head
-          mbar_expect_tx(v_full(s), kVBytes);
-          tma_load_3d(sV(s), &tm_v, v_full(s), 0, w.h, row);
-          tma_load_3d(sV(s) + kKColBytes, &tm_v, v_full(s), kColBlock, w.h, row);
         }
         if (kPaged) {
           // Gather the rope rows from the cache, 8 chunks each, written in the 128-byte swizzle
@@ -146,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           for (int i = 0; i < kRopeRows; ++i) {
             const int r = lane + 32 * i;
             const bool ok = rp[i] != nullptr;
-            bad |= n0 + r < n_end && !ok;
+            bad |= n0 + r < k.n_end && !ok;
 #pragma unroll
             for (int c = 0; c < 8; ++c)
               cp_async_16(rope_blk + r * 128 + ((c ^ (r & 7)) << 4), ok ? rp[i] + c * 8 : static_cast<const T*>(rope_base), ok);
@@ -157,7 +199,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           if (lane == 0) key_ok[s * (kBlockN + 16) + kBlockN] = bad;
           __syncwarp();
           mbar_arrive(k_full(s));  // release: the flags are visible once the barrier completes
-          if (t + 1 < num_tiles) lookup_rows(t + 1);
+          if (t + 1 < k.num_tiles) lookup_rows(t + 1);
+        }
+        mbar_wait(v_empty(s), empty_parity);
+        if (lane == 0) {
+          mbar_expect_tx(v_full(s), kVBytes);
+          tma_load_3d(sV(s), &tm_v, v_full(s), 0, w.h, row);
+          tma_load_3d(sV(s) + kKColBytes, &tm_v, v_full(s), kColBlock, w.h, row);
         }
       }
     }
@@ -165,94 +213,119 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   }
 
   // ------------------------------------ consumers ------------------------------------
-  regs_alloc<240>();
+  regs_alloc<kConsumerRegs<kPaged>>();
   const int cw = wg - 1;                           // consumer index: rows cw * 64 .. cw * 64 + 63
   const int ctid = threadIdx.x - 128;              // 0 .. 255 across both consumers
   const int warp_in_wg = (threadIdx.x / 32) % 4;
-  const int lane = threadIdx.x % 32;
-  const int wr0 = m0 + cw * kWgRows;               // first sequence row of this warpgroup
-  const int row0 = wr0 + warp_in_wg * 16 + (lane >> 2);  // sequence row of this thread's row g
-  const i64 wq_lo = w.q_pos0 + wr0;
-  const i64 wq_hi = w.q_pos0 + min(wr0 + kWgRows - 1, w.sq - 1);
-  int wn_begin = 0, wn_end = 0;
-  if (wr0 < w.sq) visible_key_span(mask, w, wq_lo, wq_hi, wn_begin, wn_end);
-
-  float o[kOTiles][4];
-#pragma unroll
-  for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  OnlineSoftmax sm;
-  sm.init();
-
-  if (num_tiles > 0) mbar_wait(q_full, 0);
   const u32 sQw = sQ + cw * kWgRows * 128;         // this warpgroup's 64 rows inside each column block
+  int it = 0, nq = 0;                              // the producer's counters, followed in step
 
-  for (int t = 0; t < num_tiles; ++t) {
-    const int s = t % kStages;
-    const u32 parity = (t / kStages) & 1;
-    const int n0 = n_begin + t * kBlockN;
-    // A warpgroup whose rows see nothing of this tile skips its math (it still releases the stage).
-    const bool skip = wr0 >= w.sq || n0 >= wn_end || n0 + kBlockN <= wn_begin;
-    const bool partial = n0 + kBlockN > n_end;     // uniform across the CTA
+  for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
+    Work k;
+    if (!plan(idx, k)) continue;
+    const WorkTile& w = k.w;
+    const int wr0 = k.m0 + cw * kWgRows;           // first sequence row of this warpgroup
+    const int row0 = wr0 + warp_in_wg * 16 + (lane >> 2);  // sequence row of this thread's row g
+    const i64 wq_lo = w.q_pos0 + wr0;
+    const i64 wq_hi = w.q_pos0 + min(wr0 + kWgRows - 1, w.sq - 1);
+    int wn_begin = 0, wn_end = 0;
+    if (wr0 < w.sq) visible_key_span(mask, w, wq_lo, wq_hi, wn_begin, wn_end);
 
-    float sacc[kSTiles][4];
-    if (!skip) {
-      mbar_wait(k_full(s), parity);
-      fence_operands(sacc);
-      wgmma_fence();
+    float o[kOTiles][4];
 #pragma unroll
-      for (int kk = 0; kk < kQkSteps; ++kk) {
-        // k-step kk: column block kk / 4, 32-byte step kk % 4 inside the 128-byte swizzled row
-        const u32 off = (kk / 4) * kQColBytes + (kk % 4) * 32;
-        const u32 koff = (kk / 4) * kKColBytes + (kk % 4) * 32;
-        Wgmma<T>::ss(sacc, make_desc(sQw + off, 16, 1024), make_desc(sK(s) + koff, 16, 1024), kk > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(sacc);
-      const unsigned char* ok = key_ok + s * (kBlockN + 16);
-      const bool tile_bad = kPaged && ok[kBlockN];
-      const bool full = !partial && !tile_bad &&
-                        mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
-      if (!full) apply_mask(sacc, mask, w, row0, n0, n_end, tile_bad ? ok : nullptr);
-      sm.update(sacc, o, scale_log2);
-    }
+    for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    OnlineSoftmax sm;
+    sm.init();
 
-    mbar_wait(v_full(s), parity);
-    if (partial) {
-      // Zero the V rows past the block's keys (both consumers share the stage), then make the
-      // generic-proxy stores visible to wgmma before either warpgroup reads V.
-      const int valid = n_end - n0;
-      for (int i = ctid; i < (kBlockN - valid) * (kDv / 8); i += kConsumerThreads) {
-        const int r = valid + i / (kDv / 8);
-        const int c = i % (kDv / 8);             // 16-byte chunk: block c / 8, chunk c % 8 of the row
-        const u32 addr = sV(s) + (c / 8) * kKColBytes + r * 128 + (c % 8) * 16;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0));
-      }
-      fence_proxy_async();
-      named_barrier_sync(1, kConsumerThreads);
-    }
-    if (!skip) {
-      u32 pa[kPvSteps][4];  // all of P packed before the first wgmma reads any of it
+    if (k.num_tiles > 0) {
+      mbar_wait(q_full, nq & 1);
+      ++nq;
+      float sacc[kSTiles][4];
+      u32 pa[kPvSteps][4];      // P of the previous tile, waiting for its P V
+      bool have_p = false;      // pa holds a tile whose P V is not issued yet
+      int prev_s = 0;
+      u32 prev_parity = 0;
+      for (int t = 0; t < k.num_tiles; ++t, ++it) {
+        const int s = it % kStages;
+        const u32 parity = (it / kStages) & 1;
+        const int n0 = k.n_begin + t * kBlockN;
+        // A warpgroup whose rows see nothing of this tile skips its math (it still waits for and
+        // releases every stage, in order, so the barrier phases stay in step).
+        const bool skip = wr0 >= w.sq || n0 >= wn_end || n0 + kBlockN <= wn_begin;
+        mbar_wait(k_full(s), parity);
+        if (!skip) {  // S_t = Q K_t^T, issued
+          fence_operands(sacc);
+          wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kPvSteps; ++kk) pack_p<T>(sacc, kk, pa[kk]);
-      fence_operands(pa);
-      fence_operands(o);
-      wgmma_fence();
+          for (int kk = 0; kk < kQkSteps; ++kk) {
+            // k-step kk: column block kk / 4, 32-byte step kk % 4 inside the 128-byte swizzled row
+            const u32 off = (kk / 4) * kQColBytes + (kk % 4) * 32;
+            const u32 koff = (kk / 4) * kKColBytes + (kk % 4) * 32;
+            Wgmma<T>::ss(sacc, make_desc(sQw + off, 16, 1024), make_desc(sK(s) + koff, 16, 1024), kk > 0);
+          }
+          wgmma_commit();
+        }
+        if (t > 0) mbar_wait(v_full(prev_s), prev_parity);
+        if (have_p) {  // O += P_{t-1} V_{t-1}, issued behind S_t
+          wgmma_fence();
+          pv_mma<T>(o, pa, sV(prev_s));
+          wgmma_commit();
+        }
+        float corr[2];
+        if (!skip) {
+          if (have_p) wgmma_wait<1>(); else wgmma_wait<0>();  // S_t is ready; P V may still run
+          fence_operands(sacc);
+          const unsigned char* ok = key_ok + s * (kBlockN + 16);
+          const bool tile_bad = kPaged && ok[kBlockN];
+          const bool full = n0 + kBlockN <= k.n_end && !tile_bad &&
+                            mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
+          if (!full) apply_mask(sacc, mask, w, row0, n0, k.n_end, tile_bad ? ok : nullptr);
+        }
+        mbar_arrive(k_empty(s));                   // K_t (and its paged flags) fully read
+        if (!skip) sm.update_scores(sacc, scale_log2, corr);  // overlaps P_{t-1} V_{t-1}
+        if (have_p) {
+          wgmma_wait<0>();
+          fence_operands(o);
+          fence_operands(pa);
+        }
+        if (t > 0) mbar_arrive(v_empty(prev_s));
+        if (!skip) {
+          OnlineSoftmax::rescale(o, corr);
 #pragma unroll
-      for (int kk = 0; kk < kPvSteps; ++kk) {
-        // keys 16kk .. 16kk+15 are rows of V: 16 rows x 128 bytes = 2048 bytes per k-step;
-        // the two 64-wide column blocks of V are one block (16 KiB) apart (the LBO).
-        Wgmma<T>::rs_tb(o, pa[kk], make_desc(sV(s) + kk * 2048, kKColBytes, 1024));
+          for (int kk = 0; kk < kPvSteps; ++kk) pack_p<T>(sacc, kk, pa[kk]);
+        }
+        have_p = !skip;
+        prev_s = s;
+        prev_parity = parity;
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(o);
-      fence_operands(pa);
+      mbar_arrive(q_empty);  // every S of this work tile is done: the producer may load the next Q
+
+      // The last tile's P V. Its V rows past the span's end (the neighbour's keys) are zeroed first,
+      // by both consumers together, and the stores made visible to wgmma before either reads V.
+      mbar_wait(v_full(prev_s), prev_parity);
+      const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBlockN);
+      if (valid < kBlockN) {
+        for (int i = ctid; i < (kBlockN - valid) * (kDv / 8); i += kConsumerThreads) {
+          const int r = valid + i / (kDv / 8);
+          const int c = i % (kDv / 8);             // 16-byte chunk: block c / 8, chunk c % 8 of the row
+          const u32 addr = sV(prev_s) + (c / 8) * kKColBytes + r * 128 + (c % 8) * 16;
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0));
+        }
+        fence_proxy_async();
+        named_barrier_sync(1, kConsumerThreads);
+      }
+      if (have_p) {
+        wgmma_fence();
+        pv_mma<T>(o, pa, sV(prev_s));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(pa);
+      }
+      mbar_arrive(v_empty(prev_s));
     }
-    mbar_arrive(kv_empty(s));
+    store_rows<OutT>(o, sm, w, row0, out, o_st, o_sh, lse, lse_st);
   }
-
-  store_rows<OutT>(o, sm, w, row0, out, o_st, o_sh, lse, lse_st);
 }
 
 }  // namespace sm90

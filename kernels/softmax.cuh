@@ -43,18 +43,22 @@ struct OnlineSoftmax {
     row_sum[0] = row_sum[1] = 0.f;
   }
 
-  // Turns scores s into unnormalized probabilities and rescales the output accumulator o.
-  template <int kSTiles, int kOTiles>
-  __device__ __forceinline__ void update(float (&s)[kSTiles][4], float (&o)[kOTiles][4], float scale_log2) {
+  // Turns scores s into unnormalized probabilities (in place) and returns in `corr` the factor by
+  // which each of the thread's two rows of the output accumulator must be rescaled. Split from
+  // rescale() so that a kernel can run this while the previous tile's P V is still in flight.
+  template <int kSTiles>
+  __device__ __forceinline__ void update_scores(float (&s)[kSTiles][4], float scale_log2, float (&corr)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
+      // The row maximum of scale * s, found on the raw scores and scaled once (scale > 0: the API
+      // rejects others). A fully masked row keeps -inf: "nothing new".
+      float ext = s[0][2 * r];
 #pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt)
-        mx = fmaxf(mx, fmaxf(s[nt][2 * r] * scale_log2, s[nt][2 * r + 1] * scale_log2));
-      mx = quad_max(mx);
+      for (int nt = 0; nt < kSTiles; ++nt) ext = fmaxf(ext, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      const float scaled = quad_max(ext) * scale_log2;
+      const float mx = fmaxf(row_max[r], scaled);
       const float ref = mx == neg_inf() ? 0.f : mx;
-      const float corr = fast_exp2(row_max[r] - ref);
+      corr[r] = fast_exp2(row_max[r] - ref);
       row_max[r] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -65,13 +69,27 @@ struct OnlineSoftmax {
           sum += s[nt][e];
         }
       }
-      row_sum[r] = row_sum[r] * corr + sum;
-#pragma unroll
-      for (int dt = 0; dt < kOTiles; ++dt) {
-        o[dt][2 * r] *= corr;
-        o[dt][2 * r + 1] *= corr;
-      }
+      row_sum[r] = row_sum[r] * corr[r] + sum;
     }
+  }
+
+  template <int kOTiles>
+  __device__ __forceinline__ static void rescale(float (&o)[kOTiles][4], const float (&corr)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < kOTiles; ++dt) {
+      o[dt][0] *= corr[0];
+      o[dt][1] *= corr[0];
+      o[dt][2] *= corr[1];
+      o[dt][3] *= corr[1];
+    }
+  }
+
+  // Both steps at once, for kernels that do not overlap them with a matrix product.
+  template <int kSTiles, int kOTiles>
+  __device__ __forceinline__ void update(float (&s)[kSTiles][4], float (&o)[kOTiles][4], float scale_log2) {
+    float corr[2];
+    update_scores(s, scale_log2, corr);
+    rescale(o, corr);
   }
 };
 

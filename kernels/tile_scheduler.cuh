@@ -1,8 +1,16 @@
 // Work decomposition for ragged batches: one launch covers every (query block, sequence, head).
-// Linear block id -> (m_block, b, h) with heads fastest, so the blocks that read one sequence's
-// shared rope tiles run side by side (L2 reuse), and with the LAST query blocks of every sequence
-// first: under causal masks they see the most keys, so the longest work starts earliest.
-// Sequences shorter than the grid's q_max_seq_len leave blocks that exit at once.
+//
+// A linear tile index maps to (m_block, b, h) in an order chosen for the L2 cache and for balance:
+//   * heads are grouped into SECTIONS of `heads_per_section` (the host sizes a section so that the
+//     keys and values of its heads fit in about half the L2), and sections run one after another,
+//     so the CTAs running at any moment read the K/V of a few heads, which then stay in L2
+//     (ordering all heads side by side streamed every head's K/V from DRAM again per query block);
+//   * inside a section the LAST query blocks of every sequence come first: under causal masks they
+//     see the most keys, so the longest work starts earliest and short tiles fill the tail;
+//   * then sequences, then the heads of the section (fastest).
+// Sequences shorter than the grid's q_max_seq_len leave indices that decode to nothing.
+// The portable kernel launches one CTA per index; the Hopper kernel is persistent and strides over
+// the indices (static round robin: with the longest-first order each CTA gets an even share).
 #pragma once
 #include "common.cuh"
 
@@ -25,12 +33,16 @@ struct WorkTile {
   i64 k_pos0;      // absolute position of key 0
 };
 
-// Returns false when the block has no rows (its sequence is shorter than m_block * block_m).
-__device__ __forceinline__ bool decode_work_tile(const SeqOffsets& so, int num_heads, int batch,
-                                                 int num_m_blocks, int block_m, WorkTile& w) {
-  const int bid = blockIdx.x;
-  w.h = bid % num_heads;
-  const int rest = bid / num_heads;
+// Decodes tile `idx` (0 <= idx < num_m_blocks * batch * num_heads). Returns false when the tile has
+// no rows (its sequence is shorter than m_block * block_m).
+__device__ __forceinline__ bool decode_work_tile(const SeqOffsets& so, int idx, int num_heads, int heads_per_section,
+                                                 int batch, int num_m_blocks, int block_m, WorkTile& w) {
+  const int section_tiles = num_m_blocks * batch * heads_per_section;  // tiles of a full section
+  const int sec = idx / section_tiles;
+  const int hs = min(heads_per_section, num_heads - sec * heads_per_section);  // the last one may be short
+  int rest = idx - sec * section_tiles;
+  w.h = sec * heads_per_section + rest % hs;
+  rest /= hs;
   w.b = rest % batch;
   w.m_block = num_m_blocks - 1 - rest / batch;
   w.q_row0 = so.q_offsets[w.b];

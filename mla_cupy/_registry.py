@@ -66,6 +66,15 @@ def merge_name(in_dtype: np.dtype, out_dtype: np.dtype) -> str:
     return f"{MERGE[1]}<{CPP_TYPE[np.dtype(in_dtype)]}, {CPP_TYPE[np.dtype(out_dtype)]}>"
 
 
+def family_label(fam: Family) -> str:
+    """Short name of a family for logs and test ids: file stem, first template argument, mask."""
+    first = fam[1][0]
+    if "<" not in first:
+        return fam[0].rsplit(".", 1)[0]
+    args = first.split("<", 1)[1].rstrip(">").split(", ")
+    return "-".join([fam[0].rsplit(".", 1)[0], args[0]] + ([args[2]] if len(args) > 2 else []))
+
+
 def all_families() -> List[Tuple[str, Family]]:
     """(arch, family) for every module CI must compile."""
     fams: List[Family] = [prefill_sm80(d, m) for d in (BF16, FP16) for m in MASKS]

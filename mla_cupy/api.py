@@ -66,7 +66,23 @@ def _capability(device_id: int) -> str:
     return cupy.cuda.Device(device_id).compute_capability
 
 
-def choose_kernel(kernel: str, paged: bool) -> str:
+@functools.lru_cache(maxsize=None)
+def _sm_count_and_l2(device_id: int) -> Tuple[int, int]:
+    import cupy
+
+    attrs = cupy.cuda.Device(device_id).attributes
+    return int(attrs["MultiProcessorCount"]), int(attrs.get("L2CacheSize", 50 << 20))
+
+
+def heads_per_section(p: Problem, device_id: int) -> int:
+    """Heads whose keys and values together fill about half the L2 (see kernels/tile_scheduler.cuh):
+    the tiles of one section run together, so each head's K/V is read from DRAM about once."""
+    kv_bytes_per_head = max(1, p.tk) * 2 * DV * p.dtype.itemsize
+    g = max(1, min(p.heads, (_sm_count_and_l2(device_id)[1] // 2) // kv_bytes_per_head))
+    return -(-p.heads // -(-p.heads // g))  # the same number of heads in every section, or one fewer
+
+
+def choose_kernel(kernel: str, paged: bool, device_id: Optional[int] = None) -> str:
     """``'sm90'`` (the Hopper TMA + wgmma kernel) on compute capability 9.0, else ``'sm80'`` (the
     portable mma.sync kernel). ``kernel`` forces one; the environment variable
     ``MLA_CUPY_DISABLE_SM90=1`` makes ``"auto"`` pick the portable kernel. ``paged`` does not change
@@ -76,10 +92,12 @@ def choose_kernel(kernel: str, paged: bool) -> str:
 
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
-    hopper = _capability(cupy.cuda.Device().id) == "90"
+    if device_id is None:
+        device_id = cupy.cuda.runtime.getDevice()
+    hopper = _capability(device_id) == "90"
     if kernel == "sm90":
         if not hopper:
-            raise ValueError(f"kernel: 'sm90' needs a compute capability 9.0 GPU, this one is {_capability(cupy.cuda.Device().id)}")
+            raise ValueError(f"kernel: 'sm90' needs a compute capability 9.0 GPU, this one is {_capability(device_id)}")
         return "sm90"
     if kernel == "sm80":
         return "sm80"
@@ -106,7 +124,7 @@ def _stride16(x, dim: int) -> int:
 
 
 def _launch_sm90(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr,
-                 q_start_ptr, stream, nmb: int) -> None:
+                 q_start_ptr, stream, nmb: int, device_id: int) -> None:
     from .tma import TENSOR_MAP_DTYPE, encode_tiled
 
     tm_q = encode_tiled(device_pointer(q), p.dtype, (DQK, p.heads, p.tq), (_stride16(q, 1), _stride16(q, 0)), (64, 1, 128))
@@ -124,9 +142,12 @@ def _launch_sm90(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr, kv_begin_
     args = (tm_q, tm_k, tm_v, tm_r, device_pointer(out), optional_ptr(lse), q_offsets_ptr, kv_begin_ptr, kv_end_ptr,
             cache_offsets_ptr, q_start_ptr, i64(out.strides[0] // oitem), i64(out.strides[1] // oitem), i64(p.heads),
             rope[0], i64(rope[1]), i64(rope[2]), rope[3], i64(rope[4]), np.int32(rope[5]), np.uint32(rope[6]),
-            np.uint32(rope[7]), np.int32(p.heads), np.int32(p.batch), np.int32(nmb), np.float32(p.scale * LOG2E), i64(p.mask.arg))
+            np.uint32(rope[7]), np.int32(p.heads), np.int32(heads_per_section(p, device_id)), np.int32(p.batch),
+            np.int32(nmb), np.float32(p.scale * LOG2E), i64(p.mask.arg))
+    # Persistent: at most one CTA per SM (214 KiB of shared memory each), striding over the tiles.
+    grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
     with stream:
-        fn((nmb * p.batch * p.heads,), (SM90_THREADS,), args, shared_mem=SM90_SMEM_BYTES)
+        fn((grid,), (SM90_THREADS,), args, shared_mem=SM90_SMEM_BYTES)
 
 
 def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv_begin_ptr: int, kv_end_ptr: int,
@@ -134,9 +155,12 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
     """Launch a prefill kernel over a checked problem (no checks here; pointers are raw)."""
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
         return
-    if choose_kernel(kernel, p.paged) == "sm90":
+    import cupy
+
+    device_id = cupy.cuda.runtime.getDevice()
+    if choose_kernel(kernel, p.paged, device_id) == "sm90":
         _launch_sm90(p, q, k, v, k_rope, out, lse, q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr,
-                     q_start_ptr, stream, -(-p.max_sq // BLOCK_M))
+                     q_start_ptr, stream, -(-p.max_sq // BLOCK_M), device_id)
         return
     name = reg.prefill_sm80_name(p.dtype, p.out_dtype, p.mask, p.paged)
     fn = _with_smem(get_function(*reg.prefill_sm80(p.dtype, p.mask), name), SMEM_BYTES)
@@ -151,7 +175,8 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
         i64(v.strides[0] // item), i64(v.strides[1] // item), i64(out.strides[0] // oitem), i64(out.strides[1] // oitem),
         i64(p.heads),
         rope[0], i64(rope[1]), i64(rope[2]), rope[3], i64(rope[4]), np.int32(rope[5]), np.uint32(rope[6]), np.uint32(rope[7]),
-        np.int32(p.heads), np.int32(p.batch), np.int32(nmb), np.float32(p.scale * LOG2E), i64(p.mask.arg),
+        np.int32(p.heads), np.int32(heads_per_section(p, device_id)), np.int32(p.batch), np.int32(nmb),
+        np.float32(p.scale * LOG2E), i64(p.mask.arg),
     )
     with stream:
         fn((nmb * p.batch * p.heads,), (THREADS,), args, shared_mem=SMEM_BYTES)

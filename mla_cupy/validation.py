@@ -170,6 +170,8 @@ def check_inputs(
         scale = 1.0 / np.sqrt(DQK)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) or not np.isfinite(scale):
         raise TypeError(f"scale: expected a finite float, got {scale!r}")
+    if scale <= 0:
+        raise ValueError(f"scale: expected a positive float (the kernels find row maxima on unscaled scores), got {scale!r}")
 
     if out_dtype is None:
         out_dtype = _dt(out) if out is not None else (dtype if device else np.dtype(np.float64))

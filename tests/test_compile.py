@@ -7,6 +7,7 @@ import pytest
 
 from mla_cupy import _registry as reg
 from mla_cupy import jit
+from mla_cupy._registry import family_label
 
 FAMILIES = reg.all_families()
 
@@ -26,7 +27,7 @@ def compiled():
         return dict(zip(range(len(FAMILIES)), ex.map(_compile, FAMILIES)))
 
 
-@pytest.mark.parametrize("i", range(len(FAMILIES)), ids=[f"{a}-{f[1][0].split('<')[1].split(',')[0]}-{f[1][0].split(', ')[2] if 'prefill' in f[0] else 'merge'}" for a, f in FAMILIES])
+@pytest.mark.parametrize("i", range(len(FAMILIES)), ids=[f"{a}-{family_label(f)}" for a, f in FAMILIES])
 def test_family_compiles(compiled, i):
     size, err = compiled[i]
     assert not err, err

@@ -59,6 +59,23 @@ def test_long_odd_sequence_1000(kernel):
 
 
 @kernels
+def test_many_tiles_per_cta_in_l2_sections(kernel):
+    """H = 128 over 2364 keys: 3072 work tiles, so each persistent Hopper CTA runs about 23 of them
+    (the Q / K / V rings carry over between tiles), and the heads fall into several L2 sections."""
+    import cupy as cp
+
+    from mla_cupy import api
+
+    c = make_case([700, 300, 7], [2000, 300, 64], 128, BF16, seed=21)
+    p = api.check_inputs(*[cp.asarray(a) for a in (c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets)],
+                         scale=None, mask=None, q_max_seq_len=None, cache_offsets=None, q_start_pos=None, out=None,
+                         out_dtype=None, validate=True, device=True, read_offsets=True)
+    assert 1 < api.heads_per_section(p, cp.cuda.runtime.getDevice()) < 128
+    run_and_check(c, kernel=kernel)
+    run_and_check(c, mask=SlidingWindowCausalMask(300), kernel=kernel)
+
+
+@kernels
 def test_batch_zero_and_all_empty(kernel):
     import cupy as cp
 

@@ -62,6 +62,8 @@ BAD = [
     (dict(q_start_pos=dev(np.array([0, 1], np.float32))), TypeError, ["q_start_pos:", "int32 or int64"]),
     (dict(mask="causal"), TypeError, ["mask:", "str"]),
     (dict(scale=float("nan")), TypeError, ["scale:"]),
+    (dict(scale=-0.5), ValueError, ["scale:", "positive"]),
+    (dict(scale=0.0), ValueError, ["scale:", "positive"]),
     (dict(out_dtype=np.float16), TypeError, ["out_dtype:", "float32", "float16"]),
     (dict(out=dev(np.ones((8, 4, 192), BF16))), ValueError, ["out:", "[8, 4, 128]"]),
     (dict(out=dev(np.ones((8, 4, 128), np.float32)), out_dtype=BF16), TypeError, ["out:", "bfloat16", "float32"]),
