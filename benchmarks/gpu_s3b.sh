@@ -13,6 +13,7 @@ MLA_FUZZ_EXAMPLES=25 timeout 230 python3 -m pytest -m gpu -q -x -rfE --tb=short 
   tests/test_gpu_reliability.py -k "not 2_31 and not cannot_fit" 2>&1 | tee "$OUT/pytest.log" \
   | grep -E "host overhead|fuzz|passed|failed|FAIL|Error|assert" | tail -25
 timeout 40 python3 benchmarks/host_profile.py 2>&1 | tee "$OUT/host_profile.txt" | head -45
+timeout 60 python3 benchmarks/variants.py 2>&1 | tee "$OUT/variants.txt"
 timeout 30 python3 benchmarks/paged_merge_bench.py 2>&1 | tee "$OUT/paged_merge.txt"
 timeout 150 python3 cli.py bench --cases 1x512,1x1024,1x4096,1x8192,1x16384,16x512,ragged,noncausal-1x4096 --reps 10 \
   --json "$OUT/bench.json" --no-progress 2>&1 | tee "$OUT/bench.txt" | grep -v "^W1203" | grep -E "device|case|mla_cupy|cudnn-sdpa  |failed"

@@ -1,7 +1,10 @@
-// Attention masks as template parameters. Each is a predicate on absolute (q_pos, k_pos) plus two
-// range queries the kernels use to skip work:
+// Attention masks as template parameters, on absolute positions (mla_cupy/masks.py states each
+// predicate). Every mask here sees, from one query, one INTERVAL of keys, so two range queries
+// define it:
 //   key_range(q_lo, q_hi, k_lo, k_hi): a half-open range of key positions that contains every key
-//       visible to any query in [q_lo, q_hi]; tiles outside it are never loaded nor computed.
+//       visible to any query in [q_lo, q_hi]; tiles outside it are never loaded nor computed. For
+//       one query (q_lo == q_hi) it is exactly that query's visible keys: apply_mask (softmax.cuh)
+//       tests a key with two integer compares against it.
 //   all_visible(q_lo, q_hi, k_lo, k_hi): true when every pair in [q_lo, q_hi] x [k_lo, k_hi]
 //       (inclusive) is visible; such tiles skip the per-element predicate.
 // The single run-time argument (window or chunk size) is `arg`; masks without one ignore it.
@@ -12,7 +15,6 @@ namespace mla {
 
 struct NullMask {
   i64 arg;
-  __device__ __forceinline__ bool visible(i64, i64) const { return true; }
   __device__ __forceinline__ void key_range(i64, i64, i64& k_lo, i64& k_hi) const {
     k_lo = kPosMin;
     k_hi = kPosMax;
@@ -22,7 +24,6 @@ struct NullMask {
 
 struct CausalMask {
   i64 arg;
-  __device__ __forceinline__ bool visible(i64 q, i64 k) const { return k <= q; }
   __device__ __forceinline__ void key_range(i64, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = kPosMin;
     k_hi = q_hi + 1;
@@ -33,7 +34,6 @@ struct CausalMask {
 // Causal with a window of `arg` keys counting the diagonal: visible when 0 <= q - k < arg.
 struct SlidingWindowCausalMask {
   i64 arg;
-  __device__ __forceinline__ bool visible(i64 q, i64 k) const { return k <= q && q - k < arg; }
   __device__ __forceinline__ void key_range(i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = q_lo - arg + 1;
     k_hi = q_hi + 1;
@@ -46,7 +46,6 @@ struct SlidingWindowCausalMask {
 // Query and key in the same chunk of `arg` positions (floor division, also for negatives).
 struct ChunkedMask {
   i64 arg;
-  __device__ __forceinline__ bool visible(i64 q, i64 k) const { return floor_div(q, arg) == floor_div(k, arg); }
   __device__ __forceinline__ void key_range(i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = floor_div(q_lo, arg) * arg;
     k_hi = (floor_div(q_hi, arg) + 1) * arg;
@@ -59,9 +58,6 @@ struct ChunkedMask {
 
 struct ChunkedCausalMask {
   i64 arg;
-  __device__ __forceinline__ bool visible(i64 q, i64 k) const {
-    return k <= q && floor_div(q, arg) == floor_div(k, arg);
-  }
   __device__ __forceinline__ void key_range(i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = floor_div(q_lo, arg) * arg;
     k_hi = q_hi + 1;

@@ -228,8 +228,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     const int row0 = wr0 + warp_in_wg * 16 + (lane >> 2);  // sequence row of this thread's row g
     const i64 wq_lo = w.q_pos0 + wr0;
     const i64 wq_hi = w.q_pos0 + min(wr0 + kWgRows - 1, w.sq - 1);
-    int wn_begin = 0, wn_end = 0;
-    if (wr0 < w.sq) visible_key_span(mask, w, wq_lo, wq_hi, wn_begin, wn_end);
 
     float o[kOTiles][4];
 #pragma unroll
@@ -241,60 +239,70 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       mbar_wait(q_full, nq & 1);
       ++nq;
       float sacc[kSTiles][4];
-      u32 pa[kPvSteps][4];      // P of the previous tile, waiting for its P V
-      bool have_p = false;      // pa holds a tile whose P V is not issued yet
-      int prev_s = 0;
-      u32 prev_parity = 0;
-      for (int t = 0; t < k.num_tiles; ++t, ++it) {
+      u32 pa[kPvSteps][4];  // P of the previous tile, waiting for its P V
+      // Every wgmma below runs on control flow that is the same for the whole warpgroup and has no
+      // per-tile branch: ptxas would otherwise serialize the asynchronous wgmmas. A warpgroup whose
+      // rows see nothing of a tile computes it anyway (the mask turns it into zeros).
+      auto issue_qk = [&](int s) {  // S = Q K_s^T, committed as one group
+        fence_operands(sacc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kQkSteps; ++kk) {
+          // k-step kk: column block kk / 4, 32-byte step kk % 4 inside the 128-byte swizzled row
+          const u32 off = (kk / 4) * kQColBytes + (kk % 4) * 32;
+          const u32 koff = (kk / 4) * kKColBytes + (kk % 4) * 32;
+          Wgmma<T>::ss(sacc, make_desc(sQw + off, 16, 1024), make_desc(sK(s) + koff, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+      };
+      auto issue_pv = [&](int s) {  // O += P V_s, committed as one group
+        wgmma_fence();
+        pv_mma<T>(o, pa, sV(s));
+        wgmma_commit();
+      };
+      // Masks S of tile t (stage s) where needed, releases K_s, and turns S into probabilities.
+      auto scores_to_p = [&](int t, int s, float (&corr)[2]) {
+        fence_operands(sacc);
+        const int n0 = k.n_begin + t * kBlockN;
+        const unsigned char* ok = key_ok + s * (kBlockN + 16);
+        const bool tile_bad = kPaged && ok[kBlockN];
+        const bool full = n0 + kBlockN <= k.n_end && !tile_bad && wr0 < w.sq &&
+                          mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
+        if (!full) apply_mask(sacc, mask, w, row0, n0, k.n_end, tile_bad ? ok : nullptr);
+        mbar_arrive(k_empty(s));  // K_s (and its paged flags) fully read
+        sm.update_scores(sacc, scale_log2, corr);
+      };
+      auto pack = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < kPvSteps; ++kk) pack_p<T>(sacc, kk, pa[kk]);
+      };
+
+      // Tile 0: S only (O is still zero, nothing to rescale).
+      int prev_s = it % kStages;
+      u32 prev_parity = (it / kStages) & 1;
+      float corr[2];
+      mbar_wait(k_full(prev_s), prev_parity);
+      issue_qk(prev_s);
+      wgmma_wait<0>();
+      scores_to_p(0, prev_s, corr);
+      pack();
+      ++it;
+      // Tiles 1..n-1: S_t and P_{t-1} V_{t-1} in flight together; the softmax of S_t overlaps P V.
+      for (int t = 1; t < k.num_tiles; ++t, ++it) {
         const int s = it % kStages;
         const u32 parity = (it / kStages) & 1;
-        const int n0 = k.n_begin + t * kBlockN;
-        // A warpgroup whose rows see nothing of this tile skips its math (it still waits for and
-        // releases every stage, in order, so the barrier phases stay in step).
-        const bool skip = wr0 >= w.sq || n0 >= wn_end || n0 + kBlockN <= wn_begin;
         mbar_wait(k_full(s), parity);
-        if (!skip) {  // S_t = Q K_t^T, issued
-          fence_operands(sacc);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < kQkSteps; ++kk) {
-            // k-step kk: column block kk / 4, 32-byte step kk % 4 inside the 128-byte swizzled row
-            const u32 off = (kk / 4) * kQColBytes + (kk % 4) * 32;
-            const u32 koff = (kk / 4) * kKColBytes + (kk % 4) * 32;
-            Wgmma<T>::ss(sacc, make_desc(sQw + off, 16, 1024), make_desc(sK(s) + koff, 16, 1024), kk > 0);
-          }
-          wgmma_commit();
-        }
-        if (t > 0) mbar_wait(v_full(prev_s), prev_parity);
-        if (have_p) {  // O += P_{t-1} V_{t-1}, issued behind S_t
-          wgmma_fence();
-          pv_mma<T>(o, pa, sV(prev_s));
-          wgmma_commit();
-        }
-        float corr[2];
-        if (!skip) {
-          if (have_p) wgmma_wait<1>(); else wgmma_wait<0>();  // S_t is ready; P V may still run
-          fence_operands(sacc);
-          const unsigned char* ok = key_ok + s * (kBlockN + 16);
-          const bool tile_bad = kPaged && ok[kBlockN];
-          const bool full = n0 + kBlockN <= k.n_end && !tile_bad &&
-                            mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
-          if (!full) apply_mask(sacc, mask, w, row0, n0, k.n_end, tile_bad ? ok : nullptr);
-        }
-        mbar_arrive(k_empty(s));                   // K_t (and its paged flags) fully read
-        if (!skip) sm.update_scores(sacc, scale_log2, corr);  // overlaps P_{t-1} V_{t-1}
-        if (have_p) {
-          wgmma_wait<0>();
-          fence_operands(o);
-          fence_operands(pa);
-        }
-        if (t > 0) mbar_arrive(v_empty(prev_s));
-        if (!skip) {
-          OnlineSoftmax::rescale(o, corr);
-#pragma unroll
-          for (int kk = 0; kk < kPvSteps; ++kk) pack_p<T>(sacc, kk, pa[kk]);
-        }
-        have_p = !skip;
+        issue_qk(s);
+        mbar_wait(v_full(prev_s), prev_parity);
+        issue_pv(prev_s);
+        wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
+        scores_to_p(t, s, corr);
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(pa);
+        mbar_arrive(v_empty(prev_s));
+        OnlineSoftmax::rescale(o, corr);
+        pack();
         prev_s = s;
         prev_parity = parity;
       }
@@ -314,14 +322,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         fence_proxy_async();
         named_barrier_sync(1, kConsumerThreads);
       }
-      if (have_p) {
-        wgmma_fence();
-        pv_mma<T>(o, pa, sV(prev_s));
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(o);
-        fence_operands(pa);
-      }
+      issue_pv(prev_s);
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(pa);
       mbar_arrive(v_empty(prev_s));
     }
     store_rows<OutT>(o, sm, w, row0, out, o_st, o_sh, lse, lse_st);

@@ -15,17 +15,29 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // Sets invisible scores to -inf: keys past the block's span (n_end), pairs the mask removes, and
 // (when `key_ok` is given) keys whose data could not be read. `row0` is the sequence row of g.
+// A row's visible keys are one interval (mask.cuh), found once per row as tile columns [lo, hi).
 template <int kSTiles, typename Mask>
 __device__ __forceinline__ void apply_mask(float (&s)[kSTiles][4], const Mask& mask, const WorkTile& w, int row0,
                                            int n0, int n_end, const unsigned char* key_ok) {
   const int lane = threadIdx.x % 32;
+  const i64 key0 = w.k_pos0 + n0;  // absolute position of the tile's column 0
+  int lo[2], hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const i64 q = w.q_pos0 + row0 + 8 * r;
+    i64 k_lo, k_hi;
+    mask.key_range(q, q, k_lo, k_hi);
+    const i64 c_lo = k_lo - key0, c_hi = k_hi - key0;  // |positions| < 2^62: no overflow
+    lo[r] = static_cast<int>(c_lo < 0 ? 0 : (c_lo > 8 * kSTiles ? 8 * kSTiles : c_lo));
+    hi[r] = static_cast<int>(c_hi < 0 ? 0 : (c_hi > n_end - n0 ? n_end - n0 : c_hi));
+  }
 #pragma unroll
   for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int col = nt * 8 + 2 * (lane & 3) + (e & 1);
-      const int row = row0 + 8 * (e >> 1);
-      bool vis = n0 + col < n_end && mask.visible(w.q_pos0 + row, w.k_pos0 + n0 + col);
+      const int r = e >> 1;
+      bool vis = col >= lo[r] && col < hi[r];
       if (key_ok != nullptr) vis = vis && key_ok[col];
       if (!vis) s[nt][e] = neg_inf();
     }

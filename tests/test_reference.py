@@ -141,3 +141,14 @@ def test_visible_pairs_counts():
     assert reference.visible_pairs(vl, cro, ChunkedCausalMask(2)) == 6
     # Sq < Sk: queries at the end (positions 2, 3 of keys 0..3): 3 + 4 causal pairs.
     assert reference.visible_pairs(np.array([0, 2], np.uint32), cro, CausalMask()) == 7
+
+
+@pytest.mark.parametrize("mask", [NullMask(), CausalMask(), SlidingWindowCausalMask(1), SlidingWindowCausalMask(37),
+                                  ChunkedMask(1), ChunkedMask(50), ChunkedCausalMask(7)], ids=lambda m: repr(m))
+def test_every_mask_sees_one_interval_of_keys(mask):
+    """The kernels store a row's visible keys as one interval [lo, hi) (kernels/mask.cuh); that
+    needs every mask to see, from one query, a contiguous run of key positions."""
+    ks = np.arange(-300, 300)
+    for q in range(-120, 121, 7):
+        idx = np.flatnonzero(mask.visible(np.int64(q), ks))
+        assert idx.size == 0 or idx[-1] - idx[0] + 1 == idx.size, f"q={q}: visible keys are not one interval"
