@@ -6,25 +6,20 @@ import cProfile
 import pstats
 import time
 
-import numpy as np
-
 import cupy as cp
 
 import mla_cupy
 from mla_cupy._arrays import BF16
+from mla_cupy.bench import BenchCase, _inputs
 
 
 def main(n: int = 5000) -> None:
-    rng = np.random.default_rng(0)
-    sq, h = 64, 16
-    q = cp.asarray(rng.standard_normal((sq, h, 192)).astype(BF16))
-    k = cp.asarray(rng.standard_normal((sq, h, 128)).astype(BF16))
-    kr = cp.asarray(rng.standard_normal((sq, 1, 64)).astype(BF16))
-    vl = cp.asarray(np.array([0, sq], np.uint32))
-    out = cp.empty((sq, h, 128), BF16)
+    case = BenchCase("host-1x64-H16", (64,), (64,), heads=16)
+    x = _inputs(case, 0)
+    out = cp.empty((64, 16, 128), BF16)
 
     def call():
-        mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, q_max_seq_len=sq, validate=False)
+        mla_cupy.mla_prefill(**x, out=out, q_max_seq_len=64, validate=False)
 
     for _ in range(20):
         call()

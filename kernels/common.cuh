@@ -24,33 +24,23 @@ __device__ __forceinline__ float neg_inf() { return -cuda::std::numeric_limits<f
 // ---------------------------------------------------------------------------------------------
 template <typename T> struct Elem;
 
-template <> struct Elem<__nv_bfloat16> {
-  static __device__ __forceinline__ u32 pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<u32*>(&v);
-  }
-  static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
+#define MLA_DEFINE_ELEM(TYPE, TYPE2, CVT2, PTXT)                                                          \
+  template <> struct Elem<TYPE> {                                                                          \
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {                                       \
+      TYPE2 v = CVT2(lo, hi);                                                                              \
+      return *reinterpret_cast<u32*>(&v);                                                                  \
+    }                                                                                                      \
+    static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {         \
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTXT "." PTXT ".f32 "                          \
+                   "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                              \
+                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                        \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                        \
+    }                                                                                                      \
+  };
 
-template <> struct Elem<__half> {
-  static __device__ __forceinline__ u32 pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<u32*>(&v);
-  }
-  static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
+MLA_DEFINE_ELEM(__nv_bfloat16, __nv_bfloat162, __floats2bfloat162_rn, "bf16")
+MLA_DEFINE_ELEM(__half, __half2, __floats2half2_rn, "f16")
+#undef MLA_DEFINE_ELEM
 
 // Stores two adjacent output values (columns 2t, 2t+1 of an mma accumulator fragment).
 template <typename OutT> __device__ __forceinline__ void store2(OutT* p, float lo, float hi);

@@ -21,6 +21,21 @@ def _kernels():
 KERNELS = _kernels()
 
 
+def small_problem(sq: int, heads: int, seed: int):
+    """One sequence of ``sq`` queries over ``sq`` keys on the GPU: q, k (also used as v), k_rope,
+    offsets and an output buffer, for tests that call the kernel many times."""
+    import cupy as cp
+
+    from _cases import BF16
+
+    rng = np.random.default_rng(seed)
+    return dict(q=cp.asarray(rng.standard_normal((sq, heads, 192)).astype(BF16)),
+                k=cp.asarray(rng.standard_normal((sq, heads, 128)).astype(BF16)),
+                k_rope=cp.asarray(rng.standard_normal((sq, 1, 64)).astype(BF16)),
+                offsets=cp.asarray(np.array([0, sq], np.uint32)),
+                out=cp.full((sq, heads, 128), np.nan, BF16))
+
+
 def upload(case):
     import cupy as cp
 

@@ -8,7 +8,7 @@ import mla_cupy
 from mla_cupy import reference
 
 from _cases import BF16
-from gpu_util import KERNELS
+from gpu_util import KERNELS, small_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -64,37 +64,37 @@ def test_request_that_cannot_fit_fails_cleanly():
 
 
 def test_repeated_calls_memory_flat_and_host_overhead(record_property):
-    """10,000 calls: device memory stays flat; host time per call with validate=False reported."""
+    """10,000 calls keep device memory flat; the host time per call (validate=False, out= given,
+    q_max_seq_len given) is measured while enqueueing, reported, and held under issue 7's 30 us."""
     import cupy as cp
 
-    rng = np.random.default_rng(3)
-    sq, H = 64, 16
-    q = cp.asarray(rng.standard_normal((sq, H, 192)).astype(BF16))
-    k = cp.asarray(rng.standard_normal((sq, H, 128)).astype(BF16))
-    kr = cp.asarray(rng.standard_normal((sq, 1, 64)).astype(BF16))
-    vl = cp.asarray(np.array([0, sq], np.uint32))
-    out = cp.empty((sq, H, 128), BF16)
+    from mla_cupy.bench import host_us
+
+    x = small_problem(64, 16, seed=3)
+    q, k, kr, vl, out = x["q"], x["k"], x["k_rope"], x["offsets"], x["out"]
+
+    def call(_i=0):
+        mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, q_max_seq_len=64, validate=False)
+
     pool = cp.get_default_memory_pool()
     for _ in range(10):
-        mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, q_max_seq_len=sq, validate=False)
+        call()
     cp.cuda.Device().synchronize()
     used0, total0 = pool.used_bytes(), pool.total_bytes()
-    n = 10_000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, q_max_seq_len=sq, validate=False)
-    host_us = (time.perf_counter() - t0) / n * 1e6
+    for _ in range(10_000):
+        call()
     cp.cuda.Device().synchronize()
     for _ in range(1000):  # allocating calls return their output to the pool
-        mla_cupy.mla_prefill(q, k, k, kr, vl, vl, q_max_seq_len=sq, validate=False)
+        mla_cupy.mla_prefill(q, k, k, kr, vl, vl, q_max_seq_len=64, validate=False)
     cp.cuda.Device().synchronize()
     assert pool.used_bytes() == used0
     assert pool.total_bytes() <= total0 + out.nbytes * 2
-    record_property("host_us_per_call", host_us)
+    host = min(host_us(call, 1, reps=500) for _ in range(3))  # best of 3: the host, not its neighbours
+    record_property("host_us_per_call", host)
     import warnings
 
-    warnings.warn(UserWarning(f"host overhead per call (validate=False, out= given): {host_us:.1f} us"))
-    assert host_us < 200  # hard ceiling; the measured value is reported in README / RESULTS
+    warnings.warn(UserWarning(f"host overhead per call (validate=False, out= given): {host:.1f} us"))
+    assert host < 30, f"host time per call {host:.1f} us (issue 7 bar: 30 us)"
 
 
 def test_fast_path_still_rejects_bad_input():
@@ -102,13 +102,9 @@ def test_fast_path_still_rejects_bad_input():
     differs in anything checked (dtype, shape, alignment, keyword types) is checked again."""
     import cupy as cp
 
-    rng = np.random.default_rng(5)
     sq, H = 33, 16
-    q = cp.asarray(rng.standard_normal((sq, H, 192)).astype(BF16))
-    k = cp.asarray(rng.standard_normal((sq, H, 128)).astype(BF16))
-    kr = cp.asarray(rng.standard_normal((sq, 1, 64)).astype(BF16))
-    vl = cp.asarray(np.array([0, sq], np.uint32))
-    out = cp.full((sq, H, 128), np.nan, BF16)
+    x = small_problem(sq, H, seed=5)
+    q, k, kr, vl, out = x["q"], x["k"], x["k_rope"], x["offsets"], x["out"]
     kw = dict(q_max_seq_len=sq, validate=False)
     mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, **kw)
     first = out.copy()
