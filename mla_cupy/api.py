@@ -70,8 +70,8 @@ def _capability(device_id: int) -> str:
 def _sm_count_and_l2(device_id: int) -> Tuple[int, int]:
     import cupy
 
-    attrs = cupy.cuda.Device(device_id).attributes
-    return int(attrs["MultiProcessorCount"]), int(attrs.get("L2CacheSize", 50 << 20))
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    return int(props["multiProcessorCount"]), int(props.get("l2CacheSize", 50 << 20))
 
 
 def heads_per_section(p: Problem, device_id: int) -> int:
