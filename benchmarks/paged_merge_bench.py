@@ -51,13 +51,18 @@ def main():
     vlq = cp.asarray(np.array([0, sq], np.uint32))
     cro = cp.asarray(np.array([0, sk], np.uint32))
     part = cp.empty((sq, h, 128), cp.float32)
-    t_attn = time_ms(lambda i: mla_cupy.mla_prefill(q, k, v, kr, vlq, cro, mask=NullMask(), out=part, q_max_seq_len=sq,
-                                                   validate=False, return_lse=True), 1)
+    part_lse = cp.empty((sq, h), cp.float32)
+    t_attn = time_ms(lambda i: mla_cupy.mla_prefill(q, k, v, kr, vlq, cro, mask=NullMask(), out=part, lse=part_lse,
+                                                   q_max_seq_len=sq, validate=False), 1)
+    t_fused = time_ms(lambda i: mla_cupy.mla_prefill(q, k, v, kr, vlq, cro, mask=NullMask(), out=part, lse=part_lse,
+                                                    q_max_seq_len=sq, validate=False, accumulate=True), 1)
     oa, la = mla_cupy.mla_prefill(q, k, v, kr, vlq, cro, mask=NullMask(), out_dtype=np.float32, return_lse=True)
     ob, lb = oa.copy(), la.copy()
     t_merge = time_ms(lambda i: mla_cupy.merge_states(oa, la, ob, lb, out=oa, lse_out=la), 1)
     rows.append(("attention of one 8k-key chunk, 1024 queries, H=128 (fp32 out + lse)", t_attn, ""))
     rows.append(("merge_states of its [1024, 128, 128] fp32 result", t_merge, f"merge/attention = {t_merge / t_attn:.3%}"))
+    rows.append(("the same attention merging into out/lse in its epilogue (accumulate=True)", t_fused,
+                 f"merge cost = {(t_fused - t_attn) / t_attn:.3%}"))
     t_one = time_ms(lambda i: mla_cupy.mla_prefill(q, k, v, kr, vlq, cro, q_max_seq_len=sq, validate=False), 1)
     t_ch = time_ms(lambda i: mla_cupy.mla_prefill_chunked(q, k, v, kr, vlq, cro, chunk_size=2048), 1)
     rows.append(("1024 queries after 7168 keys of context, one shot (causal)", t_one, ""))

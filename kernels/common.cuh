@@ -64,6 +64,19 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
+// Two consecutive values as floats (the inverse of store2).
+template <typename T> __device__ __forceinline__ void load2(const T* p, float (&x)[2]) {
+  const u32 u = *reinterpret_cast<const u32*>(p);
+  const T* h = reinterpret_cast<const T*>(&u);
+  x[0] = to_float<T>(h[0]);
+  x[1] = to_float<T>(h[1]);
+}
+template <> __device__ __forceinline__ void load2<float>(const float* p, float (&x)[2]) {
+  const float2 u = *reinterpret_cast<const float2*>(p);
+  x[0] = u.x;
+  x[1] = u.y;
+}
+
 // Four consecutive values as floats: one 16-byte access for float32, one 8-byte access for 16-bit types.
 template <typename T> __device__ __forceinline__ void load4(const T* p, float (&x)[4]) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);

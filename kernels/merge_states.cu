@@ -1,10 +1,8 @@
-// merge_states: combine two partial attention results over disjoint key sets.
-//   m = max(lse_a, lse_b); wa = exp(lse_a - m); wb = exp(lse_b - m)
-//   out = (wa * out_a + wb * out_b) / (wa + wb);  lse = m + log(wa + wb)
-// An empty part (lse = -inf) has weight 0; both empty gives out = 0, lse = -inf (never NaN).
-// One warp per (token, head) row (Dv a multiple of 4); out may alias out_a and lse_out may alias
+// merge_states: combine two partial attention results over disjoint key sets (the formula and
+// the empty-side rules are in merge.cuh). One warp per (token, head) row (Dv a multiple of 4); out may alias out_a and lse_out may alias
 // lse_a (in-place fold).
 #include "common.cuh"
+#include "merge.cuh"
 
 namespace mla {
 
@@ -20,14 +18,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_states_kernel(
   if (row >= tokens * heads) return;
   const i64 t = row / heads;
   const int h = static_cast<int>(row % heads);
-  const float la = lse_a[t * la_st + h];
-  const float lb = lse_b[t * lb_st + h];
-  const float m = fmaxf(la, lb);
-  const bool empty = m == neg_inf();
-  const float wa = empty ? 0.f : expf(la - m);
-  const float wb = empty ? 0.f : expf(lb - m);
-  const float denom = wa + wb;
-  const float inv = empty ? 0.f : 1.f / denom;
+  const MergeWeights mw = merge_weights(lse_a[t * la_st + h], lse_b[t * lb_st + h]);
   const InT* pa = a + t * a_st + h * a_sh;
   const InT* pb = b + t * b_st + h * b_sh;
   OutT* po = out + t * o_st + h * o_sh;
@@ -37,14 +28,11 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_states_kernel(
     load4<InT>(pa + d, xa);
     load4<InT>(pb + d, xb);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      // An empty side contributes nothing, even if its partial output holds garbage or NaN.
-      r[i] = ((wa > 0.f ? wa * xa[i] : 0.f) + (wb > 0.f ? wb * xb[i] : 0.f)) * inv;
-    }
+    for (int i = 0; i < 4; ++i) r[i] = merge_value(mw, xa[i], xb[i]);
     store4<OutT>(po + d, r);
   }
   __syncwarp();  // every lane has read lse_a before lane 0 may overwrite it in place
-  if (lane == 0 && lse_out != nullptr) lse_out[t * lo_st + h] = empty ? neg_inf() : m + logf(denom);
+  if (lane == 0 && lse_out != nullptr) lse_out[t * lo_st + h] = mw.lse;
 }
 
 }  // namespace mla

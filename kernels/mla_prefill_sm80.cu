@@ -59,7 +59,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     i64 q_st, i64 q_sh, i64 k_st, i64 k_sh, i64 v_st, i64 v_sh, i64 o_st, i64 o_sh, i64 lse_st,
     const void* rope_base, i64 rope_row_stride, i64 rope_block_stride, const u32* __restrict__ lookup,
     i64 lookup_stride, int log2_page_size, u32 num_blocks, u32 max_pages,
-    int num_heads, int heads_per_section, int batch, int num_m_blocks, float scale_log2, i64 mask_arg) {
+    int num_heads, int heads_per_section, int batch, int num_m_blocks, float scale_log2, i64 mask_arg,
+    int accumulate) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   }
 
   // ---- epilogue: normalize, write rows that exist; rows with no visible key get 0 and lse -inf ----
-  store_rows<OutT>(o, sm, w, wr0 + (lane >> 2), out, o_st, o_sh, lse, lse_st);
+  store_rows<OutT>(o, sm, w, wr0 + (lane >> 2), out, o_st, o_sh, lse, lse_st, accumulate != 0);
 }
 
 }  // namespace sm80

@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     const u32* __restrict__ cache_offsets, const i64* __restrict__ q_start_pos,
     i64 o_st, i64 o_sh, i64 lse_st, const void* rope_base, i64 rope_row_stride, i64 rope_block_stride,
     const u32* __restrict__ lookup, i64 lookup_stride, int log2_page_size, u32 num_blocks, u32 max_pages,
-    int num_heads, int heads_per_section, int batch, int num_m_blocks, float scale_log2, i64 mask_arg) {
+    int num_heads, int heads_per_section, int batch, int num_m_blocks, float scale_log2, i64 mask_arg,
+    int accumulate) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const SeqOffsets so{q_offsets, kv_begin, kv_end, cache_offsets, q_start_pos};
   const Mask mask{mask_arg};
@@ -328,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       fence_operands(pa);
       mbar_arrive(v_empty(prev_s));
     }
-    store_rows<OutT>(o, sm, w, row0, out, o_st, o_sh, lse, lse_st);
+    store_rows<OutT>(o, sm, w, row0, out, o_st, o_sh, lse, lse_st, accumulate != 0);
   }
 }
 

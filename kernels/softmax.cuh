@@ -3,6 +3,7 @@
 // C layout: element e of n-tile j is (row g + 8 * (e / 2), column 8 * j + 2 * (lane % 4) + e % 2).
 #pragma once
 #include "common.cuh"
+#include "merge.cuh"
 #include "tile_scheduler.cuh"
 
 namespace mla {
@@ -116,24 +117,46 @@ __device__ __forceinline__ void pack_p(const float (&s)[kSTiles][4], int kk, u32
 }
 
 // Normalizes and writes the thread's two rows of O (those < sq) and their natural-log lse.
-// Rows with no visible key get 0 and -inf.
+// Rows with no visible key get 0 and -inf. With `accumulate`, out and lse already hold a partial
+// result of these rows over other keys: it is read and merged with this one in place (merge.cuh),
+// so chunked prefill needs no separate merge pass. Called by every thread of the warp together.
 template <typename OutT, int kOTiles>
 __device__ __forceinline__ void store_rows(const float (&o)[kOTiles][4], const OnlineSoftmax& sm, const WorkTile& w,
-                                          int row0, OutT* out, i64 o_st, i64 o_sh, float* lse, i64 lse_st) {
+                                          int row0, OutT* out, i64 o_st, i64 o_sh, float* lse, i64 lse_st,
+                                          bool accumulate) {
   constexpr float kLn2 = 0.6931471805599453f;
   const int lane = threadIdx.x % 32;
+  float lse_old[2] = {neg_inf(), neg_inf()};
+  if (accumulate) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (row0 + 8 * r < w.sq) lse_old[r] = lse[(w.q_row0 + row0 + 8 * r) * lse_st + w.h];
+    __syncwarp();  // every lane has read its lse before the quad leaders overwrite them
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(sm.row_sum[r]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
     const int row = row0 + 8 * r;
     if (row < w.sq) {
+      const float lse_new = l > 0.f ? sm.row_max[r] * kLn2 + logf(l) : neg_inf();
+      // Side a: what out / lse hold (weight 0 unless accumulating); side b: this result, o / l.
+      MergeWeights mw{0.f, l > 0.f ? 1.f : 0.f, lse_new};
+      if (accumulate) mw = merge_weights(lse_old[r], lse_new);
+      const float wb = l > 0.f ? mw.wb / l : 0.f;
       const i64 grow = w.q_row0 + row;
       OutT* op = out + grow * o_st + w.h * o_sh + 2 * (lane & 3);
 #pragma unroll
-      for (int dt = 0; dt < kOTiles; ++dt) store2<OutT>(op + dt * 8, o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
-      if (lse != nullptr && (lane & 3) == 0)
-        lse[grow * lse_st + w.h] = l > 0.f ? sm.row_max[r] * kLn2 + logf(l) : neg_inf();
+      for (int dt = 0; dt < kOTiles; ++dt) {
+        float lo = o[dt][2 * r] * wb, hi = o[dt][2 * r + 1] * wb;
+        if (accumulate && mw.wa > 0.f) {
+          float old[2];
+          load2<OutT>(op + dt * 8, old);
+          lo += mw.wa * old[0];
+          hi += mw.wa * old[1];
+        }
+        store2<OutT>(op + dt * 8, lo, hi);
+      }
+      if (lse != nullptr && (lane & 3) == 0) lse[grow * lse_st + w.h] = mw.lse;
     }
   }
 }

@@ -10,10 +10,12 @@ import numpy as np
 
 from . import _registry as reg
 from ._arrays import FP32, as_device, device_pointer, is_torch, optional_ptr, result_wrapper, stream_of
+from ._launch import F32, I32, I64, PTR, U32, ArgPack
 from .jit import get_function
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
-from .validation import DQK, DR, DV, Problem, check_inputs
+from .tma import TENSOR_MAP_DTYPE
+from .validation import DQK, DR, DV, Problem, check_inputs, check_lse_and_accumulate
 
 __all__ = ["mla_prefill"]
 
@@ -56,7 +58,11 @@ def _rope_args(k_rope, dtype) -> Tuple[int, int, int, int, int, int, int, int]:
 
 KERNELS = ("auto", "sm80", "sm90")
 SM90_THREADS = 384  # kernels/mla_prefill_sm90.cu: kThreads
-SM90_SMEM_BYTES = 128 * 384 + 2 * (128 * 384 + 128 * 256) + 128 + 2 * (128 + 16) + 1024  # its kSmemBytes
+
+
+def sm90_smem_bytes(paged: bool) -> int:
+    """kernels/mla_prefill_sm90.cu: kSmemBytes<kPaged>."""
+    return 128 * 384 + 2 * (128 * 384 + 128 * 256) + 128 + 2 * (128 + 16) + 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,108 +110,98 @@ def choose_kernel(kernel: str, paged: bool, device_id: Optional[int] = None) -> 
     return "sm90" if hopper and not os.environ.get("MLA_CUPY_DISABLE_SM90") else "sm80"
 
 
-_SMEM_SET: set = set()  # (id of kernel object, bytes) already configured; jit keeps those objects alive
-
-
-def _with_smem(fn, nbytes: int):
-    """Raise a kernel's dynamic shared-memory limit once (a driver call), not on every launch."""
-    key = (id(fn), nbytes)
-    if key not in _SMEM_SET:
-        if fn.max_dynamic_shared_size_bytes < nbytes:
-            fn.max_dynamic_shared_size_bytes = nbytes
-        _SMEM_SET.add(key)
-    return fn
-
-
 def _stride16(x, dim: int) -> int:
     """Byte stride of ``dim`` for a tensor map (a size-1 dimension's stride is arbitrary: use 16)."""
     st = int(x.strides[dim])
     return st if x.shape[dim] > 1 and st % 16 == 0 else 16
 
 
-_FUNCTIONS: dict = {}  # (kernel, dtype, out_dtype, mask template, paged) -> kernel object, smem limit set
+# The kernels' parameter lists, in order (kernels/mla_prefill_sm{80,90}.cu).
+_ROPE_AND_GRID = [("rope_base", PTR), ("rope_row_stride", I64), ("rope_block_stride", I64), ("lookup", PTR),
+                  ("lookup_stride", I64), ("log2_page_size", I32), ("num_blocks", U32), ("max_pages", U32),
+                  ("num_heads", I32), ("heads_per_section", I32), ("batch", I32), ("num_m_blocks", I32),
+                  ("scale_log2", F32), ("mask_arg", I64), ("accumulate", I32)]
+_OFFSETS = [("q_offsets", PTR), ("kv_begin", PTR), ("kv_end", PTR), ("cache_offsets", PTR), ("q_start_pos", PTR)]
+SM80_ARGS = ArgPack([("q", PTR), ("k", PTR), ("v", PTR), ("out", PTR), ("lse", PTR)] + _OFFSETS
+                    + [(n, I64) for n in ("q_st", "q_sh", "k_st", "k_sh", "v_st", "v_sh", "o_st", "o_sh", "lse_st")]
+                    + _ROPE_AND_GRID)
+SM90_ARGS = ArgPack([("tm_q", TENSOR_MAP_DTYPE), ("tm_k", TENSOR_MAP_DTYPE), ("tm_v", TENSOR_MAP_DTYPE),
+                     ("tm_rope", TENSOR_MAP_DTYPE), ("out", PTR), ("lse", PTR)] + _OFFSETS
+                    + [("o_st", I64), ("o_sh", I64), ("lse_st", I64)] + _ROPE_AND_GRID)
+
+_FUNCTIONS: dict = {}  # (device, kernel, dtype, out_dtype, mask, paged) -> CUfunction with its smem limit set
 
 
-def _prefill_function(kernel: str, p: Problem):
-    key = (kernel, p.dtype, p.out_dtype, p.mask.cpp_name, p.paged)
-    fn = _FUNCTIONS.get(key)
-    if fn is None:
+def _prefill_function(kernel: str, p: Problem, device_id: int) -> int:
+    """The CUfunction of the instantiation ``p`` needs on this device (compiled on first use)."""
+    key = (device_id, kernel, p.dtype, p.out_dtype, p.mask.cpp_name, p.paged)
+    ptr = _FUNCTIONS.get(key)
+    if ptr is None:
         if kernel == "sm90":
-            fn = _with_smem(get_function(*reg.prefill_sm90(p.dtype, p.mask),
-                                         reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask, p.paged)), SM90_SMEM_BYTES)
+            fn, smem = get_function(*reg.prefill_sm90(p.dtype, p.mask),
+                                    reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask, p.paged)), sm90_smem_bytes(p.paged)
         else:
-            fn = _with_smem(get_function(*reg.prefill_sm80(p.dtype, p.mask),
-                                         reg.prefill_sm80_name(p.dtype, p.out_dtype, p.mask, p.paged)), SMEM_BYTES)
-        fn = _FUNCTIONS.setdefault(key, fn)
-    return fn
+            fn, smem = get_function(*reg.prefill_sm80(p.dtype, p.mask),
+                                    reg.prefill_sm80_name(p.dtype, p.out_dtype, p.mask, p.paged)), SMEM_BYTES
+        if fn.max_dynamic_shared_size_bytes < smem:  # a driver call, once per kernel and device
+            fn.max_dynamic_shared_size_bytes = smem
+        ptr = _FUNCTIONS.setdefault(key, int(fn.kernel.ptr))
+    return ptr
 
 
 @functools.lru_cache(maxsize=256)
 def _tensor_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q_ptr: int, q_st: Tuple[int, int], k_ptr: int,
                  k_st: Tuple[int, int], v_ptr: int, v_st: Tuple[int, int], rope_ptr: Optional[int], rope_st: int):
     """The Hopper kernel's TMA descriptors for Q, K, V (and a plain k_rope), cached by buffer and layout."""
-    from .tma import TENSOR_MAP_DTYPE, encode_tiled
+    from .tma import encode_tiled
 
     tm_q = encode_tiled(q_ptr, dtype, (DQK, heads, tq), q_st, (64, 1, 128))
     tm_k = encode_tiled(k_ptr, dtype, (DV, heads, tk), k_st, (64, 1, 128))
     tm_v = encode_tiled(v_ptr, dtype, (DV, heads, tk), v_st, (64, 1, 128))
-    if rope_ptr is None:  # paged: the producer warp gathers rope rows itself; the map is unused
+    if rope_ptr is None:  # paged: the producer gathers rope rows itself; the map is unused
         tm_r = np.zeros(1, TENSOR_MAP_DTYPE)[0]
     else:
         tm_r = encode_tiled(rope_ptr, dtype, (DR, tk), (rope_st,), (64, 128))
     return tm_q, tm_k, tm_v, tm_r
 
 
-def _launch_sm90(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr,
-                 q_start_ptr, stream, nmb: int, device_id: int) -> None:
-    tm_q, tm_k, tm_v, tm_r = _tensor_maps(
-        p.dtype, p.heads, p.tq, p.tk, device_pointer(q), (_stride16(q, 1), _stride16(q, 0)),
-        device_pointer(k), (_stride16(k, 1), _stride16(k, 0)), device_pointer(v), (_stride16(v, 1), _stride16(v, 0)),
-        None if p.paged else device_pointer(k_rope), 0 if p.paged else _stride16(k_rope, 0))
-    rope = _rope_args(k_rope, p.dtype)
-    fn = _prefill_function("sm90", p)
-    oitem = p.out_dtype.itemsize
-    i64 = np.int64
-    args = (tm_q, tm_k, tm_v, tm_r, device_pointer(out), optional_ptr(lse), q_offsets_ptr, kv_begin_ptr, kv_end_ptr,
-            cache_offsets_ptr, q_start_ptr, i64(out.strides[0] // oitem), i64(out.strides[1] // oitem), i64(p.heads),
-            rope[0], i64(rope[1]), i64(rope[2]), rope[3], i64(rope[4]), np.int32(rope[5]), np.uint32(rope[6]),
-            np.uint32(rope[7]), np.int32(p.heads), np.int32(heads_per_section(p, device_id)), np.int32(p.batch),
-            np.int32(nmb), np.float32(p.scale * LOG2E), i64(p.mask.arg))
-    # Persistent: at most one CTA per SM (214 KiB of shared memory each), striding over the tiles.
-    grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
-    with stream:
-        fn((grid,), (SM90_THREADS,), args, shared_mem=SM90_SMEM_BYTES)
-
-
 def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv_begin_ptr: int, kv_end_ptr: int,
-                   cache_offsets_ptr: int, q_start_ptr: int, stream, kernel: str = "auto") -> None:
-    """Launch a prefill kernel over a checked problem (no checks here; pointers are raw)."""
+                   cache_offsets_ptr: int, q_start_ptr: int, stream, kernel: str = "auto",
+                   accumulate: bool = False) -> None:
+    """Launch a prefill kernel over a checked problem (no checks here; pointers are raw). With
+    ``accumulate``, ``out`` / ``lse`` hold a partial result over other keys that is merged in place."""
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
         return
     import cupy
 
     device_id = cupy.cuda.runtime.getDevice()
-    if choose_kernel(kernel, p.paged, device_id) == "sm90":
-        _launch_sm90(p, q, k, v, k_rope, out, lse, q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr,
-                     q_start_ptr, stream, -(-p.max_sq // BLOCK_M), device_id)
-        return
-    fn = _prefill_function("sm80", p)
-    item, oitem = p.dtype.itemsize, p.out_dtype.itemsize
     nmb = -(-p.max_sq // BLOCK_M)
+    oitem = p.out_dtype.itemsize
     rope = _rope_args(k_rope, p.dtype)
-    i64 = np.int64
-    args = (
-        device_pointer(q), device_pointer(k), device_pointer(v), device_pointer(out), optional_ptr(lse),
-        q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr, q_start_ptr,
-        i64(q.strides[0] // item), i64(q.strides[1] // item), i64(k.strides[0] // item), i64(k.strides[1] // item),
-        i64(v.strides[0] // item), i64(v.strides[1] // item), i64(out.strides[0] // oitem), i64(out.strides[1] // oitem),
-        i64(p.heads),
-        rope[0], i64(rope[1]), i64(rope[2]), rope[3], i64(rope[4]), np.int32(rope[5]), np.uint32(rope[6]), np.uint32(rope[7]),
-        np.int32(p.heads), np.int32(heads_per_section(p, device_id)), np.int32(p.batch), np.int32(nmb),
-        np.float32(p.scale * LOG2E), i64(p.mask.arg),
-    )
-    with stream:
-        fn((nmb * p.batch * p.heads,), (THREADS,), args, shared_mem=SMEM_BYTES)
+    tail = (*rope, p.heads, heads_per_section(p, device_id), p.batch, nmb, p.scale * LOG2E, p.mask.arg, int(accumulate))
+    out_lse = (device_pointer(out), optional_ptr(lse), q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr,
+               q_start_ptr)
+    o_strides = (out.strides[0] // oitem, out.strides[1] // oitem, 0 if lse is None else lse.strides[0] // 4)
+    if choose_kernel(kernel, p.paged, device_id) == "sm90":
+        # With no keys at all (Tk = 0) nothing is read through K, V or the rope; their maps then
+        # point at `out` because the driver refuses to encode a map of a null (empty) buffer.
+        stand_in = device_pointer(out)
+        kp, vp = (device_pointer(k), device_pointer(v)) if p.tk else (stand_in, stand_in)
+        rp = None if p.paged else (device_pointer(k_rope) if p.tk else stand_in)
+        maps = _tensor_maps(p.dtype, p.heads, p.tq, p.tk, device_pointer(q), (_stride16(q, 1), _stride16(q, 0)),
+                            kp, (_stride16(k, 1), _stride16(k, 0)), vp, (_stride16(v, 1), _stride16(v, 0)),
+                            rp, 0 if p.paged else _stride16(k_rope, 0))
+        # Persistent: at most one CTA per SM (over 200 KiB of shared memory each), striding over the tiles.
+        grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
+        SM90_ARGS.launch(_prefill_function("sm90", p, device_id), grid, SM90_THREADS, sm90_smem_bytes(p.paged),
+                         stream.ptr, maps + out_lse + o_strides + tail)
+        return
+    item = p.dtype.itemsize
+    in_strides = (q.strides[0] // item, q.strides[1] // item, k.strides[0] // item, k.strides[1] // item,
+                  v.strides[0] // item, v.strides[1] // item)
+    SM80_ARGS.launch(_prefill_function("sm80", p, device_id), nmb * p.batch * p.heads, THREADS, SMEM_BYTES, stream.ptr,
+                     (device_pointer(q), device_pointer(k), device_pointer(v)) + out_lse[:2] + out_lse[2:] + in_strides
+                     + o_strides + tail)
 
 
 def _q_start_i64(q_start_pos):
@@ -261,12 +257,13 @@ def _problem_key(arrays, k_rope, extra) -> Optional[tuple]:
 
 
 def _check_cached(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets,
-                  q_start_pos, out, out_dtype) -> Problem:
+                  q_start_pos, out, out_dtype, lse, accumulate) -> Problem:
     """check_inputs for ``validate=False`` with ``q_max_seq_len`` given: nothing it checks depends on
     array contents then, so a call with the same shapes, strides, dtypes, alignments, devices and
     keywords as an earlier one reuses that call's Problem (a dict lookup instead of ~30 us of checks)."""
-    key = _problem_key((q, k, v, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out), k_rope,
-                       (scale, type(scale), mask, q_max_seq_len, type(q_max_seq_len), out_dtype))
+    key = _problem_key((q, k, v, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse), k_rope,
+                       (scale, type(scale), mask, q_max_seq_len, type(q_max_seq_len), out_dtype, accumulate,
+                        type(accumulate)))
     try:
         p = _PROBLEMS.get(key) if key is not None else None
     except TypeError:  # an unhashable keyword: check_inputs will say what is wrong with it
@@ -275,6 +272,7 @@ def _check_cached(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, ma
         p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                          q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
                          out_dtype=out_dtype, validate=False, device=True, read_offsets=False)
+        check_lse_and_accumulate(p, out, lse, accumulate)
         if key is not None:
             if len(_PROBLEMS) >= _PROBLEMS_MAX:
                 _PROBLEMS.clear()
@@ -286,7 +284,7 @@ def mla_prefill(
     q, k, v, k_rope: Union[Any, PagedKVCache], valid_length, cache_row_offsets, *,
     scale: Optional[float] = None, mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
     cache_offsets=None, q_start_pos=None, out=None, out_dtype=None, return_lse: bool = False,
-    stream=None, validate: bool = True, kernel: str = "auto",
+    lse=None, accumulate: bool = False, stream=None, validate: bool = True, kernel: str = "auto",
 ):
     """Multi-head Latent Attention prefill over a ragged batch (MAX's ``flare_mla_prefill``).
 
@@ -324,6 +322,12 @@ def mla_prefill(
     return_lse : bool
         Also return ``lse[Tq, H]`` float32: the NATURAL-log log-sum-exp of the scaled scores
         (``-inf`` for rows that see no key). Base e, not base 2 as in FlashInfer/TRT-LLM.
+    lse : ``[Tq, H]`` float32 device array, optional
+        Where to write the lse (heads contiguous); implies it is computed.
+    accumulate : bool
+        ``out`` (float32) and ``lse`` already hold a partial result of these queries over OTHER
+        keys (an earlier chunk of the context): this call's result is merged into them in place,
+        exactly as :func:`merge_states` would, inside the kernel's epilogue (no extra pass).
     stream : cupy / torch stream or raw ``cudaStream_t`` int, optional
         Default: CuPy's current stream, or torch's current stream for torch inputs.
     validate : bool
@@ -346,21 +350,26 @@ def mla_prefill(
     wrap = result_wrapper(q)
     q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out = device_inputs(
         q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out)
+    if lse is not None:
+        lse = as_device(lse, "lse")
     if validate or q_max_seq_len is None:
         p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                          q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
                          out_dtype=out_dtype, validate=validate, device=True, read_offsets=q_max_seq_len is None)
+        check_lse_and_accumulate(p, out, lse, accumulate)
     else:
         p = _check_cached(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                           q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
-                          out_dtype=out_dtype)
+                          out_dtype=out_dtype, lse=lse, accumulate=accumulate)
     s = stream_of(stream, torch_q is not None)
-    with s:
-        if out is None:
-            out = _empty((p.tq, p.heads, DV), p.out_dtype, torch_q)
-        lse = _empty((p.tq, p.heads), FP32, torch_q, "lse") if return_lse else None
-        q_start_pos = _q_start_i64(q_start_pos)
+    if out is None:
+        out = _empty((p.tq, p.heads, DV), p.out_dtype, torch_q)
+    if lse is None and return_lse:
+        lse = _empty((p.tq, p.heads), FP32, torch_q, "lse")
+    if q_start_pos is not None:
+        with s:
+            q_start_pos = _q_start_i64(q_start_pos)
     cro_ptr = device_pointer(cache_row_offsets)
     launch_prefill(p, q, k, v, k_rope, out, lse, device_pointer(valid_length), cro_ptr, cro_ptr + 4,
-                   optional_ptr(cache_offsets), optional_ptr(q_start_pos), s, kernel)
+                   optional_ptr(cache_offsets), optional_ptr(q_start_pos), s, kernel, accumulate)
     return (wrap(out), wrap(lse)) if return_lse else wrap(out)

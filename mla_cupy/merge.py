@@ -89,10 +89,11 @@ def mla_prefill_chunked(
     """``mla_prefill`` over each sequence's keys in chunks of ``chunk_size``, merged exactly.
 
     Chunk ``c`` covers keys ``[c * chunk_size, (c + 1) * chunk_size)`` of every sequence, with the
-    TRUE query positions (those of the one-shot call) and key positions; its float32 partial
-    result is folded into a float32 accumulator with :func:`merge_states`. The result equals the
-    one-shot call within float32 rounding. Extra device memory: two float32 ``[Tq, H, 128]``
-    buffers and three ``[Tq, H]`` lse buffers, whatever the number of keys.
+    TRUE query positions (those of the one-shot call) and key positions; the kernel's epilogue
+    merges its result into a float32 accumulator in place (``mla_prefill(..., accumulate=True)``,
+    the :func:`merge_states` formula without a separate pass). The result equals the one-shot
+    call within float32 rounding. Extra device memory: one float32 ``[Tq, H, 128]`` accumulator
+    and its ``[Tq, H]`` lse, whatever the number of keys.
 
     Takes the same arguments as :func:`mla_prefill`, plus ``chunk_size`` (keys per chunk, >= 1).
     """
@@ -114,24 +115,17 @@ def mla_prefill_chunked(
         k_pos0 = cp.zeros(p.batch, cp.int64) if co is None else cp.asarray(co).astype(cp.int64)
         q_pos0 = (k_pos0 + sk - sq) if qs is None else cp.asarray(qs).astype(cp.int64)
         max_sk = int(sk.max().get()) if p.batch else 0
-        acc = cp.empty((p.tq, p.heads, DV), cp.float32)
+        acc = cp.zeros((p.tq, p.heads, DV), cp.float32)
         acc_lse = cp.full((p.tq, p.heads), -np.inf, cp.float32)
-        part = cp.empty((p.tq, p.heads, DV), cp.float32)
-        part_lse = cp.empty((p.tq, p.heads), cp.float32)
-        acc.fill(0)
     part_p = _with_f32_output(p)
-    first = True
-    for c0 in range(0, max(max_sk, 1), chunk_size):
+    for i, c0 in enumerate(range(0, max(max_sk, 1), chunk_size)):
         with s:
             begin = (cro64[:-1] + cp.minimum(sk, c0)).astype(cp.uint32)
             end = (cro64[:-1] + cp.minimum(sk, c0 + chunk_size)).astype(cp.uint32)
             chunk_co = (k_pos0 + cp.minimum(sk, c0)).astype(cp.uint32)
-        target, target_lse = (acc, acc_lse) if first else (part, part_lse)
-        launch_prefill(part_p, q, k, v, k_rope, target, target_lse, device_pointer(vl), device_pointer(begin),
-                       device_pointer(end), device_pointer(chunk_co), device_pointer(q_pos0), s, kernel)
-        if not first:
-            merge_states(acc, acc_lse, part, part_lse, out=acc, lse_out=acc_lse, stream=s)
-        first = False
+        launch_prefill(part_p, q, k, v, k_rope, acc, acc_lse, device_pointer(vl), device_pointer(begin),
+                       device_pointer(end), device_pointer(chunk_co), device_pointer(q_pos0), s, kernel,
+                       accumulate=i > 0)
     with s:
         if out is None:
             out = _empty((p.tq, p.heads, DV), p.out_dtype, torch_q)

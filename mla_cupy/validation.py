@@ -215,6 +215,23 @@ def check_inputs(
     return Problem(batch, heads, tq, tk, dtype, out_dtype, mask, float(scale), max_sq, paged)
 
 
+def check_lse_and_accumulate(p: Problem, out: Any, lse: Any, accumulate: Any) -> None:
+    """The ``lse=`` buffer (float32 [Tq, H], heads contiguous) and ``accumulate`` (needs float32
+    ``out`` and ``lse`` holding an earlier partial result)."""
+    if not isinstance(accumulate, (bool, np.bool_)):
+        raise TypeError(f"accumulate: expected a bool, got {type(accumulate).__name__}")
+    if lse is not None:
+        check_array(lse, "lse", 2, (FP32,), device=False)  # scalar stores: no 16-byte rule
+        check_shape(lse, "lse", (p.tq, p.heads), "[Tq, H]")
+        if p.heads > 1 and int(lse.strides[1]) != 4:
+            raise ValueError(f"lse: the head dimension must be contiguous (stride 4 bytes), got strides {tuple(lse.strides)}")
+    if accumulate:
+        if out is None or lse is None:
+            raise ValueError("accumulate: needs out= and lse= holding the partial result to merge into")
+        if p.out_dtype != FP32:
+            raise TypeError(f"accumulate: out must be float32 (partial results are merged in float32), got {p.out_dtype.name}")
+
+
 def _check_paged(cache: PagedKVCache, co: np.ndarray, sk: np.ndarray) -> None:
     """Every page that a sequence's keys touch exists in the lookup table and names a real block."""
     lut = to_host(cache.lookup_table).astype(np.int64)

@@ -138,6 +138,44 @@ def test_merge_of_two_key_halves_equals_one_shot():
     np.testing.assert_allclose(la.get(), full_lse.get(), rtol=1e-4, atol=1e-4)
 
 
+@kernels
+def test_accumulate_merges_in_the_epilogue(kernel):
+    """accumulate=True folds this call's result into out/lse in place: keys [0, 200) then [200, 500)
+    equal the one-shot call; a call over no keys leaves them as they were (no NaN); a sequence
+    whose first part is empty takes the second part as it is."""
+    import cupy as cp
+
+    c = make_case([100, 37], [500, 300], 16, BF16, seed=22)
+    d = upload(c)
+    full, full_lse = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                                          mask=NullMask(), out_dtype=np.float32, return_lse=True, kernel=kernel)
+    acc = cp.full(full.shape, np.nan, cp.float32)
+    acc_lse = cp.full(full_lse.shape, np.nan, cp.float32)
+    cro = c.cache_row_offsets.astype(np.int64)
+    # part 1: sequence 0 keys [0, 200), sequence 1 none; part 2: the rest of both
+    for i, (begin, end) in enumerate((([0, 500], [200, 500]), ([200, 500], [500, 800]))):
+        kv = cp.asarray(np.array(begin + [end[-1]], np.uint32))
+        co = cp.asarray(np.array([begin[0] - cro[0], begin[1] - cro[1]], np.uint32))
+        qs = cp.asarray(np.array([400, 263], np.int64))  # the one-shot call's query positions (end-aligned)
+        lens = np.array(end) - np.array(begin)
+        # keys of chunk i: rows begin[b] .. end[b] of k / v; offsets are [begin0, begin1, end1] only when
+        # contiguous, so pass each sequence's rows explicitly through a gathered copy
+        rows = np.concatenate([np.arange(begin[b], end[b]) for b in range(2)])
+        kc, vc, rc = d["k"][rows], d["v"][rows], d["k_rope"][rows]
+        offs = cp.asarray(np.array([0, lens[0], lens[0] + lens[1]], np.uint32))
+        mla_cupy.mla_prefill(d["q"], kc, vc, rc, d["valid_length"], offs, mask=NullMask(), cache_offsets=co,
+                             q_start_pos=qs, out=acc, lse=acc_lse, accumulate=i > 0, kernel=kernel)
+    assert not bool(cp.isnan(acc).any())
+    assert float(cp.linalg.norm(acc - full) / cp.linalg.norm(full)) < 5e-3
+    np.testing.assert_allclose(acc_lse.get(), full_lse.get(), rtol=1e-4, atol=1e-4)
+    # an empty chunk changes nothing
+    before, before_lse = acc.copy(), acc_lse.copy()
+    none = cp.asarray(np.array([0, 0, 0], np.uint32))
+    mla_cupy.mla_prefill(d["q"], d["k"][:0], d["v"][:0], d["k_rope"][:0], d["valid_length"], none, mask=NullMask(),
+                         out=acc, lse=acc_lse, accumulate=True, kernel=kernel)
+    assert bool(cp.all(acc == before)) and bool(cp.all(acc_lse == before_lse))
+
+
 @pytest.mark.parametrize("chunks", [1, 4, 16])
 def test_chunked_64k_context_equals_one_shot(chunks):
     """1k new queries after 64k keys of context, in 1, 4 and 16 chunks, vs the one-shot kernel."""

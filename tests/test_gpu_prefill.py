@@ -85,6 +85,8 @@ def test_batch_zero_and_all_empty(kernel):
     assert out.shape == (0, 16, 128)
     c = make_case([0, 0], [5, 0], 16, BF16, seed=2)
     run_and_check(c, kernel=kernel)
+    c = make_case([3, 4], [0, 0], 16, BF16, seed=3)  # queries but no keys at all (Tk = 0): zeros, lse -inf
+    run_and_check(c, kernel=kernel)
 
 
 @kernels
