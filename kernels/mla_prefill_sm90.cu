@@ -3,9 +3,10 @@
 //   * Persistent: one CTA per SM strides over the work tiles (128 query rows of one head of one
 //     sequence) in the order of tile_scheduler.cuh (heads in L2-sized sections, longest first).
 //     3 warpgroups:
-//       WG0, the producer: one warp issues TMA copies of each work tile's Q (once the consumers
-//           are done with the previous one) and of its K/V tiles into a 2-stage shared-memory ring
-//           guarded by mbarriers, K and V with their own "full" and "empty" barriers
+//       WG0, the producers: one thread issues TMA copies of each work tile's Q (once the
+//           consumers are done with the previous one) and of its K/V tiles into a 2-stage
+//           shared-memory ring guarded by mbarriers, K and V with their own "full" and "empty"
+//           barriers; with a paged cache a second warp gathers the rope rows
 //           (setmaxnreg: 24 registers, 56 when paged);
 //       WG1, WG2, the consumers: 64 query rows each; S = Q K^T with wgmma (both operands in shared
 //           memory), online softmax in registers, O += P V with wgmma (P from registers, V read
@@ -17,8 +18,9 @@
 //     the 64 rope values every head shares, copied from k_rope by their own tensor map. Nothing
 //     materializes [Tk, H, 192].
 //   * Tiles are 64-element column blocks with the 128-byte swizzle (what TMA writes; see sm90.cuh).
-//   * With a paged cache the producer warp gathers the rope rows itself (cp.async, one lookup per
-//     key, unreadable pages zero-filled and flagged) and they arrive on the same K barrier.
+//   * With a paged cache a second producer warp gathers the rope rows itself (cp.async, one lookup
+//     per key, unreadable pages zero-filled and flagged) into a 3-stage rope ring of its own, so
+//     the gather runs ahead of the K/V traffic instead of behind it.
 //   * Key tiles a mask removes entirely are never loaded; fully visible tiles skip the predicate.
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows or zero-filled past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
@@ -47,13 +49,21 @@ constexpr int kColBlock = 64;                      // elements per 128-byte swiz
 constexpr int kQColBytes = kBlockM * 128;          // one column block of Q: 16 KiB
 constexpr int kKColBytes = kBlockN * 128;          // one column block of K or V: 16 KiB
 constexpr int kQBytes = (kDqk / kColBlock) * kQColBytes;  // 48 KiB
-constexpr int kKBytes = (kDqk / kColBlock) * kKColBytes;  // 48 KiB: nope 0..63, nope 64..127, rope
 constexpr int kVBytes = (kDv / kColBlock) * kKColBytes;   // 32 KiB
-constexpr int kStageBytes = kKBytes + kVBytes;
-constexpr int kBarOffset = kQBytes + kStages * kStageBytes;  // 2 + 4 * kStages mbarriers of 8 bytes
-constexpr int kKeyOkOffset = kBarOffset + 128;             // paged: per-key "readable" flags + a tile flag
-constexpr int kSmemBytes = kKeyOkOffset + kStages * (kBlockN + 16) + 1024;  // + slack to align the base to 1 KiB
-static_assert(8 * (2 + 4 * kStages) <= 128, "the mbarriers must fit their 128 bytes");
+constexpr int kRopeStages = 3;                            // paged: the rope ring runs up to 3 tiles ahead
+// Shared memory, the base aligned to 1 KiB for the swizzle:
+//   plain: [Q][K0 V0][K1 V1][mbarriers][flags]: a K stage is 3 column blocks, nope 0..63, nope
+//          64..127 and the rope (48 KiB), all by TMA;
+//   paged: [Q][K0 V0][K1 V1][R0 R1 R2][mbarriers][flags]: K stages hold the nope blocks only, the
+//          rope rows gathered from the cache go to their own deeper ring R, with per-key flags.
+template <bool kPaged> constexpr int kKBytes = (kPaged ? 2 : 3) * kKColBytes;
+template <bool kPaged> constexpr int kStageBytes = kKBytes<kPaged> + kVBytes;
+template <bool kPaged> constexpr int kRopeOffset = kQBytes + kStages * kStageBytes<kPaged>;
+template <bool kPaged> constexpr int kBarOffset = kRopeOffset<kPaged> + (kPaged ? kRopeStages * kKColBytes : 0);
+template <bool kPaged> constexpr int kKeyOkOffset = kBarOffset<kPaged> + 128;  // per-key "readable" flags + a tile flag
+template <bool kPaged> constexpr int kSmemBytes = kKeyOkOffset<kPaged> + kRopeStages * (kBlockN + 16) + 1024;
+static_assert(8 * (2 + 4 * kStages + 2 * kRopeStages) <= 128, "the mbarriers must fit their 128 bytes");
+static_assert(kSmemBytes<true> <= 227 * 1024 && kSmemBytes<false> <= 227 * 1024, "shared memory per CTA");
 
 // Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The paged
 // producer warp keeps a tile's page lookups in registers and needs more than the plain one's 24.
@@ -107,19 +117,25 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     return true;
   };
 
-  // Shared memory: [Q][K0 V0][K1 V1][barriers][paged flags], the base rounded up to 1 KiB for the swizzle.
-  const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // layout: see kSmemBytes
   const u32 sQ = base;
-  const u32 bar = base + kBarOffset;
+  const u32 bar = base + kBarOffset<kPaged>;
   const u32 q_full = bar, q_empty = bar + 8;
   auto k_full = [&](int s) { return bar + 16 + 8 * s; };
   auto v_full = [&](int s) { return bar + 16 + 8 * (kStages + s); };
   auto k_empty = [&](int s) { return bar + 16 + 8 * (2 * kStages + s); };
   auto v_empty = [&](int s) { return bar + 16 + 8 * (3 * kStages + s); };
-  auto sK = [&](int s) { return base + kQBytes + s * kStageBytes; };
-  auto sV = [&](int s) { return base + kQBytes + s * kStageBytes + kKBytes; };
-  // paged only: key_ok[s][0..127] flags, then tile_bad[s] at byte kBlockN
-  unsigned char* key_ok = smem_raw + (base - smem_addr(smem_raw)) + kKeyOkOffset;
+  auto r_full = [&](int r) { return bar + 16 + 8 * (4 * kStages + r); };                 // paged rope ring
+  auto r_empty = [&](int r) { return bar + 16 + 8 * (4 * kStages + kRopeStages + r); };
+  auto sK = [&](int s) { return base + kQBytes + s * kStageBytes<kPaged>; };
+  auto sV = [&](int s) { return sK(s) + kKBytes<kPaged>; };
+  // The rope column block of key tile `it`: the third block of its K stage (plain), or its stage of
+  // the rope ring (paged).
+  auto sRope = [&](int it) {
+    return kPaged ? base + kRopeOffset<kPaged> + (it % kRopeStages) * kKColBytes : sK(it % kStages) + 2 * kKColBytes;
+  };
+  // paged only: key_ok[r][0..127] per-key flags of rope stage r, then tile_bad[r] at byte kBlockN
+  unsigned char* key_ok = smem_raw + (base - smem_addr(smem_raw)) + kKeyOkOffset<kPaged>;
 
   const int wg = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -127,86 +143,99 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     mbar_init(q_full, 1);
     mbar_init(q_empty, kConsumerThreads);
     for (int s = 0; s < kStages; ++s) {
-      // paged: + 32 cp.async completions and 32 plain arrivals (after the flags) of the producer warp
-      mbar_init(k_full(s), kPaged ? 1 + 64 : 1);
+      mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
       mbar_init(k_empty(s), kConsumerThreads);
       mbar_init(v_empty(s), kConsumerThreads);
+    }
+    for (int r = 0; r < kRopeStages; ++r) {
+      mbar_init(r_full(r), 64);  // 32 cp.async completions and 32 plain arrivals (after the flags)
+      mbar_init(r_empty(r), kConsumerThreads);
     }
     fence_barrier_init();
   }
   __syncthreads();
 
   if (wg == 0) {
-    // ------------------------------------ producer ------------------------------------
+    // ------------------------------------ producers ------------------------------------
     regs_dealloc<kProducerRegs<kPaged>>();
-    if (threadIdx.x >= 32) return;
-    const RopeArgs ra{rope_base, rope_row_stride, rope_block_stride, lookup, lookup_stride, log2_page_size,
-                      num_blocks, max_pages};
-    int it = 0;  // K/V tiles loaded so far: the position in the ring, continued across work tiles
-    int nq = 0;  // Q tiles loaded so far
-    for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
-      Work k;
-      if (!plan(idx, k) || k.num_tiles == 0) continue;
-      const WorkTile& w = k.w;
-      if (lane == 0) {
+    const int warp = threadIdx.x / 32;
+    if (warp == 0) {
+      // Warp 0, one thread: TMA for Q, K (nope, and the rope when plain) and V.
+      if (lane != 0) return;
+      int it = 0;  // key tiles loaded so far: the position in the rings, continued across work tiles
+      int nq = 0;  // Q tiles loaded so far
+      for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
+        Work k;
+        if (!plan(idx, k) || k.num_tiles == 0) continue;
+        const WorkTile& w = k.w;
         mbar_wait(q_empty, (nq & 1) ^ 1);  // the consumers are done with the previous Q
         mbar_expect_tx(q_full, kQBytes);
         for (int c = 0; c < kDqk / kColBlock; ++c)
           tma_load_3d(sQ + c * kQColBytes, &tm_q, q_full, c * kColBlock, w.h, static_cast<int>(w.q_row0 + k.m0));
-      }
-      ++nq;
-      // Paged: lane's rope rows of a tile (keys lane + 32 i), looked up one tile ahead so the page
-      // table reads overlap the wait for a free stage.
-      constexpr int kRopeRows = kBlockN / 32;
-      const T* rp[kRopeRows];
-      auto lookup_rows = [&](int t) {
-#pragma unroll
-        for (int i = 0; i < kRopeRows; ++i) {
-          const int j = k.n_begin + t * kBlockN + lane + 32 * i;
-          rp[i] = j < k.n_end ? RopeSource<true>::template row<T>(ra, w.b, w.kv_row0 + j, w.k_pos0 + j) : nullptr;
-        }
-      };
-      if (kPaged) lookup_rows(0);
-      for (int t = 0; t < k.num_tiles; ++t, ++it) {
-        const int s = it % kStages;
-        const u32 empty_parity = ((it / kStages) & 1) ^ 1;  // the first pass over the ring does not wait
-        const int n0 = k.n_begin + t * kBlockN;
-        const int row = static_cast<int>(w.kv_row0 + n0);
-        mbar_wait(k_empty(s), empty_parity);
-        if (lane == 0) {
-          mbar_expect_tx(k_full(s), kPaged ? kKBytes - kKColBytes : kKBytes);
+        ++nq;
+        for (int t = 0; t < k.num_tiles; ++t, ++it) {
+          const int s = it % kStages;
+          const u32 empty_parity = ((it / kStages) & 1) ^ 1;  // the first pass over the ring does not wait
+          const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * kBlockN);
+          mbar_wait(k_empty(s), empty_parity);
+          mbar_expect_tx(k_full(s), kKBytes<kPaged>);
           tma_load_3d(sK(s), &tm_k, k_full(s), 0, w.h, row);
           tma_load_3d(sK(s) + kKColBytes, &tm_k, k_full(s), kColBlock, w.h, row);
-          if (!kPaged) tma_load_2d(sK(s) + 2 * kKColBytes, &tm_rope, k_full(s), 0, row);  // shared by every head
-        }
-        if (kPaged) {
-          // Gather the rope rows from the cache, 8 chunks each, written in the 128-byte swizzle
-          // (chunk c of row r at chunk c ^ (r % 8)); unreadable pages are zero-filled and flagged.
-          const u32 rope_blk = sK(s) + 2 * kKColBytes;
-          bool bad = false;
-#pragma unroll
-          for (int i = 0; i < kRopeRows; ++i) {
-            const int r = lane + 32 * i;
-            const bool ok = rp[i] != nullptr;
-            bad |= n0 + r < k.n_end && !ok;
-#pragma unroll
-            for (int c = 0; c < 8; ++c)
-              cp_async_16(rope_blk + r * 128 + ((c ^ (r & 7)) << 4), ok ? rp[i] + c * 8 : static_cast<const T*>(rope_base), ok);
-            key_ok[s * (kBlockN + 16) + r] = ok;
-          }
-          mbar_cp_async_arrive(k_full(s));
-          bad = __any_sync(0xffffffffu, bad);
-          if (lane == 0) key_ok[s * (kBlockN + 16) + kBlockN] = bad;
-          __syncwarp();
-          mbar_arrive(k_full(s));  // release: the flags are visible once the barrier completes
-          if (t + 1 < k.num_tiles) lookup_rows(t + 1);
-        }
-        mbar_wait(v_empty(s), empty_parity);
-        if (lane == 0) {
+          if (!kPaged) tma_load_2d(sRope(it), &tm_rope, k_full(s), 0, row);  // shared by every head
+          mbar_wait(v_empty(s), empty_parity);
           mbar_expect_tx(v_full(s), kVBytes);
           tma_load_3d(sV(s), &tm_v, v_full(s), 0, w.h, row);
           tma_load_3d(sV(s) + kKColBytes, &tm_v, v_full(s), kColBlock, w.h, row);
+        }
+      }
+    } else if (kPaged && warp == 1) {
+      // Warp 1 (paged): gathers each key tile's rope rows from the cache into the rope ring, up to
+      // kRopeStages tiles ahead of the consumers, independently of warp 0's TMA traffic.
+      const RopeArgs ra{rope_base, rope_row_stride, rope_block_stride, lookup, lookup_stride, log2_page_size,
+                        num_blocks, max_pages};
+      int it = 0;
+      for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
+        Work k;
+        if (!plan(idx, k) || k.num_tiles == 0) continue;
+        const WorkTile& w = k.w;
+        // Lane's rope rows of a tile (keys lane + 32 i), looked up one tile ahead so the page-table
+        // reads overlap the wait for a free stage.
+        constexpr int kRopeRows = kBlockN / 32;
+        const T* rp[kRopeRows];
+        auto lookup_rows = [&](int t) {
+#pragma unroll
+          for (int i = 0; i < kRopeRows; ++i) {
+            const int j = k.n_begin + t * kBlockN + lane + 32 * i;
+            rp[i] = j < k.n_end ? RopeSource<true>::template row<T>(ra, w.b, w.kv_row0 + j, w.k_pos0 + j) : nullptr;
+          }
+        };
+        lookup_rows(0);
+        for (int t = 0; t < k.num_tiles; ++t, ++it) {
+          const int r = it % kRopeStages;
+          const int n0 = k.n_begin + t * kBlockN;
+          mbar_wait(r_empty(r), ((it / kRopeStages) & 1) ^ 1);
+          // 8 chunks of 16 bytes per row, written in the 128-byte swizzle (chunk c of row x at chunk
+          // c ^ (x % 8)); unreadable pages are zero-filled and flagged.
+          const u32 dst = sRope(it);
+          unsigned char* ok_flags = key_ok + r * (kBlockN + 16);
+          bool bad = false;
+#pragma unroll
+          for (int i = 0; i < kRopeRows; ++i) {
+            const int x = lane + 32 * i;
+            const bool ok = rp[i] != nullptr;
+            bad |= n0 + x < k.n_end && !ok;
+#pragma unroll
+            for (int c = 0; c < 8; ++c)
+              cp_async_16(dst + x * 128 + ((c ^ (x & 7)) << 4), ok ? rp[i] + c * 8 : static_cast<const T*>(rope_base), ok);
+            ok_flags[x] = ok;
+          }
+          mbar_cp_async_arrive(r_full(r));
+          bad = __any_sync(0xffffffffu, bad);
+          if (lane == 0) ok_flags[kBlockN] = bad;
+          __syncwarp();
+          mbar_arrive(r_full(r));  // release: the flags are visible once the barrier completes
+          if (t + 1 < k.num_tiles) lookup_rows(t + 1);
         }
       }
     }
@@ -244,15 +273,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       // Every wgmma below runs on control flow that is the same for the whole warpgroup and has no
       // per-tile branch: ptxas would otherwise serialize the asynchronous wgmmas. A warpgroup whose
       // rows see nothing of a tile computes it anyway (the mask turns it into zeros).
-      auto issue_qk = [&](int s) {  // S = Q K_s^T, committed as one group
+      // Waits for key tile `it` (its K stage, and its rope stage when paged) and issues S = Q K^T,
+      // committed as one group.
+      auto issue_qk = [&](int it) {
+        const int s = it % kStages;
+        mbar_wait(k_full(s), (it / kStages) & 1);
+        if (kPaged) mbar_wait(r_full(it % kRopeStages), (it / kRopeStages) & 1);
         fence_operands(sacc);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kQkSteps; ++kk) {
-          // k-step kk: column block kk / 4, 32-byte step kk % 4 inside the 128-byte swizzled row
+          // k-step kk: column block kk / 4 (nope, nope, rope), 32-byte step kk % 4 inside the
+          // 128-byte swizzled row
           const u32 off = (kk / 4) * kQColBytes + (kk % 4) * 32;
-          const u32 koff = (kk / 4) * kKColBytes + (kk % 4) * 32;
-          Wgmma<T>::ss(sacc, make_desc(sQw + off, 16, 1024), make_desc(sK(s) + koff, 16, 1024), kk > 0);
+          const u32 kblk = kk / 4 < 2 ? sK(s) + (kk / 4) * kKColBytes : sRope(it);
+          Wgmma<T>::ss(sacc, make_desc(sQw + off, 16, 1024), make_desc(kblk + (kk % 4) * 32, 16, 1024), kk > 0);
         }
         wgmma_commit();
       };
@@ -261,16 +296,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         pv_mma<T>(o, pa, sV(s));
         wgmma_commit();
       };
-      // Masks S of tile t (stage s) where needed, releases K_s, and turns S into probabilities.
-      auto scores_to_p = [&](int t, int s, float (&corr)[2]) {
+      // Masks S of tile t (ring position it) where needed, releases its K (and rope) stage, and
+      // turns S into probabilities.
+      auto scores_to_p = [&](int t, int it, float (&corr)[2]) {
         fence_operands(sacc);
         const int n0 = k.n_begin + t * kBlockN;
-        const unsigned char* ok = key_ok + s * (kBlockN + 16);
+        const unsigned char* ok = key_ok + (it % kRopeStages) * (kBlockN + 16);
         const bool tile_bad = kPaged && ok[kBlockN];
         const bool full = n0 + kBlockN <= k.n_end && !tile_bad && wr0 < w.sq &&
                           mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
         if (!full) apply_mask(sacc, mask, w, row0, n0, k.n_end, tile_bad ? ok : nullptr);
-        mbar_arrive(k_empty(s));  // K_s (and its paged flags) fully read
+        mbar_arrive(k_empty(it % kStages));                  // K fully read
+        if (kPaged) mbar_arrive(r_empty(it % kRopeStages));  // and the rope rows and their flags
         sm.update_scores(sacc, scale_log2, corr);
       };
       auto pack = [&]() {
@@ -282,22 +319,20 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       int prev_s = it % kStages;
       u32 prev_parity = (it / kStages) & 1;
       float corr[2];
-      mbar_wait(k_full(prev_s), prev_parity);
-      issue_qk(prev_s);
+      issue_qk(it);
       wgmma_wait<0>();
-      scores_to_p(0, prev_s, corr);
+      scores_to_p(0, it, corr);
       pack();
       ++it;
       // Tiles 1..n-1: S_t and P_{t-1} V_{t-1} in flight together; the softmax of S_t overlaps P V.
       for (int t = 1; t < k.num_tiles; ++t, ++it) {
         const int s = it % kStages;
         const u32 parity = (it / kStages) & 1;
-        mbar_wait(k_full(s), parity);
-        issue_qk(s);
+        issue_qk(it);
         mbar_wait(v_full(prev_s), prev_parity);
         issue_pv(prev_s);
         wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
-        scores_to_p(t, s, corr);
+        scores_to_p(t, it, corr);
         wgmma_wait<0>();
         fence_operands(o);
         fence_operands(pa);

@@ -9,8 +9,9 @@ capture records them the same way.
 """
 from __future__ import annotations
 
+import os
 import threading
-from typing import Sequence, Tuple
+from typing import Any, Sequence, Tuple
 
 import numpy as np
 
@@ -36,6 +37,7 @@ class ArgPack:
             off += dt.itemsize
         self.dtype = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": -(-off // 64) * 64})
         self.names = tuple(names)
+        self._types = tuple(np.dtype(f).type if np.dtype(f).names is None else None for f in formats)
         self._offsets = tuple(offsets)
         self._local = threading.local()
 
@@ -47,10 +49,17 @@ class ArgPack:
             b = self._local.b = (buf, ptrs, int(ptrs.ctypes.data))
         return b
 
-    def launch(self, func_ptr: int, grid: int, block: int, smem: int, stream_ptr: int, values: tuple) -> None:
-        """Launch ``func_ptr`` (a CUfunction) on a 1-D grid with ``values`` in parameter order."""
+    def launch(self, kernel: Any, func_ptr: int, grid: int, block: int, smem: int, stream, values: tuple) -> None:
+        """Launch ``func_ptr`` (the CUfunction of the ``cupy.RawKernel`` ``kernel``) on a 1-D grid
+        with ``values`` in parameter order, on ``stream``. ``MLA_CUPY_LAUNCH=cupy`` in the
+        environment routes launches through ``RawKernel.__call__`` instead (a debugging aid)."""
+        if os.environ.get("MLA_CUPY_LAUNCH") == "cupy":
+            args = tuple(v if t is None else t(v) for v, t in zip(values, self._types))
+            with stream:
+                kernel((grid,), (block,), args, shared_mem=smem)
+            return
         from cupy.cuda import driver
 
         buf, _ptrs, pptr = self._buffer()
         buf[0] = values
-        driver.launchKernel(func_ptr, grid, 1, 1, block, 1, 1, smem, stream_ptr, pptr, 0)
+        driver.launchKernel(func_ptr, grid, 1, 1, block, 1, 1, smem, stream.ptr, pptr, 0)

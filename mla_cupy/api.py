@@ -61,8 +61,11 @@ SM90_THREADS = 384  # kernels/mla_prefill_sm90.cu: kThreads
 
 
 def sm90_smem_bytes(paged: bool) -> int:
-    """kernels/mla_prefill_sm90.cu: kSmemBytes<kPaged>."""
-    return 128 * 384 + 2 * (128 * 384 + 128 * 256) + 128 + 2 * (128 + 16) + 1024
+    """kernels/mla_prefill_sm90.cu: kSmemBytes<kPaged> (229,376 + 1,584 paged; 212,992 + 1,584 plain)."""
+    col = 128 * 128  # one 64-wide column block of a 128-row tile, bf16/fp16
+    q, k, v = 3 * col, (2 if paged else 3) * col, 2 * col
+    rope_ring = 3 * col if paged else 0
+    return q + 2 * (k + v) + rope_ring + 128 + 3 * (128 + 16) + 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,11 +132,11 @@ SM90_ARGS = ArgPack([("tm_q", TENSOR_MAP_DTYPE), ("tm_k", TENSOR_MAP_DTYPE), ("t
                      ("tm_rope", TENSOR_MAP_DTYPE), ("out", PTR), ("lse", PTR)] + _OFFSETS
                     + [("o_st", I64), ("o_sh", I64), ("lse_st", I64)] + _ROPE_AND_GRID)
 
-_FUNCTIONS: dict = {}  # (device, kernel, dtype, out_dtype, mask, paged) -> CUfunction with its smem limit set
+_FUNCTIONS: dict = {}  # (device, kernel, dtype, out_dtype, mask, paged) -> (RawKernel, CUfunction), smem limit set
 
 
-def _prefill_function(kernel: str, p: Problem, device_id: int) -> int:
-    """The CUfunction of the instantiation ``p`` needs on this device (compiled on first use)."""
+def _prefill_function(kernel: str, p: Problem, device_id: int):
+    """(RawKernel, CUfunction) of the instantiation ``p`` needs on this device (compiled on first use)."""
     key = (device_id, kernel, p.dtype, p.out_dtype, p.mask.cpp_name, p.paged)
     ptr = _FUNCTIONS.get(key)
     if ptr is None:
@@ -145,7 +148,7 @@ def _prefill_function(kernel: str, p: Problem, device_id: int) -> int:
                                     reg.prefill_sm80_name(p.dtype, p.out_dtype, p.mask, p.paged)), SMEM_BYTES
         if fn.max_dynamic_shared_size_bytes < smem:  # a driver call, once per kernel and device
             fn.max_dynamic_shared_size_bytes = smem
-        ptr = _FUNCTIONS.setdefault(key, int(fn.kernel.ptr))
+        ptr = _FUNCTIONS.setdefault(key, (fn, int(fn.kernel.ptr)))
     return ptr
 
 
@@ -193,13 +196,13 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
                             rp, 0 if p.paged else _stride16(k_rope, 0))
         # Persistent: at most one CTA per SM (over 200 KiB of shared memory each), striding over the tiles.
         grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
-        SM90_ARGS.launch(_prefill_function("sm90", p, device_id), grid, SM90_THREADS, sm90_smem_bytes(p.paged),
-                         stream.ptr, maps + out_lse + o_strides + tail)
+        SM90_ARGS.launch(*_prefill_function("sm90", p, device_id), grid, SM90_THREADS, sm90_smem_bytes(p.paged),
+                         stream, maps + out_lse + o_strides + tail)
         return
     item = p.dtype.itemsize
     in_strides = (q.strides[0] // item, q.strides[1] // item, k.strides[0] // item, k.strides[1] // item,
                   v.strides[0] // item, v.strides[1] // item)
-    SM80_ARGS.launch(_prefill_function("sm80", p, device_id), nmb * p.batch * p.heads, THREADS, SMEM_BYTES, stream.ptr,
+    SM80_ARGS.launch(*_prefill_function("sm80", p, device_id), nmb * p.batch * p.heads, THREADS, SMEM_BYTES, stream,
                      (device_pointer(q), device_pointer(k), device_pointer(v)) + out_lse[:2] + out_lse[2:] + in_strides
                      + o_strides + tail)
 
