@@ -154,12 +154,10 @@ def test_accumulate_merges_in_the_epilogue(kernel):
     cro = c.cache_row_offsets.astype(np.int64)
     # part 1: sequence 0 keys [0, 200), sequence 1 none; part 2: the rest of both
     for i, (begin, end) in enumerate((([0, 500], [200, 500]), ([200, 500], [500, 800]))):
-        kv = cp.asarray(np.array(begin + [end[-1]], np.uint32))
         co = cp.asarray(np.array([begin[0] - cro[0], begin[1] - cro[1]], np.uint32))
         qs = cp.asarray(np.array([400, 263], np.int64))  # the one-shot call's query positions (end-aligned)
         lens = np.array(end) - np.array(begin)
-        # keys of chunk i: rows begin[b] .. end[b] of k / v; offsets are [begin0, begin1, end1] only when
-        # contiguous, so pass each sequence's rows explicitly through a gathered copy
+        # keys of chunk i: rows begin[b] .. end[b] of k / v for each sequence, gathered into one packed batch
         rows = np.concatenate([np.arange(begin[b], end[b]) for b in range(2)])
         kc, vc, rc = d["k"][rows], d["v"][rows], d["k_rope"][rows]
         offs = cp.asarray(np.array([0, lens[0], lens[0] + lens[1]], np.uint32))
