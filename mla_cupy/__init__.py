@@ -3,7 +3,7 @@
 Importing compiles nothing and needs no GPU; kernels are JIT-compiled on first use per dtype and
 mask. See ``mla_prefill`` for the semantics, and ``mla_cupy.reference`` for the float64 oracle.
 """
-from . import reference
+from . import quant, reference
 from .api import mla_prefill
 from .jit import KernelCompileError
 from .merge import merge_states, mla_prefill_chunked
@@ -17,6 +17,7 @@ __all__ = [
     "mla_prefill_chunked",
     "merge_states",
     "reference",
+    "quant",
     "PagedKVCache",
     "Mask",
     "NullMask",

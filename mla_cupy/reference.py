@@ -15,7 +15,7 @@ from .masks import CausalMask, Mask
 from .paged import PagedKVCache
 from .validation import DR, DV, check_inputs
 
-__all__ = ["mla_prefill", "rope_rows", "visible_pairs"]
+__all__ = ["mla_prefill", "mla_prefill_fp8", "mla_prefill_fp8_rope", "rope_rows", "visible_pairs"]
 
 #: Scores materialized at once per head group (float64 elements) before the loop splits heads.
 _BLOCK_ELEMS = 1 << 25
@@ -136,3 +136,47 @@ def mla_prefill(
         out[...] = result
         result = out
     return (result, lse) if return_lse else result
+
+
+def _fp8_host(x, name: str) -> np.ndarray:
+    """fp8 data as float64: ml_dtypes.float8_e4m3fn arrays, or their uint8 bytes."""
+    from ._arrays import FP8_E4M3
+
+    x = to_host(x)
+    if x.dtype == np.uint8:
+        x = x.view(FP8_E4M3)
+    if x.dtype != FP8_E4M3:
+        raise TypeError(f"{name}: expected float8_e4m3fn data (or its uint8 bytes), got {x.dtype.name}")
+    return x.astype(np.float64)
+
+
+def _scales_host(x, name: str, shape) -> np.ndarray:
+    if x is None:
+        raise ValueError(f"{name}: fp8 data needs its float32 scales")
+    x = to_host(x)
+    if x.dtype != np.float32 or tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected float32 of shape {list(shape)}, got {x.dtype.name} {list(x.shape)}")
+    return x.astype(np.float64)
+
+
+def mla_prefill_fp8(q_nope, q_rope, q_scale, k, k_scales, v, k_rope, valid_length, cache_row_offsets, **kw):
+    """Reference of the fp8 per-token variant (SPEC "Data types"): the true query is
+    ``q_scale[i] * concat(q_nope, q_rope)``, the true key ``k_scales[j] * concat(k, rope_j)``, V is
+    used as stored; then :func:`mla_prefill` in float64. ``q_nope``, ``k``, ``v``: e4m3 (or uint8
+    bytes); ``q_rope``, ``k_rope``: 16-bit or wider; scales float32 ``[T, 1]``. Plain k_rope only."""
+    qn, kn, vv = _fp8_host(q_nope, "q_nope"), _fp8_host(k, "k"), _fp8_host(v, "v")
+    qs = _scales_host(q_scale, "q_scale", (qn.shape[0], 1))
+    ks = _scales_host(k_scales, "k_scales", (kn.shape[0], 1))
+    qt = qs[:, :, None] * np.concatenate([qn, to_host(q_rope).astype(np.float64)], axis=-1)
+    rope = ks[:, :, None] * to_host(k_rope).astype(np.float64)
+    return mla_prefill(qt, ks[:, :, None] * kn, vv, rope, valid_length, cache_row_offsets, **kw)
+
+
+def mla_prefill_fp8_rope(q, k, v, k_rope, k_rope_scales, valid_length, cache_row_offsets, **kw):
+    """Reference of the fp8-rope variant: ``k_rope`` e4m3 (or uint8 bytes) ``[Tk, 1, 64]`` with
+    float32 ``k_rope_scales[Tk, 1, 1]`` (one per 64 values), dequantized, then :func:`mla_prefill`."""
+    from .quant import dequantize_rope_blocks
+
+    r = _fp8_host(k_rope, "k_rope")
+    sc = _scales_host(k_rope_scales, "k_rope_scales", (r.shape[0], 1, r.shape[-1] // 64))
+    return mla_prefill(q, k, v, dequantize_rope_blocks(r, sc.astype(np.float32)), valid_length, cache_row_offsets, **kw)

@@ -1,0 +1,79 @@
+"""fp8 quantizers (SPEC "Data types") and the fp8 references, on the CPU."""
+import numpy as np
+import pytest
+
+from mla_cupy import quant, reference
+from mla_cupy._arrays import FP8_E4M3
+from mla_cupy.masks import CausalMask, NullMask
+
+from _cases import BF16, make_case
+
+
+def rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+def test_e4m3_saturates_and_rounds():
+    x = np.array([1000.0, -1e9, 448.0, 0.0, 1.0, 0.3], np.float32)
+    y = quant.to_e4m3(x).astype(np.float32)
+    assert y[0] == 448 and y[1] == -448 and y[2] == 448 and y[3] == 0 and y[4] == 1
+    assert abs(y[5] - 0.3) <= 0.3 * 2 ** -4  # 3 mantissa bits: half an ulp is 1/16 relative
+
+
+def test_per_token_scales_follow_the_spec():
+    c = make_case([7, 5], [9, 4], 4, BF16, seed=3)
+    qt = quant.quantize_per_token(c.q, c.k, c.v, c.k_rope)
+    q32, k32 = c.q.astype(np.float32), c.k.astype(np.float32)
+    np.testing.assert_array_equal(qt["q_scale"][:, 0], np.abs(q32).max(axis=(1, 2)) / 448)
+    np.testing.assert_array_equal(qt["k_scales"][:, 0], np.abs(k32).max(axis=(1, 2)) / 448)
+    assert qt["q_nope"].dtype == FP8_E4M3 and qt["k"].dtype == FP8_E4M3 and qt["v"].dtype == FP8_E4M3
+    assert qt["q_rope"].dtype == BF16 and qt["k_rope"].dtype == BF16
+    assert np.abs(qt["k"].astype(np.float32)).max() <= 448
+    # dequantized inputs are the originals up to e4m3 / bf16 rounding
+    deq_q = qt["q_scale"][:, :, None] * np.concatenate([qt["q_nope"].astype(np.float32), qt["q_rope"].astype(np.float32)], -1)
+    assert rel(deq_q, q32) < 4e-2
+    assert rel(qt["k_scales"][:, :, None] * qt["k_rope"].astype(np.float32), c.k_rope.astype(np.float32)) < 1e-2
+
+
+def test_a_zero_token_gets_scale_one():
+    q = np.zeros((2, 1, 192), np.float32)
+    q[1] = 1.0
+    k = np.zeros((1, 1, 128), np.float32)
+    qt = quant.quantize_per_token(q, k, k, np.zeros((1, 1, 64), np.float32))
+    assert qt["q_scale"][0, 0] == 1.0 and qt["k_scales"][0, 0] == 1.0
+    assert not np.isnan(qt["q_nope"].astype(np.float32)).any()
+
+
+@pytest.mark.parametrize("mask", [CausalMask(), NullMask()], ids=["causal", "null"])
+def test_fp8_per_token_reference_tracks_bf16_attention(mask):
+    c = make_case([33, 7, 1], [40, 7, 65], 16, BF16, seed=5)
+    exact = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets, mask=mask)
+    qt = quant.quantize_per_token(c.q, c.k, c.v, c.k_rope)
+    got = reference.mla_prefill_fp8(qt["q_nope"], qt["q_rope"], qt["q_scale"], qt["k"], qt["k_scales"], qt["v"],
+                                    qt["k_rope"], c.valid_length, c.cache_row_offsets, mask=mask)
+    assert rel(got, exact) < 8e-2  # fp8 inputs: a few percent, the SPEC's accuracy scale
+    # the same data as uint8 bytes gives the same answer
+    as_bytes = reference.mla_prefill_fp8(qt["q_nope"].view(np.uint8), qt["q_rope"], qt["q_scale"],
+                                         qt["k"].view(np.uint8), qt["k_scales"], qt["v"].view(np.uint8), qt["k_rope"],
+                                         c.valid_length, c.cache_row_offsets, mask=mask)
+    np.testing.assert_array_equal(as_bytes, got)
+
+
+def test_fp8_rope_reference():
+    c = make_case([20, 3], [25, 9], 4, BF16, seed=6)
+    exact = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets)
+    r8, rs = quant.quantize_rope_blocks(c.k_rope)
+    assert rs.shape == (34, 1, 1) and rs.dtype == np.float32
+    got = reference.mla_prefill_fp8_rope(c.q, c.k, c.v, r8, rs, c.valid_length, c.cache_row_offsets)
+    assert rel(got, exact) < 3e-2
+
+
+def test_fp8_without_scales_or_with_wrong_dtype_is_refused():
+    c = make_case([4], [4], 2, BF16, seed=7)
+    r8, rs = quant.quantize_rope_blocks(c.k_rope)
+    with pytest.raises(ValueError, match="k_rope_scales: fp8 data needs its float32 scales"):
+        reference.mla_prefill_fp8_rope(c.q, c.k, c.v, r8, None, c.valid_length, c.cache_row_offsets)
+    with pytest.raises(ValueError, match="k_rope_scales: expected float32"):
+        reference.mla_prefill_fp8_rope(c.q, c.k, c.v, r8, rs.astype(np.float64), c.valid_length, c.cache_row_offsets)
+    with pytest.raises(TypeError, match="k_rope: expected float8_e4m3fn"):
+        reference.mla_prefill_fp8_rope(c.q, c.k, c.v, c.k_rope, rs, c.valid_length, c.cache_row_offsets)
