@@ -86,7 +86,7 @@ def smoke(cpu):
     t0 = time.perf_counter()
     ref = reference.mla_prefill(*args)
     t_ref = time.perf_counter() - t0
-    shape = f"B=4, Sq=[300,17,129,1], Sk=[300,1041,200,64], H=16, bf16, causal"
+    shape = "B=4, Sq=[300,17,129,1], Sk=[300,1041,200,64], H=16, bf16, causal"
     if cpu or not _gpu_available():
         click.echo(f"no GPU: ran the float64 reference only ({shape}) in {t_ref * 1e3:.1f} ms; "
                    f"output {ref.shape}, finite: {bool(np.isfinite(ref).all())}")

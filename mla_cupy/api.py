@@ -12,9 +12,9 @@ from . import _registry as reg
 from ._arrays import FP32, as_device, device_pointer, is_torch, optional_ptr, result_wrapper, stream_of
 from ._launch import F32, I32, I64, PTR, U32, ArgPack
 from .jit import get_function
-from .masks import CausalMask, Mask
+from .masks import Mask
 from .paged import PagedKVCache
-from .tma import TENSOR_MAP_DTYPE
+from .tma import TENSOR_MAP_DTYPE, encode_tiled
 from .validation import DQK, DR, DV, Problem, check_inputs, check_lse_and_accumulate
 
 __all__ = ["mla_prefill"]
@@ -156,8 +156,6 @@ def _prefill_function(kernel: str, p: Problem, device_id: int):
 def _tensor_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q_ptr: int, q_st: Tuple[int, int], k_ptr: int,
                  k_st: Tuple[int, int], v_ptr: int, v_st: Tuple[int, int], rope_ptr: Optional[int], rope_st: int):
     """The Hopper kernel's TMA descriptors for Q, K, V (and a plain k_rope), cached by buffer and layout."""
-    from .tma import encode_tiled
-
     tm_q = encode_tiled(q_ptr, dtype, (DQK, heads, tq), q_st, (64, 1, 128))
     tm_k = encode_tiled(k_ptr, dtype, (DV, heads, tk), k_st, (64, 1, 128))
     tm_v = encode_tiled(v_ptr, dtype, (DV, heads, tk), v_st, (64, 1, 128))
@@ -203,7 +201,7 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
     in_strides = (q.strides[0] // item, q.strides[1] // item, k.strides[0] // item, k.strides[1] // item,
                   v.strides[0] // item, v.strides[1] // item)
     SM80_ARGS.launch(*_prefill_function("sm80", p, device_id), nmb * p.batch * p.heads, THREADS, SMEM_BYTES, stream,
-                     (device_pointer(q), device_pointer(k), device_pointer(v)) + out_lse[:2] + out_lse[2:] + in_strides
+                     (device_pointer(q), device_pointer(k), device_pointer(v)) + out_lse + in_strides
                      + o_strides + tail)
 
 

@@ -1,7 +1,7 @@
 """Exact merging of partial attention results over disjoint key sets, and chunked prefill."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -10,7 +10,6 @@ from ._arrays import BF16, FP16, FP32, as_device, device_pointer, is_torch, resu
 from .api import _empty, device_inputs, launch_prefill
 from .jit import get_function
 from .masks import Mask
-from .paged import PagedKVCache
 from .validation import DV, check_array, check_inputs, check_shape
 
 __all__ = ["merge_states", "mla_prefill_chunked"]

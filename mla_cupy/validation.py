@@ -127,7 +127,7 @@ def check_inputs(
             raise TypeError(f"{name}: expected dtype {dtype.name} (the dtype of q), got {_dt(x).name}")
     tk = int(k.shape[0])
     check_shape(k, "k", (None, heads, DV), f"[Tk, H, Dv] with H = {heads} from q and Dv = {DV}")
-    check_shape(v, "v", (tk, heads, DV), f"the shape of k, [Tk, H, Dv]")
+    check_shape(v, "v", (tk, heads, DV), "the shape of k, [Tk, H, Dv]")
 
     paged = isinstance(k_rope, PagedKVCache)
     if paged:

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import mla_cupy
-from mla_cupy import CausalMask, NullMask, PagedKVCache, SlidingWindowCausalMask, reference
+from mla_cupy import NullMask, PagedKVCache, SlidingWindowCausalMask, reference
 
 from _cases import BF16, make_case
 from gpu_util import KERNELS, run_and_check, upload

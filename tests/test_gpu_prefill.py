@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 import mla_cupy
-from mla_cupy import (CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, PagedKVCache, SlidingWindowCausalMask,
-                      reference)
+from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, SlidingWindowCausalMask, reference
 
 from _cases import BF16, FP16, make_case
 from gpu_util import KERNELS, run_and_check, upload
@@ -77,8 +76,6 @@ def test_many_tiles_per_cta_in_l2_sections(kernel):
 
 @kernels
 def test_batch_zero_and_all_empty(kernel):
-    import cupy as cp
-
     c = make_case([], [], 16, BF16)
     d = upload(c)
     out = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"], kernel=kernel)
@@ -202,8 +199,6 @@ def test_threads_compile_once():
 def test_nan_in_one_sequence_stays_there(kernel):
     """NaN in sequence 0's q, k and v never reaches sequence 1 (tiles past a sequence's end are
     masked and their V rows zeroed, never mixed in)."""
-    import cupy as cp
-
     c = make_case([100, 70], [130, 70], 16, BF16, seed=40)
     for a in (c.q, c.k, c.v):
         a[:40] = np.nan

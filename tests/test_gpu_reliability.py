@@ -1,6 +1,4 @@
 """Large sizes (64-bit offsets), memory limits, repeated calls (pytest -m gpu)."""
-import time
-
 import numpy as np
 import pytest
 
