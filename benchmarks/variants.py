@@ -37,6 +37,7 @@ def main(cases=("1x512", "1x4096", "1x8192", "16x512", "H16-1x8192")):
         for name in names:
             variant(name)
             api._PROBLEMS.clear()
+            api._PLANS.clear()
             f = lambda i: mla_cupy.mla_prefill(**sets[i], mask=case.mask, q_max_seq_len=max(case.sq), validate=False,
                                                out=outs[i])
             row.append(time_ms(f, len(sets), reps=10))

@@ -83,6 +83,12 @@ def _sm_count_and_l2(device_id: int) -> Tuple[int, int]:
     return int(props["multiProcessorCount"]), int(props.get("l2CacheSize", 50 << 20))
 
 
+def _device_id() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
 def heads_per_section(p: Problem, device_id: int) -> int:
     """Heads whose keys and values together fill about half the L2 (see kernels/tile_scheduler.cuh):
     the tiles of one section run together, so each head's K/V is read from DRAM about once."""
@@ -168,11 +174,13 @@ def _tensor_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q_ptr: int, q_st
 
 def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv_begin_ptr: int, kv_end_ptr: int,
                    cache_offsets_ptr: int, q_start_ptr: int, stream, kernel: str = "auto",
-                   accumulate: bool = False) -> None:
+                   accumulate: bool = False) -> Optional[tuple]:
     """Launch a prefill kernel over a checked problem (no checks here; pointers are raw). With
-    ``accumulate``, ``out`` / ``lse`` hold a partial result over other keys that is merged in place."""
+    ``accumulate``, ``out`` / ``lse`` hold a partial result over other keys that is merged in place.
+    Returns the launch as a record ``(ArgPack, kernel, CUfunction, grid, block, smem, values)``
+    that :func:`_relaunch` repeats on a stream (None when there was nothing to launch)."""
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
-        return
+        return None
     import cupy
 
     device_id = cupy.cuda.runtime.getDevice()
@@ -194,15 +202,49 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
                             rp, 0 if p.paged else _stride16(k_rope, 0))
         # Persistent: at most one CTA per SM (over 200 KiB of shared memory each), striding over the tiles.
         grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
-        SM90_ARGS.launch(*_prefill_function("sm90", p, device_id), grid, SM90_THREADS, sm90_smem_bytes(p.paged),
-                         stream, maps + out_lse + o_strides + tail)
-        return
+        rec = (SM90_ARGS, *_prefill_function("sm90", p, device_id), grid, SM90_THREADS, sm90_smem_bytes(p.paged),
+               maps + out_lse + o_strides + tail)
+        _relaunch(rec, stream)
+        return rec
     item = p.dtype.itemsize
     in_strides = (q.strides[0] // item, q.strides[1] // item, k.strides[0] // item, k.strides[1] // item,
                   v.strides[0] // item, v.strides[1] // item)
-    SM80_ARGS.launch(*_prefill_function("sm80", p, device_id), nmb * p.batch * p.heads, THREADS, SMEM_BYTES, stream,
-                     (device_pointer(q), device_pointer(k), device_pointer(v)) + out_lse + in_strides
-                     + o_strides + tail)
+    rec = (SM80_ARGS, *_prefill_function("sm80", p, device_id), nmb * p.batch * p.heads, THREADS, SMEM_BYTES,
+           (device_pointer(q), device_pointer(k), device_pointer(v)) + out_lse + in_strides + o_strides + tail)
+    _relaunch(rec, stream)
+    return rec
+
+
+def _relaunch(rec: tuple, stream) -> None:
+    pack, fn, ptr, grid, block, smem, values = rec
+    pack.launch(fn, ptr, grid, block, smem, stream, values)
+
+
+_PLANS: dict = {}  # launch records of fully specified calls (see _plan_key)
+_PLANS_MAX = 1024
+
+
+def _plan_key(arrays, k_rope, extra) -> Optional[tuple]:
+    """Everything a launch record depends on, for calls whose arrays are all CuPy arrays: pointers,
+    shapes, strides, dtypes and devices of every array, and the keywords. None otherwise."""
+    import cupy as cp
+
+    parts = []
+    if isinstance(k_rope, PagedKVCache):
+        if k_rope.scales is not None:
+            return None
+        arrays = arrays + (k_rope.blocks, k_rope.lookup_table)
+        parts.append((k_rope.page_size, k_rope.rope_offset))
+    else:
+        arrays = arrays + (k_rope,)
+    for x in arrays:
+        if x is None:
+            parts.append(None)
+        elif type(x) is cp.ndarray:
+            parts.append((x.data.ptr, x.shape, x.strides, x.dtype, x.data.device_id))
+        else:
+            return None
+    return tuple(parts) + extra
 
 
 def _q_start_i64(q_start_pos):
@@ -347,6 +389,25 @@ def mla_prefill(
     A query row that sees no key gets output 0 and lse ``-inf`` (MAX would return the mean of V).
     Inputs are read in place; nothing is copied except an int32 ``q_start_pos`` (widened).
     """
+    # Fully specified repeat calls (validate=False, q_max_seq_len, out and, if wanted, lse given,
+    # CuPy arrays only) reuse the launch record of an identical earlier call: no checks and no
+    # argument packing, just the launch (issue 7: host time per call).
+    plan_key = None
+    if not validate and q_max_seq_len is not None and out is not None and (lse is not None or not return_lse):
+        plan_key = _plan_key((q, k, v, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse), k_rope,
+                             (scale, type(scale), mask, q_max_seq_len, type(q_max_seq_len), out_dtype, accumulate,
+                              type(accumulate), return_lse, kernel, os.environ.get("MLA_CUPY_DISABLE_SM90"),
+                              _device_id()))
+        if plan_key is not None:
+            try:
+                rec = _PLANS.get(plan_key)
+            except TypeError:  # an unhashable keyword: the checks below will name it
+                rec, plan_key = None, None
+            if rec is not None:
+                s = stream_of(stream, False)
+                if rec[1] is not None:
+                    _relaunch(rec[1], s)
+                return (out, lse) if return_lse else out
     torch_q = q if is_torch(q) else None
     wrap = result_wrapper(q)
     q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out = device_inputs(
@@ -367,10 +428,15 @@ def mla_prefill(
         out = _empty((p.tq, p.heads, DV), p.out_dtype, torch_q)
     if lse is None and return_lse:
         lse = _empty((p.tq, p.heads), FP32, torch_q, "lse")
+    qs_given = q_start_pos
     if q_start_pos is not None:
         with s:
             q_start_pos = _q_start_i64(q_start_pos)
     cro_ptr = device_pointer(cache_row_offsets)
-    launch_prefill(p, q, k, v, k_rope, out, lse, device_pointer(valid_length), cro_ptr, cro_ptr + 4,
-                   optional_ptr(cache_offsets), optional_ptr(q_start_pos), s, kernel, accumulate)
+    rec = launch_prefill(p, q, k, v, k_rope, out, lse, device_pointer(valid_length), cro_ptr, cro_ptr + 4,
+                         optional_ptr(cache_offsets), optional_ptr(q_start_pos), s, kernel, accumulate)
+    if plan_key is not None and q_start_pos is qs_given:  # (a widened int32 q_start_pos is a temporary)
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[plan_key] = (p, rec)
     return (wrap(out), wrap(lse)) if return_lse else wrap(out)

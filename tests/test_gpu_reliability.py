@@ -108,6 +108,10 @@ def test_fast_path_still_rejects_bad_input():
     first = out.copy()
     mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, **kw)  # the cached path
     assert bool(cp.all(out == first)) and not bool(cp.isnan(out).any())
+    q[...] = cp.flip(q, axis=0).copy()  # new data in the same buffer: the cached launch reads it
+    want = mla_cupy.mla_prefill(q, k, k, kr, vl, vl)
+    mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, **kw)
+    assert bool(cp.all(out == want)) and not bool(cp.all(out == first))
     with pytest.raises(TypeError, match="out"):
         mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=cp.empty((sq, H, 128), np.float16), **kw)
     with pytest.raises(ValueError, match="out"):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 3, call 4 (about 2 minutes): the launch-plan cache for fully specified repeat calls:
+# Session 4, call 1 (about 2 minutes): the launch-plan cache for fully specified repeat calls:
 # host time per call (issue 7's 30 us bar), the fast-path tests, graph capture, a correctness subset.
 set -u -o pipefail
 export PYTHONPATH="$PWD:$PWD/tests" PYTHONUNBUFFERED=1
