@@ -20,29 +20,40 @@ def rand(rng, *shape):
 def main():
     rng = cp.random.default_rng(0)
     rows = []
-    # --- paged vs plain: 1 x 8192, H = 128, causal; pages of 64 in shuffled order ---
-    s, h, ps = 8192, 128, 64
+    # --- paged vs plain: 1 x 8192, H = 128, causal; pages in shuffled order. The sequence starts
+    # at cache offset 0 (key tiles on page boundaries: the Hopper kernel copies page runs by TMA)
+    # or at offset 8 (no tile on a boundary: every tile gathered row by row).
+    s, h = 8192, 128
     q, k, v = rand(rng, s, h, 192), rand(rng, s, h, 128), rand(rng, s, h, 128)
     latent = rand(rng, s, 1, 576)
     vl = cp.asarray(np.array([0, s], np.uint32))
-    npages = s // ps
-    perm = np.random.default_rng(0).permutation(npages)
-    blocks = cp.empty((npages, ps, 1, 576), BF16)
-    blocks[cp.asarray(perm)] = latent.reshape(npages, ps, 1, 576)
-    lut = cp.asarray(perm[None, :].astype(np.int32))
-    cache = PagedKVCache(blocks, lut, ps)
     kr = latent[:, :, 512:576]
     out = cp.empty((s, h, 128), BF16)
+
+    def paged_cache(ps, offset):
+        npages = -(-(s + offset) // ps)
+        perm = np.random.default_rng(ps).permutation(npages)
+        flat = cp.zeros((npages * ps, 1, 576), BF16)
+        flat[offset:offset + s] = latent
+        blocks = cp.empty((npages, ps, 1, 576), BF16)
+        blocks[cp.asarray(perm)] = flat.reshape(npages, ps, 1, 576)
+        return PagedKVCache(blocks, cp.asarray(perm[None, :].astype(np.int32)), ps), cp.asarray(np.array([offset], np.uint32))
+
     for kernel in ("sm90", "sm80"):
         try:
             t_plain = time_ms(lambda i: mla_cupy.mla_prefill(q, k, v, kr, vl, vl, out=out, q_max_seq_len=s, validate=False, kernel=kernel), 1)
-            t_paged = time_ms(lambda i: mla_cupy.mla_prefill(q, k, v, cache, vl, vl, out=out, q_max_seq_len=s, validate=False, kernel=kernel), 1)
         except ValueError as exc:
             print(f"{kernel}: {exc}")
             continue
         rows.append((f"1x8192 H=128 plain rope [{kernel}]", t_plain, ""))
-        rows.append((f"1x8192 H=128 paged rope, page 64 [{kernel}]", t_paged, f"paged/plain = {t_paged / t_plain:.3f}"))
-    del q, k, v, latent, blocks, out
+        for ps, offset in ((64, 0), (16, 0), (256, 0), (64, 8)):
+            cache, co = paged_cache(ps, offset)
+            t_paged = time_ms(lambda i: mla_cupy.mla_prefill(q, k, v, cache, vl, vl, cache_offsets=co, out=out, q_max_seq_len=s,
+                                                            validate=False, kernel=kernel), 1)
+            rows.append((f"1x8192 H=128 paged rope, page {ps}, cache offset {offset} [{kernel}]", t_paged,
+                         f"paged/plain = {t_paged / t_plain:.3f}"))
+            del cache
+    del q, k, v, latent, out
     cp.get_default_memory_pool().free_all_blocks()
 
     # --- merge cost vs the attention of one 8k-key chunk (1024 queries, H = 128) ---

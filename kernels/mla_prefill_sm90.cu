@@ -18,14 +18,16 @@
 //     the 64 rope values every head shares, copied from k_rope by their own tensor map. Nothing
 //     materializes [Tk, H, 192].
 //   * Tiles are 64-element column blocks with the 128-byte swizzle (what TMA writes; see sm90.cuh).
-//   * With a paged cache a second producer warp gathers the rope rows itself (cp.async, one lookup
-//     per key, unreadable pages zero-filled and flagged) into a 3-stage rope ring of its own, so
-//     the gather runs ahead of the K/V traffic instead of behind it.
+//   * With a paged cache a second producer warp brings the rope rows into a 3-stage rope ring of
+//     its own, so they arrive ahead of the K/V traffic instead of behind it: TMA boxes of whole
+//     page runs when a tile starts on a page (or 128-key) boundary, otherwise a cp.async gather
+//     (one lookup per key, unreadable pages zero-filled and flagged).
 //   * Key tiles a mask removes entirely are never loaded; fully visible tiles skip the predicate.
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows or zero-filled past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
 //     before P V, so a neighbour's NaN can never reach this sequence.
 #include "common.cuh"
+#include "fp8.cuh"
 #include "mask.cuh"
 #include "rope_source.cuh"
 #include "sm90.cuh"
@@ -45,35 +47,41 @@ constexpr int kThreads = 128 * (1 + kConsumers);   // 384
 constexpr int kConsumerThreads = 128 * kConsumers;
 constexpr int kWgRows = kBlockM / kConsumers;      // 64 = one wgmma M
 
-constexpr int kColBlock = 64;                      // elements per 128-byte swizzled column block
-constexpr int kQColBytes = kBlockM * 128;          // one column block of Q: 16 KiB
-constexpr int kKColBytes = kBlockN * 128;          // one column block of K or V: 16 KiB
-constexpr int kQBytes = (kDqk / kColBlock) * kQColBytes;  // 48 KiB
-constexpr int kVBytes = (kDv / kColBlock) * kKColBytes;   // 32 KiB
-constexpr int kRopeStages = 3;                            // paged: the rope ring runs up to 3 tiles ahead
+constexpr int kColBlock = 64;                      // 16-bit elements per 128-byte swizzled column block
+constexpr int kBlk = kBlockN * 128;                // one column block of a 128-row tile: 16 KiB
+static_assert(kBlockM == kBlockN, "Q and K/V tiles share the column-block size");
+constexpr int kRopeStages = 3;                     // paged: the rope ring runs up to 3 tiles ahead
+// The 128 nope values of a row (of Q or K): two 16-bit column blocks, or one e4m3 block (fp8 variant).
+template <bool kFp8> constexpr int kNopeBlocks = kFp8 ? 1 : 2;
 // Shared memory, the base aligned to 1 KiB for the swizzle:
-//   plain: [Q][K0 V0][K1 V1][mbarriers][flags]: a K stage is 3 column blocks, nope 0..63, nope
-//          64..127 and the rope (48 KiB), all by TMA;
-//   paged: [Q][K0 V0][K1 V1][R0 R1 R2][mbarriers][flags]: K stages hold the nope blocks only, the
-//          rope rows gathered from the cache go to their own deeper ring R, with per-key flags.
-template <bool kPaged> constexpr int kKBytes = (kPaged ? 2 : 3) * kKColBytes;
-template <bool kPaged> constexpr int kStageBytes = kKBytes<kPaged> + kVBytes;
-template <bool kPaged> constexpr int kRopeOffset = kQBytes + kStages * kStageBytes<kPaged>;
-template <bool kPaged> constexpr int kBarOffset = kRopeOffset<kPaged> + (kPaged ? kRopeStages * kKColBytes : 0);
-template <bool kPaged> constexpr int kKeyOkOffset = kBarOffset<kPaged> + 128;  // per-key "readable" flags + a tile flag
-template <bool kPaged> constexpr int kSmemBytes = kKeyOkOffset<kPaged> + kRopeStages * (kBlockN + 16) + 1024;
-static_assert(8 * (2 + 4 * kStages + 2 * kRopeStages) <= 128, "the mbarriers must fit their 128 bytes");
-static_assert(kSmemBytes<true> <= 227 * 1024 && kSmemBytes<false> <= 227 * 1024, "shared memory per CTA");
+//   [Q][K0 V0][K1 V1][R0 R1 R2 (paged)][mbarriers][flags (paged)]
+//   Q:  the nope block(s), then the rope block (q's last 64 values; q_rope in the fp8 variant);
+//   K:  the nope block(s), then (plain) the rope block copied from k_rope, then (fp8) the 128 key
+//       scales (512 bytes, padded to 1 KiB); paged, the rope rows go to their own deeper ring R;
+//   V:  bf16/fp16: two column blocks; fp8: the e4m3 block as loaded, then its transpose (fp8.cuh).
+template <bool kFp8> constexpr int kQBytes = (kNopeBlocks<kFp8> + 1) * kBlk;
+template <bool kPaged, bool kFp8> constexpr int kKBytes = (kNopeBlocks<kFp8> + (kPaged ? 0 : 1)) * kBlk + (kFp8 ? 1024 : 0);
+constexpr int kVBytes = 2 * kBlk;
+template <bool kPaged, bool kFp8> constexpr int kStageBytes = kKBytes<kPaged, kFp8> + kVBytes;
+template <bool kPaged, bool kFp8> constexpr int kRopeOffset = kQBytes<kFp8> + kStages * kStageBytes<kPaged, kFp8>;
+template <bool kPaged, bool kFp8> constexpr int kBarOffset = kRopeOffset<kPaged, kFp8> + (kPaged ? kRopeStages * kBlk : 0);
+constexpr int kBarBytes = 256;
+template <bool kPaged, bool kFp8> constexpr int kKeyOkOffset = kBarOffset<kPaged, kFp8> + kBarBytes;  // per-key flags + a tile flag
+template <bool kPaged, bool kFp8> constexpr int kSmemBytes = kKeyOkOffset<kPaged, kFp8> + kRopeStages * (kBlockN + 16) + 1024;
+static_assert(8 * (2 + 6 * kStages + 2 * kRopeStages) <= kBarBytes, "the mbarriers must fit their bytes");
+static_assert(kSmemBytes<true, false> <= 227 * 1024 && kSmemBytes<false, false> <= 227 * 1024 &&
+              kSmemBytes<true, true> <= 227 * 1024 && kSmemBytes<false, true> <= 227 * 1024, "shared memory per CTA");
 
 // Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The paged
-// producer warp keeps a tile's page lookups in registers and needs more than the plain one's 24.
-template <bool kPaged> constexpr int kProducerRegs = kPaged ? 56 : 24;
-template <bool kPaged> constexpr int kConsumerRegs = kPaged ? 224 : 240;
+// producer warp keeps a tile's page lookups in registers, the fp8 transposer 4x4-byte blocks; both
+// need more than the plain producer's 24.
+template <bool kBusy> constexpr int kProducerRegs = kBusy ? 56 : 24;
+template <bool kBusy> constexpr int kConsumerRegs = kBusy ? 224 : 240;
 static_assert(128 * (kProducerRegs<true> + kConsumers * kConsumerRegs<true>) <= 65536, "register budget");
 static_assert(128 * (kProducerRegs<false> + kConsumers * kConsumerRegs<false>) <= 65536, "register budget");
 
-constexpr int kQkSteps = kDqk / 16;                // 12 wgmma k-steps for S
-constexpr int kPvSteps = kBlockN / 16;             // 8 wgmma k-steps for O
+constexpr int kQkSteps = kDqk / 16;                // 12 wgmma k-steps for S (fp8: 4 e4m3 k32 + 4 rope k16)
+template <bool kFp8> constexpr int kPvSteps = kFp8 ? kBlockN / 32 : kBlockN / 16;  // wgmma k-steps for O
 constexpr int kSTiles = kBlockN / 8;               // 16
 constexpr int kOTiles = kDv / 8;                   // 16
 
@@ -81,22 +89,31 @@ constexpr int kOTiles = kDv / 8;                   // 16
 // shared memory read transposed. Keys 16kk .. 16kk+15 are rows of V: 16 rows x 128 bytes = 2048
 // bytes per k-step; V's two 64-wide column blocks are one block (16 KiB) apart (the LBO).
 template <typename T>
-__device__ __forceinline__ void pv_mma(float (&o)[kOTiles][4], const u32 (&pa)[kPvSteps][4], u32 v_stage) {
+__device__ __forceinline__ void pv_mma(float (&o)[kOTiles][4], const u32 (&pa)[kPvSteps<false>][4], u32 v_stage) {
 #pragma unroll
-  for (int kk = 0; kk < kPvSteps; ++kk) Wgmma<T>::rs_tb(o, pa[kk], make_desc(v_stage + kk * 2048, kKColBytes, 1024));
+  for (int kk = 0; kk < kPvSteps<false>; ++kk) Wgmma<T>::rs_tb(o, pa[kk], make_desc(v_stage + kk * 2048, kBlk, 1024));
+}
+// fp8: O += P V with V^T (rows = values, 128 k positions of one byte) K-major: 4 k-steps of 32 bytes.
+__device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&pa)[kPvSteps<true>][4], u32 vt_stage) {
+#pragma unroll
+  for (int kk = 0; kk < kPvSteps<true>; ++kk) WgmmaE4m3::rs(o, pa[kk], make_desc(vt_stage + kk * 32, 16, 1024));
 }
 
-template <typename T, typename OutT, typename Mask, bool kPaged>
+// T: the 16-bit type (of everything, or of the rope parts in the fp8 variant). kFp8: the per-token
+// variant: tm_q / tm_k / tm_v map e4m3 q_nope / k / v, tm_q_rope q_rope, tm_k_scales k_scales (1-D
+// float32); q_scale is read directly. S = q_scale[i] k_scales[j] (q_nope k^T + q_rope k_rope^T).
+template <typename T, typename OutT, typename Mask, bool kPaged, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     const __grid_constant__ TensorMap tm_q, const __grid_constant__ TensorMap tm_k,
     const __grid_constant__ TensorMap tm_v, const __grid_constant__ TensorMap tm_rope,
+    const __grid_constant__ TensorMap tm_q_rope, const __grid_constant__ TensorMap tm_k_scales,
     OutT* __restrict__ out, float* __restrict__ lse,
     const u32* __restrict__ q_offsets, const u32* __restrict__ kv_begin, const u32* __restrict__ kv_end,
     const u32* __restrict__ cache_offsets, const i64* __restrict__ q_start_pos,
     i64 o_st, i64 o_sh, i64 lse_st, const void* rope_base, i64 rope_row_stride, i64 rope_block_stride,
     const u32* __restrict__ lookup, i64 lookup_stride, int log2_page_size, u32 num_blocks, u32 max_pages,
     int num_heads, int heads_per_section, int batch, int num_m_blocks, float scale_log2, i64 mask_arg,
-    int accumulate) {
+    int accumulate, int rope_box_rows, const float* __restrict__ q_scale, i64 q_scale_stride) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const SeqOffsets so{q_offsets, kv_begin, kv_end, cache_offsets, q_start_pos};
   const Mask mask{mask_arg};
@@ -119,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 
   const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // layout: see kSmemBytes
   const u32 sQ = base;
-  const u32 bar = base + kBarOffset<kPaged>;
+  const u32 bar = base + kBarOffset<kPaged, kFp8>;
   const u32 q_full = bar, q_empty = bar + 8;
   auto k_full = [&](int s) { return bar + 16 + 8 * s; };
   auto v_full = [&](int s) { return bar + 16 + 8 * (kStages + s); };
@@ -127,15 +144,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   auto v_empty = [&](int s) { return bar + 16 + 8 * (3 * kStages + s); };
   auto r_full = [&](int r) { return bar + 16 + 8 * (4 * kStages + r); };                 // paged rope ring
   auto r_empty = [&](int r) { return bar + 16 + 8 * (4 * kStages + kRopeStages + r); };
-  auto sK = [&](int s) { return base + kQBytes + s * kStageBytes<kPaged>; };
-  auto sV = [&](int s) { return sK(s) + kKBytes<kPaged>; };
+  auto vt_full = [&](int s) { return bar + 16 + 8 * (4 * kStages + 2 * kRopeStages + s); };  // fp8: V^T written
+  auto vt_empty = [&](int s) { return bar + 16 + 8 * (5 * kStages + 2 * kRopeStages + s); };
+  auto sK = [&](int s) { return base + kQBytes<kFp8> + s * kStageBytes<kPaged, kFp8>; };
+  auto sKScales = [&](int s) { return sK(s) + (kNopeBlocks<kFp8> + (kPaged ? 0 : 1)) * kBlk; };  // fp8
+  auto sV = [&](int s) { return sK(s) + kKBytes<kPaged, kFp8>; };
+  auto sVt = [&](int s) { return sV(s) + kBlk; };  // fp8: V^T
   // The rope column block of key tile `it`: the third block of its K stage (plain), or its stage of
   // the rope ring (paged).
   auto sRope = [&](int it) {
-    return kPaged ? base + kRopeOffset<kPaged> + (it % kRopeStages) * kKColBytes : sK(it % kStages) + 2 * kKColBytes;
+    return kPaged ? base + kRopeOffset<kPaged, kFp8> + (it % kRopeStages) * kBlk : sK(it % kStages) + kNopeBlocks<kFp8> * kBlk;
   };
   // paged only: key_ok[r][0..127] per-key flags of rope stage r, then tile_bad[r] at byte kBlockN
-  unsigned char* key_ok = smem_raw + (base - smem_addr(smem_raw)) + kKeyOkOffset<kPaged>;
+  unsigned char* key_ok = smem_raw + (base - smem_addr(smem_raw)) + kKeyOkOffset<kPaged, kFp8>;
 
   const int wg = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -146,7 +167,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
       mbar_init(k_empty(s), kConsumerThreads);
-      mbar_init(v_empty(s), kConsumerThreads);
+      mbar_init(v_empty(s), kFp8 ? kTransposeThreads : kConsumerThreads);  // fp8: the transposer reads V
+      mbar_init(vt_full(s), kTransposeThreads);
+      mbar_init(vt_empty(s), kConsumerThreads);
     }
     for (int r = 0; r < kRopeStages; ++r) {
       mbar_init(r_full(r), 64);  // 32 cp.async completions and 32 plain arrivals (after the flags)
@@ -158,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 
   if (wg == 0) {
     // ------------------------------------ producers ------------------------------------
-    regs_dealloc<kProducerRegs<kPaged>>();
+    regs_dealloc<kProducerRegs<kPaged || kFp8>>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) {
       // Warp 0, one thread: TMA for Q, K (nope, and the rope when plain) and V.
@@ -170,68 +193,97 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         if (!plan(idx, k) || k.num_tiles == 0) continue;
         const WorkTile& w = k.w;
         mbar_wait(q_empty, (nq & 1) ^ 1);  // the consumers are done with the previous Q
-        mbar_expect_tx(q_full, kQBytes);
-        for (int c = 0; c < kDqk / kColBlock; ++c)
-          tma_load_3d(sQ + c * kQColBytes, &tm_q, q_full, c * kColBlock, w.h, static_cast<int>(w.q_row0 + k.m0));
+        mbar_expect_tx(q_full, kQBytes<kFp8>);
+        const int qrow = static_cast<int>(w.q_row0 + k.m0);
+        if constexpr (kFp8) {
+          tma_load_3d(sQ, &tm_q, q_full, 0, w.h, qrow);               // 128 e4m3 nope values
+          tma_load_3d(sQ + kBlk, &tm_q_rope, q_full, 0, w.h, qrow);   // 64 rope values
+        } else {
+          for (int c = 0; c < kDqk / kColBlock; ++c) tma_load_3d(sQ + c * kBlk, &tm_q, q_full, c * kColBlock, w.h, qrow);
+        }
         ++nq;
         for (int t = 0; t < k.num_tiles; ++t, ++it) {
           const int s = it % kStages;
           const u32 empty_parity = ((it / kStages) & 1) ^ 1;  // the first pass over the ring does not wait
           const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * kBlockN);
           mbar_wait(k_empty(s), empty_parity);
-          mbar_expect_tx(k_full(s), kKBytes<kPaged>);
-          tma_load_3d(sK(s), &tm_k, k_full(s), 0, w.h, row);
-          tma_load_3d(sK(s) + kKColBytes, &tm_k, k_full(s), kColBlock, w.h, row);
-          if (!kPaged) tma_load_2d(sRope(it), &tm_rope, k_full(s), 0, row);  // shared by every head
+          // K: the nope block(s), the rope when plain (shared by every head), the key scales (fp8)
+          constexpr int kScaleBytes = kBlockN * 4;
+          mbar_expect_tx(k_full(s), (kNopeBlocks<kFp8> + (kPaged ? 0 : 1)) * kBlk + (kFp8 ? kScaleBytes : 0));
+          for (int c = 0; c < kNopeBlocks<kFp8>; ++c) tma_load_3d(sK(s) + c * kBlk, &tm_k, k_full(s), c * kColBlock, w.h, row);
+          if (!kPaged) tma_load_2d(sRope(it), &tm_rope, k_full(s), 0, row);
+          if (kFp8) tma_load_1d(sKScales(s), &tm_k_scales, k_full(s), row);
           mbar_wait(v_empty(s), empty_parity);
-          mbar_expect_tx(v_full(s), kVBytes);
-          tma_load_3d(sV(s), &tm_v, v_full(s), 0, w.h, row);
-          tma_load_3d(sV(s) + kKColBytes, &tm_v, v_full(s), kColBlock, w.h, row);
+          mbar_expect_tx(v_full(s), kNopeBlocks<kFp8> * kBlk);
+          for (int c = 0; c < kNopeBlocks<kFp8>; ++c) tma_load_3d(sV(s) + c * kBlk, &tm_v, v_full(s), c * kColBlock, w.h, row);
         }
       }
     } else if (kPaged && warp == 1) {
-      // Warp 1 (paged): gathers each key tile's rope rows from the cache into the rope ring, up to
-      // kRopeStages tiles ahead of the consumers, independently of warp 0's TMA traffic.
+      // Warp 1 (paged): brings each key tile's rope rows from the cache into the rope ring, up to
+      // kRopeStages tiles ahead of the consumers, independently of warp 0's TMA traffic. A tile whose
+      // first key sits on a multiple of rope_box_rows (min(page size, 128); 0 when the cache has no
+      // tensor map) and whose keys are all readable takes one TMA box per rope_box_rows keys from
+      // tm_rope (the cache as [num_blocks][page_size][64 rope values]): a box never crosses a page.
+      // Other tiles are gathered row by row with cp.async, unreadable keys zero-filled and flagged.
       const RopeArgs ra{rope_base, rope_row_stride, rope_block_stride, lookup, lookup_stride, log2_page_size,
                         num_blocks, max_pages};
+      using Paged = RopeSource<true>;
       int it = 0;
       for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
         Work k;
         if (!plan(idx, k) || k.num_tiles == 0) continue;
         const WorkTile& w = k.w;
-        // Lane's rope rows of a tile (keys lane + 32 i), looked up one tile ahead so the page-table
-        // reads overlap the wait for a free stage.
+        // The blocks of the lane's rope rows of a tile (keys lane + 32 i; kNoBlock past the span),
+        // looked up one tile ahead so the page-table reads overlap the wait for a free stage.
         constexpr int kRopeRows = kBlockN / 32;
-        const T* rp[kRopeRows];
+        u32 blk[kRopeRows];
         auto lookup_rows = [&](int t) {
 #pragma unroll
           for (int i = 0; i < kRopeRows; ++i) {
             const int j = k.n_begin + t * kBlockN + lane + 32 * i;
-            rp[i] = j < k.n_end ? RopeSource<true>::template row<T>(ra, w.b, w.kv_row0 + j, w.k_pos0 + j) : nullptr;
+            blk[i] = j < k.n_end ? Paged::block(ra, w.b, w.k_pos0 + j) : kNoBlock;
           }
         };
         lookup_rows(0);
         for (int t = 0; t < k.num_tiles; ++t, ++it) {
           const int r = it % kRopeStages;
           const int n0 = k.n_begin + t * kBlockN;
+          const int rows = min(kBlockN, k.n_end - n0);  // keys of the span in this tile
+          const i64 t0 = w.k_pos0 + n0;                 // cache position of the tile's row 0
+          bool bad = false;                             // a key of the span cannot be read
+#pragma unroll
+          for (int i = 0; i < kRopeRows; ++i) bad |= lane + 32 * i < rows && blk[i] == kNoBlock;
+          bad = __any_sync(0xffffffffu, bad);
+          const bool boxes = rope_box_rows > 0 && !bad && (t0 & (rope_box_rows - 1)) == 0;
           mbar_wait(r_empty(r), ((it / kRopeStages) & 1) ^ 1);
-          // 8 chunks of 16 bytes per row, written in the 128-byte swizzle (chunk c of row x at chunk
-          // c ^ (x % 8)); unreadable pages are zero-filled and flagged.
           const u32 dst = sRope(it);
           unsigned char* ok_flags = key_ok + r * (kBlockN + 16);
-          bool bad = false;
+          if (boxes) {
+            // Rows past the span stay as they are: their scores are masked. The 64 arrivals of
+            // r_full: lane 0's expect_tx and 31 plain ones here, 32 after the flags below.
+            const int nbox = (rows + rope_box_rows - 1) / rope_box_rows;
+            if (lane == 0) mbar_expect_tx(r_full(r), nbox * rope_box_rows * 128);
+            else mbar_arrive(r_full(r));
 #pragma unroll
-          for (int i = 0; i < kRopeRows; ++i) {
-            const int x = lane + 32 * i;
-            const bool ok = rp[i] != nullptr;
-            bad |= n0 + x < k.n_end && !ok;
+            for (int i = 0; i < kRopeRows; ++i) {
+              const int x = lane + 32 * i;
+              if (x < rows && (x & (rope_box_rows - 1)) == 0)
+                tma_load_3d(dst + x * 128, &tm_rope, r_full(r), 0, Paged::slot(ra, t0 + x), static_cast<int>(blk[i]));
+            }
+          } else {
+            // 8 chunks of 16 bytes per row, written in the 128-byte swizzle (chunk c of row x at
+            // chunk c ^ (x % 8)).
 #pragma unroll
-            for (int c = 0; c < 8; ++c)
-              cp_async_16(dst + x * 128 + ((c ^ (x & 7)) << 4), ok ? rp[i] + c * 8 : static_cast<const T*>(rope_base), ok);
-            ok_flags[x] = ok;
+            for (int i = 0; i < kRopeRows; ++i) {
+              const int x = lane + 32 * i;
+              const bool ok = blk[i] != kNoBlock;
+              const T* src = ok ? Paged::at<T>(ra, blk[i], t0 + x) : static_cast<const T*>(rope_base);
+#pragma unroll
+              for (int c = 0; c < 8; ++c) cp_async_16(dst + x * 128 + ((c ^ (x & 7)) << 4), src + c * 8, ok);
+              ok_flags[x] = ok;
+            }
+            mbar_cp_async_arrive(r_full(r));
           }
-          mbar_cp_async_arrive(r_full(r));
-          bad = __any_sync(0xffffffffu, bad);
           if (lane == 0) ok_flags[kBlockN] = bad;
           __syncwarp();
           mbar_arrive(r_full(r));  // release: the flags are visible once the barrier completes
@@ -239,11 +291,33 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         }
       }
     }
+    if constexpr (kFp8) {
+      if (warp >= 2) {
+        // Warps 2-3 (fp8): transpose each e4m3 V tile into V^T for the e4m3 P V (fp8.cuh), zeroing
+        // keys past the span; the raw V stage is released as soon as it is read.
+        const int tid = threadIdx.x - 64;
+        int it = 0;
+        for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
+          Work k;
+          if (!plan(idx, k) || k.num_tiles == 0) continue;
+          for (int t = 0; t < k.num_tiles; ++t, ++it) {
+            const int s = it % kStages;
+            const u32 parity = (it / kStages) & 1;
+            mbar_wait(v_full(s), parity);
+            mbar_wait(vt_empty(s), parity ^ 1);
+            transpose_v_e4m3(sV(s), sVt(s), min(kBlockN, k.n_end - (k.n_begin + t * kBlockN)), tid);
+            mbar_arrive(v_empty(s));
+            fence_proxy_async();  // the V^T stores, visible to wgmma before the arrival
+            mbar_arrive(vt_full(s));
+          }
+        }
+      }
+    }
     return;
   }
 
   // ------------------------------------ consumers ------------------------------------
-  regs_alloc<kConsumerRegs<kPaged>>();
+  regs_alloc<kConsumerRegs<kPaged || kFp8>>();
   const int cw = wg - 1;                           // consumer index: rows cw * 64 .. cw * 64 + 63
   const int ctid = threadIdx.x - 128;              // 0 .. 255 across both consumers
   const int warp_in_wg = (threadIdx.x / 32) % 4;
@@ -264,12 +338,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     OnlineSoftmax sm;
     sm.init();
+    // fp8: this thread's rows' q_scale (S is scaled by q_scale[i] k_scales[j] before the mask)
+    float qsc[2] = {1.f, 1.f};
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        if (row0 + 8 * r < w.sq) qsc[r] = q_scale[(w.q_row0 + row0 + 8 * r) * q_scale_stride];
+    }
 
     if (k.num_tiles > 0) {
       mbar_wait(q_full, nq & 1);
       ++nq;
       float sacc[kSTiles][4];
-      u32 pa[kPvSteps][4];  // P of the previous tile, waiting for its P V
+      u32 pa[kPvSteps<kFp8>][4];  // P of the previous tile, waiting for its P V
       // Every wgmma below runs on control flow that is the same for the whole warpgroup and has no
       // per-tile branch: ptxas would otherwise serialize the asynchronous wgmmas. A warpgroup whose
       // rows see nothing of a tile computes it anyway (the mask turns it into zeros).
@@ -278,29 +359,57 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       auto issue_qk = [&](int it) {
         const int s = it % kStages;
         mbar_wait(k_full(s), (it / kStages) & 1);
-        if (kPaged) mbar_wait(r_full(it % kRopeStages), (it / kRopeStages) & 1);
+        if (kPaged) {
+          mbar_wait(r_full(it % kRopeStages), (it / kRopeStages) & 1);
+          fence_proxy_async();  // gathered rows are cp.async (generic proxy) writes; wgmma reads async
+        }
         fence_operands(sacc);
         wgmma_fence();
+        if constexpr (kFp8) {
+          // 4 e4m3 k-steps of 32 bytes over the nope block, then 4 16-bit k-steps over the rope
 #pragma unroll
-        for (int kk = 0; kk < kQkSteps; ++kk) {
-          // k-step kk: column block kk / 4 (nope, nope, rope), 32-byte step kk % 4 inside the
-          // 128-byte swizzled row
-          const u32 off = (kk / 4) * kQColBytes + (kk % 4) * 32;
-          const u32 kblk = kk / 4 < 2 ? sK(s) + (kk / 4) * kKColBytes : sRope(it);
-          Wgmma<T>::ss(sacc, make_desc(sQw + off, 16, 1024), make_desc(kblk + (kk % 4) * 32, 16, 1024), kk > 0);
+          for (int kk = 0; kk < 4; ++kk)
+            WgmmaE4m3::ss(sacc, make_desc(sQw + kk * 32, 16, 1024), make_desc(sK(s) + kk * 32, 16, 1024), kk > 0);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            Wgmma<T>::ss(sacc, make_desc(sQw + kBlk + kk * 32, 16, 1024), make_desc(sRope(it) + kk * 32, 16, 1024), 1);
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < kQkSteps; ++kk) {
+            // k-step kk: column block kk / 4 (nope, nope, rope), 32-byte step kk % 4 inside the
+            // 128-byte swizzled row
+            const u32 off = (kk / 4) * kBlk + (kk % 4) * 32;
+            const u32 kblk = kk / 4 < 2 ? sK(s) + (kk / 4) * kBlk : sRope(it);
+            Wgmma<T>::ss(sacc, make_desc(sQw + off, 16, 1024), make_desc(kblk + (kk % 4) * 32, 16, 1024), kk > 0);
+          }
         }
         wgmma_commit();
       };
       auto issue_pv = [&](int s) {  // O += P V_s, committed as one group
         wgmma_fence();
-        pv_mma<T>(o, pa, sV(s));
+        if constexpr (kFp8) pv_mma_e4m3(o, pa, sVt(s));
+        else pv_mma<T>(o, pa, sV(s));
         wgmma_commit();
       };
+      // The barriers P V waits on and releases: V itself, or (fp8) its transpose.
+      auto pv_full = [&](int s) { return kFp8 ? vt_full(s) : v_full(s); };
+      auto pv_empty = [&](int s) { return kFp8 ? vt_empty(s) : v_empty(s); };
       // Masks S of tile t (ring position it) where needed, releases its K (and rope) stage, and
       // turns S into probabilities.
       auto scores_to_p = [&](int t, int it, float (&corr)[2]) {
         fence_operands(sacc);
         const int n0 = k.n_begin + t * kBlockN;
+        if constexpr (kFp8) {  // dequantize: S_ij *= q_scale[i] k_scales[j] (before the mask: scales may be 0)
+          const unsigned char* ksc = smem_raw + (sKScales(it % kStages) - smem_addr(smem_raw));
+#pragma unroll
+          for (int nt = 0; nt < kSTiles; ++nt) {
+            const float2 b = *reinterpret_cast<const float2*>(ksc + 4 * (nt * 8 + 2 * (lane & 3)));
+            sacc[nt][0] *= qsc[0] * b.x;
+            sacc[nt][1] *= qsc[0] * b.y;
+            sacc[nt][2] *= qsc[1] * b.x;
+            sacc[nt][3] *= qsc[1] * b.y;
+          }
+        }
         const unsigned char* ok = key_ok + (it % kRopeStages) * (kBlockN + 16);
         const bool tile_bad = kPaged && ok[kBlockN];
         const bool full = n0 + kBlockN <= k.n_end && !tile_bad && wr0 < w.sq &&
@@ -312,7 +421,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       };
       auto pack = [&]() {
 #pragma unroll
-        for (int kk = 0; kk < kPvSteps; ++kk) pack_p<T>(sacc, kk, pa[kk]);
+        for (int kk = 0; kk < kPvSteps<kFp8>; ++kk) {
+          if constexpr (kFp8) pack_p_e4m3(sacc, kk, pa[kk]);
+          else pack_p<T>(sacc, kk, pa[kk]);
+        }
       };
 
       // Tile 0: S only (O is still zero, nothing to rescale).
@@ -329,14 +441,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         const int s = it % kStages;
         const u32 parity = (it / kStages) & 1;
         issue_qk(it);
-        mbar_wait(v_full(prev_s), prev_parity);
+        mbar_wait(pv_full(prev_s), prev_parity);
         issue_pv(prev_s);
         wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
         scores_to_p(t, it, corr);
         wgmma_wait<0>();
         fence_operands(o);
         fence_operands(pa);
-        mbar_arrive(v_empty(prev_s));
+        mbar_arrive(pv_empty(prev_s));
         OnlineSoftmax::rescale(o, corr);
         pack();
         prev_s = s;
@@ -346,13 +458,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 
       // The last tile's P V. Its V rows past the span's end (the neighbour's keys) are zeroed first,
       // by both consumers together, and the stores made visible to wgmma before either reads V.
-      mbar_wait(v_full(prev_s), prev_parity);
+      mbar_wait(pv_full(prev_s), prev_parity);
       const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBlockN);
-      if (valid < kBlockN) {
+      if (!kFp8 && valid < kBlockN) {  // (the fp8 transposer already wrote zeros there)
         for (int i = ctid; i < (kBlockN - valid) * (kDv / 8); i += kConsumerThreads) {
           const int r = valid + i / (kDv / 8);
           const int c = i % (kDv / 8);             // 16-byte chunk: block c / 8, chunk c % 8 of the row
-          const u32 addr = sV(prev_s) + (c / 8) * kKColBytes + r * 128 + (c % 8) * 16;
+          const u32 addr = sV(prev_s) + (c / 8) * kBlk + r * 128 + (c % 8) * 16;
           asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0));
         }
         fence_proxy_async();
@@ -362,7 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       wgmma_wait<0>();
       fence_operands(o);
       fence_operands(pa);
-      mbar_arrive(v_empty(prev_s));
+      mbar_arrive(pv_empty(prev_s));
     }
     store_rows<OutT>(o, sm, w, row0, out, o_st, o_sh, lse, lse_st, accumulate != 0);
   }

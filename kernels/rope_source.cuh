@@ -31,15 +31,28 @@ template <> struct RopeSource<false> {
 
 // MAX's paged MLA cache: blocks[num_blocks, page_size, 1, Dc], key at absolute position t lives in
 // block lookup[b, t / page_size], slot t % page_size.
+constexpr u32 kNoBlock = 0xFFFFFFFFu;  // "this key cannot be read"
+
 template <> struct RopeSource<true> {
+  // The block holding position t of sequence b, or kNoBlock (page past the table, id out of range).
+  static __device__ __forceinline__ u32 block(const RopeArgs& a, int b, i64 t) {
+    const i64 page_idx = t >> a.log2_page_size;
+    if (t < 0 || page_idx >= static_cast<i64>(a.max_pages)) return kNoBlock;
+    const u32 blk = a.lookup[static_cast<i64>(b) * a.lookup_stride + page_idx];
+    return blk < a.num_blocks ? blk : kNoBlock;
+  }
+  static __device__ __forceinline__ int slot(const RopeArgs& a, i64 t) {
+    return static_cast<int>(t & ((1LL << a.log2_page_size) - 1));
+  }
+  // The rope values of position t in block blk (a block() result other than kNoBlock).
+  template <typename T>
+  static __device__ __forceinline__ const T* at(const RopeArgs& a, u32 blk, i64 t) {
+    return static_cast<const T*>(a.base) + static_cast<i64>(blk) * a.block_stride + slot(a, t) * a.row_stride;
+  }
   template <typename T>
   static __device__ __forceinline__ const T* row(const RopeArgs& a, int b, i64, i64 t) {
-    const i64 page_idx = t >> a.log2_page_size;
-    if (t < 0 || page_idx >= static_cast<i64>(a.max_pages)) return nullptr;
-    const u32 blk = a.lookup[static_cast<i64>(b) * a.lookup_stride + page_idx];
-    if (blk >= a.num_blocks) return nullptr;
-    const i64 slot = t & ((1LL << a.log2_page_size) - 1);
-    return static_cast<const T*>(a.base) + static_cast<i64>(blk) * a.block_stride + slot * a.row_stride;
+    const u32 blk = block(a, b, t);
+    return blk == kNoBlock ? nullptr : at<T>(a, blk, t);
   }
 };
 

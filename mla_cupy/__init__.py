@@ -4,7 +4,7 @@ Importing compiles nothing and needs no GPU; kernels are JIT-compiled on first u
 mask. See ``mla_prefill`` for the semantics, and ``mla_cupy.reference`` for the float64 oracle.
 """
 from . import quant, reference
-from .api import mla_prefill
+from .api import mla_prefill, mla_prefill_fp8
 from .jit import KernelCompileError
 from .merge import merge_states, mla_prefill_chunked
 from .masks import CausalMask, ChunkedCausalMask, ChunkedMask, Mask, NullMask, SlidingWindowCausalMask
@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "mla_prefill",
+    "mla_prefill_fp8",
     "mla_prefill_chunked",
     "merge_states",
     "reference",

@@ -42,13 +42,18 @@ def _prefill_family(kernel: Tuple[str, str], dtype: np.dtype, mask: Mask) -> Fam
     return kernel[0], names
 
 
-def prefill_sm90(dtype: np.dtype, mask: Mask) -> Family:
-    """Hopper family for (dtype, mask): output in the input dtype or float32, plain or paged rope."""
-    return _prefill_family(PREFILL_SM90, dtype, mask)
+def prefill_sm90(dtype: np.dtype, mask: Mask, fp8: bool = False) -> Family:
+    """Hopper family for (dtype, mask): output in the input dtype or float32, plain or paged rope.
+    ``fp8``: the per-token fp8 variant (e4m3 q_nope / k / v, 16-bit rope parts of ``dtype``)."""
+    t = CPP_TYPE[np.dtype(dtype)]
+    f = "true" if fp8 else "false"
+    names = tuple(f"{PREFILL_SM90[1]}<{t}, {o}, {mask.cpp_name}, {paged}, {f}>" for o in (t, "float")
+                  for paged in ("false", "true"))
+    return PREFILL_SM90[0], names
 
 
-def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool) -> str:
-    return _prefill_name(PREFILL_SM90, dtype, out_dtype, mask, paged)
+def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, fp8: bool = False) -> str:
+    return _prefill_name(PREFILL_SM90, dtype, out_dtype, mask, paged)[:-1] + (", true>" if fp8 else ", false>")
 
 
 def _prefill_name(kernel: Tuple[str, str], dtype, out_dtype, mask: Mask, paged: bool) -> str:
@@ -79,5 +84,6 @@ def all_families() -> List[Tuple[str, Family]]:
     """(arch, family) for every module CI must compile."""
     fams: List[Family] = [prefill_sm80(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(d, m) for d in (BF16, FP16) for m in MASKS]
+    fams += [prefill_sm90(BF16, m, fp8=True) for m in MASKS]
     fams += [merge_family(), SPIN]
     return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]

@@ -9,7 +9,7 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 
 from . import _registry as reg
-from ._arrays import FP32, as_device, device_pointer, is_torch, optional_ptr, result_wrapper, stream_of
+from ._arrays import FP8_E4M3, FP32, as_device, device_pointer, is_torch, optional_ptr, result_wrapper, stream_of
 from ._launch import F32, I32, I64, PTR, U32, ArgPack
 from .jit import get_function
 from .masks import Mask
@@ -58,14 +58,16 @@ def _rope_args(k_rope, dtype) -> Tuple[int, int, int, int, int, int, int, int]:
 
 KERNELS = ("auto", "sm80", "sm90")
 SM90_THREADS = 384  # kernels/mla_prefill_sm90.cu: kThreads
+SM90_BLOCK_N = 128  # keys per tile (kBlockN)
 
 
-def sm90_smem_bytes(paged: bool) -> int:
-    """kernels/mla_prefill_sm90.cu: kSmemBytes<kPaged> (229,376 + 1,584 paged; 212,992 + 1,584 plain)."""
-    col = 128 * 128  # one 64-wide column block of a 128-row tile, bf16/fp16
-    q, k, v = 3 * col, (2 if paged else 3) * col, 2 * col
+def sm90_smem_bytes(paged: bool, fp8: bool = False) -> int:
+    """kernels/mla_prefill_sm90.cu: kSmemBytes<kPaged, kFp8>."""
+    col = 128 * 128  # one 128-byte-wide column block of a 128-row tile
+    nope = 1 if fp8 else 2  # column blocks of 128 nope values: e4m3 or 16-bit
+    q, k, v = (nope + 1) * col, (nope + (0 if paged else 1)) * col + (1024 if fp8 else 0), 2 * col
     rope_ring = 3 * col if paged else 0
-    return q + 2 * (k + v) + rope_ring + 128 + 3 * (128 + 16) + 1024
+    return q + 2 * (k + v) + rope_ring + 256 + 3 * (128 + 16) + 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,7 +94,7 @@ def _device_id() -> int:
 def heads_per_section(p: Problem, device_id: int) -> int:
     """Heads whose keys and values together fill about half the L2 (see kernels/tile_scheduler.cuh):
     the tiles of one section run together, so each head's K/V is read from DRAM about once."""
-    kv_bytes_per_head = max(1, p.tk) * 2 * DV * p.dtype.itemsize
+    kv_bytes_per_head = max(1, p.tk) * 2 * DV * (1 if p.fp8 else p.dtype.itemsize)
     g = max(1, min(p.heads, (_sm_count_and_l2(device_id)[1] // 2) // kv_bytes_per_head))
     return -(-p.heads // -(-p.heads // g))  # the same number of heads in every section, or one fewer
 
@@ -135,20 +137,23 @@ SM80_ARGS = ArgPack([("q", PTR), ("k", PTR), ("v", PTR), ("out", PTR), ("lse", P
                     + [(n, I64) for n in ("q_st", "q_sh", "k_st", "k_sh", "v_st", "v_sh", "o_st", "o_sh", "lse_st")]
                     + _ROPE_AND_GRID)
 SM90_ARGS = ArgPack([("tm_q", TENSOR_MAP_DTYPE), ("tm_k", TENSOR_MAP_DTYPE), ("tm_v", TENSOR_MAP_DTYPE),
-                     ("tm_rope", TENSOR_MAP_DTYPE), ("out", PTR), ("lse", PTR)] + _OFFSETS
-                    + [("o_st", I64), ("o_sh", I64), ("lse_st", I64)] + _ROPE_AND_GRID)
+                     ("tm_rope", TENSOR_MAP_DTYPE), ("tm_q_rope", TENSOR_MAP_DTYPE), ("tm_k_scales", TENSOR_MAP_DTYPE),
+                     ("out", PTR), ("lse", PTR)] + _OFFSETS
+                    + [("o_st", I64), ("o_sh", I64), ("lse_st", I64)] + _ROPE_AND_GRID
+                    + [("rope_box_rows", I32), ("q_scale", PTR), ("q_scale_stride", I64)])
 
 _FUNCTIONS: dict = {}  # (device, kernel, dtype, out_dtype, mask, paged) -> (RawKernel, CUfunction), smem limit set
 
 
 def _prefill_function(kernel: str, p: Problem, device_id: int):
     """(RawKernel, CUfunction) of the instantiation ``p`` needs on this device (compiled on first use)."""
-    key = (device_id, kernel, p.dtype, p.out_dtype, p.mask.cpp_name, p.paged)
+    key = (device_id, kernel, p.dtype, p.out_dtype, p.mask.cpp_name, p.paged, p.fp8)
     ptr = _FUNCTIONS.get(key)
     if ptr is None:
         if kernel == "sm90":
-            fn, smem = get_function(*reg.prefill_sm90(p.dtype, p.mask),
-                                    reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask, p.paged)), sm90_smem_bytes(p.paged)
+            fn, smem = (get_function(*reg.prefill_sm90(p.dtype, p.mask, p.fp8),
+                                     reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask, p.paged, p.fp8)),
+                        sm90_smem_bytes(p.paged, p.fp8))
         else:
             fn, smem = get_function(*reg.prefill_sm80(p.dtype, p.mask),
                                     reg.prefill_sm80_name(p.dtype, p.out_dtype, p.mask, p.paged)), SMEM_BYTES
@@ -160,25 +165,56 @@ def _prefill_function(kernel: str, p: Problem, device_id: int):
 
 @functools.lru_cache(maxsize=256)
 def _tensor_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q_ptr: int, q_st: Tuple[int, int], k_ptr: int,
-                 k_st: Tuple[int, int], v_ptr: int, v_st: Tuple[int, int], rope_ptr: Optional[int], rope_st: int):
-    """The Hopper kernel's TMA descriptors for Q, K, V (and a plain k_rope), cached by buffer and layout."""
-    tm_q = encode_tiled(q_ptr, dtype, (DQK, heads, tq), q_st, (64, 1, 128))
-    tm_k = encode_tiled(k_ptr, dtype, (DV, heads, tk), k_st, (64, 1, 128))
-    tm_v = encode_tiled(v_ptr, dtype, (DV, heads, tk), v_st, (64, 1, 128))
-    if rope_ptr is None:  # paged: the producer gathers rope rows itself; the map is unused
-        tm_r = np.zeros(1, TENSOR_MAP_DTYPE)[0]
+                 k_st: Tuple[int, int], v_ptr: int, v_st: Tuple[int, int], rope: tuple, fp8: Optional[tuple]):
+    """The Hopper kernel's TMA descriptors (Q, K, V, rope, q_rope, k_scales), cached by buffer and
+    layout, and the rope box height. ``rope`` is ``(ptr, row_stride_bytes)`` for a plain k_rope, or
+    ``(ptr, row_stride_bytes, block_stride_bytes, page_size, num_blocks)`` for a paged cache. ``fp8``
+    (per-token variant) is ``(q_rope_ptr, q_rope_strides, k_scales_ptr)``: q / k / v are then e4m3
+    bytes of the 128 nope values (one 128-byte box per row)."""
+    zero = np.zeros(1, TENSOR_MAP_DTYPE)[0]
+    if fp8 is None:
+        tm_q = encode_tiled(q_ptr, dtype, (DQK, heads, tq), q_st, (64, 1, 128))
+        tm_k = encode_tiled(k_ptr, dtype, (DV, heads, tk), k_st, (64, 1, 128))
+        tm_v = encode_tiled(v_ptr, dtype, (DV, heads, tk), v_st, (64, 1, 128))
+        tm_qr = tm_ks = zero
     else:
-        tm_r = encode_tiled(rope_ptr, dtype, (DR, tk), (rope_st,), (64, 128))
-    return tm_q, tm_k, tm_v, tm_r
+        u8 = np.dtype(np.uint8)
+        tm_q = encode_tiled(q_ptr, u8, (DV, heads, tq), q_st, (128, 1, 128))
+        tm_k = encode_tiled(k_ptr, u8, (DV, heads, tk), k_st, (128, 1, 128))
+        tm_v = encode_tiled(v_ptr, u8, (DV, heads, tk), v_st, (128, 1, 128))
+        tm_qr = encode_tiled(fp8[0], dtype, (DR, heads, tq), fp8[1], (64, 1, 128))
+        tm_ks = encode_tiled(fp8[2], FP32, (tk,), (), (SM90_BLOCK_N,), swizzle=False)
+    if len(rope) == 2:
+        tm_r, box_rows = encode_tiled(rope[0], dtype, (DR, tk), (rope[1],), (64, 128)), 0
+    else:
+        tm_r, box_rows = _paged_rope_map(dtype, *rope)
+    return tm_q, tm_k, tm_v, tm_r, tm_qr, tm_ks, box_rows
+
+
+def _paged_rope_map(dtype: np.dtype, ptr: int, row_st: int, block_st: int, page_size: int, num_blocks: int):
+    """The paged cache's rope columns as a [num_blocks][page_size][64] tensor map with boxes of
+    min(page_size, 128) slots (one page run of a key tile), or a zero map and box height 0 (the
+    kernel then gathers every tile) when TMA cannot address the cache: strides or the base not
+    16-byte aligned, or no blocks."""
+    box_rows = min(page_size, SM90_BLOCK_N)
+    ok = num_blocks > 0 and ptr % 16 == 0 and row_st > 0 and row_st % 16 == 0 and block_st > 0 and block_st % 16 == 0
+    if ok:
+        try:
+            return encode_tiled(ptr, dtype, (DR, page_size, num_blocks), (row_st, block_st), (64, box_rows, 1)), box_rows
+        except RuntimeError:  # a layout the driver refuses (e.g. strides past 2^40): gather instead
+            pass
+    return np.zeros(1, TENSOR_MAP_DTYPE)[0], 0
 
 
 def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv_begin_ptr: int, kv_end_ptr: int,
                    cache_offsets_ptr: int, q_start_ptr: int, stream, kernel: str = "auto",
-                   accumulate: bool = False) -> Optional[tuple]:
+                   accumulate: bool = False, fp8: Optional[tuple] = None) -> Optional[tuple]:
     """Launch a prefill kernel over a checked problem (no checks here; pointers are raw). With
     ``accumulate``, ``out`` / ``lse`` hold a partial result over other keys that is merged in place.
     Returns the launch as a record ``(ArgPack, kernel, CUfunction, grid, block, smem, values)``
-    that :func:`_relaunch` repeats on a stream (None when there was nothing to launch)."""
+    that :func:`_relaunch` repeats on a stream (None when there was nothing to launch).
+    ``fp8`` (per-token variant, Hopper only): ``(q_rope, q_scale, k_scales)``, with q / k / v the
+    e4m3 (uint8) nope parts."""
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
         return None
     import cupy
@@ -196,14 +232,25 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
         # point at `out` because the driver refuses to encode a map of a null (empty) buffer.
         stand_in = device_pointer(out)
         kp, vp = (device_pointer(k), device_pointer(v)) if p.tk else (stand_in, stand_in)
-        rp = None if p.paged else (device_pointer(k_rope) if p.tk else stand_in)
-        maps = _tensor_maps(p.dtype, p.heads, p.tq, p.tk, device_pointer(q), (_stride16(q, 1), _stride16(q, 0)),
-                            kp, (_stride16(k, 1), _stride16(k, 0)), vp, (_stride16(v, 1), _stride16(v, 0)),
-                            rp, 0 if p.paged else _stride16(k_rope, 0))
+        if p.paged:
+            bl = k_rope.blocks
+            rope = (device_pointer(bl) + k_rope.rope_offset * p.dtype.itemsize, int(bl.strides[1]),
+                    int(bl.strides[0]), k_rope.page_size, int(bl.shape[0]))
+        else:
+            rope = (device_pointer(k_rope) if p.tk else stand_in, _stride16(k_rope, 0))
+        fp8_maps, q_scale = None, (0, 0)
+        if fp8 is not None:
+            q_rope, qs, ks = fp8
+            fp8_maps = (device_pointer(q_rope), (_stride16(q_rope, 1), _stride16(q_rope, 0)),
+                        device_pointer(ks) if p.tk else stand_in)
+            q_scale = (device_pointer(qs), int(qs.strides[0]) // 4)
+        *maps, box_rows = _tensor_maps(p.dtype, p.heads, p.tq, p.tk, device_pointer(q), (_stride16(q, 1), _stride16(q, 0)),
+                                       kp, (_stride16(k, 1), _stride16(k, 0)), vp, (_stride16(v, 1), _stride16(v, 0)), rope,
+                                       fp8_maps)
         # Persistent: at most one CTA per SM (over 200 KiB of shared memory each), striding over the tiles.
         grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
-        rec = (SM90_ARGS, *_prefill_function("sm90", p, device_id), grid, SM90_THREADS, sm90_smem_bytes(p.paged),
-               maps + out_lse + o_strides + tail)
+        rec = (SM90_ARGS, *_prefill_function("sm90", p, device_id), grid, SM90_THREADS, sm90_smem_bytes(p.paged, p.fp8),
+               (*maps, *out_lse, *o_strides, *tail, box_rows, *q_scale))
         _relaunch(rec, stream)
         return rec
     item = p.dtype.itemsize
@@ -408,16 +455,86 @@ def mla_prefill(
                 if rec[1] is not None:
                     _relaunch(rec[1], s)
                 return (out, lse) if return_lse else out
+    return _prefill(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
+                    q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
+                    out_dtype=out_dtype, return_lse=return_lse, lse=lse, accumulate=accumulate, stream=stream,
+                    validate=validate, kernel=kernel, plan_key=plan_key)
+
+
+def _fp8_bytes(x, name: str):
+    """e4m3 data as the uint8 bytes the kernels read: torch float8_e4m3fn tensors are viewed as
+    uint8 (no copy); CuPy has no fp8 dtype, so CuPy data comes as uint8 already."""
+    if is_torch(x) and str(x.dtype) == "torch.float8_e4m3fn":
+        import torch
+
+        return x.view(torch.uint8)
+    if FP8_E4M3 is not None and getattr(x, "dtype", None) == FP8_E4M3 and isinstance(x, np.ndarray):
+        raise TypeError(f"{name}: expected a device array, got a NumPy float8_e4m3fn array; upload its bytes with "
+                        f"cupy.asarray({name}.view(numpy.uint8))")
+    return x
+
+
+def mla_prefill_fp8(
+    q_nope, q_rope, q_scale, k, k_scales, v, k_rope: Union[Any, PagedKVCache], valid_length, cache_row_offsets, *,
+    scale: Optional[float] = None, mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
+    cache_offsets=None, q_start_pos=None, out=None, out_dtype=None, return_lse: bool = False,
+    lse=None, accumulate: bool = False, stream=None, validate: bool = True, kernel: str = "auto",
+):
+    """MLA prefill with fp8 per-token inputs (MAX's ``q_nope, q_rope, q_scale, k, k_scales``
+    overload), on the Hopper kernel: Q K^T of the nope part and P V on the e4m3 tensor cores.
+
+    Parameters
+    ----------
+    q_nope : ``[Tq, H, 128]`` float8_e4m3fn as uint8 (a torch float8_e4m3fn tensor is viewed as uint8)
+    q_rope : ``[Tq, H, 64]`` bfloat16
+    q_scale : ``[Tq, 1]`` float32
+        The true query is ``q_scale[i] * concat(q_nope[i], q_rope[i])``.
+    k, v : ``[Tk, H, 128]`` float8_e4m3fn as uint8
+        The nope keys and the values (V is used as stored, no scale).
+    k_scales : ``[Tk, 1]`` float32, contiguous
+        The true key is ``k_scales[j] * concat(k[j], rope_j)``.
+    k_rope : ``[Tk, 1, 64]`` bfloat16 array or bfloat16 :class:`PagedKVCache`
+        The shared rope, stored divided by ``k_scales`` as MAX's per-token cache holds it.
+    valid_length, cache_row_offsets, and the keywords
+        As in :func:`mla_prefill` (``scale`` defaults to ``1 / sqrt(192)``; ``kernel`` must be
+        ``"auto"`` or ``"sm90"``).
+
+    Returns
+    -------
+    out : ``[Tq, H, 128]`` bfloat16 (or ``out_dtype`` float32), and ``lse`` with ``return_lse=True``.
+
+    Notes
+    -----
+    P is rounded to e4m3 for P V (as in FlashAttention-3's fp8 path); the row sums use the float32
+    P. :func:`mla_cupy.quant.quantize_per_token` (host) produces these inputs from bf16 ones.
+    """
+    return _prefill(_fp8_bytes(q_nope, "q_nope"), _fp8_bytes(k, "k"), _fp8_bytes(v, "v"), k_rope, valid_length,
+                    cache_row_offsets, scale=scale, mask=mask, q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets,
+                    q_start_pos=q_start_pos, out=out, out_dtype=out_dtype, return_lse=return_lse, lse=lse,
+                    accumulate=accumulate, stream=stream, validate=validate, kernel=kernel, fp8=(q_rope, q_scale, k_scales))
+
+
+def _prefill(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets,
+             q_start_pos, out, out_dtype, return_lse, lse, accumulate, stream, validate, kernel,
+             plan_key=None, fp8=None):
+    """The body of :func:`mla_prefill` and :func:`mla_prefill_fp8` (``fp8 = (q_rope, q_scale,
+    k_scales)``, with q / k / v the e4m3 nope parts): device views, checks, outputs, the launch."""
     torch_q = q if is_torch(q) else None
     wrap = result_wrapper(q)
     q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out = device_inputs(
         q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out)
+    if fp8 is not None:
+        fp8 = tuple(as_device(x, n) for x, n in zip(fp8, ("q_rope", "q_scale", "k_scales")))
+        if choose_kernel(kernel, False) != "sm90":
+            raise ValueError(f"kernel: the fp8 per-token variant runs on the Hopper kernel only (compute capability 9.0, "
+                             f"kernel='auto' or 'sm90'), got kernel={kernel!r} on compute capability "
+                             f"{_capability(_device_id())}")
     if lse is not None:
         lse = as_device(lse, "lse")
-    if validate or q_max_seq_len is None:
+    if validate or q_max_seq_len is None or fp8 is not None:
         p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                          q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
-                         out_dtype=out_dtype, validate=validate, device=True, read_offsets=q_max_seq_len is None)
+                         out_dtype=out_dtype, validate=validate, device=True, read_offsets=q_max_seq_len is None, fp8=fp8)
         check_lse_and_accumulate(p, out, lse, accumulate)
     else:
         p = _check_cached(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
@@ -434,7 +551,7 @@ def mla_prefill(
             q_start_pos = _q_start_i64(q_start_pos)
     cro_ptr = device_pointer(cache_row_offsets)
     rec = launch_prefill(p, q, k, v, k_rope, out, lse, device_pointer(valid_length), cro_ptr, cro_ptr + 4,
-                         optional_ptr(cache_offsets), optional_ptr(q_start_pos), s, kernel, accumulate)
+                         optional_ptr(cache_offsets), optional_ptr(q_start_pos), s, kernel, accumulate, fp8)
     if plan_key is not None and q_start_pos is qs_given:  # (a widened int32 q_start_pos is a temporary)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()

@@ -103,31 +103,37 @@ class Problem:
     scale: float
     max_sq: Optional[int]  # None when offsets were not read and no bound was given
     paged: bool
+    fp8: bool = False  # the fp8 per-token variant (dtype is then that of the rope parts)
 
 
 def check_inputs(
     q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets, q_start_pos,
-    out, out_dtype, validate: bool, device: bool, read_offsets: bool,
+    out, out_dtype, validate: bool, device: bool, read_offsets: bool, fp8: Optional[tuple] = None,
 ) -> Problem:
-    """Check every argument of ``mla_prefill`` (device) or of the reference (``device=False``)."""
+    """Check every argument of ``mla_prefill`` (device) or of the reference (``device=False``).
+    ``fp8 = (q_rope, q_scale, k_scales)``: the per-token fp8 variant (device only), where q, k, v are
+    the e4m3 (uint8) nope parts; ``dtype`` is then that of the rope parts."""
     float_dtypes = DEVICE_DTYPES if device else None
-    check_array(q, "q", 3, float_dtypes, device=device)
-    tq, heads, dqk = (int(n) for n in q.shape)
-    if dqk != DQK:
-        raise ValueError(f"q: expected head size Dqk = {DQK} (Dv {DV} + Dr {DR}), got {dqk}")
-    if heads < 1:
-        raise ValueError(f"q: expected at least one head, got shape {list(q.shape)}")
-    dtype = _dt(q)
-    if not device and dtype.kind not in "fV":
-        raise TypeError(f"q: expected a floating-point dtype, got {dtype.name}")
+    if fp8 is not None:
+        tq, heads, tk, dtype = _check_fp8_qkv(q, k, v, *fp8)
+    else:
+        check_array(q, "q", 3, float_dtypes, device=device)
+        tq, heads, dqk = (int(n) for n in q.shape)
+        if dqk != DQK:
+            raise ValueError(f"q: expected head size Dqk = {DQK} (Dv {DV} + Dr {DR}), got {dqk}")
+        if heads < 1:
+            raise ValueError(f"q: expected at least one head, got shape {list(q.shape)}")
+        dtype = _dt(q)
+        if not device and dtype.kind not in "fV":
+            raise TypeError(f"q: expected a floating-point dtype, got {dtype.name}")
 
-    for name, x in (("k", k), ("v", v)):
-        check_array(x, name, 3, float_dtypes, device=device)
-        if device and _dt(x) != dtype:
-            raise TypeError(f"{name}: expected dtype {dtype.name} (the dtype of q), got {_dt(x).name}")
-    tk = int(k.shape[0])
-    check_shape(k, "k", (None, heads, DV), f"[Tk, H, Dv] with H = {heads} from q and Dv = {DV}")
-    check_shape(v, "v", (tk, heads, DV), "the shape of k, [Tk, H, Dv]")
+        for name, x in (("k", k), ("v", v)):
+            check_array(x, name, 3, float_dtypes, device=device)
+            if device and _dt(x) != dtype:
+                raise TypeError(f"{name}: expected dtype {dtype.name} (the dtype of q), got {_dt(x).name}")
+        tk = int(k.shape[0])
+        check_shape(k, "k", (None, heads, DV), f"[Tk, H, Dv] with H = {heads} from q and Dv = {DV}")
+        check_shape(v, "v", (tk, heads, DV), "the shape of k, [Tk, H, Dv]")
 
     paged = isinstance(k_rope, PagedKVCache)
     if paged:
@@ -187,7 +193,8 @@ def check_inputs(
 
     if device:
         _check_same_device((q, k, v, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out,
-                            k_rope.blocks if paged else k_rope, k_rope.lookup_table if paged else None))
+                            k_rope.blocks if paged else k_rope, k_rope.lookup_table if paged else None)
+                           + (tuple(fp8) if fp8 is not None else ()))
 
     max_sq = None if q_max_seq_len is None else int(q_max_seq_len)
     if validate or read_offsets:
@@ -212,7 +219,37 @@ def check_inputs(
         nmb = -(-max_sq // 128)
         if nmb * max(batch, 1) * heads > _MAX_I32:
             raise ValueError(f"q_max_seq_len: grid of {nmb} x {batch} x {heads} blocks exceeds 2^31 - 1")
-    return Problem(batch, heads, tq, tk, dtype, out_dtype, mask, float(scale), max_sq, paged)
+    return Problem(batch, heads, tq, tk, dtype, out_dtype, mask, float(scale), max_sq, paged, fp8 is not None)
+
+
+U8 = np.dtype(np.uint8)
+
+
+def _check_fp8_qkv(q_nope, k, v, q_rope, q_scale, k_scales) -> Tuple[int, int, int, np.dtype]:
+    """The arrays of the fp8 per-token variant (SPEC "Data types"): e4m3 bytes of q_nope / k / v,
+    bfloat16 q_rope, float32 scales. Returns (Tq, H, Tk, the rope dtype)."""
+    check_array(q_nope, "q_nope", 3, (U8,), device=True)
+    tq, heads = int(q_nope.shape[0]), int(q_nope.shape[1])
+    check_shape(q_nope, "q_nope", (None, None, DV), f"[Tq, H, Dv] e4m3 bytes with Dv = {DV}")
+    if heads < 1:
+        raise ValueError(f"q_nope: expected at least one head, got shape {list(q_nope.shape)}")
+    check_array(k, "k", 3, (U8,), device=True)
+    tk = int(k.shape[0])
+    check_shape(k, "k", (None, heads, DV), f"[Tk, H, Dv] e4m3 bytes with H = {heads} from q_nope")
+    check_array(v, "v", 3, (U8,), device=True)
+    check_shape(v, "v", (tk, heads, DV), "the shape of k, [Tk, H, Dv] e4m3 bytes")
+    check_array(q_rope, "q_rope", 3, (BF16,), device=True)
+    check_shape(q_rope, "q_rope", (tq, heads, DR), f"[Tq, H, Dr] with Dr = {DR}")
+    check_array(q_scale, "q_scale", 2, (FP32,), device=False)  # read one value per row
+    check_shape(q_scale, "q_scale", (tq, 1), "[Tq, 1] float32, one scale per query token")
+    check_array(k_scales, "k_scales", 2, (FP32,), device=False)
+    check_shape(k_scales, "k_scales", (tk, 1), "[Tk, 1] float32, one scale per key token")
+    if tk > 1 and int(k_scales.strides[0]) != 4:
+        raise ValueError(f"k_scales: expected contiguous scales (stride 4 bytes; they are copied by TMA), got strides "
+                         f"{tuple(k_scales.strides)}")
+    if tk and device_pointer(k_scales) % 16:
+        raise ValueError(f"k_scales: the data must start at a 16-byte aligned address, got {device_pointer(k_scales):#x}")
+    return tq, heads, tk, BF16
 
 
 def check_lse_and_accumulate(p: Problem, out: Any, lse: Any, accumulate: Any) -> None:

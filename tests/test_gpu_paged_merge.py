@@ -39,10 +39,15 @@ def build_paged(case, page_size, seed=0, shuffle=True, spare_blocks=3, dc=576, r
 
 @kernels
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256, 512])
-def test_paged_equals_plain_bit_for_bit(page_size, kernel):
+@pytest.mark.parametrize("offsets", ["unaligned", "aligned"])
+def test_paged_equals_plain_bit_for_bit(page_size, kernel, offsets):
+    """Unaligned cache offsets: the Hopper kernel gathers most key tiles row by row; aligned ones
+    (multiples of every page size): it copies whole page runs by TMA, with spans ending mid-tile
+    and mid-page (the table's unused entries are out of range on purpose)."""
     import cupy as cp
 
-    c = make_case([65, 1, 130], [300, 17, 700], 16, BF16, seed=page_size, cache_offsets=[5, 0, 1000])
+    co = [5, 0, 1000] if offsets == "unaligned" else [0, 512, 1024]
+    c = make_case([65, 1, 130], [300, 17, 700], 16, BF16, seed=page_size, cache_offsets=co)
     blocks, lut = build_paged(c, page_size, seed=page_size)
     d = upload(c)
     cache = PagedKVCache(cp.asarray(blocks), cp.asarray(lut), page_size)
@@ -66,6 +71,18 @@ def test_paged_noncontiguous_table_and_rope_offset(kernel):
     cache = PagedKVCache(cp.asarray(blocks), dlut, 16, rope_offset=0)
     run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, 16, rope_offset=0), mask=SlidingWindowCausalMask(40),
                   kernel=kernel)
+
+
+@kernels
+def test_paged_cache_without_a_tensor_map_layout(kernel):
+    """Rows of 68 values (136 bytes, not a multiple of 16): the Hopper kernel cannot describe the
+    cache to TMA and gathers every tile, aligned or not."""
+    import cupy as cp
+
+    c = make_case([70, 129], [200, 129], 16, BF16, seed=8, cache_offsets=[0, 64])
+    blocks, lut = build_paged(c, 64, seed=9, dc=68, rope_offset=0)
+    cache = PagedKVCache(cp.asarray(blocks), cp.asarray(lut), 64, rope_offset=0)
+    run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, 64, rope_offset=0), kernel=kernel)
 
 
 @kernels

@@ -1,0 +1,108 @@
+// float8_e4m3fn pieces of the Hopper kernel's fp8 per-token variant (sm_90a): the e4m3 wgmma, P
+// packed to e4m3 in registers, and the in-kernel transpose of V that the e4m3 wgmma needs (its B
+// operand must be K-major, i.e. V^T with keys contiguous).
+//
+// The key order inside V^T is not the natural one. An e4m3 A fragment (k-step of 32 keys) holds, in
+// each 32-bit register, 4 consecutive k positions of one row: register 0 row g, k 4t..4t+3; 1 row
+// g+8; 2 row g, k 16+4t..; 3 row g+8 (t = lane % 4). The scores of a row come out of S = Q K^T in
+// pairs (keys 2t, 2t+1 of each 8-key n-tile), so the 4 bytes a thread can pack without shuffles are
+// keys {2t, 2t+1, 8+2t, 9+2t} of a 16-key half. Instead of moving bytes between lanes, the
+// transpose puts key sigma(p) at k position p of V^T, where for p = 16h + 4t + m (one 32-key block)
+//     sigma(p) = 16h + 2t + (m & 1) + 8 (m >> 1),
+// so the contraction pairs every P value with its own key's V row.
+#pragma once
+#include "common.cuh"
+#include "sm90.cuh"
+
+namespace mla {
+namespace sm90 {
+
+// D[64x128] (+)= A[64x32] * B[32x128], e4m3 inputs, f32 accumulate. Both operands K-major.
+struct WgmmaE4m3 {
+  static __device__ __forceinline__ void ss(float (&d)[16][4], unsigned long long da, unsigned long long db,
+                                            int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " MLA_D64 ", %64, %65, p, 1, 1;\n}\n"
+                 : MLA_ACC16(d)
+                 : "l"(da), "l"(db), "r"(accumulate));
+  }
+  // A from registers (see pack_p_e4m3), B from shared memory.
+  static __device__ __forceinline__ void rs(float (&d)[16][4], const u32 (&a)[4], unsigned long long db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " MLA_D64
+                 ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+                 : MLA_ACC16(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  }
+};
+
+// Four floats -> four e4m3 bytes (round to nearest even, saturating to +-448), x0 in the low byte.
+__device__ __forceinline__ u32 e4m3x4(float x0, float x1, float x2, float x3) {
+  u32 r;
+  asm("{\n.reg .b16 lo, hi;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(r)
+      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+  return r;
+}
+
+// P of k-step kk (keys 32 kk .. 32 kk + 31, n-tiles 4 kk .. 4 kk + 3 of the S accumulator) as the
+// e4m3 A fragment, in the k order of the file comment.
+template <int kSTiles>
+__device__ __forceinline__ void pack_p_e4m3(const float (&s)[kSTiles][4], int kk, u32 (&a)[4]) {
+  const int j = 4 * kk;
+  a[0] = e4m3x4(s[j][0], s[j][1], s[j + 1][0], s[j + 1][1]);          // row g, keys 2t, 2t+1, 8+2t, 9+2t
+  a[1] = e4m3x4(s[j][2], s[j][3], s[j + 1][2], s[j + 1][3]);          // row g + 8
+  a[2] = e4m3x4(s[j + 2][0], s[j + 2][1], s[j + 3][0], s[j + 3][1]);  // row g, keys 16 + ...
+  a[3] = e4m3x4(s[j + 2][2], s[j + 2][3], s[j + 3][2], s[j + 3][3]);  // row g + 8, keys 16 + ...
+}
+
+// Byte offset of (row, byte) in a tile of 128-byte rows with the 128-byte swizzle (16-byte chunk c
+// of row r stored at chunk c ^ (r % 8)), the layout TMA writes and wgmma reads.
+__device__ __forceinline__ u32 swizzle128(int row, int byte) {
+  return row * 128 + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
+}
+
+__device__ __forceinline__ u32 lds32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
+
+constexpr int kTransposeThreads = 64;  // two producer warps
+
+// V (128 keys x 128 values, e4m3, rows = keys) at `src` -> V^T (rows = values, k positions in the
+// sigma order above) at `dst`, both swizzled. Keys >= `valid` (past the span: a neighbour's rows or
+// zero-fill) are written as zeros, so P V never reads them. Thread `tid` of kTransposeThreads.
+// Unit of work: 4 keys x 4 values, a 4x4 byte transpose in registers. A warp's lanes take 8 value
+// quads x 4 values of t, so its loads hit 8 distinct 16-byte chunks of distinct rows (no conflicts).
+__device__ __forceinline__ void transpose_v_e4m3(u32 src, u32 dst, int valid, int tid) {
+  const int lane = tid % 32, w = tid / 32;
+  const int t = lane / 8;
+#pragma unroll 4
+  for (int i = 0; i < 16; ++i) {
+    const int c = 2 * i + w;                    // 0..31: (value quad group, half, k-step)
+    const int u = lane % 8 + 8 * (c % 4);       // values 4u .. 4u + 3
+    const int h = (c / 4) % 2, kk = c / 8;
+    const int key0 = 32 * kk + 16 * h + 2 * t;  // keys key0 + {0, 1, 8, 9} -> k positions p0 .. p0 + 3
+    const int p0 = 32 * kk + 16 * h + 4 * t;
+    u32 w4[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int key = key0 + (m & 1) + 8 * (m >> 1);
+      w4[m] = key < valid ? lds32(src + swizzle128(key, 4 * u)) : 0u;
+    }
+    const u32 lo01 = __byte_perm(w4[0], w4[1], 0x5140), hi01 = __byte_perm(w4[0], w4[1], 0x7362);
+    const u32 lo23 = __byte_perm(w4[2], w4[3], 0x5140), hi23 = __byte_perm(w4[2], w4[3], 0x7362);
+    sts32(dst + swizzle128(4 * u + 0, p0), __byte_perm(lo01, lo23, 0x5410));  // value 4u: keys m = 0..3
+    sts32(dst + swizzle128(4 * u + 1, p0), __byte_perm(lo01, lo23, 0x7632));
+    sts32(dst + swizzle128(4 * u + 2, p0), __byte_perm(hi01, hi23, 0x5410));
+    sts32(dst + swizzle128(4 * u + 3, p0), __byte_perm(hi01, hi23, 0x7632));
+  }
+}
+
+}  // namespace sm90
+}  // namespace mla
