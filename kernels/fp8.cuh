@@ -104,5 +104,32 @@ __device__ __forceinline__ void transpose_v_e4m3(u32 src, u32 dst, int valid, in
   }
 }
 
+// Two e4m3 values (the low byte first) times `scale`, as two floats.
+__device__ __forceinline__ float2 e4m3x2_to_float2(u32 two, float scale) {
+  u32 h2;
+  asm("{\n.reg .b16 b;\ncvt.u16.u32 b, %1;\ncvt.rn.f16x2.e4m3x2 %0, b;\n}\n" : "=r"(h2) : "r"(two));
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+  return make_float2(f.x * scale, f.y * scale);
+}
+
+// One key's 64 e4m3 rope values at `src` (16-byte aligned; nullptr: zeros) times `scale`, stored
+// as a 128-byte row of T at `dst` (row x of a 128-byte-swizzled tile) with st.shared. The caller
+// makes the stores visible to wgmma (fence.proxy.async) before signalling them.
+template <typename T>
+__device__ __forceinline__ void store_rope_row_e4m3(u32 dst, int x, const unsigned char* src, float scale) {
+  uint4 in[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) in[q] = src ? *reinterpret_cast<const uint4*>(src + 16 * q) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {  // output chunk c: 8 values from input bytes 8c .. 8c + 7
+    const u32 w0 = c % 2 ? in[c / 2].z : in[c / 2].x, w1 = c % 2 ? in[c / 2].w : in[c / 2].y;
+    const float2 a = e4m3x2_to_float2(w0 & 0xffffu, scale), b = e4m3x2_to_float2(w0 >> 16, scale);
+    const float2 d = e4m3x2_to_float2(w1 & 0xffffu, scale), e = e4m3x2_to_float2(w1 >> 16, scale);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + ((c ^ (x & 7)) << 4)),
+                 "r"(Elem<T>::pack(a.x, a.y)), "r"(Elem<T>::pack(b.x, b.y)), "r"(Elem<T>::pack(d.x, d.y)),
+                 "r"(Elem<T>::pack(e.x, e.y)));
+  }
+}
+
 }  // namespace sm90
 }  // namespace mla

@@ -54,20 +54,21 @@ constexpr int kRopeStages = 3;                     // paged: the rope ring runs 
 // The 128 nope values of a row (of Q or K): two 16-bit column blocks, or one e4m3 block (fp8 variant).
 template <bool kFp8> constexpr int kNopeBlocks = kFp8 ? 1 : 2;
 // Shared memory, the base aligned to 1 KiB for the swizzle:
-//   [Q][K0 V0][K1 V1][R0 R1 R2 (paged)][mbarriers][flags (paged)]
+//   [Q][K0 V0][K1 V1][R0 R1 R2 (ring)][mbarriers][flags (ring)]
 //   Q:  the nope block(s), then the rope block (q's last 64 values; q_rope in the fp8 variant);
 //   K:  the nope block(s), then (plain) the rope block copied from k_rope, then (fp8) the 128 key
-//       scales (512 bytes, padded to 1 KiB); paged, the rope rows go to their own deeper ring R;
+//       scales (512 bytes, padded to 1 KiB); with the rope ring (a paged cache, or an fp8 rope that
+//       is dequantized on the way), the rope rows go to their own deeper ring R instead;
 //   V:  bf16/fp16: two column blocks; fp8: the e4m3 block as loaded, then its transpose (fp8.cuh).
 template <bool kFp8> constexpr int kQBytes = (kNopeBlocks<kFp8> + 1) * kBlk;
-template <bool kPaged, bool kFp8> constexpr int kKBytes = (kNopeBlocks<kFp8> + (kPaged ? 0 : 1)) * kBlk + (kFp8 ? 1024 : 0);
+template <bool kRing, bool kFp8> constexpr int kKBytes = (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk + (kFp8 ? 1024 : 0);
 constexpr int kVBytes = 2 * kBlk;
-template <bool kPaged, bool kFp8> constexpr int kStageBytes = kKBytes<kPaged, kFp8> + kVBytes;
-template <bool kPaged, bool kFp8> constexpr int kRopeOffset = kQBytes<kFp8> + kStages * kStageBytes<kPaged, kFp8>;
-template <bool kPaged, bool kFp8> constexpr int kBarOffset = kRopeOffset<kPaged, kFp8> + (kPaged ? kRopeStages * kBlk : 0);
+template <bool kRing, bool kFp8> constexpr int kStageBytes = kKBytes<kRing, kFp8> + kVBytes;
+template <bool kRing, bool kFp8> constexpr int kRopeOffset = kQBytes<kFp8> + kStages * kStageBytes<kRing, kFp8>;
+template <bool kRing, bool kFp8> constexpr int kBarOffset = kRopeOffset<kRing, kFp8> + (kRing ? kRopeStages * kBlk : 0);
 constexpr int kBarBytes = 256;
-template <bool kPaged, bool kFp8> constexpr int kKeyOkOffset = kBarOffset<kPaged, kFp8> + kBarBytes;  // per-key flags + a tile flag
-template <bool kPaged, bool kFp8> constexpr int kSmemBytes = kKeyOkOffset<kPaged, kFp8> + kRopeStages * (kBlockN + 16) + 1024;
+template <bool kRing, bool kFp8> constexpr int kKeyOkOffset = kBarOffset<kRing, kFp8> + kBarBytes;  // per-key flags + a tile flag
+template <bool kRing, bool kFp8> constexpr int kSmemBytes = kKeyOkOffset<kRing, kFp8> + kRopeStages * (kBlockN + 16) + 1024;
 static_assert(8 * (2 + 6 * kStages + 2 * kRopeStages) <= kBarBytes, "the mbarriers must fit their bytes");
 static_assert(kSmemBytes<true, false> <= 227 * 1024 && kSmemBytes<false, false> <= 227 * 1024 &&
               kSmemBytes<true, true> <= 227 * 1024 && kSmemBytes<false, true> <= 227 * 1024, "shared memory per CTA");
@@ -99,10 +100,15 @@ __device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&
   for (int kk = 0; kk < kPvSteps<true>; ++kk) WgmmaE4m3::rs(o, pa[kk], make_desc(vt_stage + kk * 32, 16, 1024));
 }
 
-// T: the 16-bit type (of everything, or of the rope parts in the fp8 variant). kFp8: the per-token
-// variant: tm_q / tm_k / tm_v map e4m3 q_nope / k / v, tm_q_rope q_rope, tm_k_scales k_scales (1-D
-// float32); q_scale is read directly. S = q_scale[i] k_scales[j] (q_nope k^T + q_rope k_rope^T).
-template <typename T, typename OutT, typename Mask, bool kPaged, bool kFp8>
+// Variants (kVariant):
+//   kBf16: T (bf16 or fp16) everywhere;
+//   kFp8PerToken: tm_q / tm_k / tm_v map e4m3 q_nope / k / v, tm_q_rope q_rope, tm_k_scales k_scales
+//     (1-D float32); q_scale is read directly. S = q_scale[i] k_scales[j] (q_nope k^T + q_rope k_rope^T);
+//   kFp8Rope: q, k, v in T; the rope is e4m3 with one float32 scale per key (rope_scales), dequantized
+//     to T by the rope warp.
+enum Variant : int { kBf16 = 0, kFp8PerToken = 1, kFp8Rope = 2 };
+
+template <typename T, typename OutT, typename Mask, bool kPaged, int kVariant>
 __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     const __grid_constant__ TensorMap tm_q, const __grid_constant__ TensorMap tm_k,
     const __grid_constant__ TensorMap tm_v, const __grid_constant__ TensorMap tm_rope,
@@ -113,7 +119,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     i64 o_st, i64 o_sh, i64 lse_st, const void* rope_base, i64 rope_row_stride, i64 rope_block_stride,
     const u32* __restrict__ lookup, i64 lookup_stride, int log2_page_size, u32 num_blocks, u32 max_pages,
     int num_heads, int heads_per_section, int batch, int num_m_blocks, float scale_log2, i64 mask_arg,
-    int accumulate, int rope_box_rows, const float* __restrict__ q_scale, i64 q_scale_stride) {
+    int accumulate, int rope_box_rows, const float* __restrict__ q_scale, i64 q_scale_stride,
+    const float* __restrict__ rope_scales, i64 rope_scale_row_stride, i64 rope_scale_block_stride) {
+  constexpr bool kFp8 = kVariant == kFp8PerToken;
+  constexpr bool kRope8 = kVariant == kFp8Rope;
+  constexpr bool kRing = kPaged || kRope8;  // the rope rows come through warp 1's ring
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const SeqOffsets so{q_offsets, kv_begin, kv_end, cache_offsets, q_start_pos};
   const Mask mask{mask_arg};
@@ -136,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 
   const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // layout: see kSmemBytes
   const u32 sQ = base;
-  const u32 bar = base + kBarOffset<kPaged, kFp8>;
+  const u32 bar = base + kBarOffset<kRing, kFp8>;
   const u32 q_full = bar, q_empty = bar + 8;
   auto k_full = [&](int s) { return bar + 16 + 8 * s; };
   auto v_full = [&](int s) { return bar + 16 + 8 * (kStages + s); };
@@ -146,17 +156,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   auto r_empty = [&](int r) { return bar + 16 + 8 * (4 * kStages + kRopeStages + r); };
   auto vt_full = [&](int s) { return bar + 16 + 8 * (4 * kStages + 2 * kRopeStages + s); };  // fp8: V^T written
   auto vt_empty = [&](int s) { return bar + 16 + 8 * (5 * kStages + 2 * kRopeStages + s); };
-  auto sK = [&](int s) { return base + kQBytes<kFp8> + s * kStageBytes<kPaged, kFp8>; };
-  auto sKScales = [&](int s) { return sK(s) + (kNopeBlocks<kFp8> + (kPaged ? 0 : 1)) * kBlk; };  // fp8
-  auto sV = [&](int s) { return sK(s) + kKBytes<kPaged, kFp8>; };
+  auto sK = [&](int s) { return base + kQBytes<kFp8> + s * kStageBytes<kRing, kFp8>; };
+  auto sKScales = [&](int s) { return sK(s) + (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk; };  // fp8
+  auto sV = [&](int s) { return sK(s) + kKBytes<kRing, kFp8>; };
   auto sVt = [&](int s) { return sV(s) + kBlk; };  // fp8: V^T
   // The rope column block of key tile `it`: the third block of its K stage (plain), or its stage of
   // the rope ring (paged).
   auto sRope = [&](int it) {
-    return kPaged ? base + kRopeOffset<kPaged, kFp8> + (it % kRopeStages) * kBlk : sK(it % kStages) + kNopeBlocks<kFp8> * kBlk;
+    return kRing ? base + kRopeOffset<kRing, kFp8> + (it % kRopeStages) * kBlk : sK(it % kStages) + kNopeBlocks<kFp8> * kBlk;
   };
   // paged only: key_ok[r][0..127] per-key flags of rope stage r, then tile_bad[r] at byte kBlockN
-  unsigned char* key_ok = smem_raw + (base - smem_addr(smem_raw)) + kKeyOkOffset<kPaged, kFp8>;
+  unsigned char* key_ok = smem_raw + (base - smem_addr(smem_raw)) + kKeyOkOffset<kRing, kFp8>;
 
   const int wg = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -181,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 
   if (wg == 0) {
     // ------------------------------------ producers ------------------------------------
-    regs_dealloc<kProducerRegs<kPaged || kFp8>>();
+    regs_dealloc<kProducerRegs<kRing || kFp8>>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) {
       // Warp 0, one thread: TMA for Q, K (nope, and the rope when plain) and V.
@@ -209,22 +219,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           mbar_wait(k_empty(s), empty_parity);
           // K: the nope block(s), the rope when plain (shared by every head), the key scales (fp8)
           constexpr int kScaleBytes = kBlockN * 4;
-          mbar_expect_tx(k_full(s), (kNopeBlocks<kFp8> + (kPaged ? 0 : 1)) * kBlk + (kFp8 ? kScaleBytes : 0));
+          mbar_expect_tx(k_full(s), (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk + (kFp8 ? kScaleBytes : 0));
           for (int c = 0; c < kNopeBlocks<kFp8>; ++c) tma_load_3d(sK(s) + c * kBlk, &tm_k, k_full(s), c * kColBlock, w.h, row);
-          if (!kPaged) tma_load_2d(sRope(it), &tm_rope, k_full(s), 0, row);
+          if (!kRing) tma_load_2d(sRope(it), &tm_rope, k_full(s), 0, row);
           if (kFp8) tma_load_1d(sKScales(s), &tm_k_scales, k_full(s), row);
           mbar_wait(v_empty(s), empty_parity);
           mbar_expect_tx(v_full(s), kNopeBlocks<kFp8> * kBlk);
           for (int c = 0; c < kNopeBlocks<kFp8>; ++c) tma_load_3d(sV(s) + c * kBlk, &tm_v, v_full(s), c * kColBlock, w.h, row);
         }
       }
-    } else if (kPaged && warp == 1) {
-      // Warp 1 (paged): brings each key tile's rope rows from the cache into the rope ring, up to
-      // kRopeStages tiles ahead of the consumers, independently of warp 0's TMA traffic. A tile whose
-      // first key sits on a multiple of rope_box_rows (min(page size, 128); 0 when the cache has no
-      // tensor map) and whose keys are all readable takes one TMA box per rope_box_rows keys from
-      // tm_rope (the cache as [num_blocks][page_size][64 rope values]): a box never crosses a page.
-      // Other tiles are gathered row by row with cp.async, unreadable keys zero-filled and flagged.
+    } else if (kRing && warp == 1) {
+      // Warp 1 (rope ring): brings each key tile's rope rows into the rope ring, up to kRopeStages
+      // tiles ahead of the consumers, independently of warp 0's TMA traffic. Three ways:
+      //  * paged 16-bit cache, tile starting on a multiple of rope_box_rows (min(page size, 128); 0
+      //    when the cache has no tensor map) with every key readable: one TMA box per
+      //    rope_box_rows keys from tm_rope (the cache as [num_blocks][page_size][64]), never
+      //    crossing a page;
+      //  * other 16-bit tiles: a cp.async gather row by row;
+      //  * fp8 rope (plain or paged): each lane loads its rows' 64 e4m3 bytes and scale, and stores
+      //    them dequantized to T.
+      // Unreadable keys (bad block ids) are zero-filled and flagged; the consumers mask them.
       const RopeArgs ra{rope_base, rope_row_stride, rope_block_stride, lookup, lookup_stride, log2_page_size,
                         num_blocks, max_pages};
       using Paged = RopeSource<true>;
@@ -233,15 +247,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         Work k;
         if (!plan(idx, k) || k.num_tiles == 0) continue;
         const WorkTile& w = k.w;
-        // The blocks of the lane's rope rows of a tile (keys lane + 32 i; kNoBlock past the span),
-        // looked up one tile ahead so the page-table reads overlap the wait for a free stage.
+        // The blocks of the lane's rope rows of a tile (keys lane + 32 i; kNoBlock past the span; 0
+        // for a plain source), looked up one tile ahead so the page-table reads overlap the wait for
+        // a free stage.
         constexpr int kRopeRows = kBlockN / 32;
         u32 blk[kRopeRows];
         auto lookup_rows = [&](int t) {
 #pragma unroll
           for (int i = 0; i < kRopeRows; ++i) {
             const int j = k.n_begin + t * kBlockN + lane + 32 * i;
-            blk[i] = j < k.n_end ? Paged::block(ra, w.b, w.k_pos0 + j) : kNoBlock;
+            blk[i] = j >= k.n_end ? kNoBlock : (kPaged ? Paged::block(ra, w.b, w.k_pos0 + j) : 0u);
           }
         };
         lookup_rows(0);
@@ -254,11 +269,33 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 #pragma unroll
           for (int i = 0; i < kRopeRows; ++i) bad |= lane + 32 * i < rows && blk[i] == kNoBlock;
           bad = __any_sync(0xffffffffu, bad);
-          const bool boxes = rope_box_rows > 0 && !bad && (t0 & (rope_box_rows - 1)) == 0;
+          const bool boxes = kPaged && !kRope8 && rope_box_rows > 0 && !bad && (t0 & (rope_box_rows - 1)) == 0;
           mbar_wait(r_empty(r), ((it / kRopeStages) & 1) ^ 1);
           const u32 dst = sRope(it);
           unsigned char* ok_flags = key_ok + r * (kBlockN + 16);
-          if (boxes) {
+          if constexpr (kRope8) {
+#pragma unroll
+            for (int i = 0; i < kRopeRows; ++i) {
+              const int x = lane + 32 * i;
+              const bool ok = blk[i] != kNoBlock;
+              const unsigned char* src = nullptr;
+              float sc = 0.f;
+              if (ok) {
+                const i64 kv_row = w.kv_row0 + n0 + x;
+                if (kPaged) {
+                  src = Paged::at<unsigned char>(ra, blk[i], t0 + x);
+                  sc = rope_scales[static_cast<i64>(blk[i]) * rope_scale_block_stride + Paged::slot(ra, t0 + x) * rope_scale_row_stride];
+                } else {
+                  src = static_cast<const unsigned char*>(rope_base) + kv_row * rope_row_stride;
+                  sc = rope_scales[kv_row * rope_scale_row_stride];
+                }
+              }
+              store_rope_row_e4m3<T>(dst + x * 128, x, src, sc);
+              ok_flags[x] = ok;
+            }
+            fence_proxy_async();     // the dequantized rows, visible to wgmma
+            mbar_arrive(r_full(r));  // (in place of the cp.async arrivals)
+          } else if (boxes) {
             // Rows past the span stay as they are: their scores are masked. The 64 arrivals of
             // r_full: lane 0's expect_tx and 31 plain ones here, 32 after the flags below.
             const int nbox = (rows + rope_box_rows - 1) / rope_box_rows;
@@ -317,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   }
 
   // ------------------------------------ consumers ------------------------------------
-  regs_alloc<kConsumerRegs<kPaged || kFp8>>();
+  regs_alloc<kConsumerRegs<kRing || kFp8>>();
   const int cw = wg - 1;                           // consumer index: rows cw * 64 .. cw * 64 + 63
   const int ctid = threadIdx.x - 128;              // 0 .. 255 across both consumers
   const int warp_in_wg = (threadIdx.x / 32) % 4;
@@ -359,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       auto issue_qk = [&](int it) {
         const int s = it % kStages;
         mbar_wait(k_full(s), (it / kStages) & 1);
-        if (kPaged) {
+        if (kRing) {
           mbar_wait(r_full(it % kRopeStages), (it / kRopeStages) & 1);
           fence_proxy_async();  // gathered rows are cp.async (generic proxy) writes; wgmma reads async
         }
@@ -411,12 +448,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           }
         }
         const unsigned char* ok = key_ok + (it % kRopeStages) * (kBlockN + 16);
-        const bool tile_bad = kPaged && ok[kBlockN];
+        const bool tile_bad = kRing && ok[kBlockN];
         const bool full = n0 + kBlockN <= k.n_end && !tile_bad && wr0 < w.sq &&
                           mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
         if (!full) apply_mask(sacc, mask, w, row0, n0, k.n_end, tile_bad ? ok : nullptr);
         mbar_arrive(k_empty(it % kStages));                  // K fully read
-        if (kPaged) mbar_arrive(r_empty(it % kRopeStages));  // and the rope rows and their flags
+        if (kRing) mbar_arrive(r_empty(it % kRopeStages));  // and the rope rows and their flags
         sm.update_scores(sacc, scale_log2, corr);
       };
       auto pack = [&]() {

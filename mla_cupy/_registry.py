@@ -42,18 +42,19 @@ def _prefill_family(kernel: Tuple[str, str], dtype: np.dtype, mask: Mask) -> Fam
     return kernel[0], names
 
 
-def prefill_sm90(dtype: np.dtype, mask: Mask, fp8: bool = False) -> Family:
-    """Hopper family for (dtype, mask): output in the input dtype or float32, plain or paged rope.
-    ``fp8``: the per-token fp8 variant (e4m3 q_nope / k / v, 16-bit rope parts of ``dtype``)."""
-    t = CPP_TYPE[np.dtype(dtype)]
-    f = "true" if fp8 else "false"
-    names = tuple(f"{PREFILL_SM90[1]}<{t}, {o}, {mask.cpp_name}, {paged}, {f}>" for o in (t, "float")
-                  for paged in ("false", "true"))
+#: Hopper kernel variants (kernels/mla_prefill_sm90.cu: Variant): 16-bit, fp8 per token, fp8 rope.
+SM90_VARIANTS = {"bf16": 0, "fp8": 1, "fp8_rope": 2}
+
+
+def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = "bf16") -> Family:
+    """Hopper family for (dtype, mask, variant): output in the input dtype or float32, plain or
+    paged rope. The fp8 variants take bfloat16 for their 16-bit parts."""
+    names = tuple(prefill_sm90_name(dtype, o, mask, paged, variant) for o in (dtype, FP32) for paged in (False, True))
     return PREFILL_SM90[0], names
 
 
-def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, fp8: bool = False) -> str:
-    return _prefill_name(PREFILL_SM90, dtype, out_dtype, mask, paged)[:-1] + (", true>" if fp8 else ", false>")
+def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, variant: str = "bf16") -> str:
+    return _prefill_name(PREFILL_SM90, dtype, out_dtype, mask, paged)[:-1] + f", {SM90_VARIANTS[variant]}>"
 
 
 def _prefill_name(kernel: Tuple[str, str], dtype, out_dtype, mask: Mask, paged: bool) -> str:
@@ -84,6 +85,6 @@ def all_families() -> List[Tuple[str, Family]]:
     """(arch, family) for every module CI must compile."""
     fams: List[Family] = [prefill_sm80(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(d, m) for d in (BF16, FP16) for m in MASKS]
-    fams += [prefill_sm90(BF16, m, fp8=True) for m in MASKS]
+    fams += [prefill_sm90(BF16, m, v) for m in MASKS for v in ("fp8", "fp8_rope")]
     fams += [merge_family(), SPIN]
     return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]

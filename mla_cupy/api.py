@@ -45,15 +45,30 @@ def _empty(shape, dtype, like_torch: Optional[Any], name: str = "out"):
                           f"on the device; pass out= or split the batch") from exc
 
 
-def _rope_args(k_rope, dtype) -> Tuple[int, int, int, int, int, int, int, int]:
-    """(base, row_stride, block_stride, lookup, lookup_stride, log2_page, num_blocks, max_pages)."""
-    item = np.dtype(dtype).itemsize
+def _rope_args(k_rope) -> Tuple[int, int, int, int, int, int, int, int]:
+    """(base, row_stride, block_stride, lookup, lookup_stride, log2_page, num_blocks, max_pages), in
+    elements of the rope's own dtype (bytes for an fp8 rope)."""
     if isinstance(k_rope, PagedKVCache):
         bl, lut = k_rope.blocks, k_rope.lookup_table
+        item = np.dtype(bl.dtype).itemsize
         return (device_pointer(bl) + k_rope.rope_offset * item, int(bl.strides[1]) // item, int(bl.strides[0]) // item,
                 device_pointer(lut), int(lut.strides[0]) // 4, int(math.log2(k_rope.page_size)),
                 int(bl.shape[0]), int(lut.shape[1]))
+    item = np.dtype(k_rope.dtype).itemsize
     return (device_pointer(k_rope), int(k_rope.strides[0]) // item, 0, 0, 0, 0, 0, 0)
+
+
+def _rope_scale_args(k_rope, k_rope_scales) -> Tuple[int, int, int]:
+    """(pointer to the rope's scale of key / slot 0, row stride, block stride) in floats; zeros
+    unless the rope is fp8."""
+    if isinstance(k_rope, PagedKVCache):
+        sc = k_rope.scales
+        if sc is None:
+            return 0, 0, 0
+        return device_pointer(sc) + 4 * (k_rope.rope_offset // 64), int(sc.strides[1]) // 4, int(sc.strides[0]) // 4
+    if k_rope_scales is None:
+        return 0, 0, 0
+    return device_pointer(k_rope_scales), int(k_rope_scales.strides[0]) // 4, 0
 
 
 KERNELS = ("auto", "sm80", "sm90")
@@ -61,12 +76,12 @@ SM90_THREADS = 384  # kernels/mla_prefill_sm90.cu: kThreads
 SM90_BLOCK_N = 128  # keys per tile (kBlockN)
 
 
-def sm90_smem_bytes(paged: bool, fp8: bool = False) -> int:
-    """kernels/mla_prefill_sm90.cu: kSmemBytes<kPaged, kFp8>."""
+def sm90_smem_bytes(ring: bool, fp8: bool = False) -> int:
+    """kernels/mla_prefill_sm90.cu: kSmemBytes<kRing, kFp8> (``ring``: a paged or fp8 rope)."""
     col = 128 * 128  # one 128-byte-wide column block of a 128-row tile
     nope = 1 if fp8 else 2  # column blocks of 128 nope values: e4m3 or 16-bit
-    q, k, v = (nope + 1) * col, (nope + (0 if paged else 1)) * col + (1024 if fp8 else 0), 2 * col
-    rope_ring = 3 * col if paged else 0
+    q, k, v = (nope + 1) * col, (nope + (0 if ring else 1)) * col + (1024 if fp8 else 0), 2 * col
+    rope_ring = 3 * col if ring else 0
     return q + 2 * (k + v) + rope_ring + 256 + 3 * (128 + 16) + 1024
 
 
@@ -140,20 +155,22 @@ SM90_ARGS = ArgPack([("tm_q", TENSOR_MAP_DTYPE), ("tm_k", TENSOR_MAP_DTYPE), ("t
                      ("tm_rope", TENSOR_MAP_DTYPE), ("tm_q_rope", TENSOR_MAP_DTYPE), ("tm_k_scales", TENSOR_MAP_DTYPE),
                      ("out", PTR), ("lse", PTR)] + _OFFSETS
                     + [("o_st", I64), ("o_sh", I64), ("lse_st", I64)] + _ROPE_AND_GRID
-                    + [("rope_box_rows", I32), ("q_scale", PTR), ("q_scale_stride", I64)])
+                    + [("rope_box_rows", I32), ("q_scale", PTR), ("q_scale_stride", I64), ("rope_scales", PTR),
+                       ("rope_scale_row_stride", I64), ("rope_scale_block_stride", I64)])
 
 _FUNCTIONS: dict = {}  # (device, kernel, dtype, out_dtype, mask, paged) -> (RawKernel, CUfunction), smem limit set
 
 
 def _prefill_function(kernel: str, p: Problem, device_id: int):
     """(RawKernel, CUfunction) of the instantiation ``p`` needs on this device (compiled on first use)."""
-    key = (device_id, kernel, p.dtype, p.out_dtype, p.mask.cpp_name, p.paged, p.fp8)
+    variant = "fp8" if p.fp8 else "fp8_rope" if p.rope8 else "bf16"
+    key = (device_id, kernel, p.dtype, p.out_dtype, p.mask.cpp_name, p.paged, variant)
     ptr = _FUNCTIONS.get(key)
     if ptr is None:
         if kernel == "sm90":
-            fn, smem = (get_function(*reg.prefill_sm90(p.dtype, p.mask, p.fp8),
-                                     reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask, p.paged, p.fp8)),
-                        sm90_smem_bytes(p.paged, p.fp8))
+            fn, smem = (get_function(*reg.prefill_sm90(p.dtype, p.mask, variant),
+                                     reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask, p.paged, variant)),
+                        sm90_smem_bytes(p.paged or p.rope8, p.fp8))
         else:
             fn, smem = get_function(*reg.prefill_sm80(p.dtype, p.mask),
                                     reg.prefill_sm80_name(p.dtype, p.out_dtype, p.mask, p.paged)), SMEM_BYTES
@@ -186,6 +203,8 @@ def _tensor_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q_ptr: int, q_st
         tm_ks = encode_tiled(fp8[2], FP32, (tk,), (), (SM90_BLOCK_N,), swizzle=False)
     if len(rope) == 2:
         tm_r, box_rows = encode_tiled(rope[0], dtype, (DR, tk), (rope[1],), (64, 128)), 0
+    elif not rope[0]:  # an fp8 rope: the rope warp reads it
+        tm_r, box_rows = zero, 0
     else:
         tm_r, box_rows = _paged_rope_map(dtype, *rope)
     return tm_q, tm_k, tm_v, tm_r, tm_qr, tm_ks, box_rows
@@ -208,7 +227,8 @@ def _paged_rope_map(dtype: np.dtype, ptr: int, row_st: int, block_st: int, page_
 
 def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv_begin_ptr: int, kv_end_ptr: int,
                    cache_offsets_ptr: int, q_start_ptr: int, stream, kernel: str = "auto",
-                   accumulate: bool = False, fp8: Optional[tuple] = None) -> Optional[tuple]:
+                   accumulate: bool = False, fp8: Optional[tuple] = None,
+                   k_rope_scales=None) -> Optional[tuple]:
     """Launch a prefill kernel over a checked problem (no checks here; pointers are raw). With
     ``accumulate``, ``out`` / ``lse`` hold a partial result over other keys that is merged in place.
     Returns the launch as a record ``(ArgPack, kernel, CUfunction, grid, block, smem, values)``
@@ -222,7 +242,7 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
     device_id = cupy.cuda.runtime.getDevice()
     nmb = -(-p.max_sq // BLOCK_M)
     oitem = p.out_dtype.itemsize
-    rope = _rope_args(k_rope, p.dtype)
+    rope = _rope_args(k_rope)
     tail = (*rope, p.heads, heads_per_section(p, device_id), p.batch, nmb, p.scale * LOG2E, p.mask.arg, int(accumulate))
     out_lse = (device_pointer(out), optional_ptr(lse), q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr,
                q_start_ptr)
@@ -232,7 +252,9 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
         # point at `out` because the driver refuses to encode a map of a null (empty) buffer.
         stand_in = device_pointer(out)
         kp, vp = (device_pointer(k), device_pointer(v)) if p.tk else (stand_in, stand_in)
-        if p.paged:
+        if p.rope8:  # dequantized by the rope warp: no map
+            rope = (0, 0, 0, 0, 0)
+        elif p.paged:
             bl = k_rope.blocks
             rope = (device_pointer(bl) + k_rope.rope_offset * p.dtype.itemsize, int(bl.strides[1]),
                     int(bl.strides[0]), k_rope.page_size, int(bl.shape[0]))
@@ -250,7 +272,7 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
         # Persistent: at most one CTA per SM (over 200 KiB of shared memory each), striding over the tiles.
         grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
         rec = (SM90_ARGS, *_prefill_function("sm90", p, device_id), grid, SM90_THREADS, sm90_smem_bytes(p.paged, p.fp8),
-               (*maps, *out_lse, *o_strides, *tail, box_rows, *q_scale))
+               (*maps, *out_lse, *o_strides, *tail, box_rows, *q_scale, *_rope_scale_args(k_rope, k_rope_scales)))
         _relaunch(rec, stream)
         return rec
     item = p.dtype.itemsize
@@ -310,7 +332,7 @@ def device_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, cache_offset
 
     if isinstance(k_rope, PagedKVCache):
         k_rope = PagedKVCache(as_device(k_rope.blocks, "k_rope.blocks"), as_device(k_rope.lookup_table, "k_rope.lookup_table"),
-                              k_rope.page_size, k_rope.rope_offset)
+                              k_rope.page_size, k_rope.rope_offset, opt(k_rope.scales, "k_rope.scales"))
     else:
         k_rope = as_device(k_rope, "k_rope")
     return (as_device(q, "q"), as_device(k, "k"), as_device(v, "v"), k_rope, as_device(valid_length, "valid_length"),
@@ -347,11 +369,12 @@ def _problem_key(arrays, k_rope, extra) -> Optional[tuple]:
 
 
 def _check_cached(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets,
-                  q_start_pos, out, out_dtype, lse, accumulate) -> Problem:
+                  q_start_pos, out, out_dtype, lse, accumulate, k_rope_scales=None) -> Problem:
     """check_inputs for ``validate=False`` with ``q_max_seq_len`` given: nothing it checks depends on
     array contents then, so a call with the same shapes, strides, dtypes, alignments, devices and
     keywords as an earlier one reuses that call's Problem (a dict lookup instead of ~30 us of checks)."""
-    key = _problem_key((q, k, v, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse), k_rope,
+    key = _problem_key((q, k, v, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse, k_rope_scales),
+                       k_rope,
                        (scale, type(scale), mask, q_max_seq_len, type(q_max_seq_len), out_dtype, accumulate,
                         type(accumulate)))
     try:
@@ -361,7 +384,8 @@ def _check_cached(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, ma
     if p is None:
         p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                          q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
-                         out_dtype=out_dtype, validate=False, device=True, read_offsets=False)
+                         out_dtype=out_dtype, validate=False, device=True, read_offsets=False,
+                         k_rope_scales=k_rope_scales)
         check_lse_and_accumulate(p, out, lse, accumulate)
         if key is not None:
             if len(_PROBLEMS) >= _PROBLEMS_MAX:
@@ -375,6 +399,7 @@ def mla_prefill(
     scale: Optional[float] = None, mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
     cache_offsets=None, q_start_pos=None, out=None, out_dtype=None, return_lse: bool = False,
     lse=None, accumulate: bool = False, stream=None, validate: bool = True, kernel: str = "auto",
+    k_rope_scales=None,
 ):
     """Multi-head Latent Attention prefill over a ragged batch (MAX's ``flare_mla_prefill``).
 
@@ -425,6 +450,10 @@ def mla_prefill(
     kernel : {"auto", "sm80", "sm90"}
         ``"auto"`` runs the Hopper TMA + wgmma kernel on compute capability 9.0 (plain or paged
         k_rope) and the portable mma.sync kernel elsewhere; the others force one.
+    k_rope_scales : ``[Tk, 1, 1]`` float32 device array, optional
+        With an fp8 rope (MAX's ``k_rope_scales`` overload): ``k_rope`` holds float8_e4m3fn bytes
+        (uint8) and key j's rope is ``k_rope[j] * k_rope_scales[j]``; q, k, v bfloat16, Hopper
+        only. A paged fp8 cache carries its scales in :class:`PagedKVCache` ``scales``.
 
     Returns
     -------
@@ -441,7 +470,8 @@ def mla_prefill(
     # argument packing, just the launch (issue 7: host time per call).
     plan_key = None
     if not validate and q_max_seq_len is not None and out is not None and (lse is not None or not return_lse):
-        plan_key = _plan_key((q, k, v, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse), k_rope,
+        plan_key = _plan_key((q, k, v, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse,
+                              k_rope_scales), k_rope,
                              (scale, type(scale), mask, q_max_seq_len, type(q_max_seq_len), out_dtype, accumulate,
                               type(accumulate), return_lse, kernel, os.environ.get("MLA_CUPY_DISABLE_SM90"),
                               _device_id()))
@@ -458,7 +488,7 @@ def mla_prefill(
     return _prefill(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                     q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
                     out_dtype=out_dtype, return_lse=return_lse, lse=lse, accumulate=accumulate, stream=stream,
-                    validate=validate, kernel=kernel, plan_key=plan_key)
+                    validate=validate, kernel=kernel, plan_key=plan_key, k_rope_scales=k_rope_scales)
 
 
 def _fp8_bytes(x, name: str):
@@ -516,30 +546,33 @@ def mla_prefill_fp8(
 
 def _prefill(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets,
              q_start_pos, out, out_dtype, return_lse, lse, accumulate, stream, validate, kernel,
-             plan_key=None, fp8=None):
+             plan_key=None, fp8=None, k_rope_scales=None):
     """The body of :func:`mla_prefill` and :func:`mla_prefill_fp8` (``fp8 = (q_rope, q_scale,
     k_scales)``, with q / k / v the e4m3 nope parts): device views, checks, outputs, the launch."""
     torch_q = q if is_torch(q) else None
     wrap = result_wrapper(q)
     q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out = device_inputs(
         q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out)
+    if k_rope_scales is not None:
+        k_rope_scales = as_device(k_rope_scales, "k_rope_scales")
     if fp8 is not None:
         fp8 = tuple(as_device(x, n) for x, n in zip(fp8, ("q_rope", "q_scale", "k_scales")))
-        if choose_kernel(kernel, False) != "sm90":
-            raise ValueError(f"kernel: the fp8 per-token variant runs on the Hopper kernel only (compute capability 9.0, "
-                             f"kernel='auto' or 'sm90'), got kernel={kernel!r} on compute capability "
-                             f"{_capability(_device_id())}")
     if lse is not None:
         lse = as_device(lse, "lse")
     if validate or q_max_seq_len is None or fp8 is not None:
         p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                          q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
-                         out_dtype=out_dtype, validate=validate, device=True, read_offsets=q_max_seq_len is None, fp8=fp8)
+                         out_dtype=out_dtype, validate=validate, device=True, read_offsets=q_max_seq_len is None, fp8=fp8,
+                         k_rope_scales=k_rope_scales)
         check_lse_and_accumulate(p, out, lse, accumulate)
     else:
         p = _check_cached(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                           q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
-                          out_dtype=out_dtype, lse=lse, accumulate=accumulate)
+                          out_dtype=out_dtype, lse=lse, accumulate=accumulate, k_rope_scales=k_rope_scales)
+    if (p.fp8 or p.rope8) and (kernel == "sm80" or choose_kernel(kernel, p.paged) != "sm90"):
+        what = "the fp8 per-token variant" if p.fp8 else "an fp8 rope"
+        raise ValueError(f"kernel: {what} runs on the Hopper kernel only (compute capability 9.0, kernel='auto' or "
+                         f"'sm90'), got kernel={kernel!r}")
     s = stream_of(stream, torch_q is not None)
     if out is None:
         out = _empty((p.tq, p.heads, DV), p.out_dtype, torch_q)
@@ -551,7 +584,8 @@ def _prefill(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, q
             q_start_pos = _q_start_i64(q_start_pos)
     cro_ptr = device_pointer(cache_row_offsets)
     rec = launch_prefill(p, q, k, v, k_rope, out, lse, device_pointer(valid_length), cro_ptr, cro_ptr + 4,
-                         optional_ptr(cache_offsets), optional_ptr(q_start_pos), s, kernel, accumulate, fp8)
+                         optional_ptr(cache_offsets), optional_ptr(q_start_pos), s, kernel, accumulate, fp8,
+                         k_rope_scales)
     if plan_key is not None and q_start_pos is qs_given:  # (a widened int32 q_start_pos is a temporary)
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()

@@ -15,7 +15,7 @@ class PagedKVCache:
     ----------
     blocks : array ``[num_blocks, page_size, 1, Dc]``
         Cache pages; each row is ``Dc`` (576 for DeepSeek: 512 latent values, then 64 rope values).
-        Same dtype as ``q``.
+        Same dtype as ``q``, or float8_e4m3fn bytes (uint8) with ``scales`` (bfloat16 q, Hopper).
     lookup_table : array ``[B, max_pages]`` int32 or uint32
         Block id of each sequence's pages. With ``t = cache_offsets[b] + j`` key ``j`` of sequence
         ``b`` has its rope values at ``blocks[lookup_table[b, t // page_size], t % page_size, 0,
@@ -25,8 +25,8 @@ class PagedKVCache:
     rope_offset : int
         Column of the first rope value in a cache row; a multiple of 64 (default 512).
     scales : array, optional
-        Per-64-value scales of an fp8 cache (``[num_blocks, page_size, 1, Dc // 64]`` float32).
-        Not supported yet: passing it raises ``NotImplementedError``.
+        Per-64-value scales of an fp8 cache (``[num_blocks, page_size, 1, Dc // 64]`` float32); the
+        rope's scale is at index ``rope_offset // 64``. Required exactly when ``blocks`` is uint8.
 
     Notes
     -----
@@ -48,5 +48,3 @@ class PagedKVCache:
         ro = self.rope_offset
         if isinstance(ro, bool) or not isinstance(ro, int) or ro < 0 or ro % 64:
             raise ValueError(f"PagedKVCache.rope_offset: expected a non-negative multiple of 64, got {ro!r}")
-        if self.scales is not None:
-            raise NotImplementedError("PagedKVCache.scales: fp8 paged caches are not supported yet")

@@ -24,6 +24,7 @@ OFFSET_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32))
 QSTART_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 DEVICE_DTYPES = tuple(d for d in (BF16, FP16) if d is not None)
 _MAX_I32 = 2**31 - 1
+U8 = np.dtype(np.uint8)  #: float8_e4m3fn data travels as its bytes
 
 
 def _dt(x: Any) -> np.dtype:
@@ -104,11 +105,13 @@ class Problem:
     max_sq: Optional[int]  # None when offsets were not read and no bound was given
     paged: bool
     fp8: bool = False  # the fp8 per-token variant (dtype is then that of the rope parts)
+    rope8: bool = False  # an fp8 (e4m3) rope with per-key scales
 
 
 def check_inputs(
     q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets, q_start_pos,
     out, out_dtype, validate: bool, device: bool, read_offsets: bool, fp8: Optional[tuple] = None,
+    k_rope_scales: Any = None,
 ) -> Problem:
     """Check every argument of ``mla_prefill`` (device) or of the reference (``device=False``).
     ``fp8 = (q_rope, q_scale, k_scales)``: the per-token fp8 variant (device only), where q, k, v are
@@ -136,10 +139,13 @@ def check_inputs(
         check_shape(v, "v", (tk, heads, DV), "the shape of k, [Tk, H, Dv]")
 
     paged = isinstance(k_rope, PagedKVCache)
+    # fp8 rope (device, bfloat16 q): e4m3 bytes with one float32 scale per key and 64 values
+    rope_dtypes = float_dtypes + ((U8,) if device and dtype == BF16 and fp8 is None else ()) if device else None
     if paged:
         blocks, lut = k_rope.blocks, k_rope.lookup_table
-        check_array(blocks, "k_rope.blocks", 4, float_dtypes, device=device)
-        if device and _dt(blocks) != dtype:
+        check_array(blocks, "k_rope.blocks", 4, rope_dtypes, device=device)
+        rope8 = device and _dt(blocks) == U8
+        if device and _dt(blocks) not in (dtype, U8):
             raise TypeError(f"k_rope.blocks: expected dtype {dtype.name} (the dtype of q), got {_dt(blocks).name}")
         check_shape(blocks, "k_rope.blocks", (None, k_rope.page_size, 1, None),
                     f"[num_blocks, page_size, 1, Dc] with page_size = {k_rope.page_size}")
@@ -148,11 +154,27 @@ def check_inputs(
         check_array(lut, "k_rope.lookup_table", 2, OFFSET_DTYPES, device=False)
         if device and lut.shape[1] > 1 and int(lut.strides[1]) != 4:
             raise ValueError(f"k_rope.lookup_table: the last dimension must be contiguous, got strides {tuple(lut.strides)}")
+        if rope8:
+            if k_rope.scales is None:
+                raise ValueError("k_rope.scales: an fp8 (uint8) cache needs its float32 scales")
+            check_array(k_rope.scales, "k_rope.scales", 4, (FP32,), device=False)
+            check_shape(k_rope.scales, "k_rope.scales", (blocks.shape[0], k_rope.page_size, 1, blocks.shape[3] // 64),
+                        "[num_blocks, page_size, 1, Dc / 64] float32")
+        elif k_rope.scales is not None:
+            raise ValueError(f"k_rope.scales: only an fp8 (uint8) cache has scales, these blocks are {_dt(blocks).name}")
     else:
-        check_array(k_rope, "k_rope", 3, float_dtypes, device=device)
-        if device and _dt(k_rope) != dtype:
+        check_array(k_rope, "k_rope", 3, rope_dtypes, device=device)
+        rope8 = device and _dt(k_rope) == U8
+        if device and _dt(k_rope) not in (dtype, U8):
             raise TypeError(f"k_rope: expected dtype {dtype.name} (the dtype of q), got {_dt(k_rope).name}")
         check_shape(k_rope, "k_rope", (tk, 1, DR), f"[Tk, 1, Dr] with Tk = {tk} from k and Dr = {DR}")
+        if rope8:
+            if k_rope_scales is None:
+                raise ValueError("k_rope_scales: an fp8 (uint8) k_rope needs its float32 scales [Tk, 1, 1]")
+            check_array(k_rope_scales, "k_rope_scales", 3, (FP32,), device=False)
+            check_shape(k_rope_scales, "k_rope_scales", (tk, 1, DR // 64), "[Tk, 1, Dr / 64] float32")
+    if not rope8 and k_rope_scales is not None:
+        raise ValueError("k_rope_scales: only an fp8 (uint8) k_rope has scales")
 
     check_array(valid_length, "valid_length", 1, OFFSET_DTYPES, device=False)
     nb1 = int(valid_length.shape[0])
@@ -194,7 +216,7 @@ def check_inputs(
     if device:
         _check_same_device((q, k, v, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out,
                             k_rope.blocks if paged else k_rope, k_rope.lookup_table if paged else None)
-                           + (tuple(fp8) if fp8 is not None else ()))
+                           + (tuple(fp8) if fp8 is not None else ()) + (k_rope_scales, k_rope.scales if paged else None))
 
     max_sq = None if q_max_seq_len is None else int(q_max_seq_len)
     if validate or read_offsets:
@@ -219,10 +241,7 @@ def check_inputs(
         nmb = -(-max_sq // 128)
         if nmb * max(batch, 1) * heads > _MAX_I32:
             raise ValueError(f"q_max_seq_len: grid of {nmb} x {batch} x {heads} blocks exceeds 2^31 - 1")
-    return Problem(batch, heads, tq, tk, dtype, out_dtype, mask, float(scale), max_sq, paged, fp8 is not None)
-
-
-U8 = np.dtype(np.uint8)
+    return Problem(batch, heads, tq, tk, dtype, out_dtype, mask, float(scale), max_sq, paged, fp8 is not None, rope8)
 
 
 def _check_fp8_qkv(q_nope, k, v, q_rope, q_scale, k_scales) -> Tuple[int, int, int, np.dtype]:

@@ -44,10 +44,11 @@ def test_matrix_covers_every_dtype_mask_and_arch():
             for t in ("__nv_bfloat16", "__half"):
                 for o in (t, "float"):
                     for paged in ("false", "true"):
-                        sfx = ", false>" if ns == "sm90" else ">"
+                        sfx = ", 0>" if ns == "sm90" else ">"
                         assert f"mla::{ns}::mla_prefill_kernel<{t}, {o}, {m.cpp_name}, {paged}{sfx}" in names
-                        if ns == "sm90" and t == "__nv_bfloat16":  # the fp8 per-token variant
-                            assert f"mla::sm90::mla_prefill_kernel<{t}, {o}, {m.cpp_name}, {paged}, true>" in names
+                        if ns == "sm90" and t == "__nv_bfloat16":  # the fp8 per-token and fp8-rope variants
+                            for variant in (1, 2):
+                                assert f"mla::sm90::mla_prefill_kernel<{t}, {o}, {m.cpp_name}, {paged}, {variant}>" in names
 
 
 def test_sm90a_features_are_enabled():

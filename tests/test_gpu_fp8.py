@@ -133,3 +133,88 @@ def test_fp8_accuracy_report():
           f"vs original bf16 inputs {e_orig:.4f}; our bf16 kernel vs original {e_bf16:.4f}")
     assert e_deq < TOL
     assert e_orig < 0.1  # quantizing q, k, v adds error on top: reported, loosely bounded
+
+
+# ------------------------------------------------------------------------------------------------
+# fp8 rope: q, k, v bfloat16; k_rope e4m3 with one float32 scale per key (MAX's k_rope_scales).
+# ------------------------------------------------------------------------------------------------
+
+def run_fp8_rope(case, k_rope, k_rope_scales=None, mask=None, **kw):
+    """mla_prefill with an fp8 rope (plain bytes + scales, or a PagedKVCache with scales), NaN-poisoned
+    output; compared with the float64 reference of the dequantized rope. Returns the worst error."""
+    import cupy as cp
+
+    d = {n: None if getattr(case, n) is None else cp.asarray(getattr(case, n))
+         for n in ("q", "k", "v", "valid_length", "cache_row_offsets", "cache_offsets", "q_start_pos")}
+    out = cp.full((case.q.shape[0], case.q.shape[1], 128), np.nan, BF16)
+    got, lse = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], k_rope, d["valid_length"], d["cache_row_offsets"], mask=mask,
+                                    cache_offsets=d["cache_offsets"], q_start_pos=d["q_start_pos"], out=out,
+                                    return_lse=True, k_rope_scales=k_rope_scales, **kw)
+    got = cp.asnumpy(got).astype(np.float64)
+    r8, sc = quant.quantize_rope_blocks(case.k_rope)
+    ref, ref_lse = reference.mla_prefill_fp8_rope(case.q, case.k, case.v, r8, sc, case.valid_length, case.cache_row_offsets,
+                                                  mask=mask, cache_offsets=case.cache_offsets,
+                                                  q_start_pos=case.q_start_pos, return_lse=True)
+    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} output elements unwritten or NaN"
+    empty = np.isneginf(ref_lse)
+    assert np.all(got[empty] == 0)
+    np.testing.assert_array_equal(np.isneginf(cp.asnumpy(lse)), empty)
+    errs = per_slice_errors(got, ref, case.valid_length)
+    worst = max(errs) if errs else 0.0
+    assert worst < 1e-2, f"worst per-slice relative error {worst:.3g}"  # only the rope is quantized (bf16 rounding)
+    return worst
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("heads", [16, 128])
+def test_fp8_rope_plain(mask, heads):
+    import cupy as cp
+
+    sq, sk = ([1, 7, 63, 65, 129, 0, 1000], [1, 7, 63, 65, 129, 5, 1000]) if heads == 16 else ([1, 7, 65, 129], [1, 7, 65, 200])
+    c = make_case(sq, sk, heads, BF16, seed=heads + 3 * len(type(mask).__name__))
+    r8, sc = quant.quantize_rope_blocks(c.k_rope)
+    run_fp8_rope(c, cp.asarray(r8.view(np.uint8)), cp.asarray(sc), mask=mask)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("offsets", ["unaligned", "aligned"])
+def test_fp8_rope_paged(page_size, offsets):
+    """An fp8 paged cache (uint8 blocks, float32 scales [num_blocks, page_size, 1, Dc / 64]) gives the
+    plain fp8 rope's result bit for bit; prefix context, shuffled pages."""
+    import cupy as cp
+
+    from test_gpu_paged_merge import build_paged
+
+    co = [5, 0, 1000] if offsets == "unaligned" else [0, 512, 1024]
+    c = make_case([65, 1, 130], [300, 17, 700], 16, BF16, seed=page_size, cache_offsets=co)
+    r8, sc = quant.quantize_rope_blocks(c.k_rope)
+    # the cache: bytes of the e4m3 rope at columns 512..575, its scale at column 512 / 64 = 8 of 9
+    as_float = dataclasses.replace(c, k_rope=r8.view(np.uint8).astype(np.float32))
+    blocks, lut = build_paged(as_float, page_size, seed=page_size)
+    blocks8 = np.random.default_rng(1).integers(0, 255, blocks.shape).astype(np.uint8)
+    blocks8[..., 512:576] = blocks[..., 512:576].astype(np.uint8)
+    sc_full = dataclasses.replace(c, k_rope=np.repeat(sc, 64, axis=2).astype(np.float32))
+    sblocks, _ = build_paged(sc_full, page_size, seed=page_size)
+    scales = np.ascontiguousarray(sblocks[..., ::64]).astype(np.float32)  # [nb, ps, 1, 9]: column 8 is the rope's
+    cache = PagedKVCache(cp.asarray(blocks8), cp.asarray(lut), page_size, scales=cp.asarray(scales))
+    d = {n: None if getattr(c, n) is None else cp.asarray(getattr(c, n))
+         for n in ("q", "k", "v", "valid_length", "cache_row_offsets", "cache_offsets")}
+    plain = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], cp.asarray(r8.view(np.uint8)), d["valid_length"],
+                                 d["cache_row_offsets"], cache_offsets=d["cache_offsets"], k_rope_scales=cp.asarray(sc))
+    paged = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], cache, d["valid_length"], d["cache_row_offsets"],
+                                 cache_offsets=d["cache_offsets"])
+    np.testing.assert_array_equal(cp.asnumpy(paged).view(np.uint16), cp.asnumpy(plain).view(np.uint16))
+    run_fp8_rope(c, cache)
+
+
+def test_fp8_rope_needs_scales():
+    import cupy as cp
+
+    c = make_case([8], [8], 2, BF16, seed=2)
+    r8, sc = quant.quantize_rope_blocks(c.k_rope)
+    d = {n: cp.asarray(getattr(c, n)) for n in ("q", "k", "v", "valid_length", "cache_row_offsets")}
+    with pytest.raises(ValueError, match="k_rope_scales: an fp8"):
+        mla_cupy.mla_prefill(d["q"], d["k"], d["v"], cp.asarray(r8.view(np.uint8)), d["valid_length"], d["cache_row_offsets"])
+    with pytest.raises(ValueError, match="Hopper kernel only"):
+        mla_cupy.mla_prefill(d["q"], d["k"], d["v"], cp.asarray(r8.view(np.uint8)), d["valid_length"], d["cache_row_offsets"],
+                             k_rope_scales=cp.asarray(sc), kernel="sm80")

@@ -107,8 +107,6 @@ def test_paged_cache_errors():
         PagedKVCache(dev(blocks), dev(np.zeros((2, 1), np.int32)), 24)
     with pytest.raises(ValueError, match="rope_offset"):
         PagedKVCache(dev(blocks), dev(np.zeros((2, 1), np.int32)), 16, rope_offset=500)
-    with pytest.raises(NotImplementedError, match="scales"):
-        PagedKVCache(dev(blocks), dev(np.zeros((2, 1), np.int32)), 16, scales=dev(np.ones((4, 16, 1, 9), np.float32)))
     kw = dict(q=a["q"], k=a["k"], v=a["v"], valid_length=a["valid_length"], cache_row_offsets=a["cache_row_offsets"])
     # block id out of range
     with pytest.raises(ValueError, match=r"block id 7 at \[1, 0\] is outside \[0, 4\)"):
@@ -123,6 +121,46 @@ def test_paged_cache_errors():
         mla_cupy.mla_prefill(k_rope=_paged(blocks, np.zeros((3, 1), np.int32)), **kw)
     with pytest.raises(TypeError, match="k_rope.blocks: expected dtype bfloat16"):
         mla_cupy.mla_prefill(k_rope=_paged(blocks.astype(np.float16), np.zeros((2, 1), np.int32)), **kw)
+    # fp8 caches and their scales (issue 6): scales only with uint8 blocks, and always with them
+    lut = dev(np.zeros((2, 1), np.int32))
+    sc = dev(np.ones((4, 16, 1, 9), np.float32))
+    with pytest.raises(ValueError, match="k_rope.scales: only an fp8"):
+        mla_cupy.mla_prefill(k_rope=PagedKVCache(dev(blocks), lut, 16, scales=sc), **kw)
+    with pytest.raises(ValueError, match="k_rope.scales: an fp8"):
+        mla_cupy.mla_prefill(k_rope=PagedKVCache(dev(blocks.view(np.uint8)[..., :576]), lut, 16), **kw)
+    with pytest.raises(ValueError, match=r"k_rope.scales: expected shape \[4, 16, 1, 9\]"):
+        mla_cupy.mla_prefill(k_rope=PagedKVCache(dev(blocks.view(np.uint8)[..., :576]), lut, 16, scales=sc[:, :, :, :3]), **kw)
+
+
+def test_fp8_argument_errors():
+    """fp8 data without scales, wrong dtypes and shapes: errors name the argument (issue 6)."""
+    a = base_args()
+    tq, h = a["q"].shape[:2]
+    tk = a["k"].shape[0]
+    kw = dict(valid_length=a["valid_length"], cache_row_offsets=a["cache_row_offsets"])
+    r8 = dev(np.zeros((tk, 1, 64), np.uint8))
+    with pytest.raises(ValueError, match="k_rope_scales: an fp8"):
+        mla_cupy.mla_prefill(a["q"], a["k"], a["v"], r8, **kw)
+    with pytest.raises(ValueError, match="k_rope_scales: only an fp8"):
+        mla_cupy.mla_prefill(a["q"], a["k"], a["v"], a["k_rope"], k_rope_scales=dev(np.ones((tk, 1, 1), np.float32)), **kw)
+    with pytest.raises(ValueError, match=r"k_rope_scales: expected shape"):
+        mla_cupy.mla_prefill(a["q"], a["k"], a["v"], r8, k_rope_scales=dev(np.ones((tk, 1, 2), np.float32)), **kw)
+    f8 = dict(q_nope=dev(np.zeros((tq, h, 128), np.uint8)), q_rope=dev(np.ones((tq, h, 64), BF16)),
+              q_scale=dev(np.ones((tq, 1), np.float32)), k=dev(np.zeros((tk, h, 128), np.uint8)),
+              k_scales=dev(np.ones((tk, 1), np.float32)), v=dev(np.zeros((tk, h, 128), np.uint8)), k_rope=a["k_rope"])
+    for name, bad, exc, words in [
+        ("q_nope", dev(np.ones((tq, h, 128), BF16)), TypeError, "q_nope: expected dtype uint8"),
+        ("k", dev(np.zeros((tk, h, 64), np.uint8)), ValueError, "k: expected shape"),
+        ("v", dev(np.zeros((tk + 1, h, 128), np.uint8)), ValueError, "v: expected shape"),
+        ("q_rope", dev(np.ones((tq, h, 64), np.float16)), TypeError, "q_rope: expected dtype bfloat16"),
+        ("q_scale", dev(np.ones((tq,), np.float32)), ValueError, "q_scale: expected a 2-D array"),
+        ("k_scales", dev(np.ones((tk, 1), np.float64)), TypeError, "k_scales: expected dtype float32"),
+        ("k_rope", dev(np.ones((tk, 1, 64), np.float16)), TypeError, "k_rope: expected dtype bfloat16"),
+    ]:
+        args = dict(f8, **{name: bad})
+        with pytest.raises(exc, match=words):
+            mla_cupy.mla_prefill_fp8(args["q_nope"], args["q_rope"], args["q_scale"], args["k"], args["k_scales"],
+                                     args["v"], args["k_rope"], **kw)
 
 
 def test_reference_validates_too():
