@@ -17,12 +17,14 @@ CPP_TYPE: Dict[np.dtype, str] = {BF16: "__nv_bfloat16", FP16: "__half", FP32: "f
 
 #: Architectures CI compiles each family for.
 TARGET_ARCHS = {"mla_prefill_sm80.cu": ("sm_80", "sm_90a"), "mla_prefill_sm90.cu": ("sm_90a",),
-                "merge_states.cu": ("sm_80", "sm_90a"), "bench_spin.cu": ("sm_80", "sm_90a")}
+                "merge_states.cu": ("sm_80", "sm_90a"), "bench_spin.cu": ("sm_80", "sm_90a"),
+                "quantize.cu": ("sm_90a",)}  # e4m3 conversions need sm_89+; fp8 runs on Hopper
 
 PREFILL_SM80 = ("mla_prefill_sm80.cu", "mla::sm80::mla_prefill_kernel")
 PREFILL_SM90 = ("mla_prefill_sm90.cu", "mla::sm90::mla_prefill_kernel")
 MERGE = ("merge_states.cu", "mla::merge_states_kernel")
 SPIN = ("bench_spin.cu", ("mla::spin_kernel",))  # the benchmark's GPU-busy helper
+QUANTIZE = ("quantize.cu", "mla::quantize_rows_kernel")
 
 Family = Tuple[str, Tuple[str, ...]]
 
@@ -72,6 +74,15 @@ def merge_name(in_dtype: np.dtype, out_dtype: np.dtype) -> str:
     return f"{MERGE[1]}<{CPP_TYPE[np.dtype(in_dtype)]}, {CPP_TYPE[np.dtype(out_dtype)]}>"
 
 
+def quantize_family() -> Family:
+    """The fp8 quantizer over rows of bf16, fp16 or float32 data (kernels/quantize.cu)."""
+    return QUANTIZE[0], tuple(f"{QUANTIZE[1]}<{t}>" for t in ("__nv_bfloat16", "__half", "float"))
+
+
+def quantize_name(dtype: np.dtype) -> str:
+    return f"{QUANTIZE[1]}<{CPP_TYPE[np.dtype(dtype)]}>"
+
+
 def family_label(fam: Family) -> str:
     """Short name of a family for logs and test ids: file stem, first template argument, mask."""
     first = fam[1][0]
@@ -86,5 +97,5 @@ def all_families() -> List[Tuple[str, Family]]:
     fams: List[Family] = [prefill_sm80(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(BF16, m, v) for m in MASKS for v in ("fp8", "fp8_rope")]
-    fams += [merge_family(), SPIN]
+    fams += [merge_family(), SPIN, quantize_family()]
     return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]

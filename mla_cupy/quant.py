@@ -11,10 +11,13 @@ Two schemes:
   ``k_scales[j] * concat(k, rope)``.
 * per 64-value rope block (``quantize_rope_blocks``): ``k_rope_scales[j, 0, c] = amax |rope_j block c| / 448``.
 
-A token whose amax is 0 gets scale 1 (its values are zeros either way). fp8 data is returned as
-``ml_dtypes.float8_e4m3fn`` arrays; ``.view(numpy.uint8)`` gives the bytes a device array carries.
-The fused fp8 kernels are not written yet: today these functions and ``reference.mla_prefill_fp8``
-serve as the oracle for them.
+A token whose amax is 0 gets scale 1 (its values are zeros either way).
+
+NumPy inputs are quantized on the host: fp8 data comes back as ``ml_dtypes.float8_e4m3fn`` arrays
+(``.view(numpy.uint8)`` gives the bytes a device array carries). CuPy (or other device) inputs are
+quantized by CUDA kernels (``kernels/quantize.cu``, compute capability 8.9 or newer) into CuPy
+arrays, fp8 data as uint8: bit for bit the same values, ready for :func:`mla_cupy.mla_prefill_fp8`
+and ``mla_prefill(..., k_rope_scales=...)``.
 """
 from __future__ import annotations
 
@@ -40,11 +43,58 @@ def _scale(amax: np.ndarray) -> np.ndarray:
     return np.where(s > 0, s, np.float32(1.0))
 
 
-def quantize_per_token(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_rope: np.ndarray) -> Dict[str, np.ndarray]:
+def _on_device(*xs) -> bool:
+    return any(not isinstance(x, np.ndarray) and (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"))
+               for x in xs)
+
+
+def _device_rows(x, n8: int, side=None, use_scale: bool = True):
+    """kernels/quantize.cu over the rows of ``x[R, H, W]`` (last dim contiguous): (e4m3 bytes of the
+    first n8 values per head [R, H, n8], the rest in x's dtype [R, H, W - n8] or None, scales [R, 1]
+    or None, side row scaled [R, 1, 64] or None)."""
+    import cupy as cp
+
+    from . import _registry as reg
+    from ._arrays import as_device
+    from .jit import get_function
+
+    x = as_device(x, "x")
+    if x.ndim != 3 or (x.shape[2] > 1 and x.strides[2] != x.itemsize):
+        raise ValueError(f"quantize: expected a 3-D array with a contiguous last dimension, got shape {x.shape}")
+    r, h, w = (int(n) for n in x.shape)
+    dt = np.dtype(x.dtype)
+    q8 = cp.empty((r, h, n8), cp.uint8)
+    rest = cp.empty((r, h, w - n8), dt) if w > n8 else None
+    scale = cp.empty((r, 1), cp.float32) if use_scale else None
+    side_out = None
+    if side is not None:
+        side = as_device(side, "k_rope")
+        if tuple(side.shape) != (r, 1, DR) or side.strides[2] != side.itemsize or np.dtype(side.dtype) != dt:
+            raise ValueError(f"k_rope: expected [{r}, 1, {DR}] {dt.name} with a contiguous last dimension, got "
+                             f"{list(side.shape)} {np.dtype(side.dtype).name}")
+        side_out = cp.empty((r, 1, DR), dt)
+    if r:
+        fn = get_function(*reg.quantize_family(), reg.quantize_name(dt))
+        it = dt.itemsize
+        null = np.uintp(0)  # a null pointer argument
+        fn((r,), (256,), (x, np.int64(x.strides[0] // it), np.int64(x.strides[1] // it), np.int32(h), np.int32(w),
+                          np.int32(n8), q8, rest if rest is not None else null, scale if scale is not None else null,
+                          side if side is not None else null, np.int64(side.strides[0] // it if side is not None else 0),
+                          side_out if side_out is not None else null, np.int32(use_scale)))
+    return q8, rest, scale, side_out
+
+
+def quantize_per_token(q, k, v, k_rope) -> Dict[str, np.ndarray]:
     """``q[Tq, H, 192]``, ``k[Tk, H, 128]``, ``v[Tk, H, 128]``, ``k_rope[Tk, 1, 64]`` (any float
     dtype) -> the inputs of the fp8 per-token variant: ``q_nope`` / ``k`` / ``v`` e4m3,
     ``q_rope`` / ``k_rope`` in q's 16-bit dtype (scaled), ``q_scale[Tq, 1]`` / ``k_scales[Tk, 1]``
-    float32."""
+    float32. Device inputs (one dtype for all four) are quantized on the device."""
+    if _on_device(q, k, v, k_rope):
+        q_nope, q_rope, q_scale, _ = _device_rows(q, DV)
+        k8, _, k_scales, k_rope_scaled = _device_rows(k, DV, side=k_rope)
+        v8, _, _, _ = _device_rows(v, DV, use_scale=False)
+        return {"q_nope": q_nope, "q_rope": q_rope, "q_scale": q_scale, "k": k8, "k_scales": k_scales, "v": v8,
+                "k_rope": k_rope_scaled}
     q32, k32, r32 = (np.asarray(a, np.float32) for a in (q, k, k_rope))
     out_dtype = np.asarray(q).dtype if np.asarray(q).dtype.itemsize == 2 else np.dtype(np.float32)
     q_scale = _scale(np.abs(q32).reshape(q32.shape[0], -1).max(axis=1, initial=0.0))[:, None]
@@ -61,8 +111,12 @@ def quantize_per_token(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_rope: np.n
     }
 
 
-def quantize_rope_blocks(k_rope: np.ndarray):
-    """``k_rope[Tk, 1, 64]`` -> (e4m3 ``[Tk, 1, 64]``, float32 ``k_rope_scales[Tk, 1, 64 // 64]``)."""
+def quantize_rope_blocks(k_rope):
+    """``k_rope[Tk, 1, 64]`` -> (e4m3 ``[Tk, 1, 64]``, float32 ``k_rope_scales[Tk, 1, 64 // 64]``).
+    A device input is quantized on the device (e4m3 as uint8)."""
+    if _on_device(k_rope):
+        r8, _, sc, _ = _device_rows(k_rope, DR)
+        return r8, sc.reshape(sc.shape[0], 1, 1)
     r = np.asarray(k_rope, np.float32)
     blocks = r.reshape(r.shape[0], r.shape[1], DR // 64, 64)
     scales = _scale(np.abs(blocks).max(axis=3, initial=0.0))

@@ -218,3 +218,48 @@ def test_fp8_rope_needs_scales():
     with pytest.raises(ValueError, match="Hopper kernel only"):
         mla_cupy.mla_prefill(d["q"], d["k"], d["v"], cp.asarray(r8.view(np.uint8)), d["valid_length"], d["cache_row_offsets"],
                              k_rope_scales=cp.asarray(sc), kernel="sm80")
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantizer kernels (kernels/quantize.cu) against the host quantizers: bit for bit.
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("heads", [1, 16, 128])
+def test_device_quantizers_equal_host(heads):
+    import cupy as cp
+
+    c = make_case([3, 70], [5, 200], heads, BF16, seed=heads)
+    c.q[0] = 0  # an all-zero token: scale 1
+    c.k[1, :, :5] = np.float32(3e4)  # large values
+    host = quant.quantize_per_token(c.q, c.k, c.v, c.k_rope)
+    dev = quant.quantize_per_token(cp.asarray(c.q), cp.asarray(c.k), cp.asarray(c.v), cp.asarray(c.k_rope))
+    assert float(host["q_scale"][0, 0]) == 1.0
+    for name, h in host.items():
+        d = cp.asnumpy(dev[name])
+        want = h.view(np.uint8) if h.dtype.itemsize == 1 else h
+        assert d.dtype == want.dtype and d.shape == want.shape, name
+        np.testing.assert_array_equal(d.view(np.uint8), np.ascontiguousarray(want).view(np.uint8), err_msg=name)
+    r8, sc = quant.quantize_rope_blocks(c.k_rope)
+    d8, dsc = quant.quantize_rope_blocks(cp.asarray(c.k_rope))
+    np.testing.assert_array_equal(cp.asnumpy(d8), r8.view(np.uint8))
+    np.testing.assert_array_equal(cp.asnumpy(dsc), sc)
+    # strided input (a view of a wider array) gives the same bytes
+    wide = cp.zeros((c.k.shape[0], heads, 256), BF16)
+    wide[:, :, :128] = cp.asarray(c.k)
+    d2 = quant.quantize_per_token(cp.asarray(c.q), wide[:, :, :128], cp.asarray(c.v), cp.asarray(c.k_rope))
+    np.testing.assert_array_equal(cp.asnumpy(d2["k"]), host["k"].view(np.uint8))
+
+
+def test_quantize_then_prefill_in_one_go():
+    """bf16 device inputs -> device quantizers -> mla_prefill_fp8, against the dequantized reference."""
+    import cupy as cp
+
+    c = make_case([129, 40], [300, 40], 16, BF16, seed=5, cache_offsets=[0, 0])
+    f = quant.quantize_per_token(cp.asarray(c.q), cp.asarray(c.k), cp.asarray(c.v), cp.asarray(c.k_rope))
+    vl, cro, co = cp.asarray(c.valid_length), cp.asarray(c.cache_row_offsets), cp.asarray(c.cache_offsets)
+    got = cp.asnumpy(mla_cupy.mla_prefill_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"], f["v"],
+                                              f["k_rope"], vl, cro, cache_offsets=co)).astype(np.float64)
+    h = {n: cp.asnumpy(a) for n, a in f.items()}
+    ref = reference.mla_prefill_fp8(h["q_nope"], h["q_rope"], h["q_scale"], h["k"], h["k_scales"], h["v"], h["k_rope"],
+                                    c.valid_length, c.cache_row_offsets, cache_offsets=c.cache_offsets)
+    assert max(per_slice_errors(got, ref, c.valid_length)) < TOL

@@ -1,0 +1,56 @@
+// fp8 quantizers of the MLA prefill inputs (SPEC "Data types"), bit-exact with mla_cupy/quant.py:
+// scale = amax / 448 in float32 (1 when amax is 0), values divided by it in float32 (IEEE
+// division), cast to e4m3 with round-to-nearest-even and saturation to +-448; 16-bit outputs
+// rounded to nearest even.
+//
+// One CTA per row r of x[R, H, W] (W values per head, the last contiguous). The first n8 values of
+// each head are stored as e4m3 bytes in q8[R, H, n8], the other W - n8 in T in rest[R, H, W - n8]
+// (both contiguous). With `side` (k_rope[R, 1, 64] for the keys) that row is divided by the same
+// scale into side_out[R, 1, 64]. With use_scale = 0 nothing is scaled (V: a saturating cast).
+#include "common.cuh"
+
+namespace mla {
+
+constexpr int kQuantThreads = 256;
+constexpr float kE4m3Max = 448.f;
+
+__device__ __forceinline__ unsigned char to_e4m3(float x) {
+  unsigned short two;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(two) : "f"(0.f), "f"(x));
+  return static_cast<unsigned char>(two & 0xff);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads) quantize_rows_kernel(
+    const T* __restrict__ x, i64 x_st, i64 x_sh, int heads, int width, int n8, unsigned char* __restrict__ q8,
+    T* __restrict__ rest, float* __restrict__ scale_out, const T* __restrict__ side, i64 side_st,
+    T* __restrict__ side_out, int use_scale) {
+  __shared__ float warp_max[kQuantThreads / 32];
+  const i64 r = blockIdx.x;
+  const int n = heads * width;
+  float scale = 1.f;
+  if (use_scale) {
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < n; i += kQuantThreads)
+      amax = fmaxf(amax, fabsf(to_float(x[r * x_st + (i / width) * x_sh + i % width])));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+    __syncthreads();
+    amax = warp_max[0];
+#pragma unroll
+    for (int w = 1; w < kQuantThreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+    scale = amax > 0.f ? __fdiv_rn(amax, kE4m3Max) : 1.f;
+    if (threadIdx.x == 0) scale_out[r] = scale;
+  }
+  for (int i = threadIdx.x; i < n; i += kQuantThreads) {
+    const int h = i / width, c = i % width;
+    const float v = use_scale ? __fdiv_rn(to_float(x[r * x_st + h * x_sh + c]), scale) : to_float(x[r * x_st + h * x_sh + c]);
+    if (c < n8) q8[(r * heads + h) * n8 + c] = to_e4m3(v);
+    else rest[(r * heads + h) * (width - n8) + (c - n8)] = from_float<T>(v);
+  }
+  if (side != nullptr)
+    for (int c = threadIdx.x; c < 64; c += kQuantThreads) side_out[r * 64 + c] = from_float<T>(__fdiv_rn(to_float(side[r * side_st + c]), scale));
+}
+
+}  // namespace mla
