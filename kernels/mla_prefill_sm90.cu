@@ -513,6 +513,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       fence_operands(pa);
       mbar_arrive(pv_empty(prev_s));
     }
+    if constexpr (kFp8) {  // O holds kPScale * P V (fp8.cuh)
+#pragma unroll
+      for (int i = 0; i < kOTiles; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[i][e] *= 1.f / kPScale;
+    }
     store_rows<OutT>(o, sm, w, row0, out, o_st, o_sh, lse, lse_st, accumulate != 0);
   }
 }
