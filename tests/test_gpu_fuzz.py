@@ -58,6 +58,31 @@ def test_fuzz_against_reference(p):
     RAN.append(1)
 
 
+@pytest.mark.skipif("sm90" not in KERNELS, reason="the fp8 variants run on the Hopper kernel")
+@settings(max_examples=int(os.environ.get("MLA_FUZZ_EXAMPLES", "100")) // 2, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(problems(), st.sampled_from(["fp8", "fp8_rope"]))
+def test_fuzz_fp8_against_reference(p, variant):
+    """The same random problems through the fp8 variants (bf16 inputs quantized on the host)."""
+    import cupy as cp
+
+    from mla_cupy import quant
+    from test_gpu_fp8 import check_fp8, run_fp8_rope
+
+    c = make_case(p["sq"], p["sk"], p["heads"], BF16, seed=p["seed"], cache_offsets=p["co"], q_start_pos=p["qs"])
+    out_dtype = np.float32 if p["out_f32"] else None
+    if variant == "fp8":
+        check_fp8(c, mask=p["mask"], out_dtype=out_dtype)
+    else:
+        r8, sc = quant.quantize_rope_blocks(c.k_rope)
+        run_fp8_rope(c, cp.asarray(r8.view(np.uint8)), cp.asarray(sc), mask=p["mask"])
+    RAN_FP8.append(1)
+
+
+RAN_FP8 = []
+
+
 def test_fuzz_report():
-    warnings.warn(UserWarning(f"fuzz: {len(RAN)} random cases ran against the reference"))
+    warnings.warn(UserWarning(f"fuzz: {len(RAN)} random cases ran against the reference, "
+                              f"{len(RAN_FP8)} more through the fp8 variants"))
     assert len(RAN) >= 1
