@@ -7,6 +7,7 @@ export PYTHONPATH="$PWD:$PWD/tests" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 timeout 200 python3 cli.py compile 2>&1 | tail -1
+timeout 60 python3 benchmarks/fp8_diag.py 2>&1 | tail -12
 timeout 100 python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider --timeout=60 -s \
   tests/test_gpu_fp8.py > "$OUT/pytest-fp8.log" 2>&1
 grep -E "accuracy|passed|failed|FAIL|Error|assert" "$OUT/pytest-fp8.log" | head -30
