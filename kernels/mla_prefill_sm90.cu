@@ -165,7 +165,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   auto sRope = [&](int it) {
     return kRing ? base + kRopeOffset<kRing, kFp8> + (it % kRopeStages) * kBlk : sK(it % kStages) + kNopeBlocks<kFp8> * kBlk;
   };
-  // paged only: key_ok[r][0..127] per-key flags of rope stage r, then tile_bad[r] at byte kBlockN
+  // rope ring only: key_ok[r][0..127] per-key flags of rope stage r, then at byte kBlockN "a key of
+  // the span is unreadable" and at kBlockN + 1 "gathered by cp.async"
   unsigned char* key_ok = smem_raw + (base - smem_addr(smem_raw)) + kKeyOkOffset<kRing, kFp8>;
 
   const int wg = threadIdx.x / 128;
@@ -218,11 +219,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * kBlockN);
           mbar_wait(k_empty(s), empty_parity);
           // K: the nope block(s), the rope when plain (shared by every head), the key scales (fp8)
+#ifdef MLA_DBG_NO_KSCALE
+          constexpr int kScaleBytes = 0;
+#else
           constexpr int kScaleBytes = kBlockN * 4;
+#endif
           mbar_expect_tx(k_full(s), (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk + (kFp8 ? kScaleBytes : 0));
           for (int c = 0; c < kNopeBlocks<kFp8>; ++c) tma_load_3d(sK(s) + c * kBlk, &tm_k, k_full(s), c * kColBlock, w.h, row);
           if (!kRing) tma_load_2d(sRope(it), &tm_rope, k_full(s), 0, row);
+#ifndef MLA_DBG_NO_KSCALE
           if (kFp8) tma_load_1d(sKScales(s), &tm_k_scales, k_full(s), row);
+#endif
           mbar_wait(v_empty(s), empty_parity);
           mbar_expect_tx(v_full(s), kNopeBlocks<kFp8> * kBlk);
           for (int c = 0; c < kNopeBlocks<kFp8>; ++c) tma_load_3d(sV(s) + c * kBlk, &tm_v, v_full(s), c * kColBlock, w.h, row);
@@ -321,7 +328,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
             }
             mbar_cp_async_arrive(r_full(r));
           }
-          if (lane == 0) ok_flags[kBlockN] = bad;
+          if (lane == 0) {
+            ok_flags[kBlockN] = bad;
+            ok_flags[kBlockN + 1] = !kRope8 && !boxes;  // gathered by cp.async: the consumers fence
+          }
           __syncwarp();
           mbar_arrive(r_full(r));  // release: the flags are visible once the barrier completes
           if (t + 1 < k.num_tiles) lookup_rows(t + 1);
@@ -342,7 +352,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
             const u32 parity = (it / kStages) & 1;
             mbar_wait(v_full(s), parity);
             mbar_wait(vt_empty(s), parity ^ 1);
+#ifndef MLA_DBG_NO_TRANSPOSE
             transpose_v_e4m3(sV(s), sVt(s), min(kBlockN, k.n_end - (k.n_begin + t * kBlockN)), tid);
+#endif
             mbar_arrive(v_empty(s));
             fence_proxy_async();  // the V^T stores, visible to wgmma before the arrival
             mbar_arrive(vt_full(s));
@@ -398,15 +410,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         mbar_wait(k_full(s), (it / kStages) & 1);
         if (kRing) {
           mbar_wait(r_full(it % kRopeStages), (it / kRopeStages) & 1);
-          fence_proxy_async();  // gathered rows are cp.async (generic proxy) writes; wgmma reads async
+          // rows gathered by cp.async are generic-proxy writes, wgmma reads through the async proxy
+          if (key_ok[(it % kRopeStages) * (kBlockN + 16) + kBlockN + 1]) fence_proxy_async();
         }
         fence_operands(sacc);
         wgmma_fence();
         if constexpr (kFp8) {
           // 4 e4m3 k-steps of 32 bytes over the nope block, then 4 16-bit k-steps over the rope
+#ifndef MLA_DBG_NO_S8
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
             WgmmaE4m3::ss(sacc, make_desc(sQw + kk * 32, 16, 1024), make_desc(sK(s) + kk * 32, 16, 1024), kk > 0);
+#endif
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
             Wgmma<T>::ss(sacc, make_desc(sQw + kBlk + kk * 32, 16, 1024), make_desc(sRope(it) + kk * 32, 16, 1024), 1);
@@ -424,7 +439,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       };
       auto issue_pv = [&](int s) {  // O += P V_s, committed as one group
         wgmma_fence();
+#ifdef MLA_DBG_NO_PV8
+        if constexpr (kFp8) {}
+#else
         if constexpr (kFp8) pv_mma_e4m3(o, pa, sVt(s));
+#endif
         else pv_mma<T>(o, pa, sV(s));
         wgmma_commit();
       };

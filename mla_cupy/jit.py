@@ -15,6 +15,7 @@ available; elsewhere it is the device's own ``sm_XY``.
 from __future__ import annotations
 
 import re
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,9 @@ def arch_for_capability(cc: str) -> str:
 
 
 def _options(arch: str) -> Tuple[str, ...]:
-    return ("-std=c++17", f"-arch={arch}")
+    # MLA_CUPY_DEFINES="-DNAME ...": extra preprocessor definitions, for kernel debugging only
+    extra = tuple(d for d in os.environ.get("MLA_CUPY_DEFINES", "").split() if d.startswith("-D"))
+    return ("-std=c++17", f"-arch={arch}") + extra
 
 
 @dataclass(frozen=True)
