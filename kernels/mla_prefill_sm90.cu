@@ -63,6 +63,9 @@ template <bool kFp8> constexpr int kNopeBlocks = kFp8 ? 1 : 2;
 template <bool kFp8> constexpr int kQBytes = (kNopeBlocks<kFp8> + 1) * kBlk;
 template <bool kRing, bool kFp8> constexpr int kKBytes = (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk + (kFp8 ? 1024 : 0);
 constexpr int kVBytes = 2 * kBlk;
+// fp8: the key scales of a tile come in a TMA box of 132 floats starting at the 16-byte boundary at
+// or before the tile's first key (a 1-D box must start 16-byte aligned); 528 bytes of the 1 KiB slot.
+constexpr int kScaleBox = kBlockN + 4;
 template <bool kRing, bool kFp8> constexpr int kStageBytes = kKBytes<kRing, kFp8> + kVBytes;
 template <bool kRing, bool kFp8> constexpr int kRopeOffset = kQBytes<kFp8> + kStages * kStageBytes<kRing, kFp8>;
 template <bool kRing, bool kFp8> constexpr int kBarOffset = kRopeOffset<kRing, kFp8> + (kRing ? kRopeStages * kBlk : 0);
@@ -219,17 +222,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * kBlockN);
           mbar_wait(k_empty(s), empty_parity);
           // K: the nope block(s), the rope when plain (shared by every head), the key scales (fp8)
-#ifdef MLA_DBG_NO_KSCALE
-          constexpr int kScaleBytes = 0;
-#else
-          constexpr int kScaleBytes = kBlockN * 4;
-#endif
+          constexpr int kScaleBytes = kScaleBox * 4;
           mbar_expect_tx(k_full(s), (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk + (kFp8 ? kScaleBytes : 0));
           for (int c = 0; c < kNopeBlocks<kFp8>; ++c) tma_load_3d(sK(s) + c * kBlk, &tm_k, k_full(s), c * kColBlock, w.h, row);
           if (!kRing) tma_load_2d(sRope(it), &tm_rope, k_full(s), 0, row);
-#ifndef MLA_DBG_NO_KSCALE
-          if (kFp8) tma_load_1d(sKScales(s), &tm_k_scales, k_full(s), row);
-#endif
+          if (kFp8) tma_load_1d(sKScales(s), &tm_k_scales, k_full(s), row & ~3);  // 16-byte aligned start
           mbar_wait(v_empty(s), empty_parity);
           mbar_expect_tx(v_full(s), kNopeBlocks<kFp8> * kBlk);
           for (int c = 0; c < kNopeBlocks<kFp8>; ++c) tma_load_3d(sV(s) + c * kBlk, &tm_v, v_full(s), c * kColBlock, w.h, row);
@@ -352,9 +349,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
             const u32 parity = (it / kStages) & 1;
             mbar_wait(v_full(s), parity);
             mbar_wait(vt_empty(s), parity ^ 1);
-#ifndef MLA_DBG_NO_TRANSPOSE
             transpose_v_e4m3(sV(s), sVt(s), min(kBlockN, k.n_end - (k.n_begin + t * kBlockN)), tid);
-#endif
             mbar_arrive(v_empty(s));
             fence_proxy_async();  // the V^T stores, visible to wgmma before the arrival
             mbar_arrive(vt_full(s));
@@ -417,11 +412,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         wgmma_fence();
         if constexpr (kFp8) {
           // 4 e4m3 k-steps of 32 bytes over the nope block, then 4 16-bit k-steps over the rope
-#ifndef MLA_DBG_NO_S8
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
             WgmmaE4m3::ss(sacc, make_desc(sQw + kk * 32, 16, 1024), make_desc(sK(s) + kk * 32, 16, 1024), kk > 0);
-#endif
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk)
             Wgmma<T>::ss(sacc, make_desc(sQw + kBlk + kk * 32, 16, 1024), make_desc(sRope(it) + kk * 32, 16, 1024), 1);
@@ -439,11 +432,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       };
       auto issue_pv = [&](int s) {  // O += P V_s, committed as one group
         wgmma_fence();
-#ifdef MLA_DBG_NO_PV8
-        if constexpr (kFp8) {}
-#else
         if constexpr (kFp8) pv_mma_e4m3(o, pa, sVt(s));
-#endif
         else pv_mma<T>(o, pa, sV(s));
         wgmma_commit();
       };
@@ -456,14 +445,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         fence_operands(sacc);
         const int n0 = k.n_begin + t * kBlockN;
         if constexpr (kFp8) {  // dequantize: S_ij *= q_scale[i] k_scales[j] (before the mask: scales may be 0)
-          const unsigned char* ksc = smem_raw + (sKScales(it % kStages) - smem_addr(smem_raw));
+          // the tile's scales start (kv_row0 + n0) % 4 floats into the box (see the producer)
+          const float* ksc = reinterpret_cast<const float*>(smem_raw + (sKScales(it % kStages) - smem_addr(smem_raw))) +
+                             ((w.kv_row0 + n0) & 3);
 #pragma unroll
           for (int nt = 0; nt < kSTiles; ++nt) {
-            const float2 b = *reinterpret_cast<const float2*>(ksc + 4 * (nt * 8 + 2 * (lane & 3)));
-            sacc[nt][0] *= qsc[0] * b.x;
-            sacc[nt][1] *= qsc[0] * b.y;
-            sacc[nt][2] *= qsc[1] * b.x;
-            sacc[nt][3] *= qsc[1] * b.y;
+            const float b0 = ksc[nt * 8 + 2 * (lane & 3)], b1 = ksc[nt * 8 + 2 * (lane & 3) + 1];
+            sacc[nt][0] *= qsc[0] * b0;
+            sacc[nt][1] *= qsc[0] * b1;
+            sacc[nt][2] *= qsc[1] * b0;
+            sacc[nt][3] *= qsc[1] * b1;
           }
         }
         const unsigned char* ok = key_ok + (it % kRopeStages) * (kBlockN + 16);

@@ -200,7 +200,8 @@ def _tensor_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q_ptr: int, q_st
         tm_k = encode_tiled(k_ptr, u8, (DV, heads, tk), k_st, (128, 1, 128))
         tm_v = encode_tiled(v_ptr, u8, (DV, heads, tk), v_st, (128, 1, 128))
         tm_qr = encode_tiled(fp8[0], dtype, (DR, heads, tq), fp8[1], (64, 1, 128))
-        tm_ks = encode_tiled(fp8[2], FP32, (tk,), (), (SM90_BLOCK_N,), swizzle=False)
+        # key scales from the 16-byte boundary at or before a tile's first key (kernels: kScaleBox)
+        tm_ks = encode_tiled(fp8[2], FP32, (tk,), (), (SM90_BLOCK_N + 4,), swizzle=False)
     if len(rope) == 2:
         tm_r, box_rows = encode_tiled(rope[0], dtype, (DR, tk), (rope[1],), (64, 128)), 0
     elif not rope[0]:  # an fp8 rope: the rope warp reads it
@@ -271,7 +272,8 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
                                        fp8_maps)
         # Persistent: at most one CTA per SM (over 200 KiB of shared memory each), striding over the tiles.
         grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
-        rec = (SM90_ARGS, *_prefill_function("sm90", p, device_id), grid, SM90_THREADS, sm90_smem_bytes(p.paged, p.fp8),
+        rec = (SM90_ARGS, *_prefill_function("sm90", p, device_id), grid, SM90_THREADS,
+               sm90_smem_bytes(p.paged or p.rope8, p.fp8),
                (*maps, *out_lse, *o_strides, *tail, box_rows, *q_scale, *_rope_scale_args(k_rope, k_rope_scales)))
         _relaunch(rec, stream)
         return rec

@@ -15,7 +15,6 @@ available; elsewhere it is the device's own ``sm_XY``.
 from __future__ import annotations
 
 import re
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,9 +76,7 @@ def arch_for_capability(cc: str) -> str:
 
 
 def _options(arch: str) -> Tuple[str, ...]:
-    # MLA_CUPY_DEFINES="-DNAME ...": extra preprocessor definitions, for kernel debugging only
-    extra = tuple(d for d in os.environ.get("MLA_CUPY_DEFINES", "").split() if d.startswith("-D"))
-    return ("-std=c++17", f"-arch={arch}") + extra
+    return ("-std=c++17", f"-arch={arch}")
 
 
 @dataclass(frozen=True)

@@ -74,18 +74,6 @@ def test_paged_noncontiguous_table_and_rope_offset(kernel):
 
 
 @kernels
-def test_paged_cache_without_a_tensor_map_layout(kernel):
-    """Rows of 68 values (136 bytes, not a multiple of 16): the Hopper kernel cannot describe the
-    cache to TMA and gathers every tile, aligned or not."""
-    import cupy as cp
-
-    c = make_case([70, 129], [200, 129], 16, BF16, seed=8, cache_offsets=[0, 64])
-    blocks, lut = build_paged(c, 64, seed=9, dc=68, rope_offset=0)
-    cache = PagedKVCache(cp.asarray(blocks), cp.asarray(lut), 64, rope_offset=0)
-    run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, 64, rope_offset=0), kernel=kernel)
-
-
-@kernels
 def test_paged_bad_block_ids_are_masked_without_validation(kernel):
     """validate=False: out-of-range block ids never cause a wild read; their keys are masked."""
     import cupy as cp
