@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, PagedKVCache, SlidingWindowCausalMask
@@ -27,6 +27,8 @@ MASK = st.one_of(
     st.builds(ChunkedCausalMask, st.integers(1, 300)),
 )
 RAN = []
+# MLA_FUZZ_NO_SHRINK=1: report the first failing example as found (device time is scarce)
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate] if os.environ.get("MLA_FUZZ_NO_SHRINK") else list(Phase)
 
 
 @st.composite
@@ -43,7 +45,8 @@ def problems(draw):
                 kernel=draw(st.sampled_from(KERNELS)))
 
 
-@settings(max_examples=int(os.environ.get("MLA_FUZZ_EXAMPLES", "100")), deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("MLA_FUZZ_EXAMPLES", "100")), deadline=None, suppress_health_check=list(HealthCheck),
+          phases=PHASES)
 @given(problems())
 def test_fuzz_against_reference(p):
     import cupy as cp
@@ -60,7 +63,7 @@ def test_fuzz_against_reference(p):
 
 @pytest.mark.skipif("sm90" not in KERNELS, reason="the fp8 variants run on the Hopper kernel")
 @settings(max_examples=int(os.environ.get("MLA_FUZZ_EXAMPLES", "100")) // 2, deadline=None,
-          suppress_health_check=list(HealthCheck))
+          suppress_health_check=list(HealthCheck), phases=PHASES)
 @given(problems(), st.sampled_from(["fp8", "fp8_rope"]))
 def test_fuzz_fp8_against_reference(p, variant):
     """The same random problems through the fp8 variants (bf16 inputs quantized on the host)."""
