@@ -43,6 +43,11 @@ def _scale(amax: np.ndarray) -> np.ndarray:
     return np.where(s > 0, s, np.float32(1.0))
 
 
+def _row_amax(x: np.ndarray) -> np.ndarray:
+    """max |x| over everything but the first axis (0 for a row of zeros; fine with no rows)."""
+    return np.abs(x).reshape(x.shape[0], int(np.prod(x.shape[1:]))).max(axis=1, initial=0.0)
+
+
 def _on_device(*xs) -> bool:
     return any(not isinstance(x, np.ndarray) and (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"))
                for x in xs)
@@ -97,8 +102,8 @@ def quantize_per_token(q, k, v, k_rope) -> Dict[str, np.ndarray]:
                 "k_rope": k_rope_scaled}
     q32, k32, r32 = (np.asarray(a, np.float32) for a in (q, k, k_rope))
     out_dtype = np.asarray(q).dtype if np.asarray(q).dtype.itemsize == 2 else np.dtype(np.float32)
-    q_scale = _scale(np.abs(q32).reshape(q32.shape[0], -1).max(axis=1, initial=0.0))[:, None]
-    k_scales = _scale(np.abs(k32).reshape(k32.shape[0], -1).max(axis=1, initial=0.0))[:, None]
+    q_scale = _scale(_row_amax(q32))[:, None]
+    k_scales = _scale(_row_amax(k32))[:, None]
     qs = q32 / q_scale[:, :, None]
     return {
         "q_nope": to_e4m3(qs[:, :, :DV]),
@@ -126,5 +131,5 @@ def quantize_rope_blocks(k_rope):
 def dequantize_rope_blocks(k_rope_fp8: np.ndarray, k_rope_scales: np.ndarray) -> np.ndarray:
     """The float64 rope an fp8 rope with per-64-value scales stands for."""
     r = np.asarray(k_rope_fp8).astype(np.float64)
-    blocks = r.reshape(r.shape[0], r.shape[1], -1, 64) * np.asarray(k_rope_scales, np.float64)[..., None]
+    blocks = r.reshape(r.shape[0], r.shape[1], r.shape[2] // 64, 64) * np.asarray(k_rope_scales, np.float64)[..., None]
     return blocks.reshape(r.shape)

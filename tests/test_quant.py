@@ -77,3 +77,15 @@ def test_fp8_without_scales_or_with_wrong_dtype_is_refused():
         reference.mla_prefill_fp8_rope(c.q, c.k, c.v, r8, rs.astype(np.float64), c.valid_length, c.cache_row_offsets)
     with pytest.raises(TypeError, match="k_rope: expected float8_e4m3fn"):
         reference.mla_prefill_fp8_rope(c.q, c.k, c.v, c.k_rope, rs, c.valid_length, c.cache_row_offsets)
+
+
+def test_quantizers_accept_empty_batches():
+    """B = 0 / Tq = 0 / Tk = 0: empty outputs of the right shapes (found by the GPU fuzz)."""
+    from mla_cupy._arrays import BF16
+
+    q, k, v, r = (np.zeros((0, 4, n), BF16) for n in (192, 128, 128, 64))
+    f = quant.quantize_per_token(q, k, v, r[:, :1])
+    assert f["q_nope"].shape == (0, 4, 128) and f["q_scale"].shape == (0, 1) and f["k_scales"].shape == (0, 1)
+    r8, sc = quant.quantize_rope_blocks(r[:, :1])
+    assert r8.shape == (0, 1, 64) and sc.shape == (0, 1, 1)
+    assert quant.dequantize_rope_blocks(r8, sc).shape == (0, 1, 64)
