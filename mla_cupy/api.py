@@ -118,8 +118,8 @@ def choose_kernel(kernel: str, paged: bool, device_id: Optional[int] = None) -> 
     """``'sm90'`` (the Hopper TMA + wgmma kernel) on compute capability 9.0, else ``'sm80'`` (the
     portable mma.sync kernel). ``kernel`` forces one; the environment variable
     ``MLA_CUPY_DISABLE_SM90=1`` makes ``"auto"`` pick the portable kernel. ``paged`` does not change
-    the choice today (both kernels read a PagedKVCache); it stays so a rope source that only one
-    kernel supports (the fp8 cache) can steer it."""
+    the choice (both kernels read a 16-bit PagedKVCache); the fp8 variants need ``'sm90'`` and the
+    caller refuses anything else (``_prefill``)."""
     import cupy
 
     if kernel not in KERNELS:
