@@ -6,11 +6,13 @@
 //       WG0, the producers: one thread issues TMA copies of each work tile's Q (once the
 //           consumers are done with the previous one) and of its K/V tiles into a 2-stage
 //           shared-memory ring guarded by mbarriers, K and V with their own "full" and "empty"
-//           barriers; with a paged cache a second warp gathers the rope rows
-//           (setmaxnreg: 24 registers, 56 when paged);
+//           barriers; with a paged or fp8 rope a second warp brings the rope rows, and in the
+//           fp8 per-token variant warps 2-3 transpose each e4m3 V tile (fp8.cuh)
+//           (setmaxnreg: 24 registers, 56 with a rope ring or fp8);
 //       WG1, WG2, the consumers: 64 query rows each; S = Q K^T with wgmma (both operands in shared
 //           memory), online softmax in registers, O += P V with wgmma (P from registers, V read
-//           transposed from shared memory) (setmaxnreg: 240 registers, 224 when paged).
+//           transposed from shared memory; fp8: e4m3 P and V^T) (setmaxnreg: 240 registers, 224
+//           with a rope ring or fp8).
 //   * Intra-warpgroup overlap: a consumer issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, waits
 //     for S_t only, and runs the softmax of tile t while the tensor cores still work on P V; only
 //     then does it wait for O and rescale it.
@@ -25,7 +27,10 @@
 //   * Key tiles a mask removes entirely are never loaded; fully visible tiles skip the predicate.
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows or zero-filled past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
-//     before P V, so a neighbour's NaN can never reach this sequence.
+//     before P V (fp8: the transposer writes zeros for them), so a neighbour's NaN can never reach
+//     this sequence.
+//   * Variants (kVariant, below): 16-bit; fp8 per token (e4m3 Q K^T nope and P V, bf16 rope, S
+//     dequantized by q_scale[i] k_scales[j] in registers); fp8 rope (dequantized by the rope warp).
 #include "common.cuh"
 #include "fp8.cuh"
 #include "mask.cuh"
@@ -50,14 +55,14 @@ constexpr int kWgRows = kBlockM / kConsumers;      // 64 = one wgmma M
 constexpr int kColBlock = 64;                      // 16-bit elements per 128-byte swizzled column block
 constexpr int kBlk = kBlockN * 128;                // one column block of a 128-row tile: 16 KiB
 static_assert(kBlockM == kBlockN, "Q and K/V tiles share the column-block size");
-constexpr int kRopeStages = 3;                     // paged: the rope ring runs up to 3 tiles ahead
+constexpr int kRopeStages = 3;                     // rope ring: runs up to 3 tiles ahead
 // The 128 nope values of a row (of Q or K): two 16-bit column blocks, or one e4m3 block (fp8 variant).
 template <bool kFp8> constexpr int kNopeBlocks = kFp8 ? 1 : 2;
 // Shared memory, the base aligned to 1 KiB for the swizzle:
 //   [Q][K0 V0][K1 V1][R0 R1 R2 (ring)][mbarriers][flags (ring)]
 //   Q:  the nope block(s), then the rope block (q's last 64 values; q_rope in the fp8 variant);
-//   K:  the nope block(s), then (plain) the rope block copied from k_rope, then (fp8) the 128 key
-//       scales (512 bytes, padded to 1 KiB); with the rope ring (a paged cache, or an fp8 rope that
+//   K:  the nope block(s), then (plain) the rope block copied from k_rope, then (fp8) the key
+//       scales (kScaleBox floats, in a 1 KiB slot); with the rope ring (a paged cache, or an fp8 rope that
 //       is dequantized on the way), the rope rows go to their own deeper ring R instead;
 //   V:  bf16/fp16: two column blocks; fp8: the e4m3 block as loaded, then its transpose (fp8.cuh).
 template <bool kFp8> constexpr int kQBytes = (kNopeBlocks<kFp8> + 1) * kBlk;
@@ -155,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   auto v_full = [&](int s) { return bar + 16 + 8 * (kStages + s); };
   auto k_empty = [&](int s) { return bar + 16 + 8 * (2 * kStages + s); };
   auto v_empty = [&](int s) { return bar + 16 + 8 * (3 * kStages + s); };
-  auto r_full = [&](int r) { return bar + 16 + 8 * (4 * kStages + r); };                 // paged rope ring
+  auto r_full = [&](int r) { return bar + 16 + 8 * (4 * kStages + r); };                 // rope ring
   auto r_empty = [&](int r) { return bar + 16 + 8 * (4 * kStages + kRopeStages + r); };
   auto vt_full = [&](int s) { return bar + 16 + 8 * (4 * kStages + 2 * kRopeStages + s); };  // fp8: V^T written
   auto vt_empty = [&](int s) { return bar + 16 + 8 * (5 * kStages + 2 * kRopeStages + s); };
