@@ -53,7 +53,7 @@ def _on_device(*xs) -> bool:
                for x in xs)
 
 
-def _device_rows(x, n8: int, side=None, use_scale: bool = True):
+def _device_rows(x, n8: int, side=None, use_scale: bool = True, name: str = "x"):
     """kernels/quantize.cu over the rows of ``x[R, H, W]`` (last dim contiguous): (e4m3 bytes of the
     first n8 values per head [R, H, n8], the rest in x's dtype [R, H, W - n8] or None, scales [R, 1]
     or None, side row scaled [R, 1, 64] or None)."""
@@ -63,11 +63,13 @@ def _device_rows(x, n8: int, side=None, use_scale: bool = True):
     from ._arrays import as_device
     from .jit import get_function
 
-    x = as_device(x, "x")
+    x = as_device(x, name)
     if x.ndim != 3 or (x.shape[2] > 1 and x.strides[2] != x.itemsize):
-        raise ValueError(f"quantize: expected a 3-D array with a contiguous last dimension, got shape {x.shape}")
+        raise ValueError(f"{name}: expected a 3-D array with a contiguous last dimension, got shape {tuple(x.shape)}")
     r, h, w = (int(n) for n in x.shape)
     dt = np.dtype(x.dtype)
+    if dt not in reg.CPP_TYPE:
+        raise TypeError(f"{name}: expected bfloat16, float16 or float32 data to quantize, got {dt.name}")
     q8 = cp.empty((r, h, n8), cp.uint8)
     rest = cp.empty((r, h, w - n8), dt) if w > n8 else None
     scale = cp.empty((r, 1), cp.float32) if use_scale else None
@@ -95,9 +97,9 @@ def quantize_per_token(q, k, v, k_rope) -> Dict[str, np.ndarray]:
     ``q_rope`` / ``k_rope`` in q's 16-bit dtype (scaled), ``q_scale[Tq, 1]`` / ``k_scales[Tk, 1]``
     float32. Device inputs (one dtype for all four) are quantized on the device."""
     if _on_device(q, k, v, k_rope):
-        q_nope, q_rope, q_scale, _ = _device_rows(q, DV)
-        k8, _, k_scales, k_rope_scaled = _device_rows(k, DV, side=k_rope)
-        v8, _, _, _ = _device_rows(v, DV, use_scale=False)
+        q_nope, q_rope, q_scale, _ = _device_rows(q, DV, name="q")
+        k8, _, k_scales, k_rope_scaled = _device_rows(k, DV, side=k_rope, name="k")
+        v8, _, _, _ = _device_rows(v, DV, use_scale=False, name="v")
         return {"q_nope": q_nope, "q_rope": q_rope, "q_scale": q_scale, "k": k8, "k_scales": k_scales, "v": v8,
                 "k_rope": k_rope_scaled}
     q32, k32, r32 = (np.asarray(a, np.float32) for a in (q, k, k_rope))
@@ -120,7 +122,7 @@ def quantize_rope_blocks(k_rope):
     """``k_rope[Tk, 1, 64]`` -> (e4m3 ``[Tk, 1, 64]``, float32 ``k_rope_scales[Tk, 1, 64 // 64]``).
     A device input is quantized on the device (e4m3 as uint8)."""
     if _on_device(k_rope):
-        r8, _, sc, _ = _device_rows(k_rope, DR)
+        r8, _, sc, _ = _device_rows(k_rope, DR, name="k_rope")
         return r8, sc.reshape(sc.shape[0], 1, 1)
     r = np.asarray(k_rope, np.float32)
     blocks = r.reshape(r.shape[0], r.shape[1], DR // 64, 64)
