@@ -80,6 +80,10 @@ template <bool kRing, bool kFp8> constexpr int kSmemBytes = kKeyOkOffset<kRing, 
 static_assert(8 * (2 + 6 * kStages + 2 * kRopeStages) <= kBarBytes, "the mbarriers must fit their bytes");
 static_assert(kSmemBytes<true, false> <= 227 * 1024 && kSmemBytes<false, false> <= 227 * 1024 &&
               kSmemBytes<true, true> <= 227 * 1024 && kSmemBytes<false, true> <= 227 * 1024, "shared memory per CTA");
+// The layout's size for [kRing][kFp8], exported so a CPU test can check the launch code's mirror
+// (mla_cupy/api.py: sm90_smem_bytes) against it in the PTX.
+__device__ const int kSmemBytesOf[2][2] = {{kSmemBytes<false, false>, kSmemBytes<false, true>},
+                                           {kSmemBytes<true, false>, kSmemBytes<true, true>}};
 
 // Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The paged
 // producer warp keeps a tile's page lookups in registers, the fp8 transposer 4x4-byte blocks; both

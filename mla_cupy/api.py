@@ -76,6 +76,12 @@ SM90_THREADS = 384  # kernels/mla_prefill_sm90.cu: kThreads
 SM90_BLOCK_N = 128  # keys per tile (kBlockN)
 
 
+def sm90_smem_for(p: Problem) -> int:
+    """Dynamic shared memory of the Hopper instantiation ``p`` runs (a rope ring for a paged cache
+    or an fp8 rope); the one place both the attribute and the launch take it from."""
+    return sm90_smem_bytes(p.paged or p.rope8, p.fp8)
+
+
 def sm90_smem_bytes(ring: bool, fp8: bool = False) -> int:
     """kernels/mla_prefill_sm90.cu: kSmemBytes<kRing, kFp8> (``ring``: a paged or fp8 rope)."""
     col = 128 * 128  # one 128-byte-wide column block of a 128-row tile
@@ -170,7 +176,7 @@ def _prefill_function(kernel: str, p: Problem, device_id: int):
         if kernel == "sm90":
             fn, smem = (get_function(*reg.prefill_sm90(p.dtype, p.mask, variant),
                                      reg.prefill_sm90_name(p.dtype, p.out_dtype, p.mask, p.paged, variant)),
-                        sm90_smem_bytes(p.paged or p.rope8, p.fp8))
+                        sm90_smem_for(p))
         else:
             fn, smem = get_function(*reg.prefill_sm80(p.dtype, p.mask),
                                     reg.prefill_sm80_name(p.dtype, p.out_dtype, p.mask, p.paged)), SMEM_BYTES
@@ -273,7 +279,7 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
         # Persistent: at most one CTA per SM (over 200 KiB of shared memory each), striding over the tiles.
         grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
         rec = (SM90_ARGS, *_prefill_function("sm90", p, device_id), grid, SM90_THREADS,
-               sm90_smem_bytes(p.paged or p.rope8, p.fp8),
+               sm90_smem_for(p),
                (*maps, *out_lse, *o_strides, *tail, box_rows, *q_scale, *_rope_scale_args(k_rope, k_rope_scales)))
         _relaunch(rec, stream)
         return rec
