@@ -12,6 +12,7 @@
 // so the contraction pairs every P value with its own key's V row.
 #pragma once
 #include "common.cuh"
+#include "e4m3.cuh"
 #include "sm90.cuh"
 
 namespace mla {
@@ -36,18 +37,6 @@ struct WgmmaE4m3 {
   }
 };
 
-// Four floats -> four e4m3 bytes (round to nearest even, saturating to +-448), x0 in the low byte.
-__device__ __forceinline__ u32 e4m3x4(float x0, float x1, float x2, float x3) {
-  u32 r;
-  asm("{\n.reg .b16 lo, hi;\n"
-      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
-      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
-      "mov.b32 %0, {lo, hi};\n}\n"
-      : "=r"(r)
-      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
-  return r;
-}
-
 // P is stored as kPScale * P: probabilities in [0, 1] would leave most of a long row in e4m3's
 // subnormal range (below 2^-6, steps of 2^-9); scaled by 256 they stay normal down to 2^-14
 // (FlashAttention-3's max offset of 8). O accumulates kPScale * P V and is scaled back once.
@@ -70,13 +59,6 @@ __device__ __forceinline__ void pack_p_e4m3(const float (&s)[kSTiles][4], int kk
 __device__ __forceinline__ u32 swizzle128(int row, int byte) {
   return row * 128 + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
 }
-
-__device__ __forceinline__ u32 lds32(u32 addr) {
-  u32 v;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ void sts32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
 
 constexpr int kTransposeThreads = 64;  // two producer warps
 
@@ -110,14 +92,6 @@ __device__ __forceinline__ void transpose_v_e4m3(u32 src, u32 dst, int valid, in
   }
 }
 
-// Two e4m3 values (the low byte first) times `scale`, as two floats.
-__device__ __forceinline__ float2 e4m3x2_to_float2(u32 two, float scale) {
-  u32 h2;
-  asm("{\n.reg .b16 b;\ncvt.u16.u32 b, %1;\ncvt.rn.f16x2.e4m3x2 %0, b;\n}\n" : "=r"(h2) : "r"(two));
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
-  return make_float2(f.x * scale, f.y * scale);
-}
-
 // One key's 64 e4m3 rope values at `src` (16-byte aligned; nullptr: zeros) times `scale`, stored
 // as a 128-byte row of T at `dst` (row x of a 128-byte-swizzled tile) with st.shared. The caller
 // makes the stores visible to wgmma (fence.proxy.async) before signalling them.
@@ -131,9 +105,8 @@ __device__ __forceinline__ void store_rope_row_e4m3(u32 dst, int x, const unsign
     const u32 w0 = c % 2 ? in[c / 2].z : in[c / 2].x, w1 = c % 2 ? in[c / 2].w : in[c / 2].y;
     const float2 a = e4m3x2_to_float2(w0 & 0xffffu, scale), b = e4m3x2_to_float2(w0 >> 16, scale);
     const float2 d = e4m3x2_to_float2(w1 & 0xffffu, scale), e = e4m3x2_to_float2(w1 >> 16, scale);
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst + ((c ^ (x & 7)) << 4)),
-                 "r"(Elem<T>::pack(a.x, a.y)), "r"(Elem<T>::pack(b.x, b.y)), "r"(Elem<T>::pack(d.x, d.y)),
-                 "r"(Elem<T>::pack(e.x, e.y)));
+    sts128(dst + ((c ^ (x & 7)) << 4), Elem<T>::pack(a.x, a.y), Elem<T>::pack(b.x, b.y), Elem<T>::pack(d.x, d.y),
+           Elem<T>::pack(e.x, e.y));
   }
 }
 

@@ -8,17 +8,12 @@
 // (both contiguous). With `side` (k_rope[R, 1, 64] for the keys) that row is divided by the same
 // scale into side_out[R, 1, 64]. With use_scale = 0 nothing is scaled (V: a saturating cast).
 #include "common.cuh"
+#include "e4m3.cuh"
 
 namespace mla {
 
 constexpr int kQuantThreads = 256;
 constexpr float kE4m3Max = 448.f;
-
-__device__ __forceinline__ unsigned char to_e4m3(float x) {
-  unsigned short two;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(two) : "f"(0.f), "f"(x));
-  return static_cast<unsigned char>(two & 0xff);
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kQuantThreads) quantize_rows_kernel(
