@@ -1,19 +1,19 @@
 // float8_e4m3fn pieces of the Hopper kernel's fp8 per-token variant (sm_90a): the e4m3 wgmma, P
-// packed to e4m3 in registers, and the in-kernel transpose of V that the e4m3 wgmma needs (its B
-// operand must be K-major, i.e. V^T with keys contiguous).
+// packed to e4m3 in registers, and the V^T stage clean-up. The e4m3 wgmma needs its B operand
+// K-major, so P V reads V^T (keys contiguous), written once per call by a pre-pass
+// (transpose_v.cu) in the layout of vt_layout.cuh.
 //
-// The key order inside V^T is not the natural one. An e4m3 A fragment (k-step of 32 keys) holds, in
-// each 32-bit register, 4 consecutive k positions of one row: register 0 row g, k 4t..4t+3; 1 row
-// g+8; 2 row g, k 16+4t..; 3 row g+8 (t = lane % 4). The scores of a row come out of S = Q K^T in
-// pairs (keys 2t, 2t+1 of each 8-key n-tile), so the 4 bytes a thread can pack without shuffles are
-// keys {2t, 2t+1, 8+2t, 9+2t} of a 16-key half. Instead of moving bytes between lanes, the
-// transpose puts key sigma(p) at k position p of V^T, where for p = 16h + 4t + m (one 32-key block)
-//     sigma(p) = 16h + 2t + (m & 1) + 8 (m >> 1),
-// so the contraction pairs every P value with its own key's V row.
+// An e4m3 A fragment (k-step of 32 keys) holds, in each 32-bit register, 4 consecutive k positions
+// of one row: register 0 row g, k 4t..4t+3; 1 row g+8; 2 row g, k 16+4t..; 3 row g+8 (t = lane % 4).
+// The scores of a row come out of S = Q K^T in pairs (keys 2t, 2t+1 of each 8-key n-tile), so the 4
+// bytes a thread can pack without shuffles are keys {2t, 2t+1, 8+2t, 9+2t} of a 16-key half. V^T
+// stores its keys in that order (vt_layout.cuh: sigma), so the contraction pairs every P value
+// with its own key's V row.
 #pragma once
 #include "common.cuh"
 #include "e4m3.cuh"
 #include "sm90.cuh"
+#include "vt_layout.cuh"
 
 namespace mla {
 namespace sm90 {
@@ -60,35 +60,22 @@ __device__ __forceinline__ u32 swizzle128(int row, int byte) {
   return row * 128 + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
 }
 
-constexpr int kTransposeThreads = 64;  // two producer warps
-
-// V (128 keys x 128 values, e4m3, rows = keys) at `src` -> V^T (rows = values, k positions in the
-// sigma order above) at `dst`, both swizzled. Keys >= `valid` (past the span: a neighbour's rows or
-// zero-fill) are written as zeros, so P V never reads them. Thread `tid` of kTransposeThreads.
-// Unit of work: 4 keys x 4 values, a 4x4 byte transpose in registers. A warp's lanes take 8 value
-// quads x 4 values of t, so its loads hit 8 distinct 16-byte chunks of distinct rows (no conflicts).
-__device__ __forceinline__ void transpose_v_e4m3(u32 src, u32 dst, int valid, int tid) {
-  const int lane = tid % 32, w = tid / 32;
-  const int t = lane / 8;
-#pragma unroll 4
-  for (int i = 0; i < 16; ++i) {
-    const int c = 2 * i + w;                    // 0..31: (value quad group, half, k-step)
-    const int u = lane % 8 + 8 * (c % 4);       // values 4u .. 4u + 3
-    const int h = (c / 4) % 2, kk = c / 8;
-    const int key0 = 32 * kk + 16 * h + 2 * t;  // keys key0 + {0, 1, 8, 9} -> k positions p0 .. p0 + 3
-    const int p0 = 32 * kk + 16 * h + 4 * t;
-    u32 w4[4];
+// Zeroes, in a V^T stage (128 value rows x 128 key columns of e4m3, swizzled, keys in the order of
+// vt_layout.cuh), the bytes of keys >= `valid`: a neighbour's keys, zero columns or masked keys, whose
+// P is 0 but whose bytes may be NaN (0 * NaN = NaN). Thread `tid` of `nthreads`; the caller makes the
+// stores visible to wgmma (fence.proxy.async) and synchronizes.
+__device__ __forceinline__ void zero_vt_keys_from(u32 vt, int valid, int tid, int nthreads) {
+  const int w0 = (valid / kVtAlign) * (kVtAlign / 4);  // the row's first 4-byte word with a key >= valid
+  const int nw = 128 / 4 - w0;
+  for (int i = tid; i < 128 * nw; i += nthreads) {
+    const int row = i / nw, wi = w0 + i % nw;
+    const int key0 = kVtAlign * (wi / 4) + vt_sigma(4 * (wi % 4));  // the word's keys: key0 + {0, 1, 8, 9}
+    u32 keep = 0;
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int key = key0 + (m & 1) + 8 * (m >> 1);
-      w4[m] = key < valid ? lds32(src + swizzle128(key, 4 * u)) : 0u;
-    }
-    const u32 lo01 = __byte_perm(w4[0], w4[1], 0x5140), hi01 = __byte_perm(w4[0], w4[1], 0x7362);
-    const u32 lo23 = __byte_perm(w4[2], w4[3], 0x5140), hi23 = __byte_perm(w4[2], w4[3], 0x7362);
-    sts32(dst + swizzle128(4 * u + 0, p0), __byte_perm(lo01, lo23, 0x5410));  // value 4u: keys m = 0..3
-    sts32(dst + swizzle128(4 * u + 1, p0), __byte_perm(lo01, lo23, 0x7632));
-    sts32(dst + swizzle128(4 * u + 2, p0), __byte_perm(hi01, hi23, 0x5410));
-    sts32(dst + swizzle128(4 * u + 3, p0), __byte_perm(hi01, hi23, 0x7632));
+    for (int m = 0; m < 4; ++m)
+      if (key0 + (m & 1) + 8 * (m >> 1) < valid) keep |= 0xffu << (8 * m);
+    const u32 addr = vt + swizzle128(row, 4 * wi);
+    sts32(addr, keep ? lds32(addr) & keep : 0u);
   }
 }
 

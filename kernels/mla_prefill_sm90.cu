@@ -6,13 +6,12 @@
 //       WG0, the producers: one thread issues TMA copies of each work tile's Q (once the
 //           consumers are done with the previous one) and of its K/V tiles into a 2-stage
 //           shared-memory ring guarded by mbarriers, K and V with their own "full" and "empty"
-//           barriers; with a paged or fp8 rope a second warp brings the rope rows, and in the
-//           fp8 per-token variant warps 2-3 transpose each e4m3 V tile (fp8.cuh)
-//           (setmaxnreg: 24 registers, 56 with a rope ring or fp8);
+//           barriers; with a paged or fp8 rope a second warp brings the rope rows
+//           (setmaxnreg: 24 registers, 56 with a rope ring);
 //       WG1, WG2, the consumers: 64 query rows each; S = Q K^T with wgmma (both operands in shared
 //           memory), online softmax in registers, O += P V with wgmma (P from registers, V read
 //           transposed from shared memory; fp8: e4m3 P and V^T) (setmaxnreg: 240 registers, 224
-//           with a rope ring or fp8).
+//           with a rope ring).
 //   * Intra-warpgroup overlap: a consumer issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, waits
 //     for S_t only, and runs the softmax of tile t while the tensor cores still work on P V; only
 //     then does it wait for O and rescale it.
@@ -27,10 +26,11 @@
 //   * Key tiles a mask removes entirely are never loaded; fully visible tiles skip the predicate.
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows or zero-filled past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
-//     before P V (fp8: the transposer writes zeros for them), so a neighbour's NaN can never reach
-//     this sequence.
+//     before P V (fp8: their V^T columns), so a neighbour's NaN can never reach this sequence.
 //   * Variants (kVariant, below): 16-bit; fp8 per token (e4m3 Q K^T nope and P V, bf16 rope, S
-//     dequantized by q_scale[i] k_scales[j] in registers); fp8 rope (dequantized by the rope warp).
+//     dequantized by q_scale[i] k_scales[j] in registers, V^T from the pre-pass of transpose_v.cu,
+//     key tiles starting on multiples of 16 keys: vt_layout.cuh); fp8 rope (dequantized by the rope
+//     warp).
 #include "common.cuh"
 #include "fp8.cuh"
 #include "mask.cuh"
@@ -46,7 +46,9 @@ constexpr int kDv = 128;
 constexpr int kDqk = 192;
 constexpr int kBlockM = 128;                       // query rows per CTA
 constexpr int kBlockN = 128;                       // keys per tile
-constexpr int kStages = 2;
+// K/V ring depth: 2 stages of 80 KiB (16-bit), 3 of 49 KiB (fp8 per token; 33 with a rope ring)
+template <bool kFp8> constexpr int kStages = kFp8 ? 3 : 2;
+constexpr int kMaxStages = 3;
 constexpr int kConsumers = 2;                      // consumer warpgroups
 constexpr int kThreads = 128 * (1 + kConsumers);   // 384
 constexpr int kConsumerThreads = 128 * kConsumers;
@@ -64,20 +66,20 @@ template <bool kFp8> constexpr int kNopeBlocks = kFp8 ? 1 : 2;
 //   K:  the nope block(s), then (plain) the rope block copied from k_rope, then (fp8) the key
 //       scales (kScaleBox floats, in a 1 KiB slot); with the rope ring (a paged cache, or an fp8 rope that
 //       is dequantized on the way), the rope rows go to their own deeper ring R instead;
-//   V:  bf16/fp16: two column blocks; fp8: the e4m3 block as loaded, then its transpose (fp8.cuh).
+//   V:  bf16/fp16: two column blocks; fp8: one e4m3 block of V^T (128 values x 128 keys, vt_layout.cuh).
 template <bool kFp8> constexpr int kQBytes = (kNopeBlocks<kFp8> + 1) * kBlk;
 template <bool kRing, bool kFp8> constexpr int kKBytes = (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk + (kFp8 ? 1024 : 0);
-constexpr int kVBytes = 2 * kBlk;
+template <bool kFp8> constexpr int kVBytes = kNopeBlocks<kFp8> * kBlk;
 // fp8: the key scales of a tile come in a TMA box of 132 floats starting at the 16-byte boundary at
 // or before the tile's first key (a 1-D box must start 16-byte aligned); 528 bytes of the 1 KiB slot.
 constexpr int kScaleBox = kBlockN + 4;
-template <bool kRing, bool kFp8> constexpr int kStageBytes = kKBytes<kRing, kFp8> + kVBytes;
-template <bool kRing, bool kFp8> constexpr int kRopeOffset = kQBytes<kFp8> + kStages * kStageBytes<kRing, kFp8>;
+template <bool kRing, bool kFp8> constexpr int kStageBytes = kKBytes<kRing, kFp8> + kVBytes<kFp8>;
+template <bool kRing, bool kFp8> constexpr int kRopeOffset = kQBytes<kFp8> + kStages<kFp8> * kStageBytes<kRing, kFp8>;
 template <bool kRing, bool kFp8> constexpr int kBarOffset = kRopeOffset<kRing, kFp8> + (kRing ? kRopeStages * kBlk : 0);
 constexpr int kBarBytes = 256;
 template <bool kRing, bool kFp8> constexpr int kKeyOkOffset = kBarOffset<kRing, kFp8> + kBarBytes;  // per-key flags + a tile flag
 template <bool kRing, bool kFp8> constexpr int kSmemBytes = kKeyOkOffset<kRing, kFp8> + kRopeStages * (kBlockN + 16) + 1024;
-static_assert(8 * (2 + 6 * kStages + 2 * kRopeStages) <= kBarBytes, "the mbarriers must fit their bytes");
+static_assert(8 * (2 + 4 * kMaxStages + 2 * kRopeStages) <= kBarBytes, "the mbarriers must fit their bytes");
 static_assert(kSmemBytes<true, false> <= 227 * 1024 && kSmemBytes<false, false> <= 227 * 1024 &&
               kSmemBytes<true, true> <= 227 * 1024 && kSmemBytes<false, true> <= 227 * 1024, "shared memory per CTA");
 // The layout's size for [kRing][kFp8], exported so a CPU test can check the launch code's mirror
@@ -85,9 +87,8 @@ static_assert(kSmemBytes<true, false> <= 227 * 1024 && kSmemBytes<false, false> 
 __device__ const int kSmemBytesOf[2][2] = {{kSmemBytes<false, false>, kSmemBytes<false, true>},
                                            {kSmemBytes<true, false>, kSmemBytes<true, true>}};
 
-// Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The paged
-// producer warp keeps a tile's page lookups in registers, the fp8 transposer 4x4-byte blocks; both
-// need more than the plain producer's 24.
+// Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The rope warp
+// keeps a tile's page lookups in registers: more than the plain producer's 24.
 template <bool kBusy> constexpr int kProducerRegs = kBusy ? 56 : 24;
 template <bool kBusy> constexpr int kConsumerRegs = kBusy ? 224 : 240;
 static_assert(128 * (kProducerRegs<true> + kConsumers * kConsumerRegs<true>) <= 65536, "register budget");
@@ -136,6 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   constexpr bool kFp8 = kVariant == kFp8PerToken;
   constexpr bool kRope8 = kVariant == kFp8Rope;
   constexpr bool kRing = kPaged || kRope8;  // the rope rows come through warp 1's ring
+  constexpr int kS = kStages<kFp8>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const SeqOffsets so{q_offsets, kv_begin, kv_end, cache_offsets, q_start_pos};
   const Mask mask{mask_arg};
@@ -152,6 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     k.m0 = k.w.m_block * kBlockM;
     const int rows = min(kBlockM, k.w.sq - k.m0);
     visible_key_span(mask, k.w, k.w.q_pos0 + k.m0, k.w.q_pos0 + k.m0 + rows - 1, k.n_begin, k.n_end);
+    // fp8: tiles start on a multiple of kVtAlign keys (V^T's layout); the keys added are masked
+    if (kFp8) k.n_begin &= ~(kVtAlign - 1);
     k.num_tiles = (k.n_end - k.n_begin + kBlockN - 1) / kBlockN;
     return true;
   };
@@ -161,21 +165,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   const u32 bar = base + kBarOffset<kRing, kFp8>;
   const u32 q_full = bar, q_empty = bar + 8;
   auto k_full = [&](int s) { return bar + 16 + 8 * s; };
-  auto v_full = [&](int s) { return bar + 16 + 8 * (kStages + s); };
-  auto k_empty = [&](int s) { return bar + 16 + 8 * (2 * kStages + s); };
-  auto v_empty = [&](int s) { return bar + 16 + 8 * (3 * kStages + s); };
-  auto r_full = [&](int r) { return bar + 16 + 8 * (4 * kStages + r); };                 // rope ring
-  auto r_empty = [&](int r) { return bar + 16 + 8 * (4 * kStages + kRopeStages + r); };
-  auto vt_full = [&](int s) { return bar + 16 + 8 * (4 * kStages + 2 * kRopeStages + s); };  // fp8: V^T written
-  auto vt_empty = [&](int s) { return bar + 16 + 8 * (5 * kStages + 2 * kRopeStages + s); };
+  auto v_full = [&](int s) { return bar + 16 + 8 * (kS + s); };
+  auto k_empty = [&](int s) { return bar + 16 + 8 * (2 * kS + s); };
+  auto v_empty = [&](int s) { return bar + 16 + 8 * (3 * kS + s); };
+  auto r_full = [&](int r) { return bar + 16 + 8 * (4 * kS + r); };                 // rope ring
+  auto r_empty = [&](int r) { return bar + 16 + 8 * (4 * kS + kRopeStages + r); };
   auto sK = [&](int s) { return base + kQBytes<kFp8> + s * kStageBytes<kRing, kFp8>; };
   auto sKScales = [&](int s) { return sK(s) + (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk; };  // fp8
   auto sV = [&](int s) { return sK(s) + kKBytes<kRing, kFp8>; };
-  auto sVt = [&](int s) { return sV(s) + kBlk; };  // fp8: V^T
   // The rope column block of key tile `it`: the third block of its K stage (plain), or its stage of
   // the rope ring (paged).
   auto sRope = [&](int it) {
-    return kRing ? base + kRopeOffset<kRing, kFp8> + (it % kRopeStages) * kBlk : sK(it % kStages) + kNopeBlocks<kFp8> * kBlk;
+    return kRing ? base + kRopeOffset<kRing, kFp8> + (it % kRopeStages) * kBlk : sK(it % kS) + kNopeBlocks<kFp8> * kBlk;
   };
   // rope ring only: key_ok[r][0..127] per-key flags of rope stage r, then at byte kBlockN "a key of
   // the span is unreadable" and at kBlockN + 1 "gathered by cp.async"
@@ -186,13 +187,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   if (threadIdx.x == 0) {
     mbar_init(q_full, 1);
     mbar_init(q_empty, kConsumerThreads);
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kS; ++s) {
       mbar_init(k_full(s), 1);
       mbar_init(v_full(s), 1);
       mbar_init(k_empty(s), kConsumerThreads);
-      mbar_init(v_empty(s), kFp8 ? kTransposeThreads : kConsumerThreads);  // fp8: the transposer reads V
-      mbar_init(vt_full(s), kTransposeThreads);
-      mbar_init(vt_empty(s), kConsumerThreads);
+      mbar_init(v_empty(s), kConsumerThreads);
     }
     for (int r = 0; r < kRopeStages; ++r) {
       mbar_init(r_full(r), 64);  // 32 cp.async completions and 32 plain arrivals (after the flags)
@@ -204,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 
   if (wg == 0) {
     // ------------------------------------ producers ------------------------------------
-    regs_dealloc<kProducerRegs<kRing || kFp8>>();
+    regs_dealloc<kProducerRegs<kRing>>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) {
       // Warp 0, one thread: TMA for Q, K (nope, and the rope when plain) and V.
@@ -225,9 +224,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           for (int c = 0; c < kDqk / kColBlock; ++c) tma_load_3d(sQ + c * kBlk, &tm_q, q_full, c * kColBlock, w.h, qrow);
         }
         ++nq;
+        // fp8: the sequence's first column in V^T (vt_layout.cuh)
+        const i64 vt_col = kFp8 ? vt_col0(static_cast<u32>(w.kv_row0), w.b) + k.n_begin : 0;
         for (int t = 0; t < k.num_tiles; ++t, ++it) {
-          const int s = it % kStages;
-          const u32 empty_parity = ((it / kStages) & 1) ^ 1;  // the first pass over the ring does not wait
+          const int s = it % kS;
+          const u32 empty_parity = ((it / kS) & 1) ^ 1;  // the first pass over the ring does not wait
           const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * kBlockN);
           mbar_wait(k_empty(s), empty_parity);
           // K: the nope block(s), the rope when plain (shared by every head), the key scales (fp8)
@@ -237,8 +238,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           if (!kRing) tma_load_2d(sRope(it), &tm_rope, k_full(s), 0, row);
           if (kFp8) tma_load_1d(sKScales(s), &tm_k_scales, k_full(s), row & ~3);  // 16-byte aligned start
           mbar_wait(v_empty(s), empty_parity);
-          mbar_expect_tx(v_full(s), kNopeBlocks<kFp8> * kBlk);
-          for (int c = 0; c < kNopeBlocks<kFp8>; ++c) tma_load_3d(sV(s) + c * kBlk, &tm_v, v_full(s), c * kColBlock, w.h, row);
+          mbar_expect_tx(v_full(s), kVBytes<kFp8>);
+          if constexpr (kFp8) {  // V^T: 128 values x 128 key columns (16-byte aligned: the tile starts on a group)
+            tma_load_3d(sV(s), &tm_v, v_full(s), static_cast<int>(vt_col + t * kBlockN), 0, w.h);
+          } else {
+            for (int c = 0; c < 2; ++c) tma_load_3d(sV(s) + c * kBlk, &tm_v, v_full(s), c * kColBlock, w.h, row);
+          }
         }
       }
     } else if (kRing && warp == 1) {
@@ -344,33 +349,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         }
       }
     }
-    if constexpr (kFp8) {
-      if (warp >= 2) {
-        // Warps 2-3 (fp8): transpose each e4m3 V tile into V^T for the e4m3 P V (fp8.cuh), zeroing
-        // keys past the span; the raw V stage is released as soon as it is read.
-        const int tid = threadIdx.x - 64;
-        int it = 0;
-        for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
-          Work k;
-          if (!plan(idx, k) || k.num_tiles == 0) continue;
-          for (int t = 0; t < k.num_tiles; ++t, ++it) {
-            const int s = it % kStages;
-            const u32 parity = (it / kStages) & 1;
-            mbar_wait(v_full(s), parity);
-            mbar_wait(vt_empty(s), parity ^ 1);
-            transpose_v_e4m3(sV(s), sVt(s), min(kBlockN, k.n_end - (k.n_begin + t * kBlockN)), tid);
-            mbar_arrive(v_empty(s));
-            fence_proxy_async();  // the V^T stores, visible to wgmma before the arrival
-            mbar_arrive(vt_full(s));
-          }
-        }
-      }
-    }
     return;
   }
 
   // ------------------------------------ consumers ------------------------------------
-  regs_alloc<kConsumerRegs<kRing || kFp8>>();
+  regs_alloc<kConsumerRegs<kRing>>();
   const int cw = wg - 1;                           // consumer index: rows cw * 64 .. cw * 64 + 63
   const int ctid = threadIdx.x - 128;              // 0 .. 255 across both consumers
   const int warp_in_wg = (threadIdx.x / 32) % 4;
@@ -410,8 +393,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       // Waits for key tile `it` (its K stage, and its rope stage when paged) and issues S = Q K^T,
       // committed as one group.
       auto issue_qk = [&](int it) {
-        const int s = it % kStages;
-        mbar_wait(k_full(s), (it / kStages) & 1);
+        const int s = it % kS;
+        mbar_wait(k_full(s), (it / kS) & 1);
         if (kRing) {
           mbar_wait(r_full(it % kRopeStages), (it / kRopeStages) & 1);
           // rows gathered by cp.async are generic-proxy writes, wgmma reads through the async proxy
@@ -441,13 +424,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       };
       auto issue_pv = [&](int s) {  // O += P V_s, committed as one group
         wgmma_fence();
-        if constexpr (kFp8) pv_mma_e4m3(o, pa, sVt(s));
+        if constexpr (kFp8) pv_mma_e4m3(o, pa, sV(s));
         else pv_mma<T>(o, pa, sV(s));
         wgmma_commit();
       };
-      // The barriers P V waits on and releases: V itself, or (fp8) its transpose.
-      auto pv_full = [&](int s) { return kFp8 ? vt_full(s) : v_full(s); };
-      auto pv_empty = [&](int s) { return kFp8 ? vt_empty(s) : v_empty(s); };
       // Masks S of tile t (ring position it) where needed, releases its K (and rope) stage, and
       // turns S into probabilities.
       auto scores_to_p = [&](int t, int it, float (&corr)[2]) {
@@ -455,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         const int n0 = k.n_begin + t * kBlockN;
         if constexpr (kFp8) {  // dequantize: S_ij *= q_scale[i] k_scales[j] (before the mask: scales may be 0)
           // the tile's scales start (kv_row0 + n0) % 4 floats into the box (see the producer)
-          const float* ksc = reinterpret_cast<const float*>(smem_raw + (sKScales(it % kStages) - smem_addr(smem_raw))) +
+          const float* ksc = reinterpret_cast<const float*>(smem_raw + (sKScales(it % kS) - smem_addr(smem_raw))) +
                              ((w.kv_row0 + n0) & 3);
 #pragma unroll
           for (int nt = 0; nt < kSTiles; ++nt) {
@@ -471,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         const bool full = n0 + kBlockN <= k.n_end && !tile_bad && wr0 < w.sq &&
                           mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
         if (!full) apply_mask(sacc, mask, w, row0, n0, k.n_end, tile_bad ? ok : nullptr);
-        mbar_arrive(k_empty(it % kStages));                  // K fully read
+        mbar_arrive(k_empty(it % kS));                       // K fully read
         if (kRing) mbar_arrive(r_empty(it % kRopeStages));  // and the rope rows and their flags
         sm.update_scores(sacc, scale_log2, corr);
       };
@@ -484,8 +464,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       };
 
       // Tile 0: S only (O is still zero, nothing to rescale).
-      int prev_s = it % kStages;
-      u32 prev_parity = (it / kStages) & 1;
+      int prev_s = it % kS;
+      u32 prev_parity = (it / kS) & 1;
       float corr[2];
       issue_qk(it);
       wgmma_wait<0>();
@@ -494,17 +474,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       ++it;
       // Tiles 1..n-1: S_t and P_{t-1} V_{t-1} in flight together; the softmax of S_t overlaps P V.
       for (int t = 1; t < k.num_tiles; ++t, ++it) {
-        const int s = it % kStages;
-        const u32 parity = (it / kStages) & 1;
+        const int s = it % kS;
+        const u32 parity = (it / kS) & 1;
         issue_qk(it);
-        mbar_wait(pv_full(prev_s), prev_parity);
+        mbar_wait(v_full(prev_s), prev_parity);
         issue_pv(prev_s);
         wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
         scores_to_p(t, it, corr);
         wgmma_wait<0>();
         fence_operands(o);
         fence_operands(pa);
-        mbar_arrive(pv_empty(prev_s));
+        mbar_arrive(v_empty(prev_s));
         OnlineSoftmax::rescale(o, corr);
         pack();
         prev_s = s;
@@ -514,14 +494,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 
       // The last tile's P V. Its V rows past the span's end (the neighbour's keys) are zeroed first,
       // by both consumers together, and the stores made visible to wgmma before either reads V.
-      mbar_wait(pv_full(prev_s), prev_parity);
+      mbar_wait(v_full(prev_s), prev_parity);
       const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBlockN);
-      if (!kFp8 && valid < kBlockN) {  // (the fp8 transposer already wrote zeros there)
-        for (int i = ctid; i < (kBlockN - valid) * (kDv / 8); i += kConsumerThreads) {
-          const int r = valid + i / (kDv / 8);
-          const int c = i % (kDv / 8);             // 16-byte chunk: block c / 8, chunk c % 8 of the row
-          const u32 addr = sV(prev_s) + (c / 8) * kBlk + r * 128 + (c % 8) * 16;
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0));
+      if (valid < kBlockN) {
+        if constexpr (kFp8) {
+          zero_vt_keys_from(sV(prev_s), valid, ctid, kConsumerThreads);  // V^T: key columns
+        } else {
+          for (int i = ctid; i < (kBlockN - valid) * (kDv / 8); i += kConsumerThreads) {
+            const int r = valid + i / (kDv / 8);
+            const int c = i % (kDv / 8);             // 16-byte chunk: block c / 8, chunk c % 8 of the row
+            sts128(sV(prev_s) + (c / 8) * kBlk + r * 128 + (c % 8) * 16, 0u, 0u, 0u, 0u);
+          }
         }
         fence_proxy_async();
         named_barrier_sync(1, kConsumerThreads);
@@ -530,7 +513,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       wgmma_wait<0>();
       fence_operands(o);
       fence_operands(pa);
-      mbar_arrive(pv_empty(prev_s));
+      mbar_arrive(v_empty(prev_s));
     }
     if constexpr (kFp8) {  // O holds kPScale * P V (fp8.cuh)
 #pragma unroll

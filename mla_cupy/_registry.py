@@ -18,13 +18,14 @@ CPP_TYPE: Dict[np.dtype, str] = {BF16: "__nv_bfloat16", FP16: "__half", FP32: "f
 #: Architectures CI compiles each family for.
 TARGET_ARCHS = {"mla_prefill_sm80.cu": ("sm_80", "sm_90a"), "mla_prefill_sm90.cu": ("sm_90a",),
                 "merge_states.cu": ("sm_80", "sm_90a"), "bench_spin.cu": ("sm_80", "sm_90a"),
-                "quantize.cu": ("sm_90a",)}  # e4m3 conversions need sm_89+; fp8 runs on Hopper
+                "quantize.cu": ("sm_90a",), "transpose_v.cu": ("sm_90a",)}  # e4m3 needs sm_89+; fp8 runs on Hopper
 
 PREFILL_SM80 = ("mla_prefill_sm80.cu", "mla::sm80::mla_prefill_kernel")
 PREFILL_SM90 = ("mla_prefill_sm90.cu", "mla::sm90::mla_prefill_kernel")
 MERGE = ("merge_states.cu", "mla::merge_states_kernel")
 SPIN = ("bench_spin.cu", ("mla::spin_kernel",))  # the benchmark's GPU-busy helper
 QUANTIZE = ("quantize.cu", "mla::quantize_rows_kernel")
+TRANSPOSE_V = ("transpose_v.cu", ("mla::transpose_v_e4m3_kernel",))  # V^T for the fp8 per-token kernel
 
 Family = Tuple[str, Tuple[str, ...]]
 
@@ -83,6 +84,11 @@ def quantize_name(dtype: np.dtype) -> str:
     return f"{QUANTIZE[1]}<{CPP_TYPE[np.dtype(dtype)]}>"
 
 
+def transpose_v_family() -> Family:
+    """The fp8 per-token variant's V^T pre-pass (kernels/transpose_v.cu)."""
+    return TRANSPOSE_V
+
+
 def family_label(fam: Family) -> str:
     """Short name of a family for logs and test ids: file stem, first template argument, mask."""
     first = fam[1][0]
@@ -97,5 +103,5 @@ def all_families() -> List[Tuple[str, Family]]:
     fams: List[Family] = [prefill_sm80(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(BF16, m, v) for m in MASKS for v in ("fp8", "fp8_rope")]
-    fams += [merge_family(), SPIN, quantize_family()]
+    fams += [merge_family(), SPIN, quantize_family(), transpose_v_family()]
     return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]

@@ -14,6 +14,7 @@ from ._launch import F32, I32, I64, PTR, U32, ArgPack
 from .jit import get_function
 from .masks import Mask
 from .paged import PagedKVCache
+from .quant import _transpose_v_device, vt_columns
 from .tma import TENSOR_MAP_DTYPE, encode_tiled
 from .validation import DQK, DR, DV, Problem, check_inputs, check_lse_and_accumulate
 
@@ -86,9 +87,10 @@ def sm90_smem_bytes(ring: bool, fp8: bool = False) -> int:
     """kernels/mla_prefill_sm90.cu: kSmemBytes<kRing, kFp8> (``ring``: a paged or fp8 rope)."""
     col = 128 * 128  # one 128-byte-wide column block of a 128-row tile
     nope = 1 if fp8 else 2  # column blocks of 128 nope values: e4m3 or 16-bit
-    q, k, v = (nope + 1) * col, (nope + (0 if ring else 1)) * col + (1024 if fp8 else 0), 2 * col
+    q, k, v = (nope + 1) * col, (nope + (0 if ring else 1)) * col + (1024 if fp8 else 0), nope * col
+    stages = 3 if fp8 else 2  # kStages<kFp8>
     rope_ring = 3 * col if ring else 0
-    return q + 2 * (k + v) + rope_ring + 256 + 3 * (128 + 16) + 1024
+    return q + stages * (k + v) + rope_ring + 256 + 3 * (128 + 16) + 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,8 +194,9 @@ def _tensor_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q_ptr: int, q_st
     """The Hopper kernel's TMA descriptors (Q, K, V, rope, q_rope, k_scales), cached by buffer and
     layout, and the rope box height. ``rope`` is ``(ptr, row_stride_bytes)`` for a plain k_rope, or
     ``(ptr, row_stride_bytes, block_stride_bytes, page_size, num_blocks)`` for a paged cache. ``fp8``
-    (per-token variant) is ``(q_rope_ptr, q_rope_strides, k_scales_ptr)``: q / k / v are then e4m3
-    bytes of the 128 nope values (one 128-byte box per row)."""
+    (per-token variant) is ``(q_rope_ptr, q_rope_strides, k_scales_ptr)``: q / k are then e4m3
+    bytes of the 128 nope values (one 128-byte box per row) and v the e4m3 V^T of
+    :func:`mla_cupy.quant.transpose_v`."""
     zero = np.zeros(1, TENSOR_MAP_DTYPE)[0]
     if fp8 is None:
         tm_q = encode_tiled(q_ptr, dtype, (DQK, heads, tq), q_st, (64, 1, 128))
@@ -204,7 +207,8 @@ def _tensor_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q_ptr: int, q_st
         u8 = np.dtype(np.uint8)
         tm_q = encode_tiled(q_ptr, u8, (DV, heads, tq), q_st, (128, 1, 128))
         tm_k = encode_tiled(k_ptr, u8, (DV, heads, tk), k_st, (128, 1, 128))
-        tm_v = encode_tiled(v_ptr, u8, (DV, heads, tk), v_st, (128, 1, 128))
+        # V^T[H][128][cols] (quant.transpose_v; v_st = (cols, 128 * cols)): 128 key columns x 128 values
+        tm_v = encode_tiled(v_ptr, u8, (v_st[0], DV, heads), v_st, (128, DV, 1))
         tm_qr = encode_tiled(fp8[0], dtype, (DR, heads, tq), fp8[1], (64, 1, 128))
         # key scales from the 16-byte boundary at or before a tile's first key (kernels: kScaleBox)
         tm_ks = encode_tiled(fp8[2], FP32, (tk,), (), (SM90_BLOCK_N + 4,), swizzle=False)
@@ -267,15 +271,22 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
                     int(bl.strides[0]), k_rope.page_size, int(bl.shape[0]))
         else:
             rope = (device_pointer(k_rope) if p.tk else stand_in, _stride16(k_rope, 0))
-        fp8_maps, q_scale = None, (0, 0)
+        v_st = (_stride16(v, 1), _stride16(v, 0))
+        fp8_maps, q_scale, vt = None, (0, 0), None
         if fp8 is not None:
             q_rope, qs, ks = fp8
             fp8_maps = (device_pointer(q_rope), (_stride16(q_rope, 1), _stride16(q_rope, 0)),
                         device_pointer(ks) if p.tk else stand_in)
             q_scale = (device_pointer(qs), int(qs.strides[0]) // 4)
+            # the e4m3 P V reads V^T: written here, on the kernel's stream, once per call (freed
+            # back to CuPy's stream-ordered pool when the call returns)
+            cols = vt_columns(p.tk, p.batch)
+            if p.tk:
+                vt = _transpose_v_device(v, kv_begin_ptr, kv_end_ptr, p.batch, stream)
+                vp = device_pointer(vt)
+            v_st = (cols, DV * cols)
         *maps, box_rows = _tensor_maps(p.dtype, p.heads, p.tq, p.tk, device_pointer(q), (_stride16(q, 1), _stride16(q, 0)),
-                                       kp, (_stride16(k, 1), _stride16(k, 0)), vp, (_stride16(v, 1), _stride16(v, 0)), rope,
-                                       fp8_maps)
+                                       kp, (_stride16(k, 1), _stride16(k, 0)), vp, v_st, rope, fp8_maps)
         # Persistent: at most one CTA per SM (over 200 KiB of shared memory each), striding over the tiles.
         grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
         rec = (SM90_ARGS, *_prefill_function("sm90", p, device_id), grid, SM90_THREADS,

@@ -263,3 +263,50 @@ def test_quantize_then_prefill_in_one_go():
     ref = reference.mla_prefill_fp8(h["q_nope"], h["q_rope"], h["q_scale"], h["k"], h["k_scales"], h["v"], h["k_rope"],
                                     c.valid_length, c.cache_row_offsets, cache_offsets=c.cache_offsets)
     assert max(per_slice_errors(got, ref, c.valid_length)) < TOL
+
+
+# ------------------------------------------------------------------------------------------------
+# V^T: the pre-pass the per-token kernel reads (kernels/vt_layout.cuh, transpose_v.cu)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sk", [[0], [1, 0, 7, 63, 65, 129, 1000, 5], [16, 32, 17]], ids=["one-empty", "ragged", "aligned"])
+def test_transpose_v_device_equals_host(sk):
+    """The device pre-pass writes exactly the NumPy model's bytes (every column: keys, sigma order,
+    zero gaps), also for a strided view of v and for B = 0."""
+    import cupy as cp
+
+    rng = np.random.default_rng(len(sk))
+    tk, heads = sum(sk) + 3, 16  # 3 unused rows after the last sequence
+    v = rng.integers(0, 256, (tk, heads, 128), dtype=np.uint8)  # every byte pattern, NaN (0x7f) too
+    cro = np.concatenate([[0], np.cumsum(sk)]).astype(np.uint32)
+    want = quant.transpose_v_host(v, cro)
+    wide = cp.zeros((tk, heads, 256), cp.uint8)
+    wide[:, :, :128] = cp.asarray(v)
+    for dv in (cp.asarray(v), wide[:, :, :128]):
+        got = quant.transpose_v(dv, cp.asarray(cro))
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(cp.asnumpy(got), want)
+    empty = quant.transpose_v(cp.asarray(v), cp.zeros(1, cp.uint32))  # B = 0: only zero columns
+    assert empty.shape == (heads, 128, quant.vt_columns(tk, 0)) and not bool(empty.any())
+    with pytest.raises(ValueError, match="cache_row_offsets: the last offset must be <="):
+        quant.transpose_v(cp.asarray(v), cp.asarray(np.array([0, tk + 1], np.uint32)))
+
+
+def test_fp8_nan_in_one_sequence_stays_there():
+    """NaN bytes (0x7f) in the middle sequence's k and v never reach its neighbours: the V^T columns
+    past a tile's keys are zeroed, the window mask's tiles rounded down to 16 keys stay inside the
+    sequence. Checked against the reference on the neighbours' rows."""
+    import cupy as cp
+
+    mask = SlidingWindowCausalMask(37)
+    c = make_case([300, 100, 70], [300, 130, 70], 16, BF16, seed=41)
+    fq = quantized(c)
+    for n in ("k", "v"):
+        fq[n].view(np.uint8)[300:430] = 0x7F
+    got, _ = run_fp8(c, fq, mask=mask)
+    ref = reference.mla_prefill_fp8(fq["q_nope"], fq["q_rope"], fq["q_scale"], fq["k"], fq["k_scales"], fq["v"],
+                                    fq["k_rope"], c.valid_length, c.cache_row_offsets, mask=mask)
+    for rows in (slice(0, 300), slice(400, 470)):
+        assert np.isfinite(got[rows]).all()
+        assert np.linalg.norm(got[rows] - ref[rows]) / np.linalg.norm(ref[rows]) < TOL
+    assert np.isnan(got[300:400]).any()

@@ -213,6 +213,23 @@ def test_nan_in_one_sequence_stays_there(kernel):
     assert np.isnan(out[:100]).any()  # within sequence 0, NaN keys reach every row (documented)
 
 
+@kernels
+def test_nan_within_a_sequence_reaches_documented_rows(kernel):
+    """Inside one causal sequence (300 queries and keys), a NaN in key 150's k reaches exactly the
+    rows that see key 150 (a masked score is replaced, not multiplied); a NaN in its v reaches every
+    row of each 128-row query block whose key span holds key 150 (0 * NaN in P V): rows 128-299."""
+    for name, first in (("k", 150), ("v", 128)):
+        c = make_case([300], [300], 16, BF16, seed=42)
+        getattr(c, name)[150, 3] = np.nan
+        d = upload(c)
+        out = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                                   mask=CausalMask(), kernel=kernel).get().astype(np.float64)
+        bad = np.isnan(out).any(axis=2)  # [row, head]
+        assert not bad[:first].any(), (name, int(np.argmax(bad.any(axis=1))))
+        assert bad[first:, 3].all(), name
+        assert not bad[:, [h for h in range(16) if h != 3]].any(), name  # heads do not mix
+
+
 def test_auto_picks_the_hopper_kernel_on_hopper():
     import cupy as cp
 

@@ -89,3 +89,27 @@ def test_quantizers_accept_empty_batches():
     r8, sc = quant.quantize_rope_blocks(r[:, :1])
     assert r8.shape == (0, 1, 64) and sc.shape == (0, 1, 1)
     assert quant.dequantize_rope_blocks(r8, sc).shape == (0, 1, 64)
+
+
+@pytest.mark.parametrize("sk", [[0], [1, 0, 7, 63, 65, 129, 40], [16, 32, 17], []])
+def test_transpose_v_host_layout(sk):
+    """The V^T model (kernels/vt_layout.cuh): every key of every sequence sits at column
+    col0(b) + 16 * (j // 16) + p with VT_SIGMA[p] = j % 16, regions are 16-aligned and disjoint,
+    and every other byte is zero."""
+    rng = np.random.default_rng(len(sk))
+    tk, heads = sum(sk) + 2, 3
+    v = rng.integers(1, 256, (tk, heads, 128), dtype=np.uint8)  # no zero bytes: zeros mark the gaps
+    cro = np.concatenate([[0], np.cumsum(sk)]).astype(np.int64)
+    vt = quant.transpose_v_host(v, cro)
+    assert vt.shape == (heads, 128, quant.vt_columns(tk, len(sk))) and vt.shape[2] % 16 == 0
+    assert sorted(quant.VT_SIGMA) == list(range(16))
+    seen = np.zeros(vt.shape[2], bool)
+    for b in range(len(sk)):
+        c0 = quant._vt_col0(cro[b], b)
+        assert c0 % 16 == 0
+        for j in range(sk[b]):
+            col = c0 + 16 * (j // 16) + int(np.flatnonzero(quant.VT_SIGMA == j % 16)[0])
+            assert not seen[col], "regions overlap"
+            seen[col] = True
+            np.testing.assert_array_equal(vt[:, :, col], v[cro[b] + j])
+    assert not vt[:, :, ~seen].any()
