@@ -1,6 +1,6 @@
 """Issue-6 timings on one GPU, one process: the fp8 per-token variant against our bf16 Hopper kernel
 (causal, H = 128, one sequence of 4096 / 8192 / 16384 tokens), median GPU time of 20 calls after
-warm-up (mla_cupy.bench.time_ms), and its accuracy on a smaller case. Prints a table.
+warm-up (mla_cupy.bench.time_ms); fp8 inputs from the package's device quantizers. Prints a table.
 
     PYTHONPATH=. python3 benchmarks/fp8_bench.py
 """
@@ -9,32 +9,13 @@ import numpy as np
 import cupy as cp
 
 import mla_cupy
+from mla_cupy import quant
 from mla_cupy._arrays import BF16
 from mla_cupy.bench import time_ms
 
 
 def rand(rng, *shape):
     return rng.standard_normal(shape, dtype=cp.float32).astype(BF16)
-
-
-def per_token_device(q, k, v, k_rope):
-    """Per-token quantization on the device with CuPy ops (the SPEC's formulas), for timing inputs."""
-    def amax(x):
-        return cp.abs(x.astype(cp.float32)).reshape(x.shape[0], -1).max(axis=1)[:, None] / 448.0
-
-    qs, ks = amax(q), amax(k)
-    qs[qs == 0] = 1
-    ks[ks == 0] = 1
-
-    def e4m3(x):  # round to e4m3 bytes via ml_dtypes on the host (timing inputs only)
-        h = cp.asnumpy(cp.clip(x, -448, 448))
-        import ml_dtypes
-        return cp.asarray(h.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
-
-    qf = q.astype(cp.float32) / qs[:, :, None]
-    return dict(q_nope=e4m3(qf[:, :, :128]), q_rope=qf[:, :, 128:].astype(BF16), q_scale=qs.astype(cp.float32),
-                k=e4m3(k.astype(cp.float32) / ks[:, :, None]), k_scales=ks.astype(cp.float32),
-                v=e4m3(v.astype(cp.float32)), k_rope=(k_rope.astype(cp.float32) / ks[:, :, None]).astype(BF16))
 
 
 def main():
@@ -45,7 +26,7 @@ def main():
         q, k, v, kr = rand(rng, s, h, 192), rand(rng, s, h, 128), rand(rng, s, h, 128), rand(rng, s, 1, 64)
         vl = cp.asarray(np.array([0, s], np.uint32))
         out = cp.empty((s, h, 128), BF16)
-        f = per_token_device(q, k, v, kr)
+        f = quant.quantize_per_token(q, k, v, kr)  # the package's device quantizers
         t_bf16 = time_ms(lambda i: mla_cupy.mla_prefill(q, k, v, kr, vl, vl, out=out, q_max_seq_len=s, validate=False), 1)
         t_fp8 = time_ms(lambda i: mla_cupy.mla_prefill_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"],
                                                            f["v"], f["k_rope"], vl, vl, out=out, q_max_seq_len=s,

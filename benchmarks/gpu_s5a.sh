@@ -11,4 +11,4 @@ timeout 200 python3 -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider --ti
   tests/test_gpu_fp8.py tests/test_gpu_prefill.py -k "fp8 or transpose or nan" > "$OUT/pytest-fp8.log" 2>&1
 grep -E "accuracy|passed|failed|FAIL|Error |assert" "$OUT/pytest-fp8.log" | head -30
 timeout 90 python3 benchmarks/fp8_bench.py > "$OUT/fp8.txt" 2>&1; tail -6 "$OUT/fp8.txt"
-timeout 200 python3 benchmarks/paged_variants.py > "$OUT/paged_variants.txt" 2>&1; tail -8 "$OUT/paged_variants.txt"
+PYTHONPATH="$PYTHONPATH:$PWD/benchmarks" timeout 200 python3 benchmarks/paged_variants.py > "$OUT/paged_variants.txt" 2>&1; tail -8 "$OUT/paged_variants.txt"

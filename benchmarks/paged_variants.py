@@ -9,46 +9,24 @@ source, compiled for this run only (measurement, never shipped):
                 where no tile is gathered)
   both          the two together
 
-    PYTHONPATH=. python3 benchmarks/paged_variants.py
+    PYTHONPATH=.:benchmarks python3 benchmarks/paged_variants.py
 """
 import numpy as np
 
 import cupy as cp
 
 import mla_cupy
-from mla_cupy import _registry as reg, api, jit
 from mla_cupy._arrays import BF16
 from mla_cupy.bench import time_ms
 
-ORIG_SOURCE = jit.kernel_source
-ORIG_FAMILY = reg.prefill_sm90
+from _variant import restore, use_variant
+
 EDITS = {
     "regs40/232": [("kProducerRegs = kBusy ? 56 : 24", "kProducerRegs = kBusy ? 40 : 24"),
                    ("kConsumerRegs = kBusy ? 224 : 240", "kConsumerRegs = kBusy ? 232 : 240")],
     "no-flag-fence": [("if (key_ok[(it % kRopeStages) * (kBlockN + 16) + kBlockN + 1]) fence_proxy_async();", "")],
 }
 EDITS["both"] = EDITS["regs40/232"] + EDITS["no-flag-fence"]
-
-
-def use(variant):
-    edits = EDITS.get(variant, [])
-
-    def source(name):
-        text = ORIG_SOURCE(name)
-        if name == "mla_prefill_sm90.cu":
-            for a, b in edits:
-                assert a in text, a
-                text = text.replace(a, b)
-        return text
-
-    jit.kernel_source = source
-    # one module per variant: only the two instantiations timed here (plain and paged)
-    reg.prefill_sm90 = lambda dtype, mask, v="bf16": (reg.PREFILL_SM90[0], tuple(
-        reg.prefill_sm90_name(dtype, dtype, mask, paged, v) for paged in (False, True)))
-    jit._modules.clear()
-    jit._functions.clear()
-    api._FUNCTIONS.clear()
-    api._PLANS.clear()
 
 
 def main():
@@ -65,7 +43,7 @@ def main():
     print("| variant | plain ms | paged ms | paged/plain | paged == plain |")
     print("|---|---|---|---|---|")
     for variant in ("default", "regs40/232", "no-flag-fence", "both"):
-        use(variant)
+        use_variant("mla_prefill_sm90.cu", EDITS.get(variant, []))
         f_plain = lambda i: mla_cupy.mla_prefill(q, k, v, latent[:, :, 512:], vl, vl, out=out, q_max_seq_len=s, validate=False)
         f_paged = lambda i: mla_cupy.mla_prefill(q, k, v, cache, vl, vl, out=out2, q_max_seq_len=s, validate=False)
         t_plain, t_paged = time_ms(f_plain, 1), time_ms(f_paged, 1)
@@ -73,7 +51,7 @@ def main():
         same = bool(cp.all(out == out2))
         print(f"| {variant} | {t_plain:.3f} / {t_plain2:.3f} | {t_paged:.3f} | {t_paged / min(t_plain, t_plain2):.3f} | {same} |",
               flush=True)
-    jit.kernel_source, reg.prefill_sm90 = ORIG_SOURCE, ORIG_FAMILY
+    restore()
 
 
 if __name__ == "__main__":
