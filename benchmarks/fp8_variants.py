@@ -25,6 +25,12 @@ EDITS = {
     "no-pscale": [("const float c = kPScale;", "const float c = 1.f;")],
 }
 EDITS["both"] = EDITS["no-dequant"] + EDITS["no-pscale"]
+# k scales only (q_scale not applied: 1 FMUL per score instead of 2)
+EDITS["k-only"] = [(f"sacc[nt][{e}] *= qsc[{e // 2}] * b{e % 2};", f"sacc[nt][{e}] *= b{e % 2};") for e in range(4)]
+# the scales read with ld.shared from a 32-bit shared address instead of a generic pointer
+EDITS["lds"] = [("const float b0 = ksc[nt * 8 + 2 * (lane & 3)], b1 = ksc[nt * 8 + 2 * (lane & 3) + 1];",
+                 "const u32 ka = sKScales(it % kS) + 4 * static_cast<u32>((w.kv_row0 + n0) & 3) + 4 * (nt * 8 + 2 * (lane & 3));"
+                 " const float b0 = __uint_as_float(lds32(ka)), b1 = __uint_as_float(lds32(ka + 4));")]
 
 
 def main():
@@ -42,7 +48,7 @@ def main():
     print(f"bf16 kernel: {t_bf16:.3f} ms; the V^T pre-pass alone: {vt:.3f} ms")
     print("| fp8 variant | ms | fp8 / bf16 speed |")
     print("|---|---|---|")
-    for variant in ("default", "no-dequant", "no-pscale", "both"):
+    for variant in ("default", "no-dequant", "k-only", "lds", "both"):
         use_variant("mla_prefill_sm90.cu", EDITS.get(variant, []), paged=(False,))
         t = time_ms(fp8, 1)
         print(f"| {variant} | {t:.3f} | {t_bf16 / t:.2f}x |", flush=True)
