@@ -555,7 +555,14 @@ def mla_prefill_fp8(
     Notes
     -----
     P is rounded to e4m3 for P V (as in FlashAttention-3's fp8 path); the row sums use the float32
-    P. :func:`mla_cupy.quant.quantize_per_token` (host) produces these inputs from bf16 ones.
+    P. :func:`mla_cupy.quant.quantize_per_token` produces these inputs from bf16 ones (on the host
+    for NumPy data, on the device for CuPy data).
+
+    Each call writes V transposed (:func:`mla_cupy.quant.transpose_v`, the layout the e4m3 tensor
+    cores read) into a workspace of about V's size, taken from CuPy's memory pool on the call's
+    stream and returned to it when the call returns; the transpose is part of the call's time.
+    Key tiles start on multiples of 16 keys of a sequence, so a NaN in the v of a key also reaches
+    query blocks whose visible keys start up to 15 keys after it (never another sequence).
     """
     return _prefill(_fp8_bytes(q_nope, "q_nope"), _fp8_bytes(k, "k"), _fp8_bytes(v, "v"), k_rope, valid_length,
                     cache_row_offsets, scale=scale, mask=mask, q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets,
