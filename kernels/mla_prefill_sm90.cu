@@ -4,8 +4,9 @@
 //     sequence) in the order of tile_scheduler.cuh (heads in L2-sized sections, longest first).
 //     3 warpgroups:
 //       WG0, the producers: one thread issues TMA copies of each work tile's Q (once the
-//           consumers are done with the previous one) and of its K/V tiles into a 2-stage
-//           shared-memory ring guarded by mbarriers, K and V with their own "full" and "empty"
+//           consumers are done with the previous one) and of its K/V tiles into a shared-memory
+//           ring (2 stages; 3 in the fp8 per-token variant) guarded by mbarriers, K and V with
+//           their own "full" and "empty"
 //           barriers; with a paged or fp8 rope a second warp brings the rope rows
 //           (setmaxnreg: 24 registers, 56 with a rope ring);
 //       WG1, WG2, the consumers: 64 query rows each; S = Q K^T with wgmma (both operands in shared
