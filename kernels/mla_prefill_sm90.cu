@@ -59,6 +59,10 @@ constexpr int kColBlock = 64;                      // 16-bit elements per 128-by
 constexpr int kBlk = kBlockN * 128;                // one column block of a 128-row tile: 16 KiB
 static_assert(kBlockM == kBlockN, "Q and K/V tiles share the column-block size");
 constexpr int kRopeStages = 3;                     // rope ring: runs up to 3 tiles ahead
+// Named barriers (0 is __syncthreads): both consumers after zeroing V rows; the consumers' turns.
+constexpr int kVZeroBar = 1;
+constexpr int kTurnBar = 2;                        // kTurnBar + c: consumer c may issue its GEMMs
+constexpr float kFloatMin = 1.17549435e-38f;       // FLT_MIN
 // The 128 nope values of a row (of Q or K): two 16-bit column blocks, or one e4m3 block (fp8 variant).
 template <bool kFp8> constexpr int kNopeBlocks = kFp8 ? 1 : 2;
 // Shared memory, the base aligned to 1 KiB for the swizzle:
@@ -360,6 +364,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   const int warp_in_wg = (threadIdx.x / 32) % 4;
   const u32 sQw = sQ + cw * kWgRows * 128;         // this warpgroup's 64 rows inside each column block
   int it = 0, nq = 0;                              // the producer's counters, followed in step
+  // fp8 per token: the two consumers take turns issuing their GEMMs (FlashAttention-3's pingpong),
+  // so that one's softmax runs under the other's GEMMs (the e4m3 P V alone is too short to hide
+  // it). Consumer 0 has the first turn; both run the same GEMM blocks (same work tiles and counts),
+  // so turns alternate exactly, and consumer 0 takes the last pass after the loop.
+  constexpr bool kPingpong = kFp8;
+  auto turn_wait = [&]() { if constexpr (kPingpong) named_barrier_sync(kTurnBar + cw, kConsumerThreads); };
+  auto turn_pass = [&]() { if constexpr (kPingpong) named_barrier_arrive(kTurnBar + 1 - cw, kConsumerThreads); };
+  if (cw == 1) turn_pass();
 
   for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
     Work k;
@@ -375,12 +387,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     OnlineSoftmax sm;
     sm.init();
-    // fp8: this thread's rows' q_scale (S is scaled by q_scale[i] k_scales[j] before the mask)
-    float qsc[2] = {1.f, 1.f};
+    // The softmax scale of each of the thread's two rows. fp8: S_ij = q_scale[i] k_scales[j] raw_ij;
+    // k_scales[j] multiplies the scores (before the mask: scales may be 0), q_scale[i] >= 0 (the API
+    // checks it) folds into the row's scale, as the maximum of q_scale[i] x is q_scale[i] max(x):
+    // one multiply per score instead of two on the softmax's critical path. A zero q_scale becomes
+    // kFloatMin (all scores 0 -> uniform weights; a zero scale would turn masked -inf scores into NaN).
+    float row_scale[2] = {scale_log2, scale_log2};
     if constexpr (kFp8) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-        if (row0 + 8 * r < w.sq) qsc[r] = q_scale[(w.q_row0 + row0 + 8 * r) * q_scale_stride];
+      for (int r = 0; r < 2; ++r) {
+        const float qs = row0 + 8 * r < w.sq ? q_scale[(w.q_row0 + row0 + 8 * r) * q_scale_stride] : 1.f;
+        const float rs = qs * scale_log2;
+        row_scale[r] = rs == 0.f ? kFloatMin : rs;
+      }
     }
 
     if (k.num_tiles > 0) {
@@ -434,17 +453,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       auto scores_to_p = [&](int t, int it, float (&corr)[2]) {
         fence_operands(sacc);
         const int n0 = k.n_begin + t * kBlockN;
-        if constexpr (kFp8) {  // dequantize: S_ij *= q_scale[i] k_scales[j] (before the mask: scales may be 0)
+        if constexpr (kFp8) {  // dequantize: S_ij *= k_scales[j] (q_scale[i] is in row_scale)
           // the tile's scales start (kv_row0 + n0) % 4 floats into the box (see the producer)
           const float* ksc = reinterpret_cast<const float*>(smem_raw + (sKScales(it % kS) - smem_addr(smem_raw))) +
                              ((w.kv_row0 + n0) & 3);
 #pragma unroll
           for (int nt = 0; nt < kSTiles; ++nt) {
             const float b0 = ksc[nt * 8 + 2 * (lane & 3)], b1 = ksc[nt * 8 + 2 * (lane & 3) + 1];
-            sacc[nt][0] *= qsc[0] * b0;
-            sacc[nt][1] *= qsc[0] * b1;
-            sacc[nt][2] *= qsc[1] * b0;
-            sacc[nt][3] *= qsc[1] * b1;
+            sacc[nt][0] *= b0;
+            sacc[nt][1] *= b1;
+            sacc[nt][2] *= b0;
+            sacc[nt][3] *= b1;
           }
         }
         const unsigned char* ok = key_ok + (it % kRopeStages) * (kBlockN + 16);
@@ -454,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         if (!full) apply_mask(sacc, mask, w, row0, n0, k.n_end, tile_bad ? ok : nullptr);
         mbar_arrive(k_empty(it % kS));                       // K fully read
         if (kRing) mbar_arrive(r_empty(it % kRopeStages));  // and the rope rows and their flags
-        sm.update_scores(sacc, scale_log2, corr);
+        sm.update_scores(sacc, row_scale, corr);
       };
       auto pack = [&]() {
 #pragma unroll
@@ -468,7 +487,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       int prev_s = it % kS;
       u32 prev_parity = (it / kS) & 1;
       float corr[2];
+      turn_wait();
       issue_qk(it);
+      turn_pass();
       wgmma_wait<0>();
       scores_to_p(0, it, corr);
       pack();
@@ -477,9 +498,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       for (int t = 1; t < k.num_tiles; ++t, ++it) {
         const int s = it % kS;
         const u32 parity = (it / kS) & 1;
+        turn_wait();
         issue_qk(it);
         mbar_wait(v_full(prev_s), prev_parity);
         issue_pv(prev_s);
+        turn_pass();
         wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
         scores_to_p(t, it, corr);
         wgmma_wait<0>();
@@ -508,9 +531,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           }
         }
         fence_proxy_async();
-        named_barrier_sync(1, kConsumerThreads);
+        named_barrier_sync(kVZeroBar, kConsumerThreads);
       }
+      turn_wait();
       issue_pv(prev_s);
+      turn_pass();
       wgmma_wait<0>();
       fence_operands(o);
       fence_operands(pa);
@@ -524,6 +549,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     }
     store_rows<OutT>(o, sm, w, row0, out, o_st, o_sh, lse, lse_st, accumulate != 0);
   }
+  if (cw == 0) turn_wait();  // consumer 1's last pass: every turn barrier ends balanced
 }
 
 }  // namespace sm90

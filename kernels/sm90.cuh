@@ -65,6 +65,10 @@ template <int N> __device__ __forceinline__ void regs_alloc() { asm volatile("se
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrives without waiting: the other `threads - (this warpgroup)` complete the barrier with bar.sync.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // ---------------------------------------------------------------------------------------------
 // wgmma shared-memory descriptors for tiles stored as 64-element (128-byte) wide column blocks of

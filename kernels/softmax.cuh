@@ -61,14 +61,21 @@ struct OnlineSoftmax {
   // rescale() so that a kernel can run this while the previous tile's P V is still in flight.
   template <int kSTiles>
   __device__ __forceinline__ void update_scores(float (&s)[kSTiles][4], float scale_log2, float (&corr)[2]) {
+    const float row_scale[2] = {scale_log2, scale_log2};
+    update_scores(s, row_scale, corr);
+  }
+  // The same with a scale per row (scale_log2[r] for row g + 8 r): the fp8 kernel folds q_scale in.
+  template <int kSTiles>
+  __device__ __forceinline__ void update_scores(float (&s)[kSTiles][4], const float (&scale_log2)[2],
+                                                float (&corr)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      // The row maximum of scale * s, found on the raw scores and scaled once (scale > 0: the API
+      // The row maximum of scale * s, found on the raw scores and scaled once (scale >= 0: the API
       // rejects others). A fully masked row keeps -inf: "nothing new".
       float ext = s[0][2 * r];
 #pragma unroll
       for (int nt = 0; nt < kSTiles; ++nt) ext = fmaxf(ext, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      const float scaled = quad_max(ext) * scale_log2;
+      const float scaled = quad_max(ext) * scale_log2[r];
       const float mx = fmaxf(row_max[r], scaled);
       const float ref = mx == neg_inf() ? 0.f : mx;
       corr[r] = fast_exp2(row_max[r] - ref);
@@ -78,7 +85,7 @@ struct OnlineSoftmax {
       for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
         for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -ref));
+          s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2[r], -ref));
           sum += s[nt][e];
         }
       }

@@ -181,7 +181,7 @@ def transpose_v_host(v, cache_row_offsets) -> np.ndarray:
 
 
 def _transpose_v_device(v, kv_begin_ptr: int, kv_end_ptr: int, batch: int, stream=None):
-    """kernels/transpose_v.cu on device e4m3 bytes ``v[Tk, H, 128]`` (rows 4-byte aligned, last dim
+    """kernels/transpose_v.cu on device e4m3 bytes ``v[Tk, H, 128]`` (16-byte aligned rows, last dim
     contiguous; unchecked) with raw pointers to the key offsets: a new uint8 ``[H, 128, cols]``
     CuPy array, written on ``stream`` (the current one when None)."""
     import cupy as cp

@@ -237,6 +237,13 @@ def check_inputs(
                 raise ValueError(f"cache_offsets: expected non-negative positions, got {co[co < 0][0]}")
             if paged:
                 _check_paged(k_rope, co, np.diff(cro))
+            if fp8 is not None and tq:
+                # the kernel folds q_scale into each row's softmax scale (max of q_scale * x):
+                # negative (or NaN) scales would break that; quantizers give amax / 448 or 1
+                qs = to_host(fp8[1]).reshape(-1)
+                if not (qs >= 0).all():
+                    i = int(np.argmax(~(qs >= 0)))
+                    raise ValueError(f"q_scale: expected non-negative scales, got q_scale[{i}] = {qs[i]}")
     if device and max_sq is not None:
         nmb = -(-max_sq // 128)
         if nmb * max(batch, 1) * heads > _MAX_I32:

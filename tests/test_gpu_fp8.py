@@ -41,9 +41,10 @@ def run_fp8(case, fq, k_rope=None, mask=None, out_dtype=None, **kw):
     return cp.asnumpy(got).astype(np.float64), cp.asnumpy(lse)
 
 
-def check_fp8(case, mask=None, k_rope=None, tol=TOL, **kw):
-    """Kernel vs the float64 reference of the dequantized inputs; returns the worst per-slice error."""
-    fq = quantized(case)
+def check_fp8(case, mask=None, k_rope=None, tol=TOL, fq=None, **kw):
+    """Kernel vs the float64 reference of the dequantized inputs (``fq``: given, or quantized from
+    the case); returns the worst per-slice error."""
+    fq = quantized(case) if fq is None else fq
     got, lse = run_fp8(case, fq, k_rope=k_rope, mask=mask, **kw)
     ref, ref_lse = reference.mla_prefill_fp8(fq["q_nope"], fq["q_rope"], fq["q_scale"], fq["k"], fq["k_scales"], fq["v"],
                                              fq["k_rope"], case.valid_length, case.cache_row_offsets, mask=mask,
@@ -71,6 +72,19 @@ def test_fp8_every_mask_heads_odd_lengths(mask, heads):
 def test_fp8_prefix_context_float32_out(mask):
     c = make_case([65, 100, 1, 33], [300, 1000, 129, 33], 16, BF16, seed=7, cache_offsets=[0, 77, 1000, 5])
     check_fp8(c, mask=mask, out_dtype=np.float32)
+
+
+@pytest.mark.parametrize("mask", [CausalMask(), SlidingWindowCausalMask(37)], ids=lambda m: type(m).__name__)
+def test_fp8_zero_and_tiny_q_scale(mask):
+    """q_scale folds into each row's softmax scale in the kernel: rows with q_scale 0 (all scores 0:
+    uniform weights over the visible keys, masked keys still excluded) and tiny or huge scales match
+    the reference."""
+    c = make_case([65, 7, 130], [100, 7, 300], 16, BF16, seed=43)
+    fq = quantized(c)
+    fq["q_scale"][[0, 5, 64, 70, 71, 150]] = 0.0
+    fq["q_scale"][[1, 100]] = 1e-30
+    fq["q_scale"][[2, 101]] = 1e4
+    check_fp8(c, mask=mask, fq=fq)
 
 
 @pytest.mark.parametrize("page_size", [16, 64, 256])

@@ -156,6 +156,9 @@ def test_fp8_argument_errors():
         ("q_scale", dev(np.ones((tq,), np.float32)), ValueError, "q_scale: expected a 2-D array"),
         ("k_scales", dev(np.ones((tk, 1), np.float64)), TypeError, "k_scales: expected dtype float32"),
         ("k_rope", dev(np.ones((tk, 1, 64), np.float16)), TypeError, "k_rope: expected dtype bfloat16"),
+        # q_scale folds into each row's softmax scale: negative or NaN scales are refused
+        ("q_scale", dev(np.full((tq, 1), -1, np.float32)), ValueError, r"q_scale: expected non-negative scales, got q_scale\[0\] = -1"),
+        ("q_scale", dev(np.array([[1]] * (tq - 1) + [[np.nan]], np.float32)), ValueError, "q_scale: expected non-negative"),
     ]:
         args = dict(f8, **{name: bad})
         with pytest.raises(exc, match=words):
