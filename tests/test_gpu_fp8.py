@@ -77,13 +77,18 @@ def test_fp8_prefix_context_float32_out(mask):
 @pytest.mark.parametrize("mask", [CausalMask(), SlidingWindowCausalMask(37)], ids=lambda m: type(m).__name__)
 def test_fp8_zero_and_tiny_q_scale(mask):
     """q_scale folds into each row's softmax scale in the kernel: rows with q_scale 0 (all scores 0:
-    uniform weights over the visible keys, masked keys still excluded) and tiny or huge scales match
-    the reference."""
+    uniform weights over the visible keys, masked keys still excluded), tiny scales and 100 times
+    the quantizer's scale match the reference.
+
+    (A first version also set q_scale = 1e4, a million times the quantizer's: logits near 1e6,
+    where one float32 ulp is 0.06 in the exponent, so the largest weight is off by up to 4% in any
+    float32 softmax; on the H200 the causal case failed at 4.2% for that reason. Dropped; this
+    version has not yet run on a GPU.)"""
     c = make_case([65, 7, 130], [100, 7, 300], 16, BF16, seed=43)
     fq = quantized(c)
     fq["q_scale"][[0, 5, 64, 70, 71, 150]] = 0.0
     fq["q_scale"][[1, 100]] = 1e-30
-    fq["q_scale"][[2, 101]] = 1e4
+    fq["q_scale"][[2, 101]] *= 100
     check_fp8(c, mask=mask, fq=fq)
 
 
