@@ -253,8 +253,8 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
     device_id = cupy.cuda.runtime.getDevice()
     nmb = -(-p.max_sq // BLOCK_M)
     oitem = p.out_dtype.itemsize
-    rope = _rope_args(k_rope)
-    tail = (*rope, p.heads, heads_per_section(p, device_id), p.batch, nmb, p.scale * LOG2E, p.mask.arg, int(accumulate))
+    rope_args = _rope_args(k_rope)  # the kernels' rope_base .. max_pages parameters
+    tail = (*rope_args, p.heads, heads_per_section(p, device_id), p.batch, nmb, p.scale * LOG2E, p.mask.arg, int(accumulate))
     out_lse = (device_pointer(out), optional_ptr(lse), q_offsets_ptr, kv_begin_ptr, kv_end_ptr, cache_offsets_ptr,
                q_start_ptr)
     o_strides = (out.strides[0] // oitem, out.strides[1] // oitem, 0 if lse is None else lse.strides[0] // 4)
@@ -264,13 +264,13 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
         stand_in = device_pointer(out)
         kp, vp = (device_pointer(k), device_pointer(v)) if p.tk else (stand_in, stand_in)
         if p.rope8:  # dequantized by the rope warp: no map
-            rope = (0, 0, 0, 0, 0)
+            rope_map = (0, 0, 0, 0, 0)
         elif p.paged:
             bl = k_rope.blocks
-            rope = (device_pointer(bl) + k_rope.rope_offset * p.dtype.itemsize, int(bl.strides[1]),
-                    int(bl.strides[0]), k_rope.page_size, int(bl.shape[0]))
+            rope_map = (device_pointer(bl) + k_rope.rope_offset * p.dtype.itemsize, int(bl.strides[1]),
+                        int(bl.strides[0]), k_rope.page_size, int(bl.shape[0]))
         else:
-            rope = (device_pointer(k_rope) if p.tk else stand_in, _stride16(k_rope, 0))
+            rope_map = (device_pointer(k_rope) if p.tk else stand_in, _stride16(k_rope, 0))
         v_st = (_stride16(v, 1), _stride16(v, 0))
         fp8_maps, q_scale, vt = None, (0, 0), None
         if fp8 is not None:
@@ -286,7 +286,7 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
                 vp = device_pointer(vt)
             v_st = (cols, DV * cols)
         *maps, box_rows = _tensor_maps(p.dtype, p.heads, p.tq, p.tk, device_pointer(q), (_stride16(q, 1), _stride16(q, 0)),
-                                       kp, (_stride16(k, 1), _stride16(k, 0)), vp, v_st, rope, fp8_maps)
+                                       kp, (_stride16(k, 1), _stride16(k, 0)), vp, v_st, rope_map, fp8_maps)
         # Persistent: at most one CTA per SM (over 200 KiB of shared memory each), striding over the tiles.
         grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
         rec = (SM90_ARGS, *_prefill_function("sm90", p, device_id), grid, SM90_THREADS,
@@ -536,8 +536,10 @@ def mla_prefill_fp8(
     ----------
     q_nope : ``[Tq, H, 128]`` float8_e4m3fn as uint8 (a torch float8_e4m3fn tensor is viewed as uint8)
     q_rope : ``[Tq, H, 64]`` bfloat16
-    q_scale : ``[Tq, 1]`` float32
-        The true query is ``q_scale[i] * concat(q_nope[i], q_rope[i])``.
+    q_scale : ``[Tq, 1]`` float32, non-negative (checked with ``validate=True``)
+        The true query is ``q_scale[i] * concat(q_nope[i], q_rope[i])``. The kernel folds
+        ``q_scale[i]`` into row i's softmax scale, which needs it non-negative (the quantizers give
+        ``amax / 448``, or 1 for an all-zero row).
     k, v : ``[Tk, H, 128]`` float8_e4m3fn as uint8
         The nope keys and the values (V is used as stored, no scale).
     k_scales : ``[Tk, 1]`` float32, contiguous
