@@ -6,8 +6,8 @@
 //       WG0, the producers: one thread issues TMA copies of each work tile's Q (once the
 //           consumers are done with the previous one) and of its K/V tiles into a shared-memory
 //           ring (2 stages; 3 in the fp8 per-token variant) guarded by mbarriers, K and V with
-//           their own "full" and "empty"
-//           barriers; with a paged or fp8 rope a second warp brings the rope rows
+//           their own "full" and "empty" barriers; with a paged or fp8 rope a second warp brings
+//           the rope rows
 //           (setmaxnreg: 24 registers, 56 with a rope ring);
 //       WG1, WG2, the consumers: 64 query rows each; S = Q K^T with wgmma (both operands in shared
 //           memory), online softmax in registers, O += P V with wgmma (P from registers, V read
@@ -29,9 +29,9 @@
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
 //     before P V (fp8: their V^T columns), so a neighbour's NaN can never reach this sequence.
 //   * Variants (kVariant, below): 16-bit; fp8 per token (e4m3 Q K^T nope and P V, bf16 rope, S
-//     dequantized by q_scale[i] k_scales[j] in registers, V^T from the pre-pass of transpose_v.cu,
-//     key tiles starting on multiples of 16 keys: vt_layout.cuh); fp8 rope (dequantized by the rope
-//     warp).
+//     dequantized by k_scales[j] in registers and q_scale[i] in the row's softmax scale, V^T from
+//     the pre-pass of transpose_v.cu, key tiles starting on multiples of 16 keys: vt_layout.cuh,
+//     the two consumers in pingpong); fp8 rope (dequantized by the rope warp).
 #include "common.cuh"
 #include "fp8.cuh"
 #include "mask.cuh"
@@ -120,8 +120,9 @@ __device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&
 
 // Variants (kVariant):
 //   kBf16: T (bf16 or fp16) everywhere;
-//   kFp8PerToken: tm_q / tm_k / tm_v map e4m3 q_nope / k / v, tm_q_rope q_rope, tm_k_scales k_scales
-//     (1-D float32); q_scale is read directly. S = q_scale[i] k_scales[j] (q_nope k^T + q_rope k_rope^T);
+//   kFp8PerToken: tm_q / tm_k map e4m3 q_nope / k, tm_v the e4m3 V^T of the pre-pass, tm_q_rope
+//     q_rope, tm_k_scales k_scales (1-D float32); q_scale is read directly.
+//     S = q_scale[i] k_scales[j] (q_nope k^T + q_rope k_rope^T);
 //   kFp8Rope: q, k, v in T; the rope is e4m3 with one float32 scale per key (rope_scales), dequantized
 //     to T by the rope warp.
 enum Variant : int { kBf16 = 0, kFp8PerToken = 1, kFp8Rope = 2 };

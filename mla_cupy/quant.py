@@ -146,6 +146,7 @@ def dequantize_rope_blocks(k_rope_fp8: np.ndarray, k_rope_scales: np.ndarray) ->
 # V^T for the per-token kernel (kernels/vt_layout.cuh, kernels/transpose_v.cu)
 
 VT_ALIGN = 16  #: kVtAlign: keys per aligned column group
+_VT_COLS_PER_CTA, _VT_THREADS = 128, 128  # kernels/transpose_v.cu: kVtCols, kVtThreads
 #: column p of a 16-column group holds key VT_SIGMA[p] of the group (vt_layout.cuh: sigma)
 VT_SIGMA = np.array([2 * (p // 4) + (p & 1) + 8 * ((p >> 1) & 1) for p in range(VT_ALIGN)])
 
@@ -196,8 +197,9 @@ def _transpose_v_device(v, kv_begin_ptr: int, kv_end_ptr: int, batch: int, strea
         vt = cp.empty((heads, DV, cols), cp.uint8)
         if batch and tk:
             fn = get_function(*reg.transpose_v_family(), reg.TRANSPOSE_V[1][0])
-            fn((-(-cols // 128), heads), (128,), (v, np.int64(v.strides[0]), np.int64(v.strides[1]), np.uintp(kv_begin_ptr),
-                                                  np.uintp(kv_end_ptr), np.int32(batch), vt, np.int64(cols)))
+            fn((-(-cols // _VT_COLS_PER_CTA), heads), (_VT_THREADS,),
+               (v, np.int64(v.strides[0]), np.int64(v.strides[1]), np.uintp(kv_begin_ptr), np.uintp(kv_end_ptr),
+                np.int32(batch), vt, np.int64(cols)))
         else:
             vt.fill(0)
     return vt
