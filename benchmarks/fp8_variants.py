@@ -5,6 +5,10 @@ per-score work; a variant that drops work gives WRONG results (timing only, neve
   default      the shipped kernel
   no-pingpong  the two consumers issue their GEMMs whenever ready (no turns)
   no-dequant   S is not multiplied by k_scales[j] (the one FMUL per score left)
+  no-exp       ex2.approx replaced by a multiply (is the MUFU pipe the bound?)
+  no-softmax   no online softmax at all: the GEMM pipeline's own bound
+  poly2, poly4 2 or 4 of the 16 n-tiles' exp2 computed by a degree-3 polynomial on the FMA pipe
+               (FlashAttention-4's emulation; accurate to ~1e-4, i.e. a candidate, not wrong)
 
     PYTHONPATH=.:benchmarks python3 benchmarks/fp8_variants.py [variant ...]
 """
@@ -24,7 +28,33 @@ from _variant import restore, use_variant
 # Edits of the shipped kernel (v5.1: q_scale folded into the row scale, consumers in pingpong).
 # Session 5's first runs measured, on the v5 kernel (q_scale multiplied per score, no pingpong):
 # "no-dequant", "no-pscale", "k-only" and "lds" (RESULTS.md, "v5").
+EXP_ASM = 'asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));'
+EXP_CALL = "s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2[r], -ref));"
+# 2^x = 2^floor(x) * p(frac(x)): floor by adding 1.5 * 2^23 rounding down, p of degree 3, the integer
+# part added to p's exponent bits.
+POLY = """
+__device__ __forceinline__ float exp2_poly(float x) {
+  x = fmaxf(x, -127.f);
+  float xr;
+  asm("add.rm.f32 %0, %1, %2;" : "=f"(xr) : "f"(x), "f"(12582912.f));
+  const float f = x - (xr - 12582912.f);
+  const float p = fmaf(fmaf(fmaf(0.0771190897f, f, 0.2275643945f), f, 0.6951461434f), f, 1.f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(xr) << 23));
+}
+struct OnlineSoftmax {"""
+
+
+def poly(every):
+    return [("struct OnlineSoftmax {", POLY),
+            (EXP_CALL, f"s[nt][e] = nt % {every} == {every - 1} ? exp2_poly(fmaf(s[nt][e], scale_log2[r], -ref))"
+                       f" : fast_exp2(fmaf(s[nt][e], scale_log2[r], -ref));")]
+
+
 EDITS = {
+    "no-exp": [(EXP_ASM, "y = x * 0.999f;")],
+    "no-softmax": [("sm.update_scores(sacc, row_scale, corr);", "corr[0] = corr[1] = 1.f;")],
+    "poly2": poly(8),
+    "poly4": poly(4),
     "no-pingpong": [("constexpr bool kPingpong = kFp8;", "constexpr bool kPingpong = false;")],
     "no-dequant": [(f"sacc[nt][{e}] *= b{e % 2};", "") for e in range(4)],
 }
