@@ -24,8 +24,24 @@ def use_variant(filename, edits, paged=(False, True)):
     _clear()
 
 
-def restore():
-    """Back to the shipped kernels."""
+def use_sources(directory):
+    """The next API calls compile every kernel from the .cu/.cuh files of ``directory`` (an older
+    version, e.g. written by ``git archive``), so that two versions run in one process."""
+    from pathlib import Path
+
+    raw = {p.name: p.read_text(encoding="utf-8") for p in Path(directory).iterdir() if p.suffix in (".cu", ".cuh")}
+    saved = dict(jit._RAW_SOURCES)
+    jit._RAW_SOURCES.clear()
+    jit._RAW_SOURCES.update(raw)
+    _clear()
+    return saved
+
+
+def restore(saved_sources=None):
+    """Back to the shipped kernels (and sources, given what ``use_sources`` returned)."""
+    if saved_sources is not None:
+        jit._RAW_SOURCES.clear()
+        jit._RAW_SOURCES.update(saved_sources)
     jit.kernel_source, reg.prefill_sm90 = ORIG_SOURCE, ORIG_FAMILY
     _clear()
 

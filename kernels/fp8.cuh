@@ -37,21 +37,23 @@ struct WgmmaE4m3 {
   }
 };
 
-// P is stored as kPScale * P: probabilities in [0, 1] would leave most of a long row in e4m3's
+// P is computed as kPScale * P: probabilities in [0, 1] would leave most of a long row in e4m3's
 // subnormal range (below 2^-6, steps of 2^-9); scaled by 256 they stay normal down to 2^-14
-// (FlashAttention-3's max offset of 8). O accumulates kPScale * P V and is scaled back once.
-constexpr float kPScale = 256.f;
+// (FlashAttention-3's max offset of 8). The factor costs nothing: the softmax subtracts
+// kLog2PScale less from each exponent (softmax.cuh). O and the row sums carry it and are scaled
+// back once per work tile. kPScale * P <= 256 stays below e4m3's largest value, 448.
+constexpr int kLog2PScale = 8;
+constexpr float kPScale = 1 << kLog2PScale;
 
 // kPScale * P of k-step kk (keys 32 kk .. 32 kk + 31, n-tiles 4 kk .. 4 kk + 3 of the S
 // accumulator) as the e4m3 A fragment, in the k order of the file comment.
 template <int kSTiles>
 __device__ __forceinline__ void pack_p_e4m3(const float (&s)[kSTiles][4], int kk, u32 (&a)[4]) {
   const int j = 4 * kk;
-  const float c = kPScale;
-  a[0] = e4m3x4(c * s[j][0], c * s[j][1], c * s[j + 1][0], c * s[j + 1][1]);          // row g, keys 2t, 2t+1, 8+2t, 9+2t
-  a[1] = e4m3x4(c * s[j][2], c * s[j][3], c * s[j + 1][2], c * s[j + 1][3]);          // row g + 8
-  a[2] = e4m3x4(c * s[j + 2][0], c * s[j + 2][1], c * s[j + 3][0], c * s[j + 3][1]);  // row g, keys 16 + ...
-  a[3] = e4m3x4(c * s[j + 2][2], c * s[j + 2][3], c * s[j + 3][2], c * s[j + 3][3]);  // row g + 8, keys 16 + ...
+  a[0] = e4m3x4(s[j][0], s[j][1], s[j + 1][0], s[j + 1][1]);          // row g, keys 2t, 2t+1, 8+2t, 9+2t
+  a[1] = e4m3x4(s[j][2], s[j][3], s[j + 1][2], s[j + 1][3]);          // row g + 8
+  a[2] = e4m3x4(s[j + 2][0], s[j + 2][1], s[j + 3][0], s[j + 3][1]);  // row g, keys 16 + ...
+  a[3] = e4m3x4(s[j + 2][2], s[j + 2][3], s[j + 3][2], s[j + 3][3]);  // row g + 8, keys 16 + ...
 }
 
 // Byte offset of (row, byte) in a tile of 128-byte rows with the 128-byte swizzle (16-byte chunk c

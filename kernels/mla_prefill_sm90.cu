@@ -110,12 +110,16 @@ constexpr int kOTiles = kDv / 8;                   // 16
 template <typename T>
 __device__ __forceinline__ void pv_mma(float (&o)[kOTiles][4], const u32 (&pa)[kPvSteps<false>][4], u32 v_stage) {
 #pragma unroll
-  for (int kk = 0; kk < kPvSteps<false>; ++kk) Wgmma<T>::rs_tb(o, pa[kk], make_desc(v_stage + kk * 2048, kBlk, 1024));
+  const unsigned long long dv = make_desc(v_stage, kBlk, 1024);
+#pragma unroll
+  for (int kk = 0; kk < kPvSteps<false>; ++kk) Wgmma<T>::rs_tb(o, pa[kk], desc_add(dv, kk * 2048));
 }
 // fp8: O += P V with V^T (rows = values, 128 k positions of one byte) K-major: 4 k-steps of 32 bytes.
 __device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&pa)[kPvSteps<true>][4], u32 vt_stage) {
 #pragma unroll
-  for (int kk = 0; kk < kPvSteps<true>; ++kk) WgmmaE4m3::rs(o, pa[kk], make_desc(vt_stage + kk * 32, 16, 1024));
+  const unsigned long long dv = make_desc(vt_stage, 16, 1024);
+#pragma unroll
+  for (int kk = 0; kk < kPvSteps<true>; ++kk) WgmmaE4m3::rs(o, pa[kk], desc_add(dv, kk * 32));
 }
 
 // Variants (kVariant):
@@ -364,6 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   const int ctid = threadIdx.x - 128;              // 0 .. 255 across both consumers
   const int warp_in_wg = (threadIdx.x / 32) % 4;
   const u32 sQw = sQ + cw * kWgRows * 128;         // this warpgroup's 64 rows inside each column block
+  const unsigned long long dq = make_desc(sQw, 16, 1024);  // their wgmma descriptor (K-major)
   int it = 0, nq = 0;                              // the producer's counters, followed in step
   // fp8 per token: the two consumers take turns issuing their GEMMs (FlashAttention-3's pingpong),
   // so that one's softmax runs under the other's GEMMs (the e4m3 P V alone is too short to hide
@@ -422,23 +427,22 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           if (key_ok[(it % kRopeStages) * (kBlockN + 16) + kBlockN + 1]) fence_proxy_async();
         }
         fence_operands(sacc);
+        const unsigned long long dk = make_desc(sK(s), 16, 1024), dr = make_desc(sRope(it), 16, 1024);
         wgmma_fence();
         if constexpr (kFp8) {
           // 4 e4m3 k-steps of 32 bytes over the nope block, then 4 16-bit k-steps over the rope
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            WgmmaE4m3::ss(sacc, make_desc(sQw + kk * 32, 16, 1024), make_desc(sK(s) + kk * 32, 16, 1024), kk > 0);
+          for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            Wgmma<T>::ss(sacc, make_desc(sQw + kBlk + kk * 32, 16, 1024), make_desc(sRope(it) + kk * 32, 16, 1024), 1);
+          for (int kk = 0; kk < 4; ++kk) Wgmma<T>::ss(sacc, desc_add(dq, kBlk + kk * 32), desc_add(dr, kk * 32), 1);
         } else {
 #pragma unroll
           for (int kk = 0; kk < kQkSteps; ++kk) {
             // k-step kk: column block kk / 4 (nope, nope, rope), 32-byte step kk % 4 inside the
             // 128-byte swizzled row
-            const u32 off = (kk / 4) * kBlk + (kk % 4) * 32;
-            const u32 kblk = kk / 4 < 2 ? sK(s) + (kk / 4) * kBlk : sRope(it);
-            Wgmma<T>::ss(sacc, make_desc(sQw + off, 16, 1024), make_desc(kblk + (kk % 4) * 32, 16, 1024), kk > 0);
+            const u32 step = (kk % 4) * 32;
+            const unsigned long long dkk = kk / 4 < 2 ? desc_add(dk, (kk / 4) * kBlk + step) : desc_add(dr, step);
+            Wgmma<T>::ss(sacc, desc_add(dq, (kk / 4) * kBlk + step), dkk, kk > 0);
           }
         }
         wgmma_commit();
@@ -449,22 +453,30 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         else pv_mma<T>(o, pa, sV(s));
         wgmma_commit();
       };
+      // fp8: the key scales of this thread's columns of tile t (ring position it), read from its K
+      // stage while the GEMMs run, so that their latency stays off the softmax's path.
+      float ksc[kFp8 ? kSTiles : 1][2];
+      auto load_key_scales = [&](int t, int it) {
+        if constexpr (kFp8) {
+          // the tile's scales start (kv_row0 + n0) % 4 floats into the box (see the producer)
+          const float* p = reinterpret_cast<const float*>(smem_raw + (sKScales(it % kS) - smem_addr(smem_raw))) +
+                           ((w.kv_row0 + k.n_begin + t * kBlockN) & 3) + 2 * (lane & 3);
+#pragma unroll
+          for (int nt = 0; nt < kSTiles; ++nt) ksc[nt][0] = p[nt * 8], ksc[nt][1] = p[nt * 8 + 1];
+        }
+      };
       // Masks S of tile t (ring position it) where needed, releases its K (and rope) stage, and
       // turns S into probabilities.
       auto scores_to_p = [&](int t, int it, float (&corr)[2]) {
         fence_operands(sacc);
         const int n0 = k.n_begin + t * kBlockN;
         if constexpr (kFp8) {  // dequantize: S_ij *= k_scales[j] (q_scale[i] is in row_scale)
-          // the tile's scales start (kv_row0 + n0) % 4 floats into the box (see the producer)
-          const float* ksc = reinterpret_cast<const float*>(smem_raw + (sKScales(it % kS) - smem_addr(smem_raw))) +
-                             ((w.kv_row0 + n0) & 3);
 #pragma unroll
           for (int nt = 0; nt < kSTiles; ++nt) {
-            const float b0 = ksc[nt * 8 + 2 * (lane & 3)], b1 = ksc[nt * 8 + 2 * (lane & 3) + 1];
-            sacc[nt][0] *= b0;
-            sacc[nt][1] *= b1;
-            sacc[nt][2] *= b0;
-            sacc[nt][3] *= b1;
+            sacc[nt][0] *= ksc[nt][0];
+            sacc[nt][1] *= ksc[nt][1];
+            sacc[nt][2] *= ksc[nt][0];
+            sacc[nt][3] *= ksc[nt][1];
           }
         }
         const unsigned char* ok = key_ok + (it % kRopeStages) * (kBlockN + 16);
@@ -474,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         if (!full) apply_mask(sacc, mask, w, row0, n0, k.n_end, tile_bad ? ok : nullptr);
         mbar_arrive(k_empty(it % kS));                       // K fully read
         if (kRing) mbar_arrive(r_empty(it % kRopeStages));  // and the rope rows and their flags
-        sm.update_scores(sacc, row_scale, corr);
+        sm.update_scores<kFp8 ? kLog2PScale : 0>(sacc, row_scale, corr);  // fp8: kPScale * P (fp8.cuh)
       };
       auto pack = [&]() {
 #pragma unroll
@@ -491,6 +503,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       turn_wait();
       issue_qk(it);
       turn_pass();
+      load_key_scales(0, it);
       wgmma_wait<0>();
       scores_to_p(0, it, corr);
       pack();
@@ -504,6 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         mbar_wait(v_full(prev_s), prev_parity);
         issue_pv(prev_s);
         turn_pass();
+        load_key_scales(t, it);
         wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
         scores_to_p(t, it, corr);
         wgmma_wait<0>();
@@ -542,11 +556,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       fence_operands(pa);
       mbar_arrive(v_empty(prev_s));
     }
-    if constexpr (kFp8) {  // O holds kPScale * P V (fp8.cuh)
+    if constexpr (kFp8) {  // O holds kPScale * P V and the row sums kPScale * sum(P) (fp8.cuh)
 #pragma unroll
       for (int i = 0; i < kOTiles; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[i][e] *= 1.f / kPScale;
+      sm.row_sum[0] *= 1.f / kPScale;
+      sm.row_sum[1] *= 1.f / kPScale;
     }
     store_rows<OutT>(o, sm, w, row0, out, o_st, o_sh, lse, lse_st, accumulate != 0);
   }

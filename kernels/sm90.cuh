@@ -82,6 +82,14 @@ __device__ __forceinline__ unsigned long long desc_encode(u32 x) { return (x & 0
 __device__ __forceinline__ unsigned long long make_desc(u32 smem, u32 lbo, u32 sbo) {
   return desc_encode(smem) | (desc_encode(lbo) << 16) | (desc_encode(sbo) << 32) | (1ull << 62);
 }
+// The descriptor of the tile `bytes` (a multiple of 16) further on: only the start-address field
+// (bits 0-13, address / 16) moves, by one 32-bit add on the low word. It cannot carry into the
+// LBO field: shared-memory addresses stay below 2^18 (227 KiB per CTA). Equal to make_desc(smem +
+// bytes, ...) but without re-encoding (and-mask, shift, or) per wgmma k-step.
+__device__ __forceinline__ unsigned long long desc_add(unsigned long long desc, u32 bytes) {
+  const u32 lo = static_cast<u32>(desc) + (bytes >> 4), hi = static_cast<u32>(desc >> 32);
+  return (static_cast<unsigned long long>(hi) << 32) | lo;
+}
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

@@ -65,27 +65,35 @@ struct OnlineSoftmax {
     update_scores(s, row_scale, corr);
   }
   // The same with a scale per row (scale_log2[r] for row g + 8 r): the fp8 kernel folds q_scale in.
-  template <int kSTiles>
+  // With kLog2P > 0 the probabilities (and row_sum) come out multiplied by 2^kLog2P, for free: the
+  // exponent's reference is lowered by kLog2P (the fp8 kernel's kPScale).
+  template <int kLog2P = 0, int kSTiles>
   __device__ __forceinline__ void update_scores(float (&s)[kSTiles][4], const float (&scale_log2)[2],
                                                 float (&corr)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       // The row maximum of scale * s, found on the raw scores and scaled once (scale >= 0: the API
-      // rejects others). A fully masked row keeps -inf: "nothing new".
-      float ext = s[0][2 * r];
+      // rejects others), by a tree (log2 kSTiles dependent steps, not kSTiles). A fully masked row
+      // keeps -inf: "nothing new".
+      float m[kSTiles];
 #pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt) ext = fmaxf(ext, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      const float scaled = quad_max(ext) * scale_log2[r];
+      for (int nt = 0; nt < kSTiles; ++nt) m[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
+#pragma unroll
+      for (int step = 1; step < kSTiles; step *= 2)
+#pragma unroll
+        for (int i = 0; i + step < kSTiles; i += 2 * step) m[i] = fmaxf(m[i], m[i + step]);
+      const float scaled = quad_max(m[0]) * scale_log2[r];
       const float mx = fmaxf(row_max[r], scaled);
       const float ref = mx == neg_inf() ? 0.f : mx;
       corr[r] = fast_exp2(row_max[r] - ref);
       row_max[r] = mx;
+      const float ref_p = ref - static_cast<float>(kLog2P);
       float sum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
         for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2[r], -ref));
+          s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2[r], -ref_p));
           sum += s[nt][e];
         }
       }
