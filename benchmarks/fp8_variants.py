@@ -7,6 +7,7 @@ per-score work; a variant that drops work gives WRONG results (timing only, neve
   no-dequant   S is not multiplied by k_scales[j] (the one FMUL per score left)
   no-exp       ex2.approx replaced by a multiply (is the MUFU pipe the bound?)
   no-softmax   no online softmax at all: the GEMM pipeline's own bound
+  late-scales  the key scales read after the S wait (v5.1's place) instead of before it
   poly2, poly4 2 or 4 of the 16 n-tiles' exp2 computed by a degree-3 polynomial on the FMA pipe
                (FlashAttention-4's emulation; accurate to ~1e-4, i.e. a candidate, not wrong)
 
@@ -51,6 +52,8 @@ def poly(every):
 
 
 EDITS = {
+    "late-scales": [("load_key_scales(t, it);\n        wgmma_wait<1>();", "wgmma_wait<1>();\n        load_key_scales(t, it);"),
+                    ("load_key_scales(0, it);\n      wgmma_wait<0>();", "wgmma_wait<0>();\n      load_key_scales(0, it);")],
     "no-exp": [(EXP_ASM, "y = x * 0.999f;")],
     "no-softmax": [("sm.update_scores(sacc, row_scale, corr);", "corr[0] = corr[1] = 1.f;")],
     "poly2": poly(8),

@@ -7,12 +7,12 @@
 //           consumers are done with the previous one) and of its K/V tiles into a shared-memory
 //           ring (2 stages; 3 in the fp8 per-token variant) guarded by mbarriers, K and V with
 //           their own "full" and "empty" barriers; with a paged or fp8 rope a second warp brings
-//           the rope rows
-//           (setmaxnreg: 24 registers, 56 with a rope ring);
+//           the rope rows into the K stages
+//           (setmaxnreg: 24 registers, 56 with the rope warp);
 //       WG1, WG2, the consumers: 64 query rows each; S = Q K^T with wgmma (both operands in shared
 //           memory), online softmax in registers, O += P V with wgmma (P from registers, V read
 //           transposed from shared memory; fp8: e4m3 P and V^T) (setmaxnreg: 240 registers, 224
-//           with a rope ring).
+//           with the rope warp).
 //   * Intra-warpgroup overlap: a consumer issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, waits
 //     for S_t only, and runs the softmax of tile t while the tensor cores still work on P V; only
 //     then does it wait for O and rescale it.
@@ -20,10 +20,11 @@
 //     the 64 rope values every head shares, copied from k_rope by their own tensor map. Nothing
 //     materializes [Tk, H, 192].
 //   * Tiles are 64-element column blocks with the 128-byte swizzle (what TMA writes; see sm90.cuh).
-//   * With a paged cache a second producer warp brings the rope rows into a 3-stage rope ring of
-//     its own, so they arrive ahead of the K/V traffic instead of behind it: TMA boxes of whole
-//     page runs when a tile starts on a page (or 128-key) boundary, otherwise a cp.async gather
-//     (one lookup per key, unreadable pages zero-filled and flagged).
+//   * With a paged cache a second producer warp (the rope warp) writes the rope rows into the K
+//     stage's rope block, in parallel with warp 0's TMA of the nope blocks, and both complete the
+//     stage's "full" barrier: TMA boxes of whole page runs when a tile starts on a page (or 128-key)
+//     boundary, otherwise a cp.async gather (one lookup per key, unreadable pages zero-filled and
+//     flagged). The same warp dequantizes an fp8 rope on the way.
 //   * Key tiles a mask removes entirely are never loaded; fully visible tiles skip the predicate.
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows or zero-filled past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
@@ -58,7 +59,6 @@ constexpr int kWgRows = kBlockM / kConsumers;      // 64 = one wgmma M
 constexpr int kColBlock = 64;                      // 16-bit elements per 128-byte swizzled column block
 constexpr int kBlk = kBlockN * 128;                // one column block of a 128-row tile: 16 KiB
 static_assert(kBlockM == kBlockN, "Q and K/V tiles share the column-block size");
-constexpr int kRopeStages = 3;                     // rope ring: runs up to 3 tiles ahead
 // Named barriers (0 is __syncthreads): both consumers after zeroing V rows; the consumers' turns.
 constexpr int kVZeroBar = 1;
 constexpr int kTurnBar = 2;                        // kTurnBar + c: consumer c may issue its GEMMs
@@ -66,31 +66,28 @@ constexpr float kFloatMin = 1.17549435e-38f;       // FLT_MIN
 // The 128 nope values of a row (of Q or K): two 16-bit column blocks, or one e4m3 block (fp8 variant).
 template <bool kFp8> constexpr int kNopeBlocks = kFp8 ? 1 : 2;
 // Shared memory, the base aligned to 1 KiB for the swizzle:
-//   [Q][K0 V0][K1 V1][R0 R1 R2 (ring)][mbarriers][flags (ring)]
+//   [Q][K0 V0][K1 V1](fp8: [K2 V2])[mbarriers][flags of K0, K1, K2 (rope warp)]
 //   Q:  the nope block(s), then the rope block (q's last 64 values; q_rope in the fp8 variant);
-//   K:  the nope block(s), then (plain) the rope block copied from k_rope, then (fp8) the key
-//       scales (kScaleBox floats, in a 1 KiB slot); with the rope ring (a paged cache, or an fp8 rope that
-//       is dequantized on the way), the rope rows go to their own deeper ring R instead;
+//   K:  the nope block(s), then the rope block (from k_rope by TMA; with a paged cache or an fp8
+//       rope, written by the rope warp), then (fp8) the key scales (kScaleBox floats, in a 1 KiB slot);
 //   V:  bf16/fp16: two column blocks; fp8: one e4m3 block of V^T (128 values x 128 keys, vt_layout.cuh).
 template <bool kFp8> constexpr int kQBytes = (kNopeBlocks<kFp8> + 1) * kBlk;
-template <bool kRing, bool kFp8> constexpr int kKBytes = (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk + (kFp8 ? 1024 : 0);
+template <bool kFp8> constexpr int kKBytes = (kNopeBlocks<kFp8> + 1) * kBlk + (kFp8 ? 1024 : 0);
 template <bool kFp8> constexpr int kVBytes = kNopeBlocks<kFp8> * kBlk;
 // fp8: the key scales of a tile come in a TMA box of 132 floats starting at the 16-byte boundary at
 // or before the tile's first key (a 1-D box must start 16-byte aligned); 528 bytes of the 1 KiB slot.
 constexpr int kScaleBox = kBlockN + 4;
-template <bool kRing, bool kFp8> constexpr int kStageBytes = kKBytes<kRing, kFp8> + kVBytes<kFp8>;
-template <bool kRing, bool kFp8> constexpr int kRopeOffset = kQBytes<kFp8> + kStages<kFp8> * kStageBytes<kRing, kFp8>;
-template <bool kRing, bool kFp8> constexpr int kBarOffset = kRopeOffset<kRing, kFp8> + (kRing ? kRopeStages * kBlk : 0);
+template <bool kFp8> constexpr int kStageBytes = kKBytes<kFp8> + kVBytes<kFp8>;
+template <bool kFp8> constexpr int kBarOffset = kQBytes<kFp8> + kStages<kFp8> * kStageBytes<kFp8>;
 constexpr int kBarBytes = 256;
-template <bool kRing, bool kFp8> constexpr int kKeyOkOffset = kBarOffset<kRing, kFp8> + kBarBytes;  // per-key flags + a tile flag
-template <bool kRing, bool kFp8> constexpr int kSmemBytes = kKeyOkOffset<kRing, kFp8> + kRopeStages * (kBlockN + 16) + 1024;
-static_assert(8 * (2 + 4 * kMaxStages + 2 * kRopeStages) <= kBarBytes, "the mbarriers must fit their bytes");
-static_assert(kSmemBytes<true, false> <= 227 * 1024 && kSmemBytes<false, false> <= 227 * 1024 &&
-              kSmemBytes<true, true> <= 227 * 1024 && kSmemBytes<false, true> <= 227 * 1024, "shared memory per CTA");
-// The layout's size for [kRing][kFp8], exported so a CPU test can check the launch code's mirror
+constexpr int kFlagBytes = kBlockN + 16;           // per K stage: a flag per key, then two tile flags
+template <bool kFp8> constexpr int kKeyOkOffset = kBarOffset<kFp8> + kBarBytes;
+template <bool kFp8> constexpr int kSmemBytes = kKeyOkOffset<kFp8> + kMaxStages * kFlagBytes + 1024;
+static_assert(8 * (2 + 4 * kMaxStages) <= kBarBytes, "the mbarriers must fit their bytes");
+static_assert(kSmemBytes<false> <= 227 * 1024 && kSmemBytes<true> <= 227 * 1024, "shared memory per CTA");
+// The layout's size for [kFp8], exported so a CPU test can check the launch code's mirror
 // (mla_cupy/api.py: sm90_smem_bytes) against it in the PTX.
-__device__ const int kSmemBytesOf[2][2] = {{kSmemBytes<false, false>, kSmemBytes<false, true>},
-                                           {kSmemBytes<true, false>, kSmemBytes<true, true>}};
+__device__ const int kSmemBytesOf[2] = {kSmemBytes<false>, kSmemBytes<true>};
 
 // Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The rope warp
 // keeps a tile's page lookups in registers: more than the plain producer's 24.
@@ -172,25 +169,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 
   const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // layout: see kSmemBytes
   const u32 sQ = base;
-  const u32 bar = base + kBarOffset<kRing, kFp8>;
+  const u32 bar = base + kBarOffset<kFp8>;
   const u32 q_full = bar, q_empty = bar + 8;
   auto k_full = [&](int s) { return bar + 16 + 8 * s; };
   auto v_full = [&](int s) { return bar + 16 + 8 * (kS + s); };
   auto k_empty = [&](int s) { return bar + 16 + 8 * (2 * kS + s); };
   auto v_empty = [&](int s) { return bar + 16 + 8 * (3 * kS + s); };
-  auto r_full = [&](int r) { return bar + 16 + 8 * (4 * kS + r); };                 // rope ring
-  auto r_empty = [&](int r) { return bar + 16 + 8 * (4 * kS + kRopeStages + r); };
-  auto sK = [&](int s) { return base + kQBytes<kFp8> + s * kStageBytes<kRing, kFp8>; };
-  auto sKScales = [&](int s) { return sK(s) + (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk; };  // fp8
-  auto sV = [&](int s) { return sK(s) + kKBytes<kRing, kFp8>; };
-  // The rope column block of key tile `it`: the third block of its K stage (plain), or its stage of
-  // the rope ring (paged).
-  auto sRope = [&](int it) {
-    return kRing ? base + kRopeOffset<kRing, kFp8> + (it % kRopeStages) * kBlk : sK(it % kS) + kNopeBlocks<kFp8> * kBlk;
-  };
-  // rope ring only: key_ok[r][0..127] per-key flags of rope stage r, then at byte kBlockN "a key of
+  auto sK = [&](int s) { return base + kQBytes<kFp8> + s * kStageBytes<kFp8>; };
+  auto sRope = [&](int s) { return sK(s) + kNopeBlocks<kFp8> * kBlk; };  // the K stage's rope block
+  auto sKScales = [&](int s) { return sRope(s) + kBlk; };                // fp8
+  auto sV = [&](int s) { return sK(s) + kKBytes<kFp8>; };
+  // rope warp only: key_ok[s][0..127] per-key flags of K stage s, then at byte kBlockN "a key of
   // the span is unreadable" and at kBlockN + 1 "gathered by cp.async"
-  unsigned char* key_ok = smem_raw + (base - smem_addr(smem_raw)) + kKeyOkOffset<kRing, kFp8>;
+  unsigned char* key_ok = smem_raw + (base - smem_addr(smem_raw)) + kKeyOkOffset<kFp8>;
 
   const int wg = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
@@ -198,14 +189,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     mbar_init(q_full, 1);
     mbar_init(q_empty, kConsumerThreads);
     for (int s = 0; s < kS; ++s) {
-      mbar_init(k_full(s), 1);
+      mbar_init(k_full(s), kRing ? 1 + 32 : 1);  // warp 0's expect_tx (and the rope warp's 32 lanes)
       mbar_init(v_full(s), 1);
       mbar_init(k_empty(s), kConsumerThreads);
       mbar_init(v_empty(s), kConsumerThreads);
-    }
-    for (int r = 0; r < kRopeStages; ++r) {
-      mbar_init(r_full(r), 64);  // 32 cp.async completions and 32 plain arrivals (after the flags)
-      mbar_init(r_empty(r), kConsumerThreads);
     }
     fence_barrier_init();
   }
@@ -245,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           constexpr int kScaleBytes = kScaleBox * 4;
           mbar_expect_tx(k_full(s), (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk + (kFp8 ? kScaleBytes : 0));
           for (int c = 0; c < kNopeBlocks<kFp8>; ++c) tma_load_3d(sK(s) + c * kBlk, &tm_k, k_full(s), c * kColBlock, w.h, row);
-          if (!kRing) tma_load_2d(sRope(it), &tm_rope, k_full(s), 0, row);
+          if (!kRing) tma_load_2d(sRope(s), &tm_rope, k_full(s), 0, row);
           if (kFp8) tma_load_1d(sKScales(s), &tm_k_scales, k_full(s), row & ~3);  // 16-byte aligned start
           mbar_wait(v_empty(s), empty_parity);
           mbar_expect_tx(v_full(s), kVBytes<kFp8>);
@@ -257,8 +244,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         }
       }
     } else if (kRing && warp == 1) {
-      // Warp 1 (rope ring): brings each key tile's rope rows into the rope ring, up to kRopeStages
-      // tiles ahead of the consumers, independently of warp 0's TMA traffic. Three ways:
+      // Warp 1 (the rope warp): writes each key tile's rope rows into the rope block of its K
+      // stage, alongside warp 0's TMA of the nope blocks; its 32 lanes' arrivals and warp 0's
+      // expect_tx complete the stage's k_full. Three ways:
       //  * paged 16-bit cache, tile starting on a multiple of rope_box_rows (min(page size, 128); 0
       //    when the cache has no tensor map) with every key readable: one TMA box per
       //    rope_box_rows keys from tm_rope (the cache as [num_blocks][page_size][64]), never
@@ -289,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         };
         lookup_rows(0);
         for (int t = 0; t < k.num_tiles; ++t, ++it) {
-          const int r = it % kRopeStages;
+          const int s = it % kS;
           const int n0 = k.n_begin + t * kBlockN;
           const int rows = min(kBlockN, k.n_end - n0);  // keys of the span in this tile
           const i64 t0 = w.k_pos0 + n0;                 // cache position of the tile's row 0
@@ -298,9 +286,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           for (int i = 0; i < kRopeRows; ++i) bad |= lane + 32 * i < rows && blk[i] == kNoBlock;
           bad = __any_sync(0xffffffffu, bad);
           const bool boxes = kPaged && !kRope8 && rope_box_rows > 0 && !bad && (t0 & (rope_box_rows - 1)) == 0;
-          mbar_wait(r_empty(r), ((it / kRopeStages) & 1) ^ 1);
-          const u32 dst = sRope(it);
-          unsigned char* ok_flags = key_ok + r * (kBlockN + 16);
+          mbar_wait(k_empty(s), ((it / kS) & 1) ^ 1);  // as warp 0: the first pass does not wait
+          const u32 dst = sRope(s);
+          unsigned char* ok_flags = key_ok + s * kFlagBytes;
           if constexpr (kRope8) {
 #pragma unroll
             for (int i = 0; i < kRopeRows; ++i) {
@@ -321,19 +309,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
               store_rope_row_e4m3<T>(dst + x * 128, x, src, sc);
               ok_flags[x] = ok;
             }
-            fence_proxy_async();     // the dequantized rows, visible to wgmma
-            mbar_arrive(r_full(r));  // (in place of the cp.async arrivals)
+            fence_proxy_async();  // the dequantized rows, visible to wgmma
           } else if (boxes) {
-            // Rows past the span stay as they are: their scores are masked. The 64 arrivals of
-            // r_full: lane 0's expect_tx and 31 plain ones here, 32 after the flags below.
-            const int nbox = (rows + rope_box_rows - 1) / rope_box_rows;
-            if (lane == 0) mbar_expect_tx(r_full(r), nbox * rope_box_rows * 128);
-            else mbar_arrive(r_full(r));
+            // Rows past the span stay as they are: their scores are masked. The bytes are expected
+            // by lane 0's arrival below (a box may land before it: the lanes' arrivals are pending).
 #pragma unroll
             for (int i = 0; i < kRopeRows; ++i) {
               const int x = lane + 32 * i;
               if (x < rows && (x & (rope_box_rows - 1)) == 0)
-                tma_load_3d(dst + x * 128, &tm_rope, r_full(r), 0, Paged::slot(ra, t0 + x), static_cast<int>(blk[i]));
+                tma_load_3d(dst + x * 128, &tm_rope, k_full(s), 0, Paged::slot(ra, t0 + x), static_cast<int>(blk[i]));
             }
           } else {
             // 8 chunks of 16 bytes per row, written in the 128-byte swizzle (chunk c of row x at
@@ -347,14 +331,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
               for (int c = 0; c < 8; ++c) cp_async_16(dst + x * 128 + ((c ^ (x & 7)) << 4), src + c * 8, ok);
               ok_flags[x] = ok;
             }
-            mbar_cp_async_arrive(r_full(r));
+            mbar_cp_async_arrive(k_full(s));  // the phase also waits for this lane's copies
           }
           if (lane == 0) {
             ok_flags[kBlockN] = bad;
             ok_flags[kBlockN + 1] = !kRope8 && !boxes;  // gathered by cp.async: the consumers fence
           }
           __syncwarp();
-          mbar_arrive(r_full(r));  // release: the flags are visible once the barrier completes
+          // release: the flags are visible once the barrier completes
+          if (boxes && lane == 0) mbar_expect_tx(k_full(s), ((rows + rope_box_rows - 1) / rope_box_rows) * rope_box_rows * 128);
+          else mbar_arrive(k_full(s));
           if (t + 1 < k.num_tiles) lookup_rows(t + 1);
         }
       }
@@ -421,13 +407,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       auto issue_qk = [&](int it) {
         const int s = it % kS;
         mbar_wait(k_full(s), (it / kS) & 1);
-        if (kRing) {
-          mbar_wait(r_full(it % kRopeStages), (it / kRopeStages) & 1);
-          // rows gathered by cp.async are generic-proxy writes, wgmma reads through the async proxy
-          if (key_ok[(it % kRopeStages) * (kBlockN + 16) + kBlockN + 1]) fence_proxy_async();
-        }
+        // rope rows gathered by cp.async are generic-proxy writes, wgmma reads through the async proxy
+        if (kRing && key_ok[s * kFlagBytes + kBlockN + 1]) fence_proxy_async();
         fence_operands(sacc);
-        const unsigned long long dk = make_desc(sK(s), 16, 1024), dr = make_desc(sRope(it), 16, 1024);
+        const unsigned long long dk = make_desc(sK(s), 16, 1024), dr = make_desc(sRope(s), 16, 1024);
         wgmma_fence();
         if constexpr (kFp8) {
           // 4 e4m3 k-steps of 32 bytes over the nope block, then 4 16-bit k-steps over the rope
@@ -479,13 +462,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
             sacc[nt][3] *= ksc[nt][1];
           }
         }
-        const unsigned char* ok = key_ok + (it % kRopeStages) * (kBlockN + 16);
+        const unsigned char* ok = key_ok + (it % kS) * kFlagBytes;
         const bool tile_bad = kRing && ok[kBlockN];
         const bool full = n0 + kBlockN <= k.n_end && !tile_bad && wr0 < w.sq &&
                           mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
         if (!full) apply_mask(sacc, mask, w, row0, n0, k.n_end, tile_bad ? ok : nullptr);
-        mbar_arrive(k_empty(it % kS));                       // K fully read
-        if (kRing) mbar_arrive(r_empty(it % kRopeStages));  // and the rope rows and their flags
+        mbar_arrive(k_empty(it % kS));  // K (with its rope rows and their flags) fully read
         sm.update_scores<kFp8 ? kLog2PScale : 0>(sacc, row_scale, corr);  // fp8: kPScale * P (fp8.cuh)
       };
       auto pack = [&]() {

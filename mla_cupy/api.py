@@ -78,19 +78,18 @@ SM90_BLOCK_N = 128  # keys per tile (kBlockN)
 
 
 def sm90_smem_for(p: Problem) -> int:
-    """Dynamic shared memory of the Hopper instantiation ``p`` runs (a rope ring for a paged cache
-    or an fp8 rope); the one place both the attribute and the launch take it from."""
-    return sm90_smem_bytes(p.paged or p.rope8, p.fp8)
+    """Dynamic shared memory of the Hopper instantiation ``p`` runs; the one place both the
+    attribute and the launch take it from."""
+    return sm90_smem_bytes(p.fp8)
 
 
-def sm90_smem_bytes(ring: bool, fp8: bool = False) -> int:
-    """kernels/mla_prefill_sm90.cu: kSmemBytes<kRing, kFp8> (``ring``: a paged or fp8 rope)."""
+def sm90_smem_bytes(fp8: bool = False) -> int:
+    """kernels/mla_prefill_sm90.cu: kSmemBytes<kFp8> (the same with or without the rope warp)."""
     col = 128 * 128  # one 128-byte-wide column block of a 128-row tile
     nope = 1 if fp8 else 2  # column blocks of 128 nope values: e4m3 or 16-bit
-    q, k, v = (nope + 1) * col, (nope + (0 if ring else 1)) * col + (1024 if fp8 else 0), nope * col
+    q, k, v = (nope + 1) * col, (nope + 1) * col + (1024 if fp8 else 0), nope * col
     stages = 3 if fp8 else 2  # kStages<kFp8>
-    rope_ring = 3 * col if ring else 0
-    return q + stages * (k + v) + rope_ring + 256 + 3 * (128 + 16) + 1024
+    return q + stages * (k + v) + 256 + 3 * (128 + 16) + 1024
 
 
 @functools.lru_cache(maxsize=None)

@@ -53,7 +53,7 @@ def test_declared_parameters_match_the_kernel_signature(filename, pack):
 
 
 def test_shared_memory_size_matches_the_kernel_layout():
-    """The launch code's mirror of kSmemBytes<kRing, kFp8> (api.sm90_smem_bytes, taken through
+    """The launch code's mirror of kSmemBytes<kFp8> (api.sm90_smem_bytes, taken through
     api.sm90_smem_for) equals the kernel's own table, read from the PTX. (A mismatch launched the
     fp8-rope variant with too little shared memory once: an illegal address on the GPU.)"""
     pytest.importorskip("cupy")
@@ -67,12 +67,11 @@ def test_shared_memory_size_matches_the_kernel_layout():
     ptx = ptx if isinstance(ptx, str) else ptx.decode()
     line = next(ln for ln in ptx.splitlines() if "kSmemBytesOf" in ln and "=" in ln)
     raw = [int(b) for b in re.search(r"\{([^}]*)\}", line).group(1).split(",")]
-    raw += [0] * (16 - len(raw))  # PTX omits trailing zero bytes
-    table = [int.from_bytes(bytes(raw[4 * i:4 * i + 4]), "little") for i in range(4)]  # [ring][fp8]
-    for ring in (False, True):
-        for fp8 in (False, True):
-            assert api.sm90_smem_bytes(ring, fp8) == table[2 * ring + fp8], (ring, fp8)
+    raw += [0] * (8 - len(raw))  # PTX omits trailing zero bytes
+    table = [int.from_bytes(bytes(raw[4 * i:4 * i + 4]), "little") for i in range(2)]  # [fp8]
+    for fp8 in (False, True):
+        assert api.sm90_smem_bytes(fp8) == table[fp8], fp8
     for paged, fp8, rope8 in [(False, False, False), (True, False, False), (False, True, False), (True, True, False),
                               (False, False, True), (True, False, True)]:
         p = Problem(1, 1, 1, 1, BF16, BF16, CausalMask(), 1.0, 1, paged, fp8, rope8)
-        assert api.sm90_smem_for(p) == table[2 * (paged or rope8) + fp8]
+        assert api.sm90_smem_for(p) == table[fp8]
