@@ -9,6 +9,6 @@ SUBSET=${SUBSET:-'(every_mask_dtype_heads and 16-bf16) or (paged_equals_plain an
 for tool in ${@:-memcheck racecheck synccheck}; do
   echo "== compute-sanitizer --tool $tool"
   compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 \
-    python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu_prefill.py tests/test_gpu_paged_merge.py tests/test_gpu_fp8.py -k "($SUBSET)${K:+ and ($K)}" \
+    python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_prefill.py tests/test_gpu_paged_merge.py tests/test_gpu_fp8.py -k "($SUBSET)${K:+ and ($K)}" \
     2>&1 | tee "$OUT/sanitize-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|Error" | tail -5
 done
