@@ -189,7 +189,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     mbar_init(q_full, 1);
     mbar_init(q_empty, kConsumerThreads);
     for (int s = 0; s < kS; ++s) {
-      mbar_init(k_full(s), kRing ? 1 + 32 : 1);  // warp 0's expect_tx (and the rope warp's 32 lanes)
+      // warp 0's expect_tx; with the rope warp also its lanes' 32 cp.async completion arrivals (or
+      // plain arrivals in their place) and 32 plain arrivals after the flags
+      mbar_init(k_full(s), kRing ? 1 + 64 : 1);
       mbar_init(v_full(s), 1);
       mbar_init(k_empty(s), kConsumerThreads);
       mbar_init(v_empty(s), kConsumerThreads);
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       }
     } else if (kRing && warp == 1) {
       // Warp 1 (the rope warp): writes each key tile's rope rows into the rope block of its K
-      // stage, alongside warp 0's TMA of the nope blocks; its 32 lanes' arrivals and warp 0's
+      // stage, alongside warp 0's TMA of the nope blocks; its lanes' 64 arrivals and warp 0's
       // expect_tx complete the stage's k_full. Three ways:
       //  * paged 16-bit cache, tile starting on a multiple of rope_box_rows (min(page size, 128); 0
       //    when the cache has no tensor map) with every key readable: one TMA box per
@@ -309,10 +311,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
               store_rope_row_e4m3<T>(dst + x * 128, x, src, sc);
               ok_flags[x] = ok;
             }
-            fence_proxy_async();  // the dequantized rows, visible to wgmma
+            fence_proxy_async();      // the dequantized rows, visible to wgmma
+            mbar_arrive(k_full(s));  // (in place of the cp.async arrivals)
           } else if (boxes) {
-            // Rows past the span stay as they are: their scores are masked. The bytes are expected
-            // by lane 0's arrival below (a box may land before it: the lanes' arrivals are pending).
+            // Rows past the span stay as they are: their scores are masked. Lane 0's expect_tx
+            // and 31 plain arrivals here stand for the cp.async arrivals.
+            const int nbox = (rows + rope_box_rows - 1) / rope_box_rows;
+            if (lane == 0) mbar_expect_tx(k_full(s), nbox * rope_box_rows * 128);
+            else mbar_arrive(k_full(s));
 #pragma unroll
             for (int i = 0; i < kRopeRows; ++i) {
               const int x = lane + 32 * i;
@@ -331,16 +337,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
               for (int c = 0; c < 8; ++c) cp_async_16(dst + x * 128 + ((c ^ (x & 7)) << 4), src + c * 8, ok);
               ok_flags[x] = ok;
             }
-            mbar_cp_async_arrive(k_full(s));  // the phase also waits for this lane's copies
+            mbar_cp_async_arrive(k_full(s));  // arrives when this lane's copies have landed
           }
           if (lane == 0) {
             ok_flags[kBlockN] = bad;
             ok_flags[kBlockN + 1] = !kRope8 && !boxes;  // gathered by cp.async: the consumers fence
           }
           __syncwarp();
-          // release: the flags are visible once the barrier completes
-          if (boxes && lane == 0) mbar_expect_tx(k_full(s), ((rows + rope_box_rows - 1) / rope_box_rows) * rope_box_rows * 128);
-          else mbar_arrive(k_full(s));
+          mbar_arrive(k_full(s));  // release: the flags are visible once the barrier completes
           if (t + 1 < k.num_tiles) lookup_rows(t + 1);
         }
       }

@@ -18,10 +18,9 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {  // arrive 
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar));
 }
-// The current phase of `bar` also waits for this thread's cp.async copies issued so far: its
-// pending count is raised by one now and lowered when they complete (no net arrival).
+// cp.async completions of this thread arrive on `bar` (without raising its expected count).
 __device__ __forceinline__ void mbar_cp_async_arrive(u32 bar) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar));
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar));
 }
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   asm volatile(
