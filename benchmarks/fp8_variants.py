@@ -8,6 +8,9 @@ per-score work; a variant that drops work gives WRONG results (timing only, neve
   no-exp       ex2.approx replaced by a multiply (is the MUFU pipe the bound?)
   no-softmax   no online softmax at all: the GEMM pipeline's own bound
   late-scales  the key scales read after the S wait (v5.1's place) instead of before it
+  chain-max    the row maximum by v5.1's dependent chain instead of v5.2's tree
+  pscale-mul   v5.1's 256x P scale: a multiply per score before the e4m3 conversion instead of the
+               exponent offset (timing only: the row sums then lack the factor, results are wrong)
   poly2, poly4 2 or 4 of the 16 n-tiles' exp2 computed by a degree-3 polynomial on the FMA pipe
                (FlashAttention-4's emulation; accurate to ~1e-4, i.e. a candidate, not wrong)
 
@@ -54,6 +57,20 @@ def poly(every):
 EDITS = {
     "late-scales": [("load_key_scales(t, it);\n        wgmma_wait<1>();", "wgmma_wait<1>();\n        load_key_scales(t, it);"),
                     ("load_key_scales(0, it);\n      wgmma_wait<0>();", "wgmma_wait<0>();\n      load_key_scales(0, it);")],
+    "chain-max": [("""      float m[kSTiles];
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) m[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
+#pragma unroll
+      for (int step = 1; step < kSTiles; step *= 2)
+#pragma unroll
+        for (int i = 0; i + step < kSTiles; i += 2 * step) m[i] = fmaxf(m[i], m[i + step]);""",
+                   """      float m[1] = {s[0][2 * r]};
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) m[0] = fmaxf(m[0], fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));""")],
+    "pscale-mul": [("const float ref_p = ref - static_cast<float>(kLog2P);", "const float ref_p = ref;")] + [
+        (f"a[{i}] = e4m3x4(s[j{a}][{b}], s[j{a}][{c}], s[j{d}][{b}], s[j{d}][{c}]);",
+         f"a[{i}] = e4m3x4(kPScale * s[j{a}][{b}], kPScale * s[j{a}][{c}], kPScale * s[j{d}][{b}], kPScale * s[j{d}][{c}]);")
+        for i, a, d, b, c in ((0, "", " + 1", 0, 1), (1, "", " + 1", 2, 3), (2, " + 2", " + 3", 0, 1), (3, " + 2", " + 3", 2, 3))],
     "no-exp": [(EXP_ASM, "y = x * 0.999f;")],
     "no-softmax": [("sm.update_scores(sacc, row_scale, corr);", "corr[0] = corr[1] = 1.f;")],
     "poly2": poly(8),

@@ -1,5 +1,6 @@
-"""Runs the fp8 per-token (or the bf16) Hopper kernel on 1x8192 causal, H = 128, three times, so
-that `ncu` can profile the last launch (issue 6: what bounds the fp8 kernel):
+"""Runs the fp8 per-token (or the bf16, or the bf16 with a paged rope: page 64, shuffled pages)
+Hopper kernel on 1x8192 causal, H = 128, three times, so that `ncu` can profile the last launch
+(issue 6: what bounds the fp8 kernel; issue 3: where paged loses to plain):
 
     ncu --clock-control none -k regex:mla_prefill_kernel --launch-skip 2 --launch-count 1 --set full \
         -o fp8 python3 benchmarks/ncu_fp8.py fp8
@@ -22,6 +23,12 @@ def main(mode: str = "fp8", s: int = 8192, h: int = 128) -> None:
     vl = cp.asarray(np.array([0, s], np.uint32))
     out = cp.empty((s, h, 128), BF16)
     f = quant.quantize_per_token(q, k, v, kr)
+    if mode == "paged":  # the same rope rows, in shuffled pages of 64 of a [blocks, 64, 1, 64] cache
+        ps = 64
+        perm = np.random.default_rng(1).permutation(s // ps)
+        blocks = cp.empty((s // ps, ps, 1, 64), BF16)
+        blocks[cp.asarray(perm)] = kr.reshape(s // ps, ps, 1, 64)
+        kr = mla_cupy.PagedKVCache(blocks, cp.asarray(perm[None, :].astype(np.int32)), ps, rope_offset=0)
     for _ in range(3):
         if mode == "fp8":
             mla_cupy.mla_prefill_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"], f["v"], f["k_rope"],
