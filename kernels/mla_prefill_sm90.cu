@@ -48,7 +48,7 @@ constexpr int kDv = 128;
 constexpr int kDqk = 192;
 constexpr int kBlockM = 128;                       // query rows per CTA
 constexpr int kBlockN = 128;                       // keys per tile
-// K/V ring depth: 2 stages of 80 KiB (16-bit), 3 of 49 KiB (fp8 per token; 33 with a rope ring)
+// K/V ring depth: 2 stages of 80 KiB (16-bit), 3 of 49 KiB (fp8 per token)
 template <bool kFp8> constexpr int kStages = kFp8 ? 3 : 2;
 constexpr int kMaxStages = 3;
 constexpr int kConsumers = 2;                      // consumer warpgroups
