@@ -15,3 +15,4 @@ for m in bf16 paged; do
   grep -E "Duration|Tensor \(FP\)|Issue Slots Busy" "$OUT/ncu-$m-details.txt" | head -4
 done
 timeout 200 python3 benchmarks/fp8_variants.py default chain-max pscale-mul 2>&1 | tee "$OUT/fp8_variants.txt"
+timeout 200 python3 benchmarks/paged_variants.py 2>&1 | tee "$OUT/paged_variants.txt"

@@ -1,13 +1,23 @@
 """Issue 3: where the paged path's extra time goes. Times compile-time variants of the Hopper
 kernel's paged path against the plain path in one process (1x8192, H = 128, causal, page 64,
 cache offset 0: every key tile copied by TMA page runs). Variants are text edits of the kernel
-source, compiled for this run only (measurement, never shipped):
+source, compiled for this run only (measurement, never shipped). For v5.3 (the rope warp writes
+into the K stage; session 6: the consumers' full-tile loop is 567 SASS instructions paged against
+536 plain, among them the flag loads below):
 
   default       the shipped kernel
-  regs40/232    setmaxnreg 40 / 232 for the rope-ring layout (instead of 56 / 224)
-  no-flag-fence the consumers skip reading the "gathered" flag and its fence (valid only here,
-                where no tile is gathered)
-  both          the two together
+  regs40/232    setmaxnreg 40 / 232 with the rope warp (instead of 56 / 224)
+  always-fence  the consumers fence every tile instead of reading the "gathered" flag first (an
+                LDS between the K wait and the first wgmma)
+  early-bad     the "unreadable key" tile flag read right after the GEMMs are issued instead of
+                after the S wait
+  all           the three together
+  no-lookup     the rope warp computes block ids as position / page size instead of reading the
+                page table (timing only: the benchmark's shuffled table makes the result wrong,
+                shown in the last column); tells whether the lookups' latency delays the K stage
+
+Session 5 measured v5 (with the rope ring): regs40/232 and no flag read/fence together took
+paged/plain from 1.135 to 1.102.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/paged_variants.py
 """
@@ -24,9 +34,17 @@ from _variant import restore, use_variant
 EDITS = {
     "regs40/232": [("kProducerRegs = kBusy ? 56 : 24", "kProducerRegs = kBusy ? 40 : 24"),
                    ("kConsumerRegs = kBusy ? 224 : 240", "kConsumerRegs = kBusy ? 232 : 240")],
-    "no-flag-fence": [("if (key_ok[(it % kRopeStages) * (kBlockN + 16) + kBlockN + 1]) fence_proxy_async();", "")],
+    "always-fence": [("if (kRing && key_ok[s * kFlagBytes + kBlockN + 1]) fence_proxy_async();",
+                      "if (kRing) fence_proxy_async();")],
+    "early-bad": [("      auto issue_qk = [&](int it) {", "      bool bad_pre = false;\n      auto issue_qk = [&](int it) {"),
+                  ("        fence_operands(sacc);\n        const unsigned long long dk",
+                   "        if (kRing) bad_pre = key_ok[s * kFlagBytes + kBlockN];\n        fence_operands(sacc);\n"
+                   "        const unsigned long long dk"),
+                  ("const bool tile_bad = kRing && ok[kBlockN];", "const bool tile_bad = kRing && bad_pre;")],
 }
-EDITS["both"] = EDITS["regs40/232"] + EDITS["no-flag-fence"]
+EDITS["all"] = EDITS["regs40/232"] + EDITS["always-fence"] + EDITS["early-bad"]
+EDITS["no-lookup"] = [("kPaged ? Paged::block(ra, w.b, w.k_pos0 + j) : 0u",
+                       "kPaged ? static_cast<u32>((w.k_pos0 + j) >> log2_page_size) : 0u")]
 
 
 def main():
@@ -42,7 +60,7 @@ def main():
     out, out2 = cp.empty((s, h, 128), BF16), cp.empty((s, h, 128), BF16)
     print("| variant | plain ms | paged ms | paged/plain | paged == plain |")
     print("|---|---|---|---|---|")
-    for variant in ("default", "regs40/232", "no-flag-fence", "both"):
+    for variant in ("default", "regs40/232", "always-fence", "early-bad", "all", "no-lookup"):
         use_variant("mla_prefill_sm90.cu", EDITS.get(variant, []))
         f_plain = lambda i: mla_cupy.mla_prefill(q, k, v, latent[:, :, 512:], vl, vl, out=out, q_max_seq_len=s, validate=False)
         f_paged = lambda i: mla_cupy.mla_prefill(q, k, v, cache, vl, vl, out=out2, q_max_seq_len=s, validate=False)

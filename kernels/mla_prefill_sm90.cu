@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       // Every wgmma below runs on control flow that is the same for the whole warpgroup and has no
       // per-tile branch: ptxas would otherwise serialize the asynchronous wgmmas. A warpgroup whose
       // rows see nothing of a tile computes it anyway (the mask turns it into zeros).
-      // Waits for key tile `it` (its K stage, and its rope stage when paged) and issues S = Q K^T,
+      // Waits for key tile `it` (its K stage, rope rows included) and issues S = Q K^T,
       // committed as one group.
       auto issue_qk = [&](int it) {
         const int s = it % kS;
