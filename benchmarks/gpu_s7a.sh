@@ -8,11 +8,11 @@ export PYTHONPATH="$PWD:$PWD/tests:$PWD/benchmarks" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 for m in bf16 paged; do
-  timeout 120 ncu --clock-control none -k regex:mla_prefill_kernel --launch-skip 2 --launch-count 1 --set full \
+  timeout 90 ncu --clock-control none -k regex:mla_prefill_kernel --launch-skip 2 --launch-count 1 --set full \
     --import-source no -f -o /tmp/ncu-$m python3 benchmarks/ncu_fp8.py $m > /tmp/ncu-$m.log 2>&1; tail -1 /tmp/ncu-$m.log
   ncu --import /tmp/ncu-$m.ncu-rep --page source --csv --print-source sass > "$OUT/ncu-$m-sass.csv" 2>&1
   ncu --import /tmp/ncu-$m.ncu-rep --print-details all > "$OUT/ncu-$m-details.txt" 2>&1
   grep -E "Duration|Tensor \(FP\)|Issue Slots Busy" "$OUT/ncu-$m-details.txt" | head -4
 done
-timeout 200 python3 benchmarks/fp8_variants.py default chain-max pscale-mul 2>&1 | tee "$OUT/fp8_variants.txt"
-timeout 200 python3 benchmarks/paged_variants.py 2>&1 | tee "$OUT/paged_variants.txt"
+timeout 180 python3 benchmarks/fp8_variants.py default chain-max pscale-mul 2>&1 | tee "$OUT/fp8_variants.txt"
+timeout 180 python3 benchmarks/paged_variants.py 2>&1 | tee "$OUT/paged_variants.txt"
