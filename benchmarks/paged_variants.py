@@ -15,6 +15,8 @@ into the K stage; session 6: the consumers' full-tile loop is 567 SASS instructi
   no-lookup     the rope warp computes block ids as position / page size instead of reading the
                 page table (timing only: the benchmark's shuffled table makes the result wrong,
                 shown in the last column); tells whether the lookups' latency delays the K stage
+  lookahead-2   the page-table reads two tiles ahead instead of one (a candidate fix if no-lookup
+                is much faster)
 
 Session 5 measured v5 (with the rope ring): regs40/232 and no flag read/fence together took
 paged/plain from 1.135 to 1.102.
@@ -43,6 +45,16 @@ EDITS = {
                   ("const bool tile_bad = kRing && ok[kBlockN];", "const bool tile_bad = kRing && bad_pre;")],
 }
 EDITS["all"] = EDITS["regs40/232"] + EDITS["always-fence"] + EDITS["early-bad"]
+EDITS["lookahead-2"] = [
+    ("        u32 blk[kRopeRows];\n        auto lookup_rows = [&](int t) {",
+     "        u32 blk[kRopeRows], blk2[kRopeRows];\n        auto lookup_rows = [&](int t, u32 (&dst)[kRopeRows]) {"),
+    ("            blk[i] = j >= k.n_end ? kNoBlock : (kPaged ? Paged::block(ra, w.b, w.k_pos0 + j) : 0u);",
+     "            dst[i] = j >= k.n_end ? kNoBlock : (kPaged ? Paged::block(ra, w.b, w.k_pos0 + j) : 0u);"),
+    ("        lookup_rows(0);\n", "        lookup_rows(0, blk);\n        if (k.num_tiles > 1) lookup_rows(1, blk2);\n"),
+    ("          if (t + 1 < k.num_tiles) lookup_rows(t + 1);",
+     "#pragma unroll\n          for (int i = 0; i < kRopeRows; ++i) blk[i] = blk2[i];\n"
+     "          if (t + 2 < k.num_tiles) lookup_rows(t + 2, blk2);"),
+]
 EDITS["no-lookup"] = [("kPaged ? Paged::block(ra, w.b, w.k_pos0 + j) : 0u",
                        "kPaged ? static_cast<u32>((w.k_pos0 + j) >> log2_page_size) : 0u")]
 
@@ -60,7 +72,7 @@ def main():
     out, out2 = cp.empty((s, h, 128), BF16), cp.empty((s, h, 128), BF16)
     print("| variant | plain ms | paged ms | paged/plain | paged == plain |")
     print("|---|---|---|---|---|")
-    for variant in ("default", "regs40/232", "always-fence", "early-bad", "all", "no-lookup"):
+    for variant in ("default", "regs40/232", "always-fence", "early-bad", "all", "no-lookup", "lookahead-2"):
         use_variant("mla_prefill_sm90.cu", EDITS.get(variant, []))
         f_plain = lambda i: mla_cupy.mla_prefill(q, k, v, latent[:, :, 512:], vl, vl, out=out, q_max_seq_len=s, validate=False)
         f_paged = lambda i: mla_cupy.mla_prefill(q, k, v, cache, vl, vl, out=out2, q_max_seq_len=s, validate=False)
