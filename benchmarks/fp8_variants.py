@@ -5,6 +5,8 @@ per-score work; a variant that drops work gives WRONG results (timing only, neve
   default      the shipped kernel
   no-pingpong  the two consumers issue their GEMMs whenever ready (no turns)
   no-dequant   S is not multiplied by k_scales[j] (the one FMUL per score left)
+  k-ahead      the producer loads K of tile t before V of tile t - 1 (FlashAttention-3's order), so
+               a K stage is not held back by the later release of the V stage beside it
   no-exp       ex2.approx replaced by a multiply (is the MUFU pipe the bound?)
   no-softmax   no online softmax at all: the GEMM pipeline's own bound
   late-scales  the key scales read after the S wait (v5.1's place) instead of before it
@@ -32,6 +34,10 @@ from _variant import restore, use_variant
 # Edits of the shipped kernel (v5.1: q_scale folded into the row scale, consumers in pingpong).
 # Session 5's first runs measured, on the v5 kernel (q_scale multiplied per score, no pingpong):
 # "no-dequant", "no-pscale", "k-only" and "lds" (RESULTS.md, "v5").
+ANCHOR = '        for (int t = 0; t < k.num_tiles; ++t, ++it) {\n          const int s = it % kS;\n          const u32 empty_parity = ((it / kS) & 1) ^ 1;  // the first pass over the ring does not wait'
+LAMBDA = '        auto load_v = [&](int t, int it) {\n          const int s = it % kS;\n          const u32 empty_parity = ((it / kS) & 1) ^ 1;\n          const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * kBlockN);\n          mbar_wait(v_empty(s), empty_parity);\n          mbar_expect_tx(v_full(s), kVBytes<kFp8>);\n          if constexpr (kFp8) {\n            tma_load_3d(sV(s), &tm_v, v_full(s), static_cast<int>(vt_col + t * kBlockN), 0, w.h);\n          } else {\n            for (int c = 0; c < 2; ++c) tma_load_3d(sV(s) + c * kBlk, &tm_v, v_full(s), c * kColBlock, w.h, row);\n          }\n        };\n        for (int t = 0; t < k.num_tiles; ++t, ++it) {\n          const int s = it % kS;\n          const u32 empty_parity = ((it / kS) & 1) ^ 1;  // the first pass over the ring does not wait'
+OLD_LOOP = '          mbar_wait(v_empty(s), empty_parity);\n          mbar_expect_tx(v_full(s), kVBytes<kFp8>);\n          if constexpr (kFp8) {  // V^T: 128 values x 128 key columns (16-byte aligned: the tile starts on a group)\n            tma_load_3d(sV(s), &tm_v, v_full(s), static_cast<int>(vt_col + t * kBlockN), 0, w.h);\n          } else {\n            for (int c = 0; c < 2; ++c) tma_load_3d(sV(s) + c * kBlk, &tm_v, v_full(s), c * kColBlock, w.h, row);\n          }\n        }'
+NEW_LOOP = '          if (t > 0) load_v(t - 1, it - 1);\n        }\n        load_v(k.num_tiles - 1, it - 1);'
 EXP_ASM = 'asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));'
 EXP_CALL = "s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2[r], -ref));"
 # 2^x = 2^floor(x) * p(frac(x)): floor by adding 1.5 * 2^23 rounding down, p of degree 3, the integer
@@ -71,6 +77,7 @@ EDITS = {
         (f"a[{i}] = e4m3x4(s[j{a}][{b}], s[j{a}][{c}], s[j{d}][{b}], s[j{d}][{c}]);",
          f"a[{i}] = e4m3x4(kPScale * s[j{a}][{b}], kPScale * s[j{a}][{c}], kPScale * s[j{d}][{b}], kPScale * s[j{d}][{c}]);")
         for i, a, d, b, c in ((0, "", " + 1", 0, 1), (1, "", " + 1", 2, 3), (2, " + 2", " + 3", 0, 1), (3, " + 2", " + 3", 2, 3))],
+    "k-ahead": [(ANCHOR, LAMBDA), (OLD_LOOP, NEW_LOOP)],
     "no-exp": [(EXP_ASM, "y = x * 0.999f;")],
     "no-softmax": [("sm.update_scores(sacc, row_scale, corr);", "corr[0] = corr[1] = 1.f;")],
     "poly2": poly(8),

@@ -14,5 +14,5 @@ for m in bf16 paged; do
   ncu --import /tmp/ncu-$m.ncu-rep --print-details all > "$OUT/ncu-$m-details.txt" 2>&1
   grep -E "Duration|Tensor \(FP\)|Issue Slots Busy" "$OUT/ncu-$m-details.txt" | head -4
 done
-timeout 180 python3 benchmarks/fp8_variants.py default chain-max pscale-mul 2>&1 | tee "$OUT/fp8_variants.txt"
+timeout 180 python3 benchmarks/fp8_variants.py default chain-max pscale-mul k-ahead 2>&1 | tee "$OUT/fp8_variants.txt"
 timeout 180 python3 benchmarks/paged_variants.py 2>&1 | tee "$OUT/paged_variants.txt"
