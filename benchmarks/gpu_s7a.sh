@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Prepared in session 6 for the next session's first call (NOT RUN YET): (1) where paged loses to
-# plain (issue 3: ~10% with or without the rope ring): ncu SASS stall sampling of both on 1x8192;
-# (2) which v5.2 change cost the fp8 kernel ~2.7% (issue 6): the v5.1 row-max chain and P-scale
-# multiply as variants of the current kernel, against bf16 in one process.
+# Prepared in session 6 for the next session's first call (NOT RUN YET), about 8 minutes:
+# (1) where paged loses to plain (issue 3: ~10% with or without the rope ring): ncu SASS stall
+#     sampling of both on 1x8192;
+# (2) which v5.2 change cost the fp8 kernel ~2.7% (issue 6): v5.1's row-max chain and P-scale
+#     multiply as variants of the current kernel, and the producer loading K ahead of V (k-ahead),
+#     against bf16 in one process;
+# (3) paged variants: flag reads, registers, the page-table lookups (no-lookup, lookahead-2); the
+#     static SASS count found the paged consumers' loop only ~6% longer than plain's.
 set -u -o pipefail
 export PYTHONPATH="$PWD:$PWD/tests:$PWD/benchmarks" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
