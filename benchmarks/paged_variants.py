@@ -36,13 +36,13 @@ from _variant import restore, use_variant
 EDITS = {
     "regs40/232": [("kProducerRegs = kBusy ? 56 : 24", "kProducerRegs = kBusy ? 40 : 24"),
                    ("kConsumerRegs = kBusy ? 224 : 240", "kConsumerRegs = kBusy ? 232 : 240")],
-    "always-fence": [("if (kRing && key_ok[s * kFlagBytes + kBlockN + 1]) fence_proxy_async();",
-                      "if (kRing) fence_proxy_async();")],
+    "always-fence": [("if (kRopeWarp && key_ok[s * kFlagBytes + kBlockN + 1]) fence_proxy_async();",
+                      "if (kRopeWarp) fence_proxy_async();")],
     "early-bad": [("      auto issue_qk = [&](int it) {", "      bool bad_pre = false;\n      auto issue_qk = [&](int it) {"),
                   ("        fence_operands(sacc);\n        const unsigned long long dk",
-                   "        if (kRing) bad_pre = key_ok[s * kFlagBytes + kBlockN];\n        fence_operands(sacc);\n"
+                   "        if (kRopeWarp) bad_pre = key_ok[s * kFlagBytes + kBlockN];\n        fence_operands(sacc);\n"
                    "        const unsigned long long dk"),
-                  ("const bool tile_bad = kRing && ok[kBlockN];", "const bool tile_bad = kRing && bad_pre;")],
+                  ("const bool tile_bad = kRopeWarp && ok[kBlockN];", "const bool tile_bad = kRopeWarp && bad_pre;")],
 }
 EDITS["all"] = EDITS["regs40/232"] + EDITS["always-fence"] + EDITS["early-bad"]
 EDITS["lookahead-2"] = [

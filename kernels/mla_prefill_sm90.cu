@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     const float* __restrict__ rope_scales, i64 rope_scale_row_stride, i64 rope_scale_block_stride) {
   constexpr bool kFp8 = kVariant == kFp8PerToken;
   constexpr bool kRope8 = kVariant == kFp8Rope;
-  constexpr bool kRing = kPaged || kRope8;  // the rope rows come through warp 1's ring
+  constexpr bool kRopeWarp = kPaged || kRope8;  // warp 1 writes the rope rows into the K stages
   constexpr int kS = kStages<kFp8>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const SeqOffsets so{q_offsets, kv_begin, kv_end, cache_offsets, q_start_pos};
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     for (int s = 0; s < kS; ++s) {
       // warp 0's expect_tx; with the rope warp also its lanes' 32 cp.async completion arrivals (or
       // plain arrivals in their place) and 32 plain arrivals after the flags
-      mbar_init(k_full(s), kRing ? 1 + 64 : 1);
+      mbar_init(k_full(s), kRopeWarp ? 1 + 64 : 1);
       mbar_init(v_full(s), 1);
       mbar_init(k_empty(s), kConsumerThreads);
       mbar_init(v_empty(s), kConsumerThreads);
@@ -202,12 +202,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
 
   if (wg == 0) {
     // ------------------------------------ producers ------------------------------------
-    regs_dealloc<kProducerRegs<kRing>>();
+    regs_dealloc<kProducerRegs<kRopeWarp>>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) {
       // Warp 0, one thread: TMA for Q, K (nope, and the rope when plain) and V.
       if (lane != 0) return;
-      int it = 0;  // key tiles loaded so far: the position in the rings, continued across work tiles
+      int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
       int nq = 0;  // Q tiles loaded so far
       for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
         Work k;
@@ -232,9 +232,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           mbar_wait(k_empty(s), empty_parity);
           // K: the nope block(s), the rope when plain (shared by every head), the key scales (fp8)
           constexpr int kScaleBytes = kScaleBox * 4;
-          mbar_expect_tx(k_full(s), (kNopeBlocks<kFp8> + (kRing ? 0 : 1)) * kBlk + (kFp8 ? kScaleBytes : 0));
+          mbar_expect_tx(k_full(s), (kNopeBlocks<kFp8> + (kRopeWarp ? 0 : 1)) * kBlk + (kFp8 ? kScaleBytes : 0));
           for (int c = 0; c < kNopeBlocks<kFp8>; ++c) tma_load_3d(sK(s) + c * kBlk, &tm_k, k_full(s), c * kColBlock, w.h, row);
-          if (!kRing) tma_load_2d(sRope(s), &tm_rope, k_full(s), 0, row);
+          if (!kRopeWarp) tma_load_2d(sRope(s), &tm_rope, k_full(s), 0, row);
           if (kFp8) tma_load_1d(sKScales(s), &tm_k_scales, k_full(s), row & ~3);  // 16-byte aligned start
           mbar_wait(v_empty(s), empty_parity);
           mbar_expect_tx(v_full(s), kVBytes<kFp8>);
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           }
         }
       }
-    } else if (kRing && warp == 1) {
+    } else if (kRopeWarp && warp == 1) {
       // Warp 1 (the rope warp): writes each key tile's rope rows into the rope block of its K
       // stage, alongside warp 0's TMA of the nope blocks; its lanes' 64 arrivals and warp 0's
       // expect_tx complete the stage's k_full. Three ways:
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   }
 
   // ------------------------------------ consumers ------------------------------------
-  regs_alloc<kConsumerRegs<kRing>>();
+  regs_alloc<kConsumerRegs<kRopeWarp>>();
   const int cw = wg - 1;                           // consumer index: rows cw * 64 .. cw * 64 + 63
   const int ctid = threadIdx.x - 128;              // 0 .. 255 across both consumers
   const int warp_in_wg = (threadIdx.x / 32) % 4;
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
         const int s = it % kS;
         mbar_wait(k_full(s), (it / kS) & 1);
         // rope rows gathered by cp.async are generic-proxy writes, wgmma reads through the async proxy
-        if (kRing && key_ok[s * kFlagBytes + kBlockN + 1]) fence_proxy_async();
+        if (kRopeWarp && key_ok[s * kFlagBytes + kBlockN + 1]) fence_proxy_async();
         fence_operands(sacc);
         const unsigned long long dk = make_desc(sK(s), 16, 1024), dr = make_desc(sRope(s), 16, 1024);
         wgmma_fence();
@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
           }
         }
         const unsigned char* ok = key_ok + (it % kS) * kFlagBytes;
-        const bool tile_bad = kRing && ok[kBlockN];
+        const bool tile_bad = kRopeWarp && ok[kBlockN];
         const bool full = n0 + kBlockN <= k.n_end && !tile_bad && wr0 < w.sq &&
                           mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
         if (!full) apply_mask(sacc, mask, w, row0, n0, k.n_end, tile_bad ? ok : nullptr);
