@@ -1,18 +1,18 @@
 // Hopper MLA prefill kernel (sm_90a): warp-specialized, TMA + wgmma, FlashAttention-3 style.
 //
-//   * Persistent: one CTA per SM strides over the work tiles (128 query rows of one head of one
-//     sequence) in the order of tile_scheduler.cuh (heads in L2-sized sections, longest first).
+//   * Persistent: one CTA per SM works through the work tiles (128 query rows of one head of one
+//     sequence) in the order of tile_scheduler.cuh (heads in L2-sized sections, longest first),
+//     taking each next tile from a global counter when it frees up (sm90_scheduler.cuh).
 //     3 warpgroups:
 //       WG0, the producers: one thread issues TMA copies of each work tile's Q (once the
 //           consumers are done with the previous one) and of its K/V tiles into a shared-memory
 //           ring (2 stages; 3 in the fp8 per-token variant) guarded by mbarriers, K and V with
 //           their own "full" and "empty" barriers; with a paged or fp8 rope a second warp brings
 //           the rope rows into the K stages
-//           (setmaxnreg: 24 registers, 56 with the rope warp);
+//           (setmaxnreg: 56 registers);
 //       WG1, WG2, the consumers: 64 query rows each; S = Q K^T with wgmma (both operands in shared
 //           memory), online softmax in registers, O += P V with wgmma (P from registers, V read
-//           transposed from shared memory; fp8: e4m3 P and V^T) (setmaxnreg: 240 registers, 224
-//           with the rope warp).
+//           transposed from shared memory; fp8: e4m3 P and V^T) (setmaxnreg: 224 registers).
 //   * Intra-warpgroup overlap: a consumer issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, waits
 //     for S_t only, and runs the softmax of tile t while the tensor cores still work on P V; only
 //     then does it wait for O and rescale it.
@@ -38,6 +38,7 @@
 #include "mask.cuh"
 #include "rope_source.cuh"
 #include "sm90.cuh"
+#include "sm90_scheduler.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
 
@@ -83,18 +84,22 @@ constexpr int kBarBytes = 256;
 constexpr int kFlagBytes = kBlockN + 16;           // per K stage: a flag per key, then two tile flags
 template <bool kFp8> constexpr int kKeyOkOffset = kBarOffset<kFp8> + kBarBytes;
 template <bool kFp8> constexpr int kSmemBytes = kKeyOkOffset<kFp8> + kMaxStages * kFlagBytes + 1024;
-static_assert(8 * (2 + 4 * kMaxStages) <= kBarBytes, "the mbarriers must fit their bytes");
+// after the ring's mbarriers: the tile hand-out's (sm90_scheduler.cuh), then its two index slots
+constexpr int kHandoutOffset = 8 * (2 + 4 * kMaxStages);
+static_assert(kHandoutOffset + TileHandout::kBarBytes + TileHandout::kSlotBytes <= kBarBytes,
+              "the mbarriers and the hand-out slots must fit their bytes");
 static_assert(kSmemBytes<false> <= 227 * 1024 && kSmemBytes<true> <= 227 * 1024, "shared memory per CTA");
 // The layout's size for [kFp8], exported so a CPU test can check the launch code's mirror
 // (mla_cupy/api.py: sm90_smem_bytes) against it in the PTX.
 __device__ const int kSmemBytesOf[2] = {kSmemBytes<false>, kSmemBytes<true>};
 
-// Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The rope warp
-// keeps a tile's page lookups in registers: more than the plain producer's 24.
-template <bool kBusy> constexpr int kProducerRegs = kBusy ? 56 : 24;
-template <bool kBusy> constexpr int kConsumerRegs = kBusy ? 224 : 240;
-static_assert(128 * (kProducerRegs<true> + kConsumers * kConsumerRegs<true>) <= 65536, "register budget");
-static_assert(128 * (kProducerRegs<false> + kConsumers * kConsumerRegs<false>) <= 65536, "register budget");
+// Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The producer
+// warps need more than a bare TMA issuer's 24: the rope warp keeps a tile's page lookups in
+// registers, and warp 0 takes work tiles from the scheduler's counter (at 24, 40 or 48 ptxas
+// spills in one variant or another); the consumers need no more than 224 (no spills).
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;
+static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register budget");
 
 constexpr int kQkSteps = kDqk / 16;                // 12 wgmma k-steps for S (fp8: 4 e4m3 k32 + 4 rope k16)
 template <bool kFp8> constexpr int kPvSteps = kFp8 ? kBlockN / 32 : kBlockN / 16;  // wgmma k-steps for O
@@ -140,7 +145,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
     const u32* __restrict__ lookup, i64 lookup_stride, int log2_page_size, u32 num_blocks, u32 max_pages,
     int num_heads, int heads_per_section, int batch, int num_m_blocks, float scale_log2, i64 mask_arg,
     int accumulate, int rope_box_rows, const float* __restrict__ q_scale, i64 q_scale_stride,
-    const float* __restrict__ rope_scales, i64 rope_scale_row_stride, i64 rope_scale_block_stride) {
+    const float* __restrict__ rope_scales, i64 rope_scale_row_stride, i64 rope_scale_block_stride,
+    u32* __restrict__ tile_counter) {
   constexpr bool kFp8 = kVariant == kFp8PerToken;
   constexpr bool kRope8 = kVariant == kFp8Rope;
   constexpr bool kRopeWarp = kPaged || kRope8;  // warp 1 writes the rope rows into the K stages
@@ -171,6 +177,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   const u32 sQ = base;
   const u32 bar = base + kBarOffset<kFp8>;
   const u32 q_full = bar, q_empty = bar + 8;
+  // The scheduler: work-tile indices for every role (dynamic with a counter, else round robin).
+  const TileHandout handout{tile_counter, bar + kHandoutOffset, num_work};
   auto k_full = [&](int s) { return bar + 16 + 8 * s; };
   auto v_full = [&](int s) { return bar + 16 + 8 * (kS + s); };
   auto k_empty = [&](int s) { return bar + 16 + 8 * (2 * kS + s); };
@@ -196,20 +204,23 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       mbar_init(k_empty(s), kConsumerThreads);
       mbar_init(v_empty(s), kConsumerThreads);
     }
+    handout.init(kConsumerThreads + (kRopeWarp ? 32 : 0));
     fence_barrier_init();
   }
   __syncthreads();
 
   if (wg == 0) {
     // ------------------------------------ producers ------------------------------------
-    regs_dealloc<kProducerRegs<kRopeWarp>>();
+    regs_dealloc<kProducerRegs>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) {
       // Warp 0, one thread: TMA for Q, K (nope, and the rope when plain) and V.
       if (lane != 0) return;
       int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
       int nq = 0;  // Q tiles loaded so far
-      for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
+      for (int n = 0, idx = blockIdx.x;; ++n, idx = handout.next(idx)) {
+        handout.publish(n, idx);
+        if (idx >= num_work) break;
         Work k;
         if (!plan(idx, k) || k.num_tiles == 0) continue;
         const WorkTile& w = k.w;
@@ -261,7 +272,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
                         num_blocks, max_pages};
       using Paged = RopeSource<true>;
       int it = 0;
-      for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
+      for (int n = 0, idx = blockIdx.x;; ++n, idx += gridDim.x) {
+        idx = handout.take(n, idx);
+        if (idx >= num_work) break;
         Work k;
         if (!plan(idx, k) || k.num_tiles == 0) continue;
         const WorkTile& w = k.w;
@@ -353,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   }
 
   // ------------------------------------ consumers ------------------------------------
-  regs_alloc<kConsumerRegs<kRopeWarp>>();
+  regs_alloc<kConsumerRegs>();
   const int cw = wg - 1;                           // consumer index: rows cw * 64 .. cw * 64 + 63
   const int ctid = threadIdx.x - 128;              // 0 .. 255 across both consumers
   const int warp_in_wg = (threadIdx.x / 32) % 4;
@@ -369,7 +382,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   auto turn_pass = [&]() { if constexpr (kPingpong) named_barrier_arrive(kTurnBar + 1 - cw, kConsumerThreads); };
   if (cw == 1) turn_pass();
 
-  for (int idx = blockIdx.x; idx < num_work; idx += gridDim.x) {
+  for (int n = 0, idx = blockIdx.x;; ++n, idx += gridDim.x) {
+    idx = handout.take(n, idx);
+    if (idx >= num_work) break;
     Work k;
     if (!plan(idx, k)) continue;
     const WorkTile& w = k.w;

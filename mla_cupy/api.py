@@ -163,7 +163,7 @@ SM90_ARGS = ArgPack([("tm_q", TENSOR_MAP_DTYPE), ("tm_k", TENSOR_MAP_DTYPE), ("t
                      ("out", PTR), ("lse", PTR)] + _OFFSETS
                     + [("o_st", I64), ("o_sh", I64), ("lse_st", I64)] + _ROPE_AND_GRID
                     + [("rope_box_rows", I32), ("q_scale", PTR), ("q_scale_stride", I64), ("rope_scales", PTR),
-                       ("rope_scale_row_stride", I64), ("rope_scale_block_stride", I64)])
+                       ("rope_scale_row_stride", I64), ("rope_scale_block_stride", I64), ("tile_counter", PTR)])
 
 _FUNCTIONS: dict = {}  # (device, kernel, dtype, out_dtype, mask, paged) -> (RawKernel, CUfunction), smem limit set
 
@@ -290,7 +290,7 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
         grid = min(nmb * p.batch * p.heads, _sm_count_and_l2(device_id)[0])
         rec = (SM90_ARGS, *_prefill_function("sm90", p, device_id), grid, SM90_THREADS,
                sm90_smem_for(p),
-               (*maps, *out_lse, *o_strides, *tail, box_rows, *q_scale, *_rope_scale_args(k_rope, k_rope_scales)))
+               (*maps, *out_lse, *o_strides, *tail, box_rows, *q_scale, *_rope_scale_args(k_rope, k_rope_scales), 0))
         _relaunch(rec, stream)
         return rec
     item = p.dtype.itemsize
@@ -302,8 +302,28 @@ def launch_prefill(p: Problem, q, k, v, k_rope, out, lse, q_offsets_ptr: int, kv
     return rec
 
 
+DYNAMIC_SCHEDULE = True  # the Hopper kernel's tile hand-out: dynamic (a counter per stream) or round robin
+_COUNTERS: dict = {}  # (device, stream) -> the hand-out counter (2 zeroed words; kernels/sm90_scheduler.cuh)
+
+
+def _tile_counter(stream) -> int:
+    """The Hopper kernel's work-tile counter for launches on ``stream`` (zero between launches: the
+    kernel resets it; launches on one stream never overlap, so each stream has its own)."""
+    if not DYNAMIC_SCHEDULE:
+        return 0
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), stream.ptr)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        buf = _COUNTERS[key] = cupy.zeros(2, cupy.uint32)
+    return buf.data.ptr
+
+
 def _relaunch(rec: tuple, stream) -> None:
     pack, fn, ptr, grid, block, smem, values = rec
+    if pack is SM90_ARGS:
+        values = values[:-1] + (_tile_counter(stream),)
     pack.launch(fn, ptr, grid, block, smem, stream, values)
 
 

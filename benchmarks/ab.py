@@ -1,0 +1,471 @@
+"""A/B timing of attention implementations in one process: the tool behind every speed claim.
+
+Two or more implementations run on the same inputs, in interleaved rounds whose order alternates
+(forward on even rounds, reversed on odd ones), so that clock drift under the card's power cap
+hits all of them alike. Each round times every implementation (median of ``--reps`` calls, GPU
+time behind a spin kernel, as ``mla-cupy bench``); the result per implementation is the median
+over rounds of its time divided by the BASE implementation's time in the same round, with the
+spread (min, max) over rounds. An NVML thread samples the SM clock and the board power at
+``--nvml-hz`` (20 by default) during the run; the table reports the clock and power per case.
+
+Implementations (``--impls``, comma separated; the first is the base):
+
+  ours              16-bit Hopper kernel (``mla_prefill``, out= given, validate=False)
+  ours:hps=N        the same with N heads per L2 section (scheduler experiment; overrides the host heuristic)
+  ours:sched=static the same with the round-robin tile order instead of the dynamic hand-out
+  ours:src=DIR      the same with the kernels of DIR (an older version: ``git archive REV kernels | tar -x -C DIR``)
+  ours-fp8          fp8 per-token kernel (``mla_prefill_fp8``; inputs quantized by ``quant.quantize_per_token``)
+  fa3, fa3+kbuild   FlashAttention-3 (``fa3_fwd_interface`` or ``flash_attn_interface``), kernel only / with
+                    the K build at 192 width that it needs
+  fa3-fp8           FlashAttention-3 e4m3 (per (batch, head) descales)
+  cudnn, cudnn+kbuild   torch SDPA on the cuDNN backend (one call per sequence)
+  kbuild            the K build alone (``torch.cat``)
+
+Every implementation's output is checked against the float64 reference (two heads) once per case;
+a relative error above ``--max-err`` fails the run. Usage on a GPU machine::
+
+    PYTHONPATH=.:/path/to/fa3/site python3 benchmarks/ab.py --impls ours,fa3,fa3+kbuild \\
+        --cases 1x4096,1x8192,ragged --rounds 7 --out gpu-logs/ab.json
+
+Case names are those of ``mla-cupy bench --list`` (``mla_cupy.bench.DEFAULT_CASES``) plus ``1xN`` and
+``H16-1xN`` for any N.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from mla_cupy import bench
+from mla_cupy.bench import BenchCase, DEFAULT_CASES
+
+DQK, DV, DR = 192, 128, 64
+
+
+# ---------------------------------------------------------------------------------------------
+# NVML sampling
+# ---------------------------------------------------------------------------------------------
+class NvmlSampler:
+    """SM clock (MHz) and board power (W) of GPU ``index``, sampled at ``hz`` in a thread.
+    ``mark()`` returns the sample count, so a window of the run can be summarised later."""
+
+    def __init__(self, index: int = 0, hz: float = 20.0):
+        self.samples: List[Tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._period = 1.0 / hz
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nv, self._h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception as exc:  # no NVML: timings still run, the clock columns stay empty
+            print(f"NVML unavailable ({type(exc).__name__}: {exc}); no clock/power samples", file=sys.stderr)
+            self._nv = None
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        nv = self._nv
+        while not self._stop.is_set():
+            try:
+                clk = nv.nvmlDeviceGetClockInfo(self._h, nv.NVML_CLOCK_SM)
+                pw = nv.nvmlDeviceGetPowerUsage(self._h) / 1000.0
+                self.samples.append((time.perf_counter(), float(clk), pw))
+            except Exception:
+                pass
+            self._stop.wait(self._period)
+
+    def __enter__(self):
+        if self._nv is not None:
+            self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._nv is not None:
+            self._t.join()
+
+    def mark(self) -> int:
+        return len(self.samples)
+
+    def summary(self, since: int = 0) -> dict:
+        s = self.samples[since:]
+        if not s:
+            return {"n": 0}
+        clk = [x[1] for x in s]
+        pw = [x[2] for x in s]
+        dur = s[-1][0] - s[0][0]
+        return {"n": len(s), "hz": (len(s) - 1) / dur if dur > 0 else float("nan"),
+                "sm_mhz_median": statistics.median(clk), "sm_mhz_min": min(clk), "sm_mhz_max": max(clk),
+                "power_w_median": statistics.median(pw), "power_w_max": max(pw)}
+
+
+# ---------------------------------------------------------------------------------------------
+# cases and inputs
+# ---------------------------------------------------------------------------------------------
+def parse_case(name: str) -> BenchCase:
+    if name in DEFAULT_CASES:
+        return DEFAULT_CASES[name]
+    heads = 128
+    body = name
+    if name.startswith("H") and "-" in name:
+        head, body = name.split("-", 1)
+        heads = int(head[1:])
+    if body.startswith("1x"):
+        n = int(body[2:])
+        return BenchCase(name, (n,), (n,), heads, True)
+    raise SystemExit(f"unknown case {name!r}: one of {sorted(DEFAULT_CASES)} or 1xN / H16-1xN")
+
+
+def n_input_sets(case: BenchCase) -> int:
+    set_bytes = (sum(case.sq) * DQK + 2 * sum(case.sk) * DV) * case.heads * 2
+    return int(min(8, max(1, math.ceil(bench.L2_DEFEAT_BYTES / max(set_bytes, 1)))))
+
+
+# ---------------------------------------------------------------------------------------------
+# implementations: each factory returns (call(i), output(i) -> device array [Tq, H, 128] for the check)
+# ---------------------------------------------------------------------------------------------
+Impl = Tuple[Callable[[int], object], Callable[[int], object]]
+
+
+def _fa3_module():
+    for name in ("fa3_fwd_interface", "flash_attn_interface"):
+        try:
+            return __import__(name)
+        except ImportError:
+            continue
+    return None
+
+
+def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
+    import cupy as cp
+
+    import mla_cupy
+    from mla_cupy import api
+    from mla_cupy._arrays import BF16
+
+    n = len(sets)
+    outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
+    qmax = max(case.sq)
+    hps = int(opts["hps"]) if "hps" in opts else None
+    src = opts.get("src")
+    dynamic = opts.get("sched", "dynamic") == "dynamic"
+    if src is not None:
+        sys.path.insert(0, __file__.rsplit("/", 1)[0])
+        from _variant import restore, use_sources
+
+    def call(i):
+        x = sets[i]
+        saved = orig = None
+        api.DYNAMIC_SCHEDULE = dynamic
+        if src is not None:
+            saved = use_sources(src)
+        if hps is not None:
+            orig = api.heads_per_section
+            api.heads_per_section = lambda p, d: hps
+            api._PLANS.clear()
+        try:
+            mla_cupy.mla_prefill(x["q"], x["k"], x["v"], x["k_rope"], x["valid_length"], x["cache_row_offsets"],
+                                 mask=case.mask, q_max_seq_len=qmax, validate=False, out=outs[i])
+        finally:
+            api.DYNAMIC_SCHEDULE = True
+            if orig is not None:
+                api.heads_per_section = orig
+                api._PLANS.clear()
+            if src is not None:
+                restore(saved)
+        return outs[i]
+
+    return call, lambda i: outs[i]
+
+
+def _ours_fp8(case: BenchCase, sets, opts) -> Impl:
+    import cupy as cp
+
+    import mla_cupy
+    from mla_cupy import quant
+    from mla_cupy._arrays import BF16
+
+    n = len(sets)
+    fs = [quant.quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"]) for x in sets]
+    outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
+    qmax = max(case.sq)
+
+    def call(i):
+        f, x = fs[i], sets[i]
+        return mla_cupy.mla_prefill_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"], f["v"],
+                                        f["k_rope"], x["valid_length"], x["cache_row_offsets"], mask=case.mask,
+                                        q_max_seq_len=qmax, validate=False, out=outs[i])
+
+    return call, lambda i: outs[i]
+
+
+def _torch_sets(sets):
+    import torch
+
+    return [{k: torch.from_dlpack(v) for k, v in x.items()} for x in sets]
+
+
+def _build_k(t, heads):
+    import torch
+
+    tk = t["k"].shape[0]
+    return torch.cat([t["k"], t["k_rope"].expand(tk, heads, DR)], dim=-1)
+
+
+def _fa3(case: BenchCase, sets, opts, *, kbuild: bool, fp8: bool = False) -> Impl:
+    import torch
+
+    mod = _fa3_module()
+    if mod is None:
+        raise RuntimeError("FlashAttention-3 is not importable (fa3_fwd_interface / flash_attn_interface)")
+    tx = _torch_sets(sets)
+    vl, cro = case.offsets()
+    cu_q = torch.tensor(vl.astype(np.int32), device="cuda")
+    cu_k = torch.tensor(cro.astype(np.int32), device="cuda")
+    mq, mk = max(case.sq), max(case.sk)
+    scale = 1.0 / math.sqrt(DQK)
+    k192 = [_build_k(t, case.heads) for t in tx]
+    outs: List[object] = [None] * len(sets)
+    extra = {}
+    if fp8:
+        e4 = torch.float8_e4m3fn
+        b = len(case.sq)
+
+        def quant_bh(x, offs):  # per (batch, head) scale = amax / 448, as [B, H] descales
+            xs, ds = torch.empty_like(x, dtype=e4), torch.empty((b, case.heads), dtype=torch.float32, device="cuda")
+            for j in range(b):
+                seg = x[int(offs[j]):int(offs[j + 1])].float()
+                amax = seg.abs().amax(dim=(0, 2)).clamp_min(1e-12) if seg.numel() else torch.ones(case.heads, device="cuda")
+                s = amax / 448.0
+                xs[int(offs[j]):int(offs[j + 1])] = (seg / s[None, :, None]).to(e4)
+                ds[j] = s
+            return xs, ds
+
+        extra = [dict(zip(("q", "qd", "k", "kd", "v", "vd"),
+                          (*quant_bh(t["q"], vl), *quant_bh(k192[i], cro), *quant_bh(t["v"], cro))))
+                 for i, t in enumerate(tx)]
+
+    def call(i):
+        t = tx[i]
+        with torch.no_grad():
+            if fp8:
+                e = extra[i]
+                r = mod.flash_attn_varlen_func(e["q"], e["k"], e["v"], cu_q, cu_k, mq, mk, softmax_scale=scale,
+                                               causal=case.causal, q_descale=e["qd"], k_descale=e["kd"],
+                                               v_descale=e["vd"])
+            else:
+                kk = _build_k(t, case.heads) if kbuild else k192[i]
+                r = mod.flash_attn_varlen_func(t["q"], kk, t["v"], cu_q, cu_k, mq, mk, softmax_scale=scale,
+                                               causal=case.causal)
+        outs[i] = r[0] if isinstance(r, tuple) else r
+        return outs[i]
+
+    def output(i):
+        import cupy as cp
+
+        return cp.from_dlpack(outs[i])
+
+    return call, output
+
+
+def _cudnn(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    tx = _torch_sets(sets)
+    vl, cro = case.offsets()
+    k192 = [_build_k(t, case.heads) for t in tx]
+    scale = 1.0 / math.sqrt(DQK)
+    outs: List[object] = [None] * len(sets)
+
+    def call(i):
+        t = tx[i]
+        kf = _build_k(t, case.heads) if kbuild else k192[i]
+        res = []
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), torch.no_grad():
+            for b in range(len(case.sq)):
+                qb = t["q"][vl[b]:vl[b + 1]].transpose(0, 1).unsqueeze(0)
+                kb = kf[cro[b]:cro[b + 1]].transpose(0, 1).unsqueeze(0)
+                vb = t["v"][cro[b]:cro[b + 1]].transpose(0, 1).unsqueeze(0)
+                sq, sk = case.sq[b], case.sk[b]
+                if not case.causal:
+                    res.append(sdpa(qb, kb, vb, scale=scale))
+                elif sq == sk:
+                    res.append(sdpa(qb, kb, vb, is_causal=True, scale=scale))
+                else:
+                    res.append(sdpa(qb, kb, vb, attn_mask=causal_lower_right(sq, sk), scale=scale))
+        outs[i] = res
+        return res
+
+    def output(i):
+        import cupy as cp
+
+        return cp.from_dlpack(torch.cat([r[0].transpose(0, 1) for r in outs[i]], dim=0).contiguous())
+
+    return call, output
+
+
+def _kbuild(case: BenchCase, sets, opts) -> Impl:
+    tx = _torch_sets(sets)
+    return (lambda i: _build_k(tx[i], case.heads)), None
+
+
+FACTORIES: Dict[str, Callable[..., Impl]] = {
+    "ours": _ours,
+    "ours-fp8": _ours_fp8,
+    "fa3": lambda c, s, o: _fa3(c, s, o, kbuild=False),
+    "fa3+kbuild": lambda c, s, o: _fa3(c, s, o, kbuild=True),
+    "fa3-fp8": lambda c, s, o: _fa3(c, s, o, kbuild=False, fp8=True),
+    "cudnn": lambda c, s, o: _cudnn(c, s, o, kbuild=False),
+    "cudnn+kbuild": lambda c, s, o: _cudnn(c, s, o, kbuild=True),
+    "kbuild": _kbuild,
+}
+
+
+def parse_impl(spec: str) -> Tuple[str, Dict[str, str]]:
+    base, _, rest = spec.partition(":")
+    if base not in FACTORIES:
+        raise SystemExit(f"unknown implementation {spec!r}: one of {sorted(FACTORIES)} (ours:hps=N, ours:src=DIR)")
+    opts = dict(kv.split("=", 1) for kv in rest.split(";") if kv) if rest else {}
+    return base, opts
+
+
+# ---------------------------------------------------------------------------------------------
+# the A/B loop
+# ---------------------------------------------------------------------------------------------
+def rel_err(case: BenchCase, x, out, heads=(0, -1)) -> float:
+    import cupy as cp
+
+    from mla_cupy import reference
+
+    hs = sorted({h % case.heads for h in heads})
+    ref = reference.mla_prefill(x["q"][:, hs], x["k"][:, hs], x["v"][:, hs], x["k_rope"], x["valid_length"],
+                                x["cache_row_offsets"], mask=case.mask)
+    got = out[:, hs].astype(cp.float64)
+    if not bool(cp.isfinite(got).all()):
+        return float("inf")
+    return float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+
+
+def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler: NvmlSampler,
+             max_err: float) -> dict:
+    import cupy as cp
+
+    n = n_input_sets(case)
+    sets = [bench._inputs(case, seed) for seed in range(n)]
+    impls = {}
+    errors = {}
+    for spec in specs:
+        base, opts = parse_impl(spec)
+        call, output = FACTORIES[base](case, sets, opts)
+        # Poison, run once, check against the float64 reference.
+        if output is not None and base in ("ours", "ours-fp8"):
+            output(0).view(cp.uint16)[...] = 0x7FC0  # bf16 NaN
+        call(0)
+        cp.cuda.Device().synchronize()
+        if output is not None:
+            errors[spec] = rel_err(case, sets[0], output(0))
+            limit = max_err * (3 if "fp8" in base else 1)
+            if not errors[spec] <= limit:
+                raise SystemExit(f"{case.name} / {spec}: relative error {errors[spec]:.3e} > {limit:.1e}")
+        impls[spec] = call
+    times: Dict[str, List[float]] = {s: [] for s in specs}
+    mark = sampler.mark()
+    for r in range(rounds):
+        order = specs if r % 2 == 0 else specs[::-1]
+        for s in order:
+            times[s].append(bench.time_ms(impls[s], n, warmup=2, reps=reps))
+    clock = sampler.summary(mark)
+    base = specs[0]
+    ratios = {s: [t / b for t, b in zip(times[s], times[base])] for s in specs}
+    flops = case.flops()
+    res = {"case": case.name, "flops": flops, "n_sets": n, "clock": clock, "impls": {}}
+    for s in specs:
+        med = statistics.median(times[s])
+        rr = ratios[s]
+        res["impls"][s] = {"ms_rounds": times[s], "ms_median": med, "tflops": flops / med / 1e9,
+                           "ratio_to_base_rounds": rr, "ratio_median": statistics.median(rr),
+                           "ratio_min": min(rr), "ratio_max": max(rr), "rel_err": errors.get(s)}
+    del sets, impls
+    cp.get_default_memory_pool().free_all_blocks()
+    try:
+        import torch
+
+        torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    return res
+
+
+def format_case(res: dict, base: str) -> List[str]:
+    c = res["clock"]
+    clk = (f"SM {c['sm_mhz_median']:.0f} MHz ({c['sm_mhz_min']:.0f}-{c['sm_mhz_max']:.0f}), "
+           f"{c['power_w_median']:.0f} W, {c['hz']:.0f} Hz") if c.get("n") else "no NVML"
+    lines = []
+    for s, d in res["impls"].items():
+        err = "" if d["rel_err"] is None else f"{d['rel_err']:.1e}"
+        lines.append(f"| {res['case']} | {s} | {d['ms_median']:.3f} | {d['tflops']:.0f} | "
+                     f"{d['ratio_median']:.3f} ({d['ratio_min']:.3f}-{d['ratio_max']:.3f}) | {err} | {clk} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--impls", default="ours,fa3", help="comma separated; the first is the base")
+    ap.add_argument("--cases", default="1x4096,1x8192,1x16384", help="comma separated case names")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per implementation per round (median)")
+    ap.add_argument("--nvml-hz", type=float, default=20.0)
+    ap.add_argument("--max-err", type=float, default=2e-2, help="bf16 bound; x3 for fp8 implementations")
+    ap.add_argument("--out", default=None, help="write every round's numbers here (JSON)")
+    ap.add_argument("--profile", action="store_true",
+                    help="no timing: run each implementation three times per case (for ncu: --launch-skip 2 "
+                         "--launch-count 1 with a kernel-name filter)")
+    a = ap.parse_args(argv)
+    specs = [s for s in a.impls.split(",") if s]
+    cases = [parse_case(c) for c in a.cases.split(",") if c]
+    if a.profile:
+        import cupy as cp
+
+        for case in cases:
+            sets = [bench._inputs(case, 0)]
+            for spec in specs:
+                base, opts = parse_impl(spec)
+                call, _ = FACTORIES[base](case, sets, opts)
+                for _ in range(3):
+                    call(0)
+                cp.cuda.Device().synchronize()
+        return 0
+    results = []
+    with NvmlSampler(hz=a.nvml_hz) as sampler:
+        print(f"| case | impl | ms | TFLOP/s | time / time of {specs[0]} (> 1: {specs[0]} faster; median of {a.rounds} rounds, min-max) "
+              f"| rel err | clock during the case |", flush=True)
+        print("|---|---|---|---|---|---|---|", flush=True)
+        for case in cases:
+            res = run_case(case, specs, a.rounds, a.reps, sampler, a.max_err)
+            results.append(res)
+            print("\n".join(format_case(res, specs[0])), flush=True)
+            if a.out:
+                with open(a.out, "w") as f:
+                    json.dump({"impls": specs, "rounds": a.rounds, "reps": a.reps, "results": results,
+                               "clock_all": sampler.summary()}, f, indent=1)
+        whole = sampler.summary()
+    if whole.get("n"):
+        print(f"clock over the run: SM median {whole['sm_mhz_median']:.0f} MHz "
+              f"({whole['sm_mhz_min']:.0f}-{whole['sm_mhz_max']:.0f}), power median {whole['power_w_median']:.0f} W, "
+              f"{whole['n']} samples at {whole['hz']:.1f} Hz")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
