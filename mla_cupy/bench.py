@@ -113,15 +113,20 @@ def resolve_cases(names: Optional[Sequence[str]], gpu: bool) -> List[BenchCase]:
 
 @dataclass
 class Row:
+    """One (case, implementation) measurement. ``ratios[p]`` on our rows is p's time over ours
+    (> 1: we are faster), against the peers of the same ``group`` ("16-bit" or "fp8")."""
+
     case: str
     impl: str
     ms: float
     tflops: float
-    rel_err: Optional[float] = None
+    rel_err: Optional[float] = None  # worst per-slice error against the reference of the inputs given
     extra_mem_mb: Optional[float] = None
     note: str = ""
     host_us: Optional[float] = None  # host time per call (ours, validate=False, out= given)
     ratios: Dict[str, float] = field(default_factory=dict)
+    err_vs_16bit: Optional[float] = None  # fp8 rows: worst per-slice error against the unquantized inputs
+    group: str = "16-bit"
 
 
 def _progress(items, desc: str, enabled: bool):
@@ -312,7 +317,7 @@ class CaseRun:
                 norm = float(cp.linalg.norm(r))
                 if norm > 0:
                     e = float(cp.linalg.norm(got[int(vl[b]):int(vl[b + 1]), j] - r)) / norm
-                    worst = e if e != e or worst != worst else max(worst, e)
+                    worst = float("nan") if e != e or worst != worst else max(worst, e)
         return worst
 
     def torch_sets(self) -> List[dict]:
@@ -374,8 +379,8 @@ def _timed_rows(run: CaseRun, impl: str, call: Callable[[int], object], out, not
 # our kernels
 # ----------------------------------------------------------------------------------------------
 def _timed_ours(run: CaseRun, impl: str, call: Callable[[int], object], outs, group: str) -> Row:
-    """Time one of our entry points (``call(i)`` writes ``outs[i]``), with its host time per call and
-    the memory a call without ``out=`` takes."""
+    """Time one of our entry points (``call(i)`` writes ``outs[i]``), with its host time per call;
+    its memory is the output and what a call keeps from CuPy's pool."""
     import cupy as cp
 
     ms = time_ms(call, len(run.sets), reps=run.reps)
@@ -384,7 +389,7 @@ def _timed_ours(run: CaseRun, impl: str, call: Callable[[int], object], outs, gr
     before = pool.used_bytes()
     call(0)
     cp.cuda.Device().synchronize()
-    extra = (pool.used_bytes() - before) / 2**20
+    extra = (pool.used_bytes() - before + outs[0].nbytes) / 2**20
     return Row(run.case.name, impl, ms, run.case.flops() / ms / 1e9, None, extra, host_us=launch_us, group=group)
 
 
@@ -593,15 +598,13 @@ def _quantize_per_batch_head(x, offsets):
 
     from .quant import E4M3_MAX
 
-    b = len(offsets) - 1
-    descale = torch.ones((b, x.shape[1]), dtype=torch.float32, device=x.device)
-    x8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    for i in range(b):
-        s = slice(int(offsets[i]), int(offsets[i + 1]))
-        if s.stop > s.start:
-            amax = x[s].float().abs().amax(dim=(0, 2))
-            descale[i] = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-        x8[s] = (x[s].float() / descale[i][None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    lens = np.diff(np.asarray(offsets, np.int64))
+    descale = torch.ones((len(lens), x.shape[1]), dtype=torch.float32, device=x.device)
+    for i in np.flatnonzero(lens):
+        amax = x[int(offsets[i]):int(offsets[i + 1])].float().abs().amax(dim=(0, 2))
+        descale[i] = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    rows = torch.as_tensor(np.repeat(np.arange(len(lens)), lens), device=x.device)
+    x8 = (x.float() / descale[rows][:, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return x8, descale
 
 
@@ -666,12 +669,13 @@ FP8_PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_fa3_fp8]
 
 
 def _set_ratios(rows: List[Row], roofline: Optional[float]) -> None:
-    """On our first row of each group: every other timed row's time over ours, and the roofline."""
+    """On our first row of each group: every other timed row's time over ours, and (16-bit) the
+    share of the bf16 matmul rate."""
     for group in dict.fromkeys(r.group for r in rows):
         ours = next((r for r in rows if r.group == group and r.impl.startswith("mla_cupy") and r.ms == r.ms), None)
         if ours is None:
             continue
-        if roofline:
+        if roofline and group == "16-bit":  # the roofline is the bf16 matmul rate
             ours.ratios["roofline"] = ours.tflops / roofline
         for r in rows:
             if r.group == group and r is not ours and r.impl != "kbuild" and r.ms == r.ms:
