@@ -262,7 +262,7 @@ fa3_fwd_interface (the fa3-fwd wheel) or FA3's own flash_attn_interface imports.
 wheel to a GPU machine without network access:
   pip download --no-deps fa3-fwd==0.0.3 -d wheels        # where pip works
   (copy wheels/ to the GPU machine)
-  pip install --no-deps --no-index --target DIR wheels/fa3_fwd-0.0.3-*.whl
+  pip install --no-deps --no-index --target DIR wheels/fa3_fwd-*.whl
   PYTHONPATH=DIR mla-cupy bench
 """
 
