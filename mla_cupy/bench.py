@@ -1,11 +1,18 @@
-"""``mla-cupy bench`` / ``python -m mla_cupy.bench``: mla_cupy against its peers on this GPU.
+"""``mla-cupy bench``: mla_cupy against its peers on this GPU.
 
 Every number in a table comes from one process on one warm GPU: our kernel, the peers that are
-importable (torch's cuDNN SDPA and FlexAttention, which need K built at full 192 width: that
-build is timed too), and the card's bf16 matmul rate as a roofline. Times are medians of many
-repeats after warm-up, measured with CUDA events behind a GPU-busy spin kernel (so they are GPU
-time, for every implementation alike; our host time per call is its own column), rotating
-through enough input sets to defeat the L2 cache. FLOPs count visible (query, key) pairs only: ``H * 2 * (192 + 128) * pairs``.
+importable (torch's cuDNN SDPA and FlexAttention, and FlashAttention-3 from the ``fa3-fwd`` wheel
+or FA3's own ``flash_attn_interface``, which all need K built at full 192 width: that build is timed
+too), and the card's bf16 matmul rate as a roofline. Times are medians of many repeats after
+warm-up, measured with CUDA events behind a GPU-busy spin kernel (so they are GPU time, for every
+implementation alike; our host time per call is its own column), rotating through enough input sets
+to defeat the L2 cache. FLOPs count visible (query, key) pairs only: ``H * 2 * (192 + 128) * pairs``.
+
+Every row's output is checked against the float64 reference on two heads (the first and the last):
+``rel_err`` is the worst relative error over the (sequence, head) slices, as the contract defines
+accuracy. fp8 rows (``fp8=True``) are checked twice: against the reference of the inputs they were
+given (the dequantized fp8 values, ``rel_err``) and against the reference of the unquantized 16-bit
+inputs (``err_vs_16bit``), which is what quantization costs a user.
 """
 from __future__ import annotations
 
@@ -19,23 +26,28 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ._arrays import BF16
+from ._arrays import BF16, FP8_E4M3
 from .masks import CausalMask, Mask, NullMask
 from .reference import visible_pairs
 from .validation import DQK, DR, DV
 
-__all__ = ["BenchCase", "DEFAULT_CASES", "CPU_CASES", "run", "format_table", "main"]
+__all__ = ["BenchCase", "DEFAULT_CASES", "EXTRA_CASES", "CPU_CASES", "ALL_CASES", "resolve_cases", "CaseRun",
+           "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "fa3_function", "run", "run_cpu", "format_table", "write_csv", "plot"]
 
 L2_DEFEAT_BYTES = 256 << 20  # rotate input sets until their total passes this (H100/H200 L2: 50-60 MB)
 
 
 @dataclass(frozen=True)
 class BenchCase:
+    """One problem of the matrix: per-sequence query and key counts, heads, causal or not.
+    ``needs_gpu=False`` marks the tiny cases the float64 reference can time on a CPU."""
+
     name: str
     sq: Sequence[int]
     sk: Sequence[int]
     heads: int = 128
     causal: bool = True
+    needs_gpu: bool = True
 
     @property
     def mask(self) -> Mask:
@@ -50,11 +62,19 @@ class BenchCase:
         vl, cro = self.offsets()
         return float(self.heads) * 2 * (DQK + DV) * visible_pairs(vl, cro, self.mask)
 
+    def describe(self) -> str:
+        """``Sq=16x512 Sk=16x512 H=128 causal``: lengths per sequence (``n x L`` when all alike)."""
+        def lens(xs):
+            return f"{len(xs)}x{xs[0]}" if len(set(xs)) == 1 else "+".join(map(str, xs))
 
-def _c(name, sq, sk=None, heads=128, causal=True):
-    return BenchCase(name, tuple(sq), tuple(sk if sk is not None else sq), heads, causal)
+        return f"Sq={lens(self.sq)} Sk={lens(self.sk)} H={self.heads} {'causal' if self.causal else 'non-causal'}"
 
 
+def _c(name, sq, sk=None, heads=128, causal=True, needs_gpu=True):
+    return BenchCase(name, tuple(sq), tuple(sk if sk is not None else sq), heads, causal, needs_gpu)
+
+
+#: The matrix ``mla-cupy bench`` runs on a GPU by default.
 DEFAULT_CASES: Dict[str, BenchCase] = {c.name: c for c in [
     _c("1x512", [512]), _c("1x1024", [1024]), _c("1x2048", [2048]), _c("1x4096", [4096]), _c("1x8192", [8192]),
     _c("1x16384", [16384]), _c("4x2048", [2048] * 4), _c("16x512", [512] * 16),
@@ -62,20 +82,51 @@ DEFAULT_CASES: Dict[str, BenchCase] = {c.name: c for c in [
     _c("H16-1x8192", [8192], heads=16), _c("H16-1x16384", [16384], heads=16),
     _c("noncausal-1x4096", [4096], causal=False),
 ]}
-CPU_CASES: Dict[str, BenchCase] = {c.name: c for c in [_c("tiny-2x48", [48, 20], [48, 33], heads=4)]}
+#: GPU cases run only when named (``--cases``).
+EXTRA_CASES: Dict[str, BenchCase] = {c.name: c for c in [_c("1x32768", [32768])]}
+#: Cases small enough for the float64 reference on a CPU (the default without a GPU).
+CPU_CASES: Dict[str, BenchCase] = {c.name: c for c in [_c("tiny-2x48", [48, 20], [48, 33], heads=4, needs_gpu=False)]}
+ALL_CASES: Dict[str, BenchCase] = {**DEFAULT_CASES, **EXTRA_CASES, **CPU_CASES}
+
+
+def resolve_cases(names: Optional[Sequence[str]], gpu: bool) -> List[BenchCase]:
+    """The cases to run: ``names`` (any of :data:`ALL_CASES`), or the default matrix of this
+    machine (:data:`DEFAULT_CASES` with a GPU, :data:`CPU_CASES` without).
+
+    Raises
+    ------
+    ValueError
+        A name is unknown, or names a case that needs a GPU when ``gpu`` is False.
+    """
+    if not names:
+        return list((DEFAULT_CASES if gpu else CPU_CASES).values())
+    unknown = [n for n in names if n not in ALL_CASES]
+    if unknown:
+        raise ValueError(f"unknown case(s) {unknown}; known: {list(ALL_CASES)}")
+    chosen = [ALL_CASES[n] for n in names]
+    need = [c.name for c in chosen if c.needs_gpu and not gpu]
+    if need:
+        raise ValueError(f"case(s) {need} need a GPU and none is in use; without one, run: "
+                         f"{[n for n, c in ALL_CASES.items() if not c.needs_gpu]}")
+    return chosen
 
 
 @dataclass
 class Row:
+    """One (case, implementation) measurement. ``ratios[p]`` on our rows is p's time over ours
+    (> 1: we are faster), against the peers of the same ``group`` ("16-bit" or "fp8")."""
+
     case: str
     impl: str
     ms: float
     tflops: float
-    rel_err: Optional[float] = None
+    rel_err: Optional[float] = None  # worst per-slice error against the reference of the inputs given
     extra_mem_mb: Optional[float] = None
     note: str = ""
     host_us: Optional[float] = None  # host time per call (ours, validate=False, out= given)
     ratios: Dict[str, float] = field(default_factory=dict)
+    err_vs_16bit: Optional[float] = None  # fp8 rows: worst per-slice error against the unquantized inputs
+    group: str = "16-bit"
 
 
 def _progress(items, desc: str, enabled: bool):
@@ -184,74 +235,236 @@ def matmul_tflops(n: int = 8192, reps: int = 20) -> Optional[float]:
     return 2 * n ** 3 / ms / 1e9
 
 
-def _rel_err_sampled(case: BenchCase, x, out, heads_sample=(0,)) -> float:
-    """Relative error of ``out`` against the float64 reference (run on the GPU) on a few heads."""
+def _as_cupy(x):
+    """A zero-copy CuPy view of a CuPy array or a torch CUDA tensor (float8 tensors as their bytes)."""
     import cupy as cp
 
-    from . import reference
+    if isinstance(x, cp.ndarray):
+        return x
+    if "float8" in str(x.dtype):
+        import torch
 
-    hs = list(heads_sample)
-    ref = reference.mla_prefill(x["q"][:, hs], x["k"][:, hs], x["v"][:, hs], x["k_rope"], x["valid_length"],
-                                x["cache_row_offsets"], mask=case.mask)
-    got = out[:, hs].astype(cp.float64)
-    return float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+        x = x.view(torch.uint8)
+    return cp.from_dlpack(x)
 
 
-def bench_ours(case: BenchCase, sets, reps: int) -> Row:
+def e4m3_to_f64(x):
+    """float64 values of e4m3 data on the device (CuPy uint8 bytes or a torch float8_e4m3fn
+    tensor), through a 256-entry table: CuPy has no fp8 dtype."""
+    import cupy as cp
+
+    table = cp.asarray(np.arange(256, dtype=np.uint8).view(FP8_E4M3).astype(np.float64))
+    return table[_as_cupy(x)]
+
+
+@dataclass
+class CaseRun:
+    """What the row builders of one case share: the case, its device input sets (dicts of ``q``,
+    ``k``, ``v``, ``k_rope``, ``valid_length``, ``cache_row_offsets`` as CuPy arrays; set 0 is the
+    one checked for accuracy), the repeats, and what is computed once per case on demand: the
+    float64 reference of the 16-bit inputs on :attr:`heads`, torch views of the sets, and K built
+    at 192 width (with the time that build takes)."""
+
+    case: BenchCase
+    sets: List[dict]
+    reps: int
+    _ref16: object = None
+    _torch: Optional[List[dict]] = None
+    _k192: Optional[tuple] = None
+
+    @property
+    def heads(self) -> List[int]:
+        """The heads every row is checked on: the first and the last."""
+        return sorted({0, self.case.heads - 1})
+
+    def reference(self, q, k, v, k_rope):
+        """float64 reference ``[Tq, len(heads), 128]`` of full-head device inputs (CuPy or torch, any
+        float dtype; ``k_rope`` ``[Tk, 1, 64]`` shared or ``[Tk, H, 64]`` per head, as a K built at
+        192 width carries it after a per-head quantization)."""
+        import cupy as cp
+
+        from . import reference
+
+        x = self.sets[0]
+        q, k, v, k_rope = (_as_cupy(a) for a in (q, k, v, k_rope))
+        outs = []
+        for h in self.heads:
+            hr = h if k_rope.shape[1] > 1 else 0
+            one = [cp.ascontiguousarray(a[:, i:i + 1]) for a, i in ((q, h), (k, h), (v, h), (k_rope, hr))]
+            outs.append(reference.mla_prefill(*one, x["valid_length"], x["cache_row_offsets"], mask=self.case.mask))
+        return cp.concatenate(outs, axis=1)
+
+    def reference16(self):
+        """The float64 reference of input set 0 as given (16-bit), computed once."""
+        if self._ref16 is None:
+            x = self.sets[0]
+            self._ref16 = self.reference(x["q"], x["k"], x["v"], x["k_rope"])
+        return self._ref16
+
+    def error(self, out, ref=None) -> float:
+        """Worst relative error ``||out - ref|| / ||ref||`` over the (sequence, head) slices of
+        :attr:`heads`; ``out`` is the full ``[Tq, H, 128]`` output (CuPy or torch), ``ref`` defaults
+        to :meth:`reference16`. NaN anywhere in those slices gives NaN."""
+        import cupy as cp
+
+        ref = self.reference16() if ref is None else ref
+        got = _as_cupy(out)[:, self.heads].astype(cp.float64)
+        vl, _ = self.case.offsets()
+        worst = 0.0
+        for b in range(len(vl) - 1):
+            for j in range(len(self.heads)):
+                r = ref[int(vl[b]):int(vl[b + 1]), j]
+                norm = float(cp.linalg.norm(r))
+                if norm > 0:
+                    e = float(cp.linalg.norm(got[int(vl[b]):int(vl[b + 1]), j] - r)) / norm
+                    worst = float("nan") if e != e or worst != worst else max(worst, e)
+        return worst
+
+    def torch_sets(self) -> List[dict]:
+        """The input sets as zero-copy torch tensors."""
+        if self._torch is None:
+            import torch
+
+            self._torch = [{k: torch.from_dlpack(v) for k, v in x.items()} for x in self.sets]
+        return self._torch
+
+    def k192(self):
+        """(K built at 192 width for every set, the median time of that build in ms): ``torch.cat``
+        of ``k[Tk, H, 128]`` and ``k_rope`` broadcast to ``[Tk, H, 64]``, what the peers need."""
+        if self._k192 is None:
+            import torch
+
+            h = self.case.heads
+
+            def build(t):
+                return torch.cat([t["k"], t["k_rope"].expand(t["k"].shape[0], h, DR)], dim=-1)
+
+            tx = self.torch_sets()
+            ms = time_ms(lambda i: build(tx[i]), len(tx), reps=self.reps)
+            self._k192 = ([build(t) for t in tx], ms)
+        return self._k192
+
+
+def _failed(run: CaseRun, impl: str, exc: Exception, group: str = "16-bit") -> Row:
+    return Row(run.case.name, impl, float("nan"), float("nan"), note=f"failed: {type(exc).__name__}: {str(exc)[:80]}",
+               group=group)
+
+
+def _torch_peak(fn: Callable[[], float]):
+    """(fn(), peak extra torch memory in MB while it ran)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ms = fn()
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _timed_rows(run: CaseRun, impl: str, call: Callable[[int], object], out, note: str = "",
+                kbuild: bool = True) -> List[Row]:
+    """Rows of a 16-bit peer that reads K at 192 width: its kernel time and, with ``kbuild``, its
+    time with the K build; ``out`` is its output on set 0 (checked against the reference)."""
+    kfull, ms_build = run.k192()
+    ms, extra = _torch_peak(lambda: time_ms(call, len(run.sets), reps=run.reps))
+    extra += kfull[0].numel() * kfull[0].element_size() / 2**20
+    err, flops = run.error(out), run.case.flops()
+    rows = [Row(run.case.name, impl, ms, flops / ms / 1e9, err, extra, note=note)]
+    if kbuild:
+        rows.append(Row(run.case.name, impl + "+kbuild", ms + ms_build, flops / (ms + ms_build) / 1e9, err, extra))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# our kernels
+# ----------------------------------------------------------------------------------------------
+def _timed_ours(run: CaseRun, impl: str, call: Callable[[int], object], outs, group: str) -> Row:
+    """Time one of our entry points (``call(i)`` writes ``outs[i]``), with its host time per call;
+    its memory is the output and what a call keeps from CuPy's pool."""
+    import cupy as cp
+
+    ms = time_ms(call, len(run.sets), reps=run.reps)
+    launch_us = host_us(call, len(run.sets), reps=max(20, min(200, int(200 / max(ms, 1e-3)))))
+    pool = cp.get_default_memory_pool()
+    before = pool.used_bytes()
+    call(0)
+    cp.cuda.Device().synchronize()
+    extra = (pool.used_bytes() - before + outs[0].nbytes) / 2**20
+    return Row(run.case.name, impl, ms, run.case.flops() / ms / 1e9, None, extra, host_us=launch_us, group=group)
+
+
+def bench_ours(run: CaseRun) -> Row:
+    """mla_prefill on the 16-bit inputs (validate=False, q_max_seq_len and out= given)."""
     import cupy as cp
 
     from .api import mla_prefill
 
-    n = len(sets)
-    outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
-    ms_max = max(case.sq)
+    case = run.case
+    outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in run.sets]
 
     def call(i):
-        x = sets[i]
+        x = run.sets[i]
         mla_prefill(x["q"], x["k"], x["v"], x["k_rope"], x["valid_length"], x["cache_row_offsets"], mask=case.mask,
-                    q_max_seq_len=ms_max, validate=False, out=outs[i])
+                    q_max_seq_len=max(case.sq), validate=False, out=outs[i])
 
-    ms = time_ms(call, n, reps=reps)
-    launch_us = host_us(call, n, reps=max(20, min(200, int(200 / max(ms, 1e-3)))))
-    pool = cp.get_default_memory_pool()
-    before = pool.used_bytes()
-    x = sets[0]
-    res = mla_prefill(x["q"], x["k"], x["v"], x["k_rope"], x["valid_length"], x["cache_row_offsets"], mask=case.mask)
-    extra = (pool.used_bytes() - before) / 2**20
-    err = _rel_err_sampled(case, x, res, (0, case.heads - 1))
-    return Row(case.name, "mla_cupy", ms, case.flops() / ms / 1e9, err, extra, host_us=launch_us)
+    row = _timed_ours(run, "mla_cupy", call, outs, "16-bit")
+    row.rel_err = run.error(outs[0])
+    return row
 
 
-def _torch_views(x):
-    import torch
+def bench_ours_fp8(run: CaseRun) -> List[Row]:
+    """mla_prefill_fp8 on inputs quantized per token (:func:`mla_cupy.quant.quantize_per_token`,
+    on the device, not timed): the nope parts, K and V in e4m3, the rope in bf16."""
+    import cupy as cp
 
-    return {k: torch.from_dlpack(v) for k, v in x.items()}
+    from .api import mla_prefill_fp8
+    from .quant import quantize_per_token
+
+    case = run.case
+    try:
+        fp8 = [quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"]) for x in run.sets]
+    except Exception as exc:
+        return [_failed(run, "mla_cupy-fp8", exc, "fp8")]
+    outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in run.sets]
+
+    def call(i):
+        x, f = run.sets[i], fp8[i]
+        mla_prefill_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"], f["v"], f["k_rope"],
+                        x["valid_length"], x["cache_row_offsets"], mask=case.mask, q_max_seq_len=max(case.sq),
+                        validate=False, out=outs[i])
+
+    try:
+        row = _timed_ours(run, "mla_cupy-fp8", call, outs, "fp8")
+    except Exception as exc:
+        return [_failed(run, "mla_cupy-fp8", exc, "fp8")]
+    f = fp8[0]
+    q_true = f["q_scale"][:, :, None].astype(cp.float64) * cp.concatenate(
+        [e4m3_to_f64(f["q_nope"]), f["q_rope"].astype(cp.float64)], axis=-1)
+    k_scales = f["k_scales"][:, :, None].astype(cp.float64)
+    ref8 = run.reference(q_true, k_scales * e4m3_to_f64(f["k"]), e4m3_to_f64(f["v"]),
+                         k_scales * f["k_rope"].astype(cp.float64))
+    row.rel_err, row.err_vs_16bit = run.error(outs[0], ref8), run.error(outs[0])
+    row.note = "per token: nope, K and V e4m3, rope bf16; quantization not timed"
+    return [row]
 
 
-def bench_peers(case: BenchCase, sets, reps: int) -> List[Row]:
-    """cuDNN SDPA (one call per sequence) and FlexAttention (one document mask), K built at 192."""
+# ----------------------------------------------------------------------------------------------
+# peers (torch); each builder returns its rows, or none when it is not importable
+# ----------------------------------------------------------------------------------------------
+def bench_sdpa(run: CaseRun) -> List[Row]:
+    """cuDNN SDPA, one call per sequence (bottom-right causal when Sq != Sk), K built at 192; the
+    flash / memory-efficient backends when cuDNN does not run."""
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
         from torch.nn.functional import scaled_dot_product_attention as sdpa
     except ImportError:
         return []
-    rows: List[Row] = []
-    tx = [_torch_views(x) for x in sets]
-    h, n = case.heads, len(sets)
+    case = run.case
+    tx, (kfull, _) = run.torch_sets(), run.k192()
     vl, cro = case.offsets()
     scale = 1.0 / math.sqrt(DQK)
-
-    def build_k(t):
-        tk = t["k"].shape[0]
-        return torch.cat([t["k"], t["k_rope"].expand(tk, h, DR)], dim=-1)
-
-    ms_build = time_ms(lambda i: build_k(tx[i]), n, reps=reps)
-    kfull = [build_k(t) for t in tx]
-    flops = case.flops()
-
-    # --- SDPA: one call per sequence; bottom-right causal when Sq != Sk ---
-    from torch.nn.attention.bias import causal_lower_right
 
     def sdpa_call(i):
         t, kf = tx[i], kfull[i]
@@ -269,27 +482,28 @@ def bench_peers(case: BenchCase, sets, reps: int) -> List[Row]:
                 outs.append(sdpa(qb, kb, vb, attn_mask=causal_lower_right(sq, sk), scale=scale))
         return outs
 
+    rows: List[Row] = []
     for label, backends in (("cudnn-sdpa", [SDPBackend.CUDNN_ATTENTION]),
                             ("sdpa-fallback", [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])):
         try:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
             with sdpa_kernel(backends):
-                ms = time_ms(sdpa_call, n, reps=reps)
-            extra = (torch.cuda.max_memory_allocated() - base) / 2**20 + kfull[0].numel() * 2 / 2**20
-            rows.append(Row(case.name, label, ms, flops / ms / 1e9, None, extra,
-                            note=f"backend={backends[0].name}; K build {ms_build:.3f} ms not included"))
-            rows.append(Row(case.name, label + "+kbuild", ms + ms_build, flops / (ms + ms_build) / 1e9, None, extra))
-            break
+                out = torch.cat([o[0].transpose(0, 1) for o in sdpa_call(0)])
+                return rows + _timed_rows(run, label, sdpa_call, out, note=f"backend={backends[0].name}")
         except Exception as exc:  # record why the backend did not run, try the next
-            rows.append(Row(case.name, label, float("nan"), float("nan"), note=f"failed: {type(exc).__name__}: {str(exc)[:80]}"))
+            rows.append(_failed(run, label, exc))
+    return rows
 
-    # --- FlexAttention: one call for the whole batch with a document mask ---
+
+def bench_flex(run: CaseRun) -> List[Row]:
+    """FlexAttention (torch.compile), one call for the whole batch with a document mask."""
     try:
+        import torch
         import torch._dynamo
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
+    except ImportError:
+        return []
+    case = run.case
+    try:
         # One compiled kernel per case shape: without a higher limit dynamo stops recompiling after
         # 8 shapes and silently runs the unfused (materializing) implementation.
         for knob in ("recompile_limit", "cache_size_limit"):
@@ -297,6 +511,7 @@ def bench_peers(case: BenchCase, sets, reps: int) -> List[Row]:
                 setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
         flex = torch.compile(flex_attention, dynamic=False)
         dev = "cuda"
+        vl, cro = case.offsets()
         q_doc = torch.repeat_interleave(torch.arange(len(case.sq), device=dev), torch.tensor(case.sq, device=dev))
         k_doc = torch.repeat_interleave(torch.arange(len(case.sk), device=dev), torch.tensor(case.sk, device=dev))
         q_first = torch.tensor(vl[:-1].astype(np.int64), device=dev)
@@ -313,29 +528,167 @@ def bench_peers(case: BenchCase, sets, reps: int) -> List[Row]:
             return same & (kp <= qp)
 
         bm = create_block_mask(mask_mod, None, None, sum(case.sq), sum(case.sk), device=dev)
+        tx, (kfull, _) = run.torch_sets(), run.k192()
 
         def flex_call(i):
             t, kf = tx[i], kfull[i]
             return flex(t["q"].transpose(0, 1).unsqueeze(0), kf.transpose(0, 1).unsqueeze(0),
-                        t["v"].transpose(0, 1).unsqueeze(0), block_mask=bm, scale=scale)
+                        t["v"].transpose(0, 1).unsqueeze(0), block_mask=bm, scale=1.0 / math.sqrt(DQK))
 
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        ms = time_ms(flex_call, n, reps=reps)
-        extra = (torch.cuda.max_memory_allocated() - base) / 2**20 + kfull[0].numel() * 2 / 2**20
-        rows.append(Row(case.name, "flex", ms, flops / ms / 1e9, None, extra, note="torch.compile(flex_attention)"))
-        rows.append(Row(case.name, "flex+kbuild", ms + ms_build, flops / (ms + ms_build) / 1e9, None, extra))
+        return _timed_rows(run, "flex", flex_call, flex_call(0)[0].transpose(0, 1), note="torch.compile(flex_attention)")
     except Exception as exc:
-        rows.append(Row(case.name, "flex", float("nan"), float("nan"), note=f"failed: {type(exc).__name__}: {str(exc)[:80]}"))
-    rows.append(Row(case.name, "kbuild", ms_build, float("nan"), note="torch.cat(k, k_rope broadcast) to [Tk, H, 192]"))
-    return rows
+        return [_failed(run, "flex", exc)]
 
 
-def run(cases: Sequence[BenchCase], *, peers: bool = True, reps: int = 20, progress: bool = True,
+#: Modules that provide FlashAttention-3's ``flash_attn_varlen_func``, in the order tried.
+FA3_MODULES = ("fa3_fwd_interface", "flash_attn_interface")
+
+
+def fa3_function():
+    """(FlashAttention-3's ``flash_attn_varlen_func``, the module's name), or None when neither of
+    :data:`FA3_MODULES` imports."""
+    import importlib
+
+    for name in FA3_MODULES:
+        try:
+            return importlib.import_module(name).flash_attn_varlen_func, name
+        except Exception:  # not installed, or built for another torch / CUDA
+            continue
+    return None
+
+
+def _fa3_timed_call(run: CaseRun, fn, qs, ks, vs, kw_of: Callable[[int], dict] = lambda i: {}):
+    """``call(i)``: one FlashAttention-3 varlen call over set i's whole batch (``qs[i]``, ``ks[i]``,
+    ``vs[i]``, keywords ``kw_of(i)``), the offsets built once, not timed. FA3's causal mask is
+    bottom-right aligned, as ours; the output is returned whether the version gives ``out`` or
+    ``(out, lse)``."""
+    import torch
+
+    vl, cro = run.case.offsets()
+    dev = qs[0].device
+    cu_q, cu_k = torch.tensor(vl.astype(np.int32), device=dev), torch.tensor(cro.astype(np.int32), device=dev)
+    scale, causal = 1.0 / math.sqrt(DQK), run.case.causal
+    mq, mk = max(run.case.sq), max(run.case.sk)
+
+    def call(i):
+        res = fn(qs[i], ks[i], vs[i], cu_q, cu_k, mq, mk, softmax_scale=scale, causal=causal, **kw_of(i))
+        return res[0] if isinstance(res, (tuple, list)) else res
+
+    return call
+
+
+def bench_fa3(run: CaseRun) -> List[Row]:
+    """FlashAttention-3 (``fa3-fwd`` wheel or FA3's own build), bf16, K built at 192."""
+    found = fa3_function()
+    if found is None:
+        return []
+    fn, module = found
+    try:
+        tx, (kfull, _) = run.torch_sets(), run.k192()
+        call = _fa3_timed_call(run, fn, [t["q"] for t in tx], kfull, [t["v"] for t in tx])
+        return _timed_rows(run, "fa3", call, call(0), note=f"{module}.flash_attn_varlen_func")
+    except Exception as exc:
+        return [_failed(run, "fa3", exc)]
+
+
+def _quantize_per_batch_head(x, offsets):
+    """e4m3 of ``x[T, H, D]`` (torch) with one scale per (sequence, head): ``(x8, descale[B, H]
+    float32)``, ``descale = amax / 448`` over the sequence's rows and all D values (1 when 0)."""
+    import torch
+
+    from .quant import E4M3_MAX
+
+    lens = np.diff(np.asarray(offsets, np.int64))
+    descale = torch.ones((len(lens), x.shape[1]), dtype=torch.float32, device=x.device)
+    for i in np.flatnonzero(lens):
+        amax = x[int(offsets[i]):int(offsets[i + 1])].float().abs().amax(dim=(0, 2))
+        descale[i] = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    rows = torch.as_tensor(np.repeat(np.arange(len(lens)), lens), device=x.device)
+    x8 = (x.float() / descale[rows][:, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8, descale
+
+
+def _dequantize_per_batch_head(x8, descale, offsets):
+    """float64 CuPy values of :func:`_quantize_per_batch_head`'s output."""
+    import cupy as cp
+
+    x = e4m3_to_f64(x8)
+    d = _as_cupy(descale).astype(cp.float64)
+    rows = cp.asarray(np.repeat(np.arange(len(offsets) - 1), np.diff(offsets.astype(np.int64))))
+    return x * d[rows][:, :, None]
+
+
+def bench_fa3_fp8(run: CaseRun) -> List[Row]:
+    """FlashAttention-3 e4m3: q, K built at 192 and v quantized per (sequence, head) (not timed),
+    ``q_descale`` / ``k_descale`` / ``v_descale`` of shape [B, H], bf16 output."""
+    found = fa3_function()
+    if found is None:
+        return []
+    fn, module = found
+    vl, cro = run.case.offsets()
+    try:
+        tx, (kfull, _) = run.torch_sets(), run.k192()
+        q8 = [_quantize_per_batch_head(t["q"], vl) for t in tx]
+        k8 = [_quantize_per_batch_head(kf, cro) for kf in kfull]
+        v8 = [_quantize_per_batch_head(t["v"], cro) for t in tx]
+        call = _fa3_timed_call(run, fn, [q for q, _ in q8], [k for k, _ in k8], [v for v, _ in v8],
+                               lambda i: dict(q_descale=q8[i][1], k_descale=k8[i][1], v_descale=v8[i][1]))
+        out = call(0)
+        ms = time_ms(call, len(run.sets), reps=run.reps)
+    except Exception as exc:
+        return [_failed(run, "fa3-fp8", exc, "fp8")]
+    k_deq = _dequantize_per_batch_head(*k8[0], cro)
+    ref8 = run.reference(_dequantize_per_batch_head(*q8[0], vl), k_deq[:, :, :DV],
+                         _dequantize_per_batch_head(*v8[0], cro), k_deq[:, :, DV:])
+    return [Row(run.case.name, "fa3-fp8", ms, run.case.flops() / ms / 1e9, run.error(out, ref8), None,
+                note=f"{module}, e4m3 per (sequence, head) descales; K build and quantization not timed",
+                err_vs_16bit=run.error(out), group="fp8")]
+
+
+def bench_kbuild(run: CaseRun) -> List[Row]:
+    """The K build the 16-bit peers need, on its own (when a peer built it)."""
+    if run._k192 is None:
+        return []
+    return [Row(run.case.name, "kbuild", run.k192()[1], float("nan"),
+                note="torch.cat(k, k_rope broadcast) to [Tk, H, 192]")]
+
+
+#: Row builders run with ``peers=True``, in order: each takes the :class:`CaseRun` and returns its rows.
+PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_sdpa, bench_flex, bench_fa3, bench_kbuild]
+
+#: Our fp8 row builders, run with ``fp8=True`` (group "fp8": the ratios on the first of these rows
+#: are against every other fp8 row). Another fp8 mode of ours plugs in here: a function
+#: ``(run: CaseRun) -> List[Row]`` that quantizes ``run.sets`` (not timed), times its calls with
+#: :func:`_timed_ours` (impl ``"mla_cupy-fp8-<mode>"``, group ``"fp8"``), and sets ``rel_err``
+#: against :meth:`CaseRun.reference` of its dequantized inputs and ``err_vs_16bit`` with
+#: :meth:`CaseRun.error`, as :func:`bench_ours_fp8` does.
+FP8_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_ours_fp8]
+
+#: The fp8 peers, run with ``fp8=True`` and ``peers=True``.
+FP8_PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_fa3_fp8]
+
+
+def _set_ratios(rows: List[Row], roofline: Optional[float]) -> None:
+    """On our first row of each group: every other timed row's time over ours, and (16-bit) the
+    share of the bf16 matmul rate."""
+    for group in dict.fromkeys(r.group for r in rows):
+        ours = next((r for r in rows if r.group == group and r.impl.startswith("mla_cupy") and r.ms == r.ms), None)
+        if ours is None:
+            continue
+        if roofline and group == "16-bit":  # the roofline is the bf16 matmul rate
+            ours.ratios["roofline"] = ours.tflops / roofline
+        for r in rows:
+            if r.group == group and r is not ours and r.impl != "kbuild" and r.ms == r.ms:
+                ours.ratios[r.impl] = r.ms / ours.ms  # > 1: we are faster
+
+
+def run(cases: Sequence[BenchCase], *, peers: bool = True, fp8: bool = False, reps: int = 20, progress: bool = True,
         checkpoint: Optional[str] = None) -> dict:
-    """Run the matrix on the current GPU; returns {"device", "matmul_tflops", "rows"}.
-    With ``checkpoint``, the rows so far are written there (JSON) after every case."""
+    """Run the matrix on the current GPU; returns {"device", "matmul_tflops", "rows", ...}.
+
+    ``peers``: the 16-bit peers (:data:`PEER_ROWS`); ``fp8``: our fp8 rows (:data:`FP8_ROWS`) and,
+    with ``peers``, the fp8 peers (:data:`FP8_PEER_ROWS`). With ``checkpoint``, the rows so far are written there (JSON) after
+    every case."""
     import cupy as cp
 
     dev = cp.cuda.Device()
@@ -343,24 +696,23 @@ def run(cases: Sequence[BenchCase], *, peers: bool = True, reps: int = 20, progr
     info = {"device": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
             "compute_capability": dev.compute_capability, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     info["matmul_tflops"] = matmul_tflops()
+    builders = (PEER_ROWS if peers else []) + ((FP8_ROWS + (FP8_PEER_ROWS if peers else [])) if fp8 else [])
     rows: List[Row] = []
     for case in _progress(list(cases), "bench", progress):
         set_bytes = (sum(case.sq) * DQK + 2 * sum(case.sk) * DV) * case.heads * 2
         n_sets = int(min(8, max(1, math.ceil(L2_DEFEAT_BYTES / max(set_bytes, 1)))))
-        sets = [_inputs(case, seed) for seed in range(n_sets)]
-        ours = bench_ours(case, sets, reps)
+        cr = CaseRun(case, [_inputs(case, seed) for seed in range(n_sets)], reps)
+        ours = bench_ours(cr)
         ours.note = f"{n_sets} input set(s)"
-        if info["matmul_tflops"]:
-            ours.ratios["roofline"] = ours.tflops / info["matmul_tflops"]
         case_rows = [ours]
-        if peers:
-            case_rows += bench_peers(case, sets, reps)
-        for r in case_rows[1:]:
-            if r.impl != "kbuild" and r.ms == r.ms:
-                ours.ratios[r.impl] = r.ms / ours.ms  # > 1: we are faster
+        for build in builders:
+            case_rows += build(cr)
+        _set_ratios(case_rows, info["matmul_tflops"])
         rows += case_rows
-        del sets
+        del cr
         cp.get_default_memory_pool().free_all_blocks()
+        if "torch" in sys.modules:
+            sys.modules["torch"].cuda.empty_cache()
         info["rows"] = [asdict(r) for r in rows]
         if checkpoint:
             with open(checkpoint, "w") as f:
@@ -383,23 +735,27 @@ def run_cpu(cases: Sequence[BenchCase]) -> dict:
         t0 = time.perf_counter()
         reference.mla_prefill(q, k, v, kr, vl, cro, mask=case.mask)
         ms = (time.perf_counter() - t0) * 1e3
-        rows.append(asdict(Row(case.name, "reference-cpu", ms, case.flops() / ms / 1e9, 0.0, None, note="float64 NumPy")))
+        rows.append(asdict(Row(case.name, "reference-cpu", ms, case.flops() / ms / 1e9, None, None, note="float64 NumPy")))
     return {"device": "cpu (no GPU: reference only)", "compute_capability": None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "matmul_tflops": None, "rows": rows}
 
 
 def format_table(result: dict) -> str:
     peers = sorted({k for r in result["rows"] for k in r["ratios"]} - {"roofline"})
-    head = ["case", "impl", "ms", "TFLOP/s", "rel_err", "extra MB", "host us"] + ["roof%"] + [f"x {p}" for p in peers]
+    fp8 = any(r.get("err_vs_16bit") is not None for r in result["rows"])
+    head = (["case", "impl", "ms", "TFLOP/s", "rel_err"] + (["err vs 16-bit"] if fp8 else [])
+            + ["extra MB", "host us", "roof%"] + [f"x {p}" for p in peers])
     lines = [f"device: {result['device']}  bf16 matmul: "
              + (f"{result['matmul_tflops']:.0f} TFLOP/s" if result.get("matmul_tflops") else "n/a")]
     body = []
     for r in result["rows"]:
         cells = [r["case"], r["impl"], f"{r['ms']:.3f}", "" if r["tflops"] != r["tflops"] else f"{r['tflops']:.1f}",
-                 "" if r["rel_err"] is None else f"{r['rel_err']:.2e}",
-                 "" if r["extra_mem_mb"] is None else f"{r['extra_mem_mb']:.0f}",
-                 "" if r.get("host_us") is None else f"{r['host_us']:.0f}",
-                 f"{100 * r['ratios']['roofline']:.0f}" if "roofline" in r["ratios"] else ""]
+                 "" if r["rel_err"] is None else f"{r['rel_err']:.2e}"]
+        if fp8:
+            cells.append("" if r.get("err_vs_16bit") is None else f"{r['err_vs_16bit']:.2e}")
+        cells += ["" if r["extra_mem_mb"] is None else f"{r['extra_mem_mb']:.0f}",
+                  "" if r.get("host_us") is None else f"{r['host_us']:.0f}",
+                  f"{100 * r['ratios']['roofline']:.0f}" if "roofline" in r["ratios"] else ""]
         cells += [f"{r['ratios'][p]:.2f}" if p in r["ratios"] else "" for p in peers]
         body.append(cells)
     widths = [max(len(h), *(len(c[i]) for c in body)) if body else len(h) for i, h in enumerate(head)]
@@ -436,19 +792,9 @@ def plot(result: dict, path: str) -> None:
 def write_csv(result: dict, path: str) -> None:
     import csv
 
-    keys = ["case", "impl", "ms", "tflops", "rel_err", "extra_mem_mb", "host_us", "note", "ratios"]
+    keys = ["case", "impl", "group", "ms", "tflops", "rel_err", "err_vs_16bit", "extra_mem_mb", "host_us", "note", "ratios"]
     with open(path, "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=keys)
         wr.writeheader()
         for r in result["rows"]:
             wr.writerow({**r, "ratios": json.dumps(r["ratios"])})
-
-
-def main(argv=None):  # python -m mla_cupy.bench
-    from cli import main as cli_main
-
-    cli_main(["bench"] + list(argv if argv is not None else sys.argv[1:]))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,54 +1,192 @@
-"""The command line on the CPU path (CI): info, smoke, bench."""
+"""The command line on the CPU path (CI): info, smoke, compile, bench, and ``python -m mla_cupy``."""
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
-import cli
+from mla_cupy import _registry as reg
+from mla_cupy import bench, cli
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_info_runs():
-    res = CliRunner().invoke(cli.cli, ["info"])
+def invoke(*args):
+    return CliRunner().invoke(cli.cli, list(args))
+
+
+def test_info_runs_with_readable_versions():
+    res = invoke("info")
     assert res.exit_code == 0, res.output
-    assert "mla_cupy" in res.output and "kernel families" in res.output
+    assert "mla_cupy" in res.output and "mla_prefill_sm90.cu" in res.output
+    assert reg.SPIN[0] not in res.output  # the benchmark's helper is not one of the package's kernels
+    if "CUDA runtime" in res.output:
+        assert re.search(r"CUDA runtime \d+\.\d+,", res.output), res.output
+
+
+def test_cuda_version_reads_like_a_person_writes_it():
+    assert cli.cuda_version(13020) == "13.2"
+    assert cli.cuda_version(12090) == "12.9"
+    assert cli.cuda_version(13000) == "13.0"
 
 
 def test_smoke_cpu_says_so():
-    res = CliRunner().invoke(cli.cli, ["smoke", "--cpu"])
+    res = invoke("smoke", "--cpu")
     assert res.exit_code == 0, res.output
     assert "no GPU: ran the float64 reference only" in res.output and "finite: True" in res.output
+
+
+def test_compile_list_names_every_family_apart():
+    res = invoke("compile", "--list")
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert len(lines) == len(reg.all_families())
+    labels = [line.split(" (")[0] for line in lines]
+    assert len(set(labels)) == len(labels), "two families print the same name"
+    for variant in ("16-bit", "fp8-per-token", "fp8-rope"):
+        assert f"sm_90a mla_prefill_sm90<bf16, CausalMask, {variant}>" in labels
+
+
+def test_family_label_of_a_family_with_one_kernel_per_type():
+    assert cli.family_label(reg.quantize_family()) == "quantize"
+    assert cli.family_label(reg.prefill_sm80(reg.FP16, reg.MASKS[0])).startswith("mla_prefill_sm80<fp16, ")
+
+
+def test_compile_offline_shows_progress_in_spawned_workers():
+    """Two families through two spawned workers (the path a GPU machine takes too)."""
+    pytest.importorskip("cupy")
+    res = invoke("compile", "--offline", "--only", "bench_spin", "-j", "2")
+    assert res.exit_code == 0, res.output
+    done = re.findall(r"^\[(\d)/2\] (sm_80|sm_90a) bench_spin \d+\.\d s$", res.output, re.MULTILINE)
+    assert sorted(n for n, _ in done) == ["1", "2"] and {a for _, a in done} == {"sm_80", "sm_90a"}, res.output
+    assert "2/2 families compiled" in res.output
+
+
+def test_compile_rejects_a_filter_that_matches_nothing():
+    pytest.importorskip("cupy")
+    res = invoke("compile", "--offline", "--only", "no-such-family")
+    assert res.exit_code == 1 and "no family matches" in res.output
+
+
+def test_compile_without_cupy_says_so_once(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    res = invoke("compile", "--offline")
+    assert res.exit_code == 1
+    assert res.output.count("CuPy is not importable") == 1 and "mla_cupy[cuda13]" in res.output
+    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
+
+
+def test_compile_without_nvrtc_says_so_once(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+
+    def missing():
+        raise RuntimeError("libnvrtc.so: cannot open shared object file")
+
+    monkeypatch.setattr(cupy.cuda.nvrtc, "getVersion", missing)
+    res = invoke("compile", "--offline")
+    assert res.exit_code == 1
+    assert res.output.count("NVRTC (libnvrtc) is not found") == 1
+    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
+
+
+def test_info_without_cupy_points_to_the_reference(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    res = invoke("info")
+    assert res.exit_code == 0, res.output
+    assert "CuPy is not importable" in res.output and "reference" in res.output
+
+
+def test_bench_list_shows_every_case_and_marks_gpu_ones():
+    res = invoke("bench", "--list", "--cpu")
+    assert res.exit_code == 0, res.output
+    lines = {line.split()[0]: line for line in res.output.splitlines()}
+    assert set(lines) == set(bench.ALL_CASES)
+    for name, case in bench.ALL_CASES.items():
+        assert ("[needs a GPU" in lines[name]) == case.needs_gpu
+    assert "default here" in lines["tiny-2x48"] and "default here" not in lines["1x8192"]
+
+
+def test_bench_names_a_gpu_case_on_a_cpu_run():
+    """A known GPU case is recognised (not "unknown") and refused with the reason."""
+    res = invoke("bench", "--cpu", "--cases", "1x8192,ragged")
+    assert res.exit_code != 0
+    assert "need a GPU" in res.output and "unknown" not in res.output and "tiny-2x48" in res.output
+
+
+def test_resolve_cases():
+    assert bench.resolve_cases(None, gpu=True) == list(bench.DEFAULT_CASES.values())
+    assert bench.resolve_cases(None, gpu=False) == list(bench.CPU_CASES.values())
+    assert [c.name for c in bench.resolve_cases(["1x32768", "tiny-2x48"], gpu=True)] == ["1x32768", "tiny-2x48"]
+    with pytest.raises(ValueError, match="unknown case"):
+        bench.resolve_cases(["nope"], gpu=True)
 
 
 def test_bench_cpu_json_fields(tmp_path):
     path = tmp_path / "b.json"
     csvp = tmp_path / "b.csv"
-    res = CliRunner().invoke(cli.cli, ["bench", "--cpu", "--json", str(path), "--csv", str(csvp), "--no-progress"])
+    res = invoke("bench", "--cpu", "--json", str(path), "--csv", str(csvp), "--no-progress")
     assert res.exit_code == 0, res.output
     data = json.loads(path.read_text())
     assert {"device", "matmul_tflops", "rows", "date"} <= set(data)
     row = data["rows"][0]
-    assert {"case", "impl", "ms", "tflops", "rel_err", "extra_mem_mb", "host_us", "note", "ratios"} <= set(row)
+    assert {"case", "impl", "ms", "tflops", "rel_err", "err_vs_16bit", "extra_mem_mb", "host_us", "note", "ratios",
+            "group"} <= set(row)
     assert row["impl"] == "reference-cpu" and row["ms"] > 0
     # the FLOP count behind TFLOP/s: H * 2 * (192 + 128) * visible pairs (checked by hand)
-    from mla_cupy.bench import CPU_CASES
-
-    c = CPU_CASES["tiny-2x48"]
+    c = bench.CPU_CASES["tiny-2x48"]
     pairs = 48 * 49 // 2 + sum(min(33, 33 - 20 + i + 1) for i in range(20))
     assert c.flops() == 4 * 2 * 320 * pairs
     assert "tiny-2x48" in csvp.read_text()
 
 
 def test_bench_rejects_unknown_case():
-    res = CliRunner().invoke(cli.cli, ["bench", "--cpu", "--cases", "nope"])
+    res = invoke("bench", "--cpu", "--cases", "nope")
     assert res.exit_code != 0 and "unknown case" in res.output
 
 
+def test_bench_help_says_how_to_bring_fa3_offline():
+    res = invoke("bench", "--help")
+    assert res.exit_code == 0
+    for text in ("pip download --no-deps fa3-fwd==0.0.3", "pip install --no-deps --no-index --target DIR",
+                 "PYTHONPATH=DIR", "--fp8"):
+        assert text in res.output
+
+
+def test_format_table_shows_the_fp8_error_columns():
+    rows = [bench.Row("c", "mla_cupy-fp8", 2.0, 100.0, 0.02, None, err_vs_16bit=0.03, group="fp8",
+                      ratios={"fa3-fp8": 0.9}),
+            bench.Row("c", "fa3-fp8", 1.8, 111.0, 0.025, None, err_vs_16bit=0.031, group="fp8")]
+    from dataclasses import asdict
+
+    text = bench.format_table({"device": "d", "matmul_tflops": None, "rows": [asdict(r) for r in rows]})
+    assert "err vs 16-bit" in text and "x fa3-fp8" in text
+    line = next(ln for ln in text.splitlines() if "| mla_cupy-fp8" in ln)
+    assert "2.00e-02" in line and "3.00e-02" in line and "0.90" in line
+
+
 def test_bench_plot(tmp_path):
-    import pytest
-
     pytest.importorskip("matplotlib")
-    from mla_cupy import bench
-
     res = bench.run_cpu(list(bench.CPU_CASES.values()))
     p = tmp_path / "p.png"
     bench.plot(res, str(p))
     assert p.stat().st_size > 1000
+
+
+def test_python_m_mla_cupy():
+    res = subprocess.run([sys.executable, "-m", "mla_cupy", "bench", "--list", "--cpu"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "1x8192" in res.stdout and "tiny-2x48" in res.stdout
+
+
+def test_package_never_imports_the_command_line():
+    """The package's modules import nothing from the command line (it imports them, not the reverse)."""
+    for path in (ROOT / "mla_cupy").glob("*.py"):
+        if path.name in ("cli.py", "__main__.py"):
+            continue
+        text = path.read_text()
+        assert not re.search(r"^\s*(from\s+(\.|mla_cupy\.)?cli\s+import|import\s+cli\b|from\s+\.\s+import\s+cli\b)",
+                             text, re.MULTILINE), path.name

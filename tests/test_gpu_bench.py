@@ -1,16 +1,30 @@
-"""The benchmark on a real GPU: one small case, our kernel and at least one peer (pytest -m gpu)."""
+"""The benchmark on a real GPU: one small case, our kernel and the peers, fp8 rows (pytest -m gpu)."""
 import math
 
 import pytest
 
 pytestmark = pytest.mark.gpu
 
+CASE_ARGS = ("gpu-test", (256, 100), (256, 300))  # ragged, the second sequence after 200 keys of context
+
+
+def _case(heads=16):
+    from mla_cupy import bench
+
+    return bench.BenchCase(*CASE_ARGS, heads=heads)
+
+
+def _is_hopper():
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
+
 
 def test_bench_one_case_with_a_peer():
     pytest.importorskip("torch")
     from mla_cupy import bench
 
-    case = bench.BenchCase("gpu-test", (256, 100), (256, 300), heads=16)
+    case = _case()
     res = bench.run([case], peers=True, reps=3, progress=False)
     rows = {r["impl"]: r for r in res["rows"]}
     ours = rows["mla_cupy"]
@@ -18,7 +32,79 @@ def test_bench_one_case_with_a_peer():
     assert math.isclose(ours["tflops"], case.flops() / ours["ms"] / 1e9)
     peers = [r for r in res["rows"] if r["impl"] in ("cudnn-sdpa", "sdpa-fallback", "flex") and r["ms"] == r["ms"]]
     assert peers, [r["note"] for r in res["rows"]]
+    for r in peers:  # every peer that ran is checked against the same float64 reference
+        assert r["rel_err"] is not None and r["rel_err"] < 2e-2, r
     assert res["matmul_tflops"] > 10
     assert any(k in ours["ratios"] for k in ("cudnn-sdpa", "flex", "sdpa-fallback"))
     text = bench.format_table(res)
     assert "gpu-test" in text and "mla_cupy" in text
+
+
+def test_bench_fa3_rows_when_importable():
+    pytest.importorskip("torch")
+    from mla_cupy import bench
+
+    if bench.fa3_function() is None:
+        pytest.skip("FlashAttention-3 (fa3_fwd_interface or flash_attn_interface) is not importable")
+    case = _case()
+    res = bench.run([case], peers=True, reps=3, progress=False)
+    rows = {r["impl"]: r for r in res["rows"]}
+    assert "fa3" in rows and "fa3+kbuild" in rows, [r["note"] for r in res["rows"]]
+    fa3, full = rows["fa3"], rows["fa3+kbuild"]
+    assert fa3["ms"] > 0 and fa3["rel_err"] < 2e-2, fa3
+    assert full["ms"] > fa3["ms"] and full["rel_err"] == fa3["rel_err"]
+    assert math.isclose(rows["mla_cupy"]["ratios"]["fa3"], fa3["ms"] / rows["mla_cupy"]["ms"])
+
+
+def test_bench_fp8_rows():
+    """Ours per token (Hopper) and FA3 e4m3 when importable, each with both error columns."""
+    pytest.importorskip("torch")
+    if not _is_hopper():
+        pytest.skip("the fp8 kernel runs on Hopper")
+    from mla_cupy import bench
+
+    case = _case()
+    res = bench.run([case], peers=True, fp8=True, reps=3, progress=False)
+    rows = {r["impl"]: r for r in res["rows"]}
+    ours = rows["mla_cupy-fp8"]
+    assert ours["group"] == "fp8" and ours["ms"] > 0, ours
+    assert ours["rel_err"] < 6e-2 and ours["err_vs_16bit"] < 1e-1, ours
+    assert ours["err_vs_16bit"] != ours["rel_err"]  # two references: dequantized and unquantized inputs
+    assert "fa3-fp8" not in rows["mla_cupy"]["ratios"]  # 16-bit rows are compared with 16-bit peers only
+    if bench.fa3_function() is not None:
+        fa3 = rows["fa3-fp8"]
+        assert fa3["ms"] > 0 and fa3["rel_err"] < 6e-2 and fa3["err_vs_16bit"] < 1e-1, fa3
+        assert math.isclose(ours["ratios"]["fa3-fp8"], fa3["ms"] / ours["ms"])
+    text = bench.format_table(res)
+    assert "err vs 16-bit" in text and "mla_cupy-fp8" in text
+
+
+def test_fp8_error_sees_a_wrong_output():
+    """The accuracy column can fail: a perturbed output of one slice raises the worst error."""
+    import cupy as cp
+
+    from mla_cupy import bench, mla_prefill
+
+    case = _case(heads=4)
+    run = bench.CaseRun(case, [bench._inputs(case, 0)], reps=1)
+    x = run.sets[0]
+    out = mla_prefill(x["q"], x["k"], x["v"], x["k_rope"], x["valid_length"], x["cache_row_offsets"], mask=case.mask)
+    good = run.error(out)
+    assert good < 1e-2
+    bad = out.copy()
+    bad[256:, case.heads - 1] = bad[256:, case.heads - 1] * 1.1  # the last head of the second sequence, 10% off
+    assert 0.05 < run.error(bad) < 0.2
+    bad[0, 0, 0] = cp.nan
+    assert math.isnan(run.error(bad))
+
+
+def test_e4m3_decode_matches_ml_dtypes():
+    import cupy as cp
+    import numpy as np
+
+    from mla_cupy import bench
+    from mla_cupy._arrays import FP8_E4M3
+
+    vals = np.array([0.0, 1.0, -2.5, 448.0, 0.015625, -0.001953125], np.float32).astype(FP8_E4M3)
+    got = cp.asnumpy(bench.e4m3_to_f64(cp.asarray(vals.view(np.uint8))))
+    np.testing.assert_array_equal(got, vals.astype(np.float64))

@@ -1,0 +1,81 @@
+"""Execute a notebook top to bottom with a Jupyter kernel of THIS Python interpreter.
+
+Usage (from the repository root)::
+
+    python examples/run_notebook.py                      # run examples/quickstart.ipynb, save it with its outputs
+    python examples/run_notebook.py --no-save            # run it, leave the file as it is
+    python examples/run_notebook.py path/to/other.ipynb
+
+The kernel starts in the repository root, so it imports ``mla_cupy`` from this checkout. The
+test ``tests/test_notebook.py`` runs notebooks through :func:`execute`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "examples" / "quickstart.ipynb"
+
+#: Name of the temporary kernelspec; the saved notebook keeps the standard "python3" one.
+_KERNEL = "mla-cupy-run"
+
+
+def execute(path: Path, cwd: Path = ROOT, timeout: int = 600):
+    """Run every cell of the notebook at ``path`` in a fresh kernel of ``sys.executable``.
+
+    Parameters
+    ----------
+    path : Path
+        The notebook file (read, not written).
+    cwd : Path
+        Working directory of the kernel (default: the repository root).
+    timeout : int
+        Seconds one cell may run (the first kernel call on a GPU compiles it).
+
+    Returns
+    -------
+    nbformat.NotebookNode
+        The notebook with its outputs. A cell that raises stops the run with
+        ``nbclient.exceptions.CellExecutionError`` (its traceback names the cell).
+    """
+    import nbformat
+    from ipykernel.kernelspec import write_kernel_spec
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(str(path), as_version=4)
+    kernelspec = nb.metadata.get("kernelspec")
+    with tempfile.TemporaryDirectory() as tmp:
+        # A kernelspec whose argv is this interpreter: another "python3" spec on the machine
+        # (a user's or a system one) could point at a Python without this package.
+        write_kernel_spec(Path(tmp) / _KERNEL)
+        km = KernelManager(kernel_name=_KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[tmp]))
+        NotebookClient(nb, km=km, timeout=timeout, record_timing=False,
+                       resources={"metadata": {"path": str(cwd)}}).execute()
+    if kernelspec is not None:
+        nb.metadata["kernelspec"] = kernelspec
+    return nb
+
+
+def main(argv=None) -> int:
+    import nbformat
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("notebook", nargs="?", type=Path, default=QUICKSTART)
+    ap.add_argument("--no-save", action="store_true", help="do not write the outputs back into the file")
+    args = ap.parse_args(argv)
+    nb = execute(args.notebook)
+    if not args.no_save:
+        nbformat.write(nb, str(args.notebook))
+        print(f"saved {args.notebook} ({args.notebook.stat().st_size / 1024:.0f} KiB) with its outputs")
+    else:
+        print(f"ran {args.notebook}: every cell without error")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""``mla-cupy`` (also ``python -m mla_cupy``): the command line of mla_cupy (info, smoke, compile, bench)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import click
+import numpy as np
+
+from . import _registry as reg
+from . import bench as B
+
+Job = Tuple[str, reg.Family, bool]  # (arch, family, compile through this GPU's driver)
+
+_INSTALL_HINT = "pip install 'mla_cupy[cuda13]' (CUDA 13 driver) or 'mla_cupy[cuda12]' (CUDA 12 driver)"
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def cuda_version(v: int) -> str:
+    """CUDA's integer version as people write it: ``13020`` -> ``'13.2'``."""
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def require_cupy_and_nvrtc():
+    """The ``cupy`` module and NVRTC's version ``(major, minor)``, or a one-line
+    :class:`click.ClickException` (exit status 1, no traceback) that says what is missing."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CuPy built for another CUDA
+        raise click.ClickException(f"CuPy is not importable ({type(exc).__name__}: {exc}); "
+                                   f"kernels need it: {_INSTALL_HINT}") from None
+    try:
+        nvrtc = tuple(cupy.cuda.nvrtc.getVersion())
+    except Exception as exc:
+        raise click.ClickException(f"NVRTC (libnvrtc) is not found by CuPy {cupy.__version__} ({type(exc).__name__}); "
+                                   f"kernels compile through it: {_INSTALL_HINT}") from None
+    return cupy, nvrtc
+
+
+_SHORT_TYPES = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "f32"}
+_VARIANT_NAMES = {"bf16": "16-bit", "fp8": "fp8-per-token", "fp8_rope": "fp8-rope"}
+
+
+def family_label(fam: reg.Family) -> str:
+    """A family as a person reads it: the source's stem and the template arguments its kernels
+    share (input dtype, mask, Hopper variant; the output dtype and rope source vary inside a
+    family), e.g. ``mla_prefill_sm90<bf16, CausalMask, fp8-per-token>``."""
+    stem = fam[0].rsplit(".", 1)[0]
+    arg_lists = [n.split("<", 1)[1].rsplit(">", 1)[0].split(", ") if "<" in n else [] for n in fam[1]]
+    if not arg_lists[0] or any(len(a) != len(arg_lists[0]) for a in arg_lists):
+        return stem
+    variants = {str(code): _VARIANT_NAMES.get(name, name) for name, code in getattr(reg, "SM90_VARIANTS", {}).items()}
+    shared = []
+    for i, first in enumerate(arg_lists[0]):
+        if any(a[i] != first for a in arg_lists):
+            continue  # varies inside the family
+        if first.isdigit() and fam[0] == reg.PREFILL_SM90[0]:
+            shared.append(variants.get(first, first))
+        else:
+            shared.append(_SHORT_TYPES.get(first, first.rsplit("::", 1)[-1]))
+    return f"{stem}<{', '.join(shared)}>" if shared else stem
+
+
+def _compile_one(job: Job) -> Tuple[float, str]:
+    """Compile one family; (seconds, '' or the error). Runs in a worker process."""
+    arch, (filename, names), on_device = job
+    from . import jit
+
+    t0 = time.perf_counter()
+    try:
+        if on_device:  # through CuPy's RawModule: fills CuPy's on-disk kernel cache
+            jit.get_function(filename, names, names[0], arch=arch)
+        else:
+            jit.compile_offline(filename, names, arch)
+        return time.perf_counter() - t0, ""
+    except Exception as exc:
+        return time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"
+
+
+def compile_jobs(offline: bool, only: Sequence[str] = ()) -> List[Job]:
+    """What ``mla-cupy compile`` builds: every family for every target arch (``offline``), or the
+    families this GPU runs, for its arch; ``only`` keeps the families whose label or source file
+    contains one of the given strings."""
+    if offline:
+        jobs = [(arch, fam, False) for arch, fam in reg.all_families()]
+    else:
+        import cupy
+
+        from .jit import arch_for_capability
+
+        arch = arch_for_capability(cupy.cuda.Device().compute_capability)
+        fams = [fam for a, fam in reg.all_families() if a == arch or (a == "sm_80" and arch != "sm_90a")]
+        jobs = [(arch, fam, True) for fam in dict.fromkeys(fams)]
+    if only:
+        jobs = [j for j in jobs if any(s in family_label(j[1]) or s in j[1][0] for s in only)]
+    return jobs
+
+
+@click.group()
+@click.version_option(package_name="mla_cupy")
+def cli():
+    """MLA (DeepSeek V2/V3) prefill kernels for CuPy."""
+
+
+@cli.command()
+def info():
+    """Versions, the device and its arch, the kernel sources, and what is compiled or cached."""
+    import mla_cupy
+    from mla_cupy import jit
+
+    bench_files = {reg.SPIN[0]}  # the benchmark's helper, not a kernel of the package
+    sources = [s for s in jit.iter_sources() if s.endswith(".cu") and s not in bench_files]
+    headers = [s for s in jit.iter_sources() if s.endswith(".cuh")]
+    click.echo(f"mla_cupy {mla_cupy.__version__}, kernel sources in {jit.KERNEL_DIR}")
+    click.echo(f"kernels: {', '.join(sources)} (+ {len(headers)} headers); "
+               f"{len(reg.all_families())} (arch, module) pairs for `mla-cupy compile --offline`")
+    try:
+        cupy, nvrtc = require_cupy_and_nvrtc()
+    except click.ClickException as exc:
+        click.echo(f"{exc.message}; the float64 reference (mla_cupy.reference) works without it")
+        return
+    driver = cupy.cuda.runtime.driverGetVersion()
+    click.echo(f"CuPy {cupy.__version__}, CUDA runtime {cuda_version(cupy.cuda.runtime.runtimeGetVersion())}, "
+               f"NVRTC {nvrtc[0]}.{nvrtc[1]}, driver {cuda_version(driver) if driver else 'none'}")
+    if not _gpu_available():
+        click.echo("device: none (no CUDA GPU visible): kernels can still be compiled offline with NVRTC")
+    else:
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        cc = dev.compute_capability
+        click.echo(f"device {dev.id}: {name}, compute capability {cc[:-1]}.{cc[-1]}, target "
+                   f"{jit.arch_for_capability(cc)}, {props['multiProcessorCount']} SMs")
+    from pathlib import Path
+
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    n = len(list(cache.glob("*.cubin"))) if cache.is_dir() else 0
+    click.echo(f"CuPy kernel cache: {cache} ({n} cubins on disk)")
+    for f, arch, names in jit.compiled_modules():
+        click.echo(f"  compiled in this process: {f} [{arch}] {len(names)} instantiations")
+
+
+def _smoke_case(seed=0):
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    sq, sk, h = [300, 17, 129, 1], [300, 1041, 200, 64], 16  # ragged, with prefix context
+    bf = ml_dtypes.bfloat16
+    q = rng.standard_normal((sum(sq), h, 192)).astype(bf)
+    k = rng.standard_normal((sum(sk), h, 128)).astype(bf)
+    v = rng.standard_normal((sum(sk), h, 128)).astype(bf)
+    kr = rng.standard_normal((sum(sk), 1, 64)).astype(bf)
+    vl = np.concatenate([[0], np.cumsum(sq)]).astype(np.uint32)
+    cro = np.concatenate([[0], np.cumsum(sk)]).astype(np.uint32)
+    return q, k, v, kr, vl, cro
+
+
+@cli.command()
+@click.option("--cpu", is_flag=True, help="Run the float64 reference only, even if a GPU is present.")
+def smoke(cpu):
+    """Run a DeepSeek-shaped ragged batch; on a GPU check the kernel against the reference."""
+    from mla_cupy import reference
+
+    args = _smoke_case()
+    t0 = time.perf_counter()
+    ref = reference.mla_prefill(*args)
+    t_ref = time.perf_counter() - t0
+    shape = "B=4, Sq=[300,17,129,1], Sk=[300,1041,200,64], H=16, bf16, causal"
+    if cpu or not _gpu_available():
+        click.echo(f"no GPU: ran the float64 reference only ({shape}) in {t_ref * 1e3:.1f} ms; "
+                   f"output {ref.shape}, finite: {bool(np.isfinite(ref).all())}")
+        return
+    import cupy as cp
+
+    import mla_cupy
+
+    d = [cp.asarray(a) for a in args]
+    out = mla_cupy.mla_prefill(*d)
+    cp.cuda.Device().synchronize()
+    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+    ev0.record()
+    for _ in range(10):
+        mla_cupy.mla_prefill(*d)
+    ev1.record()
+    ev1.synchronize()
+    ms = cp.cuda.get_elapsed_time(ev0, ev1) / 10
+    got = cp.asnumpy(out).astype(np.float64)
+    err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    ok = err < 1e-2 and np.isfinite(got).all()
+    click.echo(f"GPU kernel ({shape}): relative error {err:.2e} vs float64 reference, {ms:.3f} ms/call "
+               f"-> {'OK' if ok else 'FAILED'}")
+    if not ok:
+        sys.exit(1)
+
+
+@cli.command(name="compile")
+@click.option("--offline", is_flag=True, help="Compile every family for every target arch with NVRTC alone, "
+                                              "no GPU needed (what CI does; the default without a GPU).")
+@click.option("-j", "--jobs", default=0, help="Parallel processes (default: all cores).")
+@click.option("--only", multiple=True, help="Only families whose label or source file contains this text (repeatable).")
+@click.option("--list", "list_only", is_flag=True, help="List the families and exit, compiling nothing.")
+def compile_cmd(offline, jobs, only, list_only):
+    """Compile every kernel family ahead of time (on a GPU machine: for its arch, filling CuPy's
+    kernel cache, so that first calls do not wait for NVRTC)."""
+    if list_only:
+        for arch, fam, _ in compile_jobs(True, only):
+            n = len(fam[1])
+            click.echo(f"{arch} {family_label(fam)} ({n} kernel{'s' if n > 1 else ''}, {fam[0]})")
+        return
+    require_cupy_and_nvrtc()
+    todo = compile_jobs(offline or not _gpu_available(), only)
+    if not todo:
+        raise click.ClickException(f"no family matches --only {list(only)}; see `mla-cupy compile --list`")
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
+    t0, failed = time.perf_counter(), []
+    for i, (job, (secs, err)) in enumerate(_run_jobs(todo, workers), 1):
+        name = f"{job[0]} {family_label(job[1])}"
+        click.echo(f"[{i}/{len(todo)}] {name} {secs:.1f} s{'  FAILED' if err else ''}")
+        if err:
+            failed.append((name, err))
+    for name, err in failed:
+        click.echo(f"\n{name}: {err}", err=True)
+    click.echo(f"{len(todo) - len(failed)}/{len(todo)} families compiled in {time.perf_counter() - t0:.1f} s")
+    if failed:
+        sys.exit(1)
+
+
+def _run_jobs(todo: List[Job], workers: int):
+    """Yield (job, (seconds, error)) as the jobs finish. Worker processes are *spawned*, never
+    forked: the parent may have initialised CUDA (to find the GPU and its arch), and a forked
+    child cannot use the driver state it inherits (cudaErrorInitializationError)."""
+    if workers == 1:
+        for job in todo:
+            yield job, _compile_one(job)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        futures = {ex.submit(_compile_one, job): job for job in todo}
+        for fut in as_completed(futures):
+            yield futures[fut], fut.result()
+
+
+_BENCH_HELP = """Benchmark against the peers on this GPU (cuDNN SDPA, FlexAttention, FlashAttention-3
+when importable); prints a table. Without a GPU, times the float64 reference on tiny cases.
+
+\b
+FlashAttention-3 rows ("fa3", "fa3+kbuild"; with --fp8 also "fa3-fp8") appear when the module
+fa3_fwd_interface (the fa3-fwd wheel) or FA3's own flash_attn_interface imports. To bring the
+wheel to a GPU machine without network access:
+  pip download --no-deps fa3-fwd==0.0.3 -d wheels        # where pip works
+  (copy wheels/ to the GPU machine)
+  pip install --no-deps --no-index --target DIR wheels/fa3_fwd-*.whl
+  PYTHONPATH=DIR mla-cupy bench
+"""
+
+
+@cli.command(help=_BENCH_HELP)
+@click.option("--cases", default=None, help="Comma-separated case names (default: this machine's matrix; see --list).")
+@click.option("--list", "list_cases", is_flag=True, help="List every case, marking those that need a GPU, and exit.")
+@click.option("--json", "json_path", default=None, help="Write the rows to this JSON file.")
+@click.option("--csv", "csv_path", default=None, help="Write the rows to this CSV file.")
+@click.option("--plot", "plot_path", default=None, help="Draw TFLOP/s per case and implementation to this PNG.")
+@click.option("--no-peers", is_flag=True, help="Time mla_cupy only.")
+@click.option("--fp8", is_flag=True, help="Add fp8 rows: ours per token and FA3 e4m3, with their errors against "
+                                          "the dequantized and the unquantized inputs.")
+@click.option("--reps", default=20, show_default=True, help="Timed repeats per measurement (median reported).")
+@click.option("--cpu", is_flag=True, help="No GPU: time the reference on tiny cases (what CI runs).")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+def bench(cases, list_cases, json_path, csv_path, plot_path, no_peers, fp8, reps, cpu, no_progress):
+    gpu = not cpu and _gpu_available()
+    if list_cases:
+        defaults = {c.name for c in B.resolve_cases(None, gpu)}
+        for c in B.ALL_CASES.values():
+            tags = ["needs a GPU" if c.needs_gpu else "CPU or GPU"] + (["default here"] if c.name in defaults else [])
+            click.echo(f"{c.name:<18} {c.describe():<46} [{', '.join(tags)}]")
+        return
+    names = [c.strip() for c in cases.split(",") if c.strip()] if cases else None
+    try:
+        chosen = B.resolve_cases(names, gpu)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--cases") from None
+    if not gpu:
+        click.echo("no GPU: timing the float64 reference on tiny cases (no peers)", err=True)
+        result = B.run_cpu(chosen)
+    else:
+        result = B.run(chosen, peers=not no_peers, fp8=fp8, reps=reps, progress=not no_progress, checkpoint=json_path)
+    click.echo(B.format_table(result))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1, default=float)
+    if csv_path:
+        B.write_csv(result, csv_path)
+    if plot_path:
+        B.plot(result, plot_path)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Entry point of ``mla-cupy`` and ``python -m mla_cupy``."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="mla-cupy")
