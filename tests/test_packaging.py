@@ -24,7 +24,7 @@ def test_wheel_contents(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     kernels = sorted(Path(n).name for n in names if n.startswith("mla_cupy/kernels/"))
     assert set(kernels) == {p.name for p in (ROOT / "kernels").iterdir() if p.suffix in (".cu", ".cuh")}
-    assert "cli.py" in names and "mla_cupy/__init__.py" in names
+    assert "cli.py" not in names and "mla_cupy/cli.py" in names and "mla_cupy/__init__.py" in names
     assert not any(n.startswith("tests/") for n in names)
 
 
