@@ -57,10 +57,11 @@ def init(device: str):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
+        kw = {"device_id": torch.device("cuda", torch.cuda.current_device())} if device == "cuda" else {}
         if "RANK" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **kw)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kw)
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
@@ -132,7 +133,8 @@ def compare(out, lse, ref_out, ref_lse, valid_length) -> Dict[str, float]:
 
 def own_pages_cache(p: Dict[str, Any], layout, rank: int, page_size: int):
     """A paged rope cache that holds only ``rank``'s keys (one block per page of each sequence;
-    every other slot NaN), and the full cache the one-device call reads."""
+    every other slot NaN, so reading another rank's key would show), and the full cache the
+    one-device call reads."""
     import torch
 
     from ..paged import PagedKVCache
@@ -142,8 +144,8 @@ def own_pages_cache(p: Dict[str, Any], layout, rank: int, page_size: int):
     pages = int(max(((co + np.diff(vl_k) + page_size - 1) // page_size).max(), 1))
     batch, dev, dt = len(vl_k) - 1, p["q"].device, p["q"].dtype
     lut = torch.arange(batch * pages, dtype=torch.int32, device=dev).view(batch, pages)
-    full = torch.full((batch * pages, page_size, 1, 576), float("nan"), dtype=dt, device=dev)
-    mine = full.clone()
+    full = torch.zeros((batch * pages, page_size, 1, 576), dtype=dt, device=dev)
+    mine = torch.full_like(full, float("nan"))
     for b in range(batch):
         t = torch.arange(int(co[b]), int(co[b] + vl_k[b + 1] - vl_k[b]), device=dev)
         full[lut[b, t // page_size].long(), t % page_size, 0, 512:] = p["k_rope"][vl_k[b]:vl_k[b + 1], 0]
