@@ -17,7 +17,19 @@ from .. import mla_prefill, reference
 from ..masks import Mask
 from .schedule import AttentionCall
 
-__all__ = ["LocalAttention", "KernelAttention", "ReferenceAttention", "NoAttention", "default_attention", "merge_into"]
+__all__ = ["LocalAttention", "KernelAttention", "ReferenceAttention", "NoAttention", "default_attention", "merge_into",
+           "upload"]
+
+
+def upload(a: np.ndarray, device):
+    """A host array as a torch tensor on ``device``: to a GPU through pinned memory without
+    waiting (torch keeps the pinned buffer until the copy is done), so the host runs ahead."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class LocalAttention:
@@ -54,14 +66,11 @@ class KernelAttention(LocalAttention):
 
     def prepare(self, calls, device):
         """Every call's offsets and positions in two device tensors (two host-to-device copies)."""
-        import torch
-
         if not calls:
             return []
         i32 = np.concatenate([np.concatenate([c.q_offsets, c.k_offsets, c.k_pos0]) for c in calls]).astype(np.int32)
         i64 = np.concatenate([c.q_pos0 for c in calls]).astype(np.int64)
-        d32 = torch.from_numpy(i32).to(device)
-        d64 = torch.from_numpy(i64).to(device)
+        d32, d64 = upload(i32, device), upload(i64, device)
         prepared, a, b = [], 0, 0
         for c in calls:
             n = len(c.q_pos0)

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..masks import CausalMask, Mask
 from ..paged import PagedKVCache
-from .attention import LocalAttention, default_attention
+from .attention import LocalAttention, default_attention, upload
 from .layout import ZigzagLayout, check_layout_arg
 from .schedule import AttentionCall, rank_schedule, ring_source
 from .transport import TorchTransport
@@ -51,12 +51,10 @@ def paged_rope_rows(cache: PagedKVCache, layout: ZigzagLayout, rank: int):
     """``[count, 1, 64]`` rope rows of ``rank``'s keys, read from its own paged cache: key at absolute
     position ``t`` of sequence ``b`` is ``blocks[lookup_table[b, t // page_size], t % page_size, 0,
     rope_offset:rope_offset + 64]``, as in :func:`mla_cupy.mla_prefill`."""
-    import torch
-
     blocks, lut = cache.blocks, cache.lookup_table
     dev = blocks.device
-    pos = torch.from_numpy(layout.k.positions(rank)).to(dev)
-    seq = torch.from_numpy(layout.k.sequences(rank)).to(dev)
+    pos = upload(layout.k.positions(rank), dev)
+    seq = upload(layout.k.sequences(rank), dev)
     page, slot = pos // cache.page_size, pos % cache.page_size
     if len(pos):
         need = int(layout.k.positions(rank).max()) // cache.page_size

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, List, NamedTuple, Optional, Sequence
 
 from ..paged import PagedKVCache
+from .attention import upload
 from .layout import ZigzagLayout, check_layout_arg
 from .transport import TorchTransport
 
@@ -35,9 +36,7 @@ class Shard(NamedTuple):
 
 def take_rows(x, rows):
     """``x[rows]`` for a NumPy index array ``rows`` (a torch gather on ``x``'s device)."""
-    import torch
-
-    return x[torch.from_numpy(rows).to(x.device)]
+    return x[upload(rows, x.device)]
 
 
 def shard(q, k, v, k_rope, valid_length, cache_row_offsets, *, cache_offsets=None, q_start_pos=None,
@@ -83,7 +82,7 @@ def unshard(parts: Sequence[Any], layout: ZigzagLayout):
     first = parts[0]
     full = torch.empty((layout.total_q,) + tuple(first.shape[1:]), dtype=first.dtype, device=first.device)
     for r, part in enumerate(parts):
-        full[torch.from_numpy(layout.q.rows(r)).to(full.device)] = part[:layout.q.count(r)].to(full.device)
+        full[upload(layout.q.rows(r), full.device)] = part[:layout.q.count(r)].to(full.device)
     return full
 
 
