@@ -153,13 +153,14 @@ def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], 
 
 
 def _np(x: Optional[Tensor]) -> Optional[np.ndarray]:
-    """A CPU tensor as NumPy: floats as float64 (exact), float8 as its bytes, integers as they are."""
+    """A CPU tensor as NumPy: 16-bit floats as float64 (exact), float8 as its bytes, the rest as
+    they are."""
     if x is None:
         return None
     x = x.detach()
     if x.dtype == torch.float8_e4m3fn:
         return x.view(torch.uint8).numpy()
-    return x.double().numpy() if x.is_floating_point() else x.numpy()
+    return x.double().numpy() if x.dtype in (torch.bfloat16, torch.float16) else x.numpy()
 
 
 def _merge_np(oa: np.ndarray, la: np.ndarray, ob: np.ndarray, lb: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
