@@ -104,14 +104,27 @@ def _torch_malloc(nbytes: int):
 
 @contextlib.contextmanager
 def _torch_context(device: torch.device):
-    """CuPy on ``device``, on torch's current stream (so DLPack exchanges need no cross-stream
-    sync) and allocating through torch."""
+    """CuPy on ``device``, on torch's current stream and allocating through torch."""
     import cupy
 
     with torch.cuda.device(device), cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()):
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         with stream, cupy.cuda.using_allocator(_torch_malloc):
             yield
+
+
+def _cupy(x: Optional[Tensor]):
+    """A zero-copy CuPy view of a CUDA tensor (float8 as its bytes). The DLPack export asks for
+    no stream synchronization: producer and consumer are both torch's current stream (which may
+    be capturing a graph)."""
+    if x is None:
+        return None
+    import cupy
+
+    x = x.detach()
+    if x.dtype == torch.float8_e4m3fn:
+        x = x.view(torch.uint8)
+    return cupy.from_dlpack(x.__dlpack__(stream=-1))
 
 
 def _rope_source(k_rope: Tensor, lookup_table: Optional[Tensor], page_size: int, rope_offset: int,
@@ -138,14 +151,19 @@ def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], 
     if q_start_pos is not None and q_start_pos.dtype == torch.int32:
         q_start_pos = q_start_pos.to(torch.int64)  # the kernels read int64 positions
     kernel = kw.pop("kernel")
-    args = _api_kwargs(cache_offsets, q_start_pos, **kw)
-    args["kernel"] = kernel
     with _torch_context(out.device):
-        if fp8:
-            mla_cupy.mla_prefill_fp8(*head, rope, vl, cro, out=out, lse=lse, accumulate=accumulate, **args)
+        args = _api_kwargs(_cupy(cache_offsets), _cupy(q_start_pos), **kw)
+        head = [_cupy(x) for x in head]
+        if isinstance(rope, PagedKVCache):
+            rope = PagedKVCache(_cupy(rope.blocks), _cupy(rope.lookup_table), rope.page_size, rope.rope_offset,
+                                _cupy(rope.scales))
         else:
-            mla_cupy.mla_prefill(*head, rope, vl, cro, out=out, lse=lse, accumulate=accumulate,
-                                 k_rope_scales=plain_scales, **args)
+            rope = _cupy(rope)
+        call = dict(out=_cupy(out), lse=_cupy(lse), accumulate=accumulate, kernel=kernel, **args)
+        if fp8:
+            mla_cupy.mla_prefill_fp8(*head, rope, _cupy(vl), _cupy(cro), **call)
+        else:
+            mla_cupy.mla_prefill(*head, rope, _cupy(vl), _cupy(cro), k_rope_scales=_cupy(plain_scales), **call)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +287,7 @@ def _merge_into(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out:
     import mla_cupy
 
     with _torch_context(out_a.device):
-        mla_cupy.merge_states(out_a, lse_a, out_b, lse_b, out=out, lse_out=lse_out)
+        mla_cupy.merge_states(*(_cupy(x) for x in (out_a, lse_a, out_b, lse_b)), out=_cupy(out), lse_out=_cupy(lse_out))
 
 
 @torch.library.custom_op("mla_cupy::merge_states", mutates_args=(), device_types=("cuda", "cpu"),
