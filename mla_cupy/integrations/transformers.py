@@ -1,0 +1,150 @@
+"""HuggingFace transformers backend: ``register()`` once, then
+``model.set_attn_implementation("mla_cupy")`` runs DeepSeek V2/V3 attention on the kernel.
+
+transformers' DeepSeek attention hands every backend ``query [B, H, Sq, 192]``, ``key
+[B, H, Sk, 192]`` (the nope part per head, then the rope, the same on every head) and ``value
+[B, H, Sk, 128]``, plus the 2-D padding mask. Each sequence of the batch becomes one kernel call
+on zero-copy views: the nope keys are ``key[..., :128]``, the rope is head 0's ``key[:, 0, :,
+128:]``, the values and queries are read in place, and the result is written straight into the
+``[B, Sq, H, 128]`` output transformers expects.
+
+Handled: batches without padding, right padding (prefill) and left padding (prefill and
+``generate``), decode steps (the queries are the last positions of the keys: one query over a
+growing cache), caches longer than the mask (static caches: keys past the mask are unused).
+Refused with a clear error: gradients (there is no backward), dropout, a mask with holes inside a
+sequence (right padding during ``generate``), 4-D masks, and mask patterns other than causal
+(sliding windows, packed sequences).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .. import torch_ops
+from ..masks import CausalMask, NullMask
+from ..validation import DQK, DR, DV
+
+__all__ = ["NAME", "register", "mla_attention_forward", "padding_mask", "sequence_ranges"]
+
+#: The name ``register`` uses for ``attn_implementation``.
+NAME = "mla_cupy"
+
+
+def register(name: str = NAME) -> None:
+    """Register the attention function (``AttentionInterface``) and its mask builder
+    (``AttentionMaskInterface``: the 2-D padding mask, or None without padding) under ``name``,
+    so that ``model.set_attn_implementation(name)`` or ``from_pretrained(...,
+    attn_implementation=name)`` uses them."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, mla_attention_forward)
+    AttentionMaskInterface.register(name, padding_mask)
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function: Any = None, attention_mask: Optional[torch.Tensor] = None, **kwargs: Any):
+    """The mask builder: the causal pattern is the kernel's, so only the 2-D padding mask is
+    passed on (its last ``kv_length`` columns), or None when nothing is padded. Any other mask
+    pattern is refused here, before the model runs attention."""
+    from transformers.masking_utils import causal_mask_function, flash_attention_mask
+
+    if mask_function is not None and mask_function is not causal_mask_function:
+        raise ValueError(f"attention_mask: the {NAME} attention expresses causal masks with padding only; this model "
+                         f"asks for {getattr(mask_function, '__name__', mask_function)!s} (sliding window, packed "
+                         f"sequences or another pattern): use another attn_implementation")
+    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask)
+
+
+_RANGES: List[Any] = [None, None, None]  # the last mask seen (weak), its version, its ranges
+
+
+def sequence_ranges(attention_mask: Optional[torch.Tensor], batch: int, kv_length: int) -> List[Tuple[int, int]]:
+    """``[(first, end)]`` of each row's attended keys: the ones of the 2-D mask, which must be one
+    run per row (left or right padding); all ``kv_length`` keys without a mask. Read back to the
+    host once per mask (every layer of a forward pass gets the same mask)."""
+    if attention_mask is None:
+        return [(0, kv_length)] * batch
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] > kv_length:
+        raise ValueError(f"attention_mask: expected a 2-D padding mask [{batch}, <= {kv_length}], got "
+                         f"{list(attention_mask.shape)} (4-D or custom masks cannot be expressed)")
+    ref, version, ranges = _RANGES
+    if ref is not None and ref() is attention_mask and version == attention_mask._version:
+        return ranges
+    m = attention_mask.detach().to("cpu", torch.bool).numpy()
+    ranges = []
+    for b, row in enumerate(m):
+        ones = np.flatnonzero(row)
+        first, end = (int(ones[0]), int(ones[-1]) + 1) if ones.size else (0, 0)
+        if ones.size != end - first:
+            raise ValueError(f"attention_mask: row {b} has padding between attended tokens (right padding during "
+                             f"generate?); only left or right padding can be expressed: pad on the left")
+        ranges.append((first, end))
+    _RANGES[:] = [weakref.ref(attention_mask), attention_mask._version, ranges]
+    return ranges
+
+
+def _check(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,
+           kwargs: dict) -> torch.Tensor:
+    """Refuse what the kernel cannot do; returns the 128 values of ``value`` (a view)."""
+    if dropout:
+        raise ValueError(f"dropout: the {NAME} attention has no dropout (got {dropout}); call model.eval()")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise ValueError(f"query: the {NAME} attention has no backward; run under torch.no_grad() or "
+                         f"torch.inference_mode(), or train with another attn_implementation")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"sliding_window: not supported by the {NAME} attention")
+    if query.dim() != 4 or query.shape[-1] != DQK or key.dim() != 4 or key.shape[-1] != DQK:
+        raise ValueError(f"query, key: expected [B, H, S, {DQK}] (qk_nope_head_dim={DV}, qk_rope_head_dim={DR}), got "
+                         f"{list(query.shape)} and {list(key.shape)}")
+    if key.shape[1] != query.shape[1] or value.shape[1] != query.shape[1]:
+        raise ValueError(f"key: expected {query.shape[1]} heads like the query (one K/V head per query head), got "
+                         f"{key.shape[1]} / {value.shape[1]}")
+    if value.shape[-1] != DV:
+        if value.shape[-1] < DV or getattr(module, "v_head_dim", None) != DV:
+            raise ValueError(f"value: expected v_head_dim={DV}, got {value.shape[-1]}")
+        value = value[..., :DV]  # padded to the key width by the caller: the padding is dropped
+    return value
+
+
+def mla_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                          dropout: float = 0.0, **kwargs: Any) -> Tuple[torch.Tensor, None]:
+    """transformers attention function (the ``AttentionInterface`` signature).
+
+    Parameters
+    ----------
+    module : the attention module (read for ``v_head_dim`` and ``is_causal``)
+    query : ``[B, H, Sq, 192]``
+    key : ``[B, H, Sk, 192]``: rope in the last 64 values, the same on every head (head 0's is read)
+    value : ``[B, H, Sk, 128]`` (or wider, zero-padded, when ``module.v_head_dim`` is 128)
+    attention_mask : ``[B, <= Sk]`` 2-D padding mask (from :func:`padding_mask`), or None
+    scaling : softmax scale (default ``1 / sqrt(192)``)
+    dropout : must be 0
+
+    Returns
+    -------
+    (attn_output ``[B, Sq, H, 128]``, None): no attention weights.
+    """
+    value = _check(module, query, key, value, dropout, kwargs)
+    batch, heads, sq, _ = query.shape
+    sk = key.shape[2]
+    ranges = sequence_ranges(attention_mask, batch, sk)
+    span = sk if attention_mask is None else attention_mask.shape[1]  # the queries are its last sq columns
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    mask = CausalMask() if causal else NullMask()
+    scale = 1.0 / math.sqrt(DQK) if scaling is None else float(scaling)
+    out = query.new_empty((batch, sq, heads, DV))
+    offsets = torch.tensor([[0, sq, 0, end - first] for first, end in ranges], dtype=torch.int32).to(query.device)
+    q_start = torch.tensor([span - sq - first for first, _ in ranges], dtype=torch.int64).to(query.device)
+    for b, (first, end) in enumerate(ranges):
+        keys = key[b, :, first:end]  # [H, Lk, 192]
+        torch_ops.mla_prefill(query[b].transpose(0, 1), keys[..., :DV].transpose(0, 1),
+                              value[b, :, first:end].transpose(0, 1), keys[0, :, None, DV:], offsets[b, :2],
+                              offsets[b, 2:], scale=scale, mask=mask, q_max_seq_len=sq, q_start_pos=q_start[b:b + 1],
+                              out=out[b], validate=False)
+    return out, None

@@ -1,0 +1,404 @@
+"""``torch.library`` custom ops over the kernels, for ``torch.compile`` and CUDA graphs.
+
+Importing this module registers, in the namespace ``mla_cupy``:
+
+============================  ==========================================================================
+``mla_prefill``               functional: returns ``(out, lse)`` (new tensors)
+``mla_prefill_out``           writes ``out`` (and ``lse``) in place; ``accumulate=True`` merges into them
+``mla_prefill_fp8``           functional, fp8 per-token inputs (:func:`mla_cupy.mla_prefill_fp8`)
+``mla_prefill_fp8_out``       in place, fp8 per-token inputs
+``merge_states``              functional :func:`mla_cupy.merge_states`
+``merge_states_``             folds ``(out_b, lse_b)`` into ``(out_a, lse_a)`` in place
+============================  ==========================================================================
+
+Each has a fake (meta) implementation, so ``torch.compile(..., fullgraph=True)`` traces through
+it, and declares the tensors it writes (``mutates_args``), so functionalization and CUDA graphs
+see them. The schemas take what the Python API takes: the mask as ``mask_kind`` (see
+:data:`MASK_KINDS`) and ``mask_arg`` (window or chunk size), positions as optional tensors, a paged
+cache as its tensors (``k_rope`` holds the blocks, ``lookup_table``, ``page_size``,
+``rope_offset``, the fp8 scales in ``k_rope_scales``), ``out_dtype``, ``q_max_seq_len``,
+``scale``, ``validate`` and ``kernel``. The functions of this module (:func:`mla_prefill`,
+:func:`mla_prefill_fp8`, :func:`merge_states`, :func:`merge_states_`) take the Python API's
+arguments (mask objects, :class:`~mla_cupy.PagedKVCache`) and call the ops.
+
+On CUDA tensors the ops run the kernels on torch's current stream; every device buffer they need
+(outputs, the fp8 V^T workspace, a widened ``q_start_pos``) comes from torch's caching
+allocator, so a call captured in a ``torch.cuda.CUDAGraph`` owns its memory like any torch op.
+Capture needs ``q_max_seq_len`` and ``validate=False`` (no device-to-host copy) and a first,
+eager call per shape (it compiles the kernel). On CPU tensors they run the float64 reference
+(:mod:`mla_cupy.reference`), slowly: for tests, and for code that runs without a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import reference
+from .masks import CausalMask, ChunkedCausalMask, ChunkedMask, Mask, NullMask, SlidingWindowCausalMask
+from .paged import PagedKVCache
+from .validation import DV
+
+__all__ = ["MASK_KINDS", "mask_args", "mask_from_args", "mla_prefill", "mla_prefill_fp8", "merge_states",
+           "merge_states_"]
+
+#: ``mask_kind`` of the op schemas: index in this tuple. ``mask_arg`` is the window or chunk size.
+MASK_KINDS = (NullMask, CausalMask, SlidingWindowCausalMask, ChunkedMask, ChunkedCausalMask)
+
+Tensor = torch.Tensor
+
+
+def mask_args(mask: Optional[Mask]) -> Tuple[int, int]:
+    """``(mask_kind, mask_arg)`` of a mask object (``None`` is the default ``CausalMask()``)."""
+    mask = CausalMask() if mask is None else mask
+    for kind, cls in enumerate(MASK_KINDS):
+        if type(mask) is cls:
+            return kind, mask.arg
+    raise TypeError(f"mask: expected one of {', '.join(c.__name__ for c in MASK_KINDS)}, got {type(mask).__name__}")
+
+
+def mask_from_args(mask_kind: int, mask_arg: int) -> Mask:
+    """The mask object of an op's ``(mask_kind, mask_arg)``."""
+    if not 0 <= mask_kind < len(MASK_KINDS):
+        raise ValueError(f"mask_kind: expected 0..{len(MASK_KINDS) - 1} (mla_cupy.torch_ops.MASK_KINDS), got {mask_kind}")
+    cls = MASK_KINDS[mask_kind]
+    return cls(int(mask_arg)) if cls in (SlidingWindowCausalMask, ChunkedMask, ChunkedCausalMask) else cls()
+
+
+# ---------------------------------------------------------------------------------------------
+# Schemas (shared pieces: the ops differ in their leading tensors and in what they return)
+
+_BF16_IN = "Tensor q, Tensor k, Tensor v, Tensor k_rope, Tensor valid_length, Tensor cache_row_offsets"
+_FP8_IN = ("Tensor q_nope, Tensor q_rope, Tensor q_scale, Tensor k, Tensor k_scales, Tensor v, Tensor k_rope, "
+           "Tensor valid_length, Tensor cache_row_offsets")
+_OUT_IN = "Tensor(a!) out, Tensor(b!)? lse"
+_OPTIONAL = "Tensor? cache_offsets=None, Tensor? q_start_pos=None, Tensor? lookup_table=None"
+_SCALES = ", Tensor? k_rope_scales=None"  # an fp8 rope's scales (bf16 inputs only)
+#: (schema type, name, default) of the keyword arguments every prefill op takes
+_KEYWORD_ARGS = (("float?", "scale", None), ("int", "mask_kind", 1), ("int", "mask_arg", 0),
+                 ("SymInt?", "q_max_seq_len", None), ("int", "page_size", 0), ("int", "rope_offset", 512),
+                 ("bool", "validate", True), ("str", "kernel", "auto"))
+_KEYWORD_DEFAULTS = {name: default for _, name, default in _KEYWORD_ARGS}
+_KEYWORDS = ", ".join(f"{t} {name}={default!r}".replace("'", '"') for t, name, default in _KEYWORD_ARGS)
+
+
+def _schema(inputs: str, optional: str, out: bool) -> str:
+    if out:
+        return f"({inputs}, {_OUT_IN}, {optional}, *, bool accumulate=False, {_KEYWORDS}) -> ()"
+    return f"({inputs}, {optional}, *, ScalarType? out_dtype=None, {_KEYWORDS}) -> (Tensor, Tensor)"
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the kernels on torch's stream, with torch's allocator
+
+
+def _torch_malloc(nbytes: int):
+    """A CuPy allocator drawing from torch's caching allocator (graph-capture aware)."""
+    import cupy
+
+    buf = torch.empty((max(int(nbytes), 1),), dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(buf.data_ptr(), int(nbytes), buf), 0)
+
+
+@contextlib.contextmanager
+def _torch_context(device: torch.device):
+    """CuPy on ``device``, on torch's current stream and allocating through torch."""
+    import cupy
+
+    with torch.cuda.device(device), cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()):
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        with stream, cupy.cuda.using_allocator(_torch_malloc):
+            yield
+
+
+def _cupy(x: Optional[Tensor]):
+    """A zero-copy CuPy view of a CUDA tensor (float8 as its bytes). The DLPack export asks for
+    no stream synchronization: producer and consumer are both torch's current stream (which may
+    be capturing a graph)."""
+    if x is None:
+        return None
+    import cupy
+
+    x = x.detach()
+    if x.dtype == torch.float8_e4m3fn:
+        x = x.view(torch.uint8)
+    return cupy.from_dlpack(x.__dlpack__(stream=-1))
+
+
+def _rope_source(k_rope: Tensor, lookup_table: Optional[Tensor], page_size: int, rope_offset: int,
+                 k_rope_scales: Optional[Tensor]):
+    """``(k_rope or PagedKVCache, k_rope_scales of a plain rope)``."""
+    if lookup_table is None:
+        return k_rope, k_rope_scales
+    return PagedKVCache(k_rope, lookup_table, int(page_size), int(rope_offset), k_rope_scales), None
+
+
+def _api_kwargs(cache_offsets, q_start_pos, scale, mask_kind, mask_arg, q_max_seq_len, validate) -> dict:
+    """The Python API's keywords from an op's arguments."""
+    return dict(scale=scale, mask=mask_from_args(mask_kind, mask_arg),
+                q_max_seq_len=None if q_max_seq_len is None else int(q_max_seq_len), cache_offsets=cache_offsets,
+                q_start_pos=q_start_pos, validate=validate)
+
+
+def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], cache_offsets, q_start_pos,
+                  lookup_table, k_rope_scales, accumulate: bool, **kw) -> None:
+    import mla_cupy
+
+    *head, k_rope, vl, cro = inputs
+    rope, plain_scales = _rope_source(k_rope, lookup_table, kw.pop("page_size"), kw.pop("rope_offset"), k_rope_scales)
+    if q_start_pos is not None and q_start_pos.dtype == torch.int32:
+        q_start_pos = q_start_pos.to(torch.int64)  # the kernels read int64 positions
+    kernel = kw.pop("kernel")
+    with _torch_context(out.device):
+        args = _api_kwargs(_cupy(cache_offsets), _cupy(q_start_pos), **kw)
+        head = [_cupy(x) for x in head]
+        if isinstance(rope, PagedKVCache):
+            rope = PagedKVCache(_cupy(rope.blocks), _cupy(rope.lookup_table), rope.page_size, rope.rope_offset,
+                                _cupy(rope.scales))
+        else:
+            rope = _cupy(rope)
+        call = dict(out=_cupy(out), lse=_cupy(lse), accumulate=accumulate, kernel=kernel, **args)
+        if fp8:
+            mla_cupy.mla_prefill_fp8(*head, rope, _cupy(vl), _cupy(cro), **call)
+        else:
+            mla_cupy.mla_prefill(*head, rope, _cupy(vl), _cupy(cro), k_rope_scales=_cupy(plain_scales), **call)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the float64 reference
+
+
+def _np(x: Optional[Tensor]) -> Optional[np.ndarray]:
+    """A CPU tensor as NumPy: 16-bit floats as float64 (exact), float8 as its bytes, the rest as
+    they are."""
+    if x is None:
+        return None
+    x = x.detach()
+    if x.dtype == torch.float8_e4m3fn:
+        return x.view(torch.uint8).numpy()
+    return x.double().numpy() if x.dtype in (torch.bfloat16, torch.float16) else x.numpy()
+
+
+def _merge_np(oa: np.ndarray, la: np.ndarray, ob: np.ndarray, lb: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """:func:`mla_cupy.merge_states` in float64: a side with lse = -inf contributes nothing."""
+    m = np.maximum(la, lb)
+    m = np.where(np.isfinite(m), m, 0.0)
+    wa = np.where(np.isneginf(la), 0.0, np.exp(la - m))
+    wb = np.where(np.isneginf(lb), 0.0, np.exp(lb - m))
+    s = wa + wb
+    num = np.where(wa[..., None] > 0, oa, 0.0) * wa[..., None] + np.where(wb[..., None] > 0, ob, 0.0) * wb[..., None]
+    pos = s > 0
+    out = np.where(pos[..., None], num / np.where(pos, s, 1.0)[..., None], 0.0)
+    return out, np.where(pos, m + np.log(np.where(pos, s, 1.0)), -np.inf)
+
+
+def _write(dst: Tensor, src: np.ndarray) -> None:
+    dst.copy_(torch.from_numpy(np.ascontiguousarray(src)))
+
+
+def _prefill_cpu(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], cache_offsets, q_start_pos,
+                 lookup_table, k_rope_scales, accumulate: bool, **kw) -> None:
+    *head, k_rope, vl, cro = (_np(x) for x in inputs)
+    ps, ro = kw.pop("page_size"), kw.pop("rope_offset")
+    kw.pop("kernel")  # one reference for every kernel
+    args = _api_kwargs(_np(cache_offsets), _np(q_start_pos), **kw)
+    scales = _np(k_rope_scales)
+    if lookup_table is not None and (fp8 or scales is not None):
+        raise NotImplementedError("k_rope: the CPU reference reads a 16-bit paged cache only")
+    rope, plain_scales = _rope_source(k_rope, _np(lookup_table), ps, ro, scales)
+    if accumulate and (lse is None or out.dtype != torch.float32):
+        raise ValueError("accumulate: needs a float32 out and an lse holding the partial result to merge into")
+    if fp8:
+        o, l = reference.mla_prefill_fp8(*head, rope, vl, cro, return_lse=True, **args)
+    elif plain_scales is not None:
+        o, l = reference.mla_prefill_fp8_rope(*head, rope, plain_scales, vl, cro, return_lse=True, **args)
+    else:
+        o, l = reference.mla_prefill(*head, rope, vl, cro, return_lse=True, **args)
+    if accumulate:
+        o, l = _merge_np(_np(out), _np(lse), o, l)
+    _write(out, o)
+    if lse is not None:
+        _write(lse, l)
+
+
+# ---------------------------------------------------------------------------------------------
+# The prefill ops
+
+
+def _outputs(like: Tensor, tq, heads, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    return like.new_empty((tq, heads, DV), dtype=dtype), like.new_empty((tq, heads), dtype=torch.float32)
+
+
+def _define_prefill(name: str, inputs: str, fp8: bool) -> None:
+    """``name`` (functional) and ``name + '_out'`` (in place). Their leading tensors are
+    ``inputs``; the query count and heads come from the first, the default output dtype from
+    ``q`` (bf16) or ``q_rope`` (fp8). The fp8 per-token ops take no ``k_rope_scales``."""
+    n_in = inputs.count("Tensor ")
+    like_index = 1 if fp8 else 0
+    optional = _OPTIONAL if fp8 else _OPTIONAL + _SCALES
+
+    def make_out(run):
+        def out_impl(*args, accumulate=False, **kw):
+            kw = {**_KEYWORD_DEFAULTS, **kw}  # the dispatcher leaves out keywords at their defaults
+            inputs, (out, lse, *opt) = args[:n_in], args[n_in:]
+            cache_offsets, q_start_pos, lookup_table, k_rope_scales = opt + [None] * (4 - len(opt))
+            run(fp8, inputs, out, lse, cache_offsets, q_start_pos, lookup_table, k_rope_scales, accumulate, **kw)
+        return out_impl
+
+    def make_functional(run):
+        write = make_out(run)
+
+        def impl(*args, out_dtype=None, **kw):
+            out, lse = _fake(*args, out_dtype=out_dtype)
+            write(*args[:n_in], out, lse, *args[n_in:], **kw)
+            return out, lse
+        return impl
+
+    def _fake(*args, out_dtype=None, **kw):
+        q = args[0]
+        return _outputs(q, q.shape[0], q.shape[1], out_dtype or args[like_index].dtype)
+
+    functional = torch.library.custom_op(f"mla_cupy::{name}", make_functional(_prefill_cuda), mutates_args=(),
+                                         device_types="cuda", schema=_schema(inputs, optional, False))
+    functional.register_kernel("cpu")(make_functional(_prefill_cpu))
+    functional.register_fake(_fake)
+    in_place = torch.library.custom_op(f"mla_cupy::{name}_out", make_out(_prefill_cuda), mutates_args=("out", "lse"),
+                                       device_types="cuda", schema=_schema(inputs, optional, True))
+    in_place.register_kernel("cpu")(make_out(_prefill_cpu))
+    in_place.register_fake(lambda *args, **kw: None)
+
+
+_define_prefill("mla_prefill", _BF16_IN, fp8=False)
+_define_prefill("mla_prefill_fp8", _FP8_IN, fp8=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# merge_states
+
+
+def _merge_into(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out: Tensor, lse_out: Tensor) -> None:
+    if out_a.device.type == "cpu":
+        o, l = _merge_np(_np(out_a), _np(lse_a), _np(out_b), _np(lse_b))
+        _write(out, o)
+        _write(lse_out, l)
+        return
+    import mla_cupy
+
+    with _torch_context(out_a.device):
+        mla_cupy.merge_states(*(_cupy(x) for x in (out_a, lse_a, out_b, lse_b)), out=_cupy(out), lse_out=_cupy(lse_out))
+
+
+@torch.library.custom_op("mla_cupy::merge_states", mutates_args=(), device_types=("cuda", "cpu"),
+                         schema="(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, "
+                                "ScalarType? out_dtype=None) -> (Tensor, Tensor)")
+def _merge_states_op(out_a, lse_a, out_b, lse_b, *, out_dtype=None):
+    out, lse = out_a.new_empty(out_a.shape, dtype=out_dtype or out_a.dtype), torch.empty_like(lse_a, dtype=torch.float32)
+    _merge_into(out_a, lse_a, out_b, lse_b, out, lse)
+    return out, lse
+
+
+@_merge_states_op.register_fake
+def _(out_a, lse_a, out_b, lse_b, *, out_dtype=None):
+    return out_a.new_empty(out_a.shape, dtype=out_dtype or out_a.dtype), torch.empty_like(lse_a, dtype=torch.float32)
+
+
+@torch.library.custom_op("mla_cupy::merge_states_", mutates_args=("out_a", "lse_a"), device_types=("cuda", "cpu"),
+                         schema="(Tensor(a!) out_a, Tensor(b!) lse_a, Tensor out_b, Tensor lse_b) -> ()")
+def _merge_states_inplace_op(out_a, lse_a, out_b, lse_b):
+    _merge_into(out_a, lse_a, out_b, lse_b, out_a, lse_a)
+
+
+_merge_states_inplace_op.register_fake(lambda out_a, lse_a, out_b, lse_b: None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Python API over the ops
+
+
+def _rope_tensors(k_rope: Any, k_rope_scales: Optional[Tensor]) -> tuple:
+    """``(k_rope tensor, lookup_table, page_size, rope_offset, scales)`` of a plain or paged rope."""
+    if isinstance(k_rope, PagedKVCache):
+        if k_rope_scales is not None:
+            raise ValueError("k_rope_scales: a paged cache carries its scales in PagedKVCache.scales")
+        return k_rope.blocks, k_rope.lookup_table, k_rope.page_size, k_rope.rope_offset, k_rope.scales
+    return k_rope, None, 0, 512, k_rope_scales
+
+
+def _call_prefill(name: str, inputs: tuple, k_rope, rest: tuple, *, k_rope_scales=None, scale=None, mask=None,
+                  q_max_seq_len=None, cache_offsets=None, q_start_pos=None, out=None, out_dtype=None,
+                  return_lse=False, lse=None, accumulate=False, validate=True, kernel="auto"):
+    rope, lut, page_size, rope_offset, scales = _rope_tensors(k_rope, k_rope_scales)
+    kind, arg = mask_args(mask)
+    kw = dict(scale=None if scale is None else float(scale), mask_kind=kind, mask_arg=arg, q_max_seq_len=q_max_seq_len,
+              page_size=page_size, rope_offset=rope_offset, validate=validate, kernel=kernel)
+    ns = torch.ops.mla_cupy
+    opt = (cache_offsets, q_start_pos, lut) + (() if name == "mla_prefill_fp8" else (scales,))
+    if name == "mla_prefill_fp8" and scales is not None:
+        raise ValueError("k_rope: the fp8 per-token variant reads a 16-bit rope (PagedKVCache without scales)")
+    if out is None and lse is None:
+        if accumulate:
+            raise ValueError("accumulate: needs out= and lse= holding the partial result to merge into")
+        o, l = getattr(ns, name)(*inputs, rope, *rest, *opt, out_dtype=out_dtype, **kw)
+        return (o, l) if return_lse else o
+    if out is None:
+        raise ValueError("out: lse= needs out= too (or call without both to get new tensors)")
+    if out_dtype is not None and out.dtype != out_dtype:
+        raise TypeError(f"out_dtype: {out_dtype} does not match out ({out.dtype})")
+    if lse is None and return_lse:
+        lse = out.new_empty(out.shape[:2], dtype=torch.float32)
+    getattr(ns, name + "_out")(*inputs, rope, *rest, out, lse, *opt, accumulate=accumulate, **kw)
+    return (out, lse) if return_lse else out
+
+
+def mla_prefill(q: Tensor, k: Tensor, v: Tensor, k_rope: Any, valid_length: Tensor, cache_row_offsets: Tensor, *,
+                scale: Optional[float] = None, mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
+                cache_offsets: Optional[Tensor] = None, q_start_pos: Optional[Tensor] = None, out: Optional[Tensor] = None,
+                out_dtype: Optional[torch.dtype] = None, return_lse: bool = False, lse: Optional[Tensor] = None,
+                accumulate: bool = False, validate: bool = True, kernel: str = "auto",
+                k_rope_scales: Optional[Tensor] = None):
+    """:func:`mla_cupy.mla_prefill` through the ``mla_cupy::mla_prefill`` ops (traceable by
+    ``torch.compile``; capturable in a CUDA graph with ``q_max_seq_len`` and ``validate=False``).
+
+    Takes the same arguments (torch tensors; ``k_rope`` a tensor or a :class:`~mla_cupy.PagedKVCache`
+    of tensors; ``out_dtype`` a torch dtype) except ``stream``: it runs on torch's current stream.
+    Without ``out`` / ``lse`` it calls the functional op, else the in-place one (which
+    ``accumulate=True`` needs).
+
+    Returns
+    -------
+    out : ``[Tq, H, 128]`` tensor; and ``lse[Tq, H]`` float32 (natural log) with ``return_lse=True``
+    """
+    return _call_prefill("mla_prefill", (q, k, v), k_rope, (valid_length, cache_row_offsets),
+                         k_rope_scales=k_rope_scales, scale=scale, mask=mask, q_max_seq_len=q_max_seq_len,
+                         cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out, out_dtype=out_dtype,
+                         return_lse=return_lse, lse=lse, accumulate=accumulate, validate=validate, kernel=kernel)
+
+
+def mla_prefill_fp8(q_nope: Tensor, q_rope: Tensor, q_scale: Tensor, k: Tensor, k_scales: Tensor, v: Tensor,
+                    k_rope: Any, valid_length: Tensor, cache_row_offsets: Tensor, *, scale: Optional[float] = None,
+                    mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
+                    cache_offsets: Optional[Tensor] = None, q_start_pos: Optional[Tensor] = None,
+                    out: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None, return_lse: bool = False,
+                    lse: Optional[Tensor] = None, accumulate: bool = False, validate: bool = True,
+                    kernel: str = "auto"):
+    """:func:`mla_cupy.mla_prefill_fp8` through the ``mla_cupy::mla_prefill_fp8`` ops; arguments
+    as there (fp8 data as ``torch.float8_e4m3fn`` or uint8 tensors), without ``stream``. The V^T
+    workspace of each call comes from torch's allocator."""
+    return _call_prefill("mla_prefill_fp8", (q_nope, q_rope, q_scale, k, k_scales, v), k_rope,
+                         (valid_length, cache_row_offsets), scale=scale, mask=mask, q_max_seq_len=q_max_seq_len,
+                         cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out, out_dtype=out_dtype,
+                         return_lse=return_lse, lse=lse, accumulate=accumulate, validate=validate, kernel=kernel)
+
+
+def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *,
+                 out_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`mla_cupy.merge_states` into new tensors (``out_dtype``: float32 or the inputs' dtype)."""
+    return torch.ops.mla_cupy.merge_states(out_a, lse_a, out_b, lse_b, out_dtype=out_dtype)
+
+
+def merge_states_(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """Fold ``(out_b, lse_b)`` into ``(out_a, lse_a)`` in place; returns them."""
+    torch.ops.mla_cupy.merge_states_(out_a, lse_a, out_b, lse_b)
+    return out_a, lse_a
