@@ -31,7 +31,7 @@
 # PATH nor in $CUDA_HOME/bin (CUDA_HOME defaults to CUDA_PATH, then /usr/local/cuda).
 set -u -o pipefail
 
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
 
 OUT_DIR=./gpu-logs WHEELS="" STEP_S=540
 while [ $# -gt 0 ]; do
@@ -46,6 +46,10 @@ while [ $# -gt 0 ]; do
 done
 [ $# -ge 1 ] || usage 2
 MODE=$1; shift
+case "$MODE" in
+  suite|fuzz|sanitize|bench|ab|ncu|compile) ;;
+  *) echo "gpu.sh: unknown mode $MODE" >&2; usage 2 ;;
+esac
 
 OUT_DIR=$(mkdir -p "$OUT_DIR" && cd "$OUT_DIR" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -99,21 +103,21 @@ SANITIZER_FILES=(tests/test_gpu_prefill.py tests/test_gpu_paged_merge.py tests/t
 case "$MODE" in
   suite)
     MLA_FUZZ_EXAMPLES=${MLA_FUZZ_EXAMPLES:-16} MLA_FUZZ_NO_SHRINK=1 step suite "${PYTEST[@]}" -s tests "$@"
-    summary "host overhead|fuzz:|accuracy|passed|failed|FAILED|ERROR|Error" suite 30 ;;
+    summary "host overhead|fuzz:|accuracy|passed|failed|skipped|FAILED|ERROR|Error" suite 30 ;;
   fuzz)
     [ $# -ge 1 ] || usage 2
     N=$1; shift; SEED=$((RANDOM * 32768 + RANDOM))
     [ "${1:-}" = "--seed" ] && SEED=$2
     echo "fuzz: $N problems (+ $((N / 2)) fp8), seed $SEED"
     MLA_FUZZ_EXAMPLES=$N MLA_FUZZ_NO_SHRINK=1 step fuzz "${PYTEST[@]}" --hypothesis-seed="$SEED" tests/test_gpu_fuzz.py
-    summary "fuzz:|passed|failed|FAILED|Falsifying|ERROR" fuzz ;;
+    summary "fuzz:|passed|failed|skipped|FAILED|Falsifying|ERROR" fuzz ;;
   sanitize)
     SAN=$(find_tool compute-sanitizer "${SANITIZER:-}" SANITIZER) || exit 1
     K=${SUBSET:-$SANITIZER_SUBSET}
     # One plain run first: it compiles every kernel of the subset into the on-disk cache, so the
     # sanitized runs (much slower per instruction) spend their time in the kernels, not in NVRTC.
     step sanitize-warmup "${PYTEST[@]}" "${SANITIZER_FILES[@]}" -k "$K"
-    summary "passed|failed" sanitize-warmup 2
+    summary "passed|failed|skipped" sanitize-warmup 2
     # No -x: one failing test must not hide what the tool reports on the others.
     TOOLS=(memcheck racecheck synccheck initcheck)
     [ $# -gt 0 ] && TOOLS=("$@")
@@ -149,7 +153,5 @@ case "$MODE" in
   compile)
     step compile "$PY" -m mla_cupy compile
     tail -5 "$OUT_DIR/compile.log" ;;
-  *)
-    echo "gpu.sh: unknown mode $MODE" >&2; usage 2 ;;
 esac
 echo "logs: $OUT_DIR"
