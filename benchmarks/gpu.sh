@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# GPU runs of mla_cupy from a checkout (no install needed): tests, fuzz, sanitizers, benchmarks,
+# A/B timings, Nsight Compute, ahead-of-time compilation. Run from anywhere; logs go to --out.
+#
+#   bash benchmarks/gpu.sh [options] MODE [ARGS...]
+#
+# Modes:
+#   suite [PYTEST ARGS...]   the whole `pytest -m gpu` suite (its fuzz: MLA_FUZZ_EXAMPLES, default 16)
+#   fuzz N [--seed S]        N random problems against the float64 reference on every kernel this
+#                            GPU runs, and N/2 more through the fp8 variants (Hopper); S makes a run
+#                            repeatable (default: a random seed, printed)
+#   sanitize [TOOL...]       compute-sanitizer (default: memcheck racecheck synccheck initcheck) over a
+#                            small-shape subset with every kernel family in it (both 16-bit kernels at
+#                            every mask, paged aligned and gathered, epilogue merge, merge_states, NaN
+#                            isolation, fp8 per token, fp8 rope plain and paged, the V^T pre-pass, the
+#                            quantizers); SUBSET='<pytest -k expression>' replaces the subset
+#   bench [BENCH ARGS...]    `mla-cupy bench` over the default matrix (JSON and plot into --out), then
+#                            the paged-rope and merge timings
+#   ab [ARGS...]             benchmarks/ab_bench.py ARGS (implementations timed in one process)
+#   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
+#                            bench case (`mla-cupy bench --list`) or fp8 / bf16 / paged (1x8192, H = 128)
+#   compile                  `mla-cupy compile`: every kernel family into CuPy's on-disk cache
+#
+# Options:
+#   --out DIR        where logs and results go (default ./gpu-logs)
+#   --wheels DIR     install the wheels in DIR (e.g. FlashAttention-3's fa3-fwd, a bench peer) into
+#                    DIR/site without an index, and put it on PYTHONPATH
+#   --timeout S      limit of each step in seconds (default 540; each sanitizer tool is one step)
+#
+# Environment: PYTHON (default python3); NCU and SANITIZER name the tools when they are neither on
+# PATH nor in $CUDA_HOME/bin (CUDA_HOME defaults to CUDA_PATH, then /usr/local/cuda).
+set -u -o pipefail
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
+
+OUT_DIR=./gpu-logs WHEELS="" STEP_S=540
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT_DIR=$2; shift 2 ;;
+    --wheels) WHEELS=$2; shift 2 ;;
+    --timeout) STEP_S=$2; shift 2 ;;
+    -h|--help) usage 0 ;;
+    --*) echo "gpu.sh: unknown option $1" >&2; usage 2 ;;
+    *) break ;;
+  esac
+done
+[ $# -ge 1 ] || usage 2
+MODE=$1; shift
+case "$MODE" in
+  suite|fuzz|sanitize|bench|ab|ncu|compile) ;;
+  *) echo "gpu.sh: unknown mode $MODE" >&2; usage 2 ;;
+esac
+
+OUT_DIR=$(mkdir -p "$OUT_DIR" && cd "$OUT_DIR" && pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$ROOT:$ROOT/tests:$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if [ -n "$WHEELS" ]; then
+  WHEELS=$(cd "$WHEELS" && pwd)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WHEELS/site" "$WHEELS"/*.whl \
+    || { echo "gpu.sh: installing the wheels of $WHEELS failed" >&2; exit 1; }
+  export PYTHONPATH="$WHEELS/site:$PYTHONPATH"
+fi
+
+# A CUDA tool by name: $VAR if set, else PATH, else $CUDA_HOME/bin.
+find_tool() {
+  local name=$1 override=$2 home=${CUDA_HOME:-${CUDA_PATH:-/usr/local/cuda}}
+  if [ -n "$override" ]; then echo "$override"; return; fi
+  if command -v "$name" >/dev/null 2>&1; then command -v "$name"; return; fi
+  if [ -x "$home/bin/$name" ]; then echo "$home/bin/$name"; return; fi
+  echo "gpu.sh: $name not found on PATH nor in $home/bin (set ${3} or CUDA_HOME)" >&2
+  return 1
+}
+
+# step NAME CMD...: run CMD under the step limit, its output into $OUT_DIR/NAME.log.
+step() {
+  local name=$1; shift
+  echo "== $name: $*"
+  timeout "$STEP_S" "$@" > "$OUT_DIR/$name.log" 2>&1
+  local rc=$?
+  [ $rc -eq 124 ] && echo "!! $name: stopped at the ${STEP_S}s limit"
+  return $rc
+}
+
+# Per-test limit when pytest-timeout is installed (a hung kernel then fails one test, not the run).
+PYTEST=("$PY" -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider)
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout="${TEST_TIMEOUT:-300}")
+
+summary() { grep -h -E "$1" "$OUT_DIR/$2.log" | tail -"${3:-20}"; }
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu \
+    --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- kernels mla_cupy 2>/dev/null || echo ' (kernels/ or mla_cupy/ modified)')"
+  "$PY" -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)" 2>&1 | tail -1
+} | tee "$OUT_DIR/env.txt"
+
+SANITIZER_SUBSET='(every_mask_dtype_heads and (16-bf16 or 16-fp16-CausalMask)) or (paged_equals_plain and (16- or 64-)) or accumulate_merges or merge_states_exact or nan_in_one or (fp8_every_mask_heads_odd_lengths and 16-) or (fp8_paged_rope and 64) or (fp8_rope_plain and 16-) or (fp8_rope_paged and 64) or transpose_v_device or (device_quantizers and 16)'
+SANITIZER_FILES=(tests/test_gpu_prefill.py tests/test_gpu_paged_merge.py tests/test_gpu_fp8.py)
+
+case "$MODE" in
+  suite)
+    MLA_FUZZ_EXAMPLES=${MLA_FUZZ_EXAMPLES:-16} MLA_FUZZ_NO_SHRINK=1 step suite "${PYTEST[@]}" -s tests "$@"
+    summary "host overhead|fuzz:|accuracy|passed|failed|skipped|FAILED|ERROR|Error" suite 30 ;;
+  fuzz)
+    [ $# -ge 1 ] || usage 2
+    N=$1; shift; SEED=$((RANDOM * 32768 + RANDOM))
+    [ "${1:-}" = "--seed" ] && SEED=$2
+    echo "fuzz: $N problems (+ $((N / 2)) fp8), seed $SEED"
+    MLA_FUZZ_EXAMPLES=$N MLA_FUZZ_NO_SHRINK=1 step fuzz "${PYTEST[@]}" --hypothesis-seed="$SEED" tests/test_gpu_fuzz.py
+    summary "fuzz:|passed|failed|skipped|FAILED|Falsifying|ERROR" fuzz ;;
+  sanitize)
+    SAN=$(find_tool compute-sanitizer "${SANITIZER:-}" SANITIZER) || exit 1
+    K=${SUBSET:-$SANITIZER_SUBSET}
+    # One plain run first: it compiles every kernel of the subset into the on-disk cache, so the
+    # sanitized runs (much slower per instruction) spend their time in the kernels, not in NVRTC.
+    step sanitize-warmup "${PYTEST[@]}" "${SANITIZER_FILES[@]}" -k "$K"
+    summary "passed|failed|skipped" sanitize-warmup 2
+    # No -x: one failing test must not hide what the tool reports on the others.
+    TOOLS=(memcheck racecheck synccheck initcheck)
+    [ $# -gt 0 ] && TOOLS=("$@")
+    for t in "${TOOLS[@]}"; do
+      step "sanitize-$t" "$SAN" --tool "$t" --target-processes all --print-limit 20 \
+        "${PYTEST[@]}" "${SANITIZER_FILES[@]}" -k "$K"
+      summary "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "sanitize-$t" 4
+    done ;;
+  bench)
+    step bench "$PY" -m mla_cupy bench --json "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png" --reps 20 \
+      --no-progress "$@"
+    summary "device|matmul|mla_cupy|fa3|Error" bench 40
+    step paged_merge "$PY" benchmarks/paged_merge_bench.py
+    cat "$OUT_DIR/paged_merge.log" ;;
+  ab)
+    step ab "$PY" benchmarks/ab_bench.py "$@"
+    cat "$OUT_DIR/ab.log" ;;
+  ncu)
+    [ $# -ge 1 ] || usage 2
+    NCU=$(find_tool ncu "${NCU:-}" NCU) || exit 1
+    CASE=$1; name=ncu-${CASE//[^A-Za-z0-9._-]/_}
+    case "$CASE" in
+      fp8|bf16|paged) DRIVER=(benchmarks/ncu_fp8.py "$CASE") ;;
+      *) DRIVER=(benchmarks/ncu_case.py "$CASE") ;;
+    esac
+    # The drivers launch the kernel three times; the third launch is profiled.
+    step "$name" "$NCU" --clock-control none -k regex:mla_prefill --launch-skip 2 --launch-count 1 --set full \
+      --import-source no -f -o "$OUT_DIR/$name" "$PY" "${DRIVER[@]}"
+    "$NCU" --import "$OUT_DIR/$name.ncu-rep" --print-details all > "$OUT_DIR/$name-details.txt" 2>&1
+    "$NCU" --import "$OUT_DIR/$name.ncu-rep" --page source --csv --print-source sass > "$OUT_DIR/$name-sass.csv" 2>&1
+    grep -E "Duration|SM Frequency|Elapsed Cycles|Tensor|DRAM Throughput|L2 Hit Rate|Executed Instructions  " \
+      "$OUT_DIR/$name-details.txt" | head -12 ;;
+  compile)
+    step compile "$PY" -m mla_cupy compile
+    tail -5 "$OUT_DIR/compile.log" ;;
+esac
+echo "logs: $OUT_DIR"
