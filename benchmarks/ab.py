@@ -13,6 +13,7 @@ Implementations (``--impls``, comma separated; the first is the base):
   ours              16-bit Hopper kernel (``mla_prefill``, out= given, validate=False)
   ours:hps=N        the same with N heads per L2 section (scheduler experiment; overrides the host heuristic)
   ours:sched=static the same with the round-robin tile order instead of the dynamic hand-out
+  ours:l2div=N      the same with L2 sections sized to 1/N of the L2 (scheduler experiment)
   ours:src=DIR      the same with the kernels of DIR (an older version: ``git archive REV kernels | tar -x -C DIR``)
   ours-fp8          fp8 per-token kernel (``mla_prefill_fp8``; inputs quantized by ``quant.quantize_per_token``)
   fa3, fa3+kbuild   FlashAttention-3 (``fa3_fwd_interface`` or ``flash_attn_interface``), kernel only / with
@@ -167,7 +168,8 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
             api.DYNAMIC_SCHEDULE = True
         return outs[i]
 
-    if hps is None and src is None:
+    l2div = int(opts["l2div"]) if "l2div" in opts else None
+    if hps is None and src is None and l2div is None:
         return launch, lambda i: outs[i]
     # A variant: build each input set's launch record under the variant, then replay the records
     # (no recompilation or re-planning inside the timed region).
@@ -178,6 +180,13 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
     orig = api.heads_per_section
     if hps is not None:
         api.heads_per_section = lambda p, d: hps
+    if l2div is not None:
+        def sections(p, d):
+            kv_bytes_per_head = max(1, p.tk) * 2 * DV * (1 if p.fp8 else p.dtype.itemsize)
+            g = max(1, min(p.heads, (api._sm_count_and_l2(d)[1] // l2div) // kv_bytes_per_head))
+            return -(-p.heads // -(-p.heads // g))
+
+        api.heads_per_section = sections
     recs = []
     try:
         api._PLANS.clear()

@@ -114,10 +114,12 @@ def _device_id() -> int:
 
 
 def heads_per_section(p: Problem, device_id: int) -> int:
-    """Heads whose keys and values together fill about half the L2 (see kernels/tile_scheduler.cuh):
-    the tiles of one section run together, so each head's K/V is read from DRAM about once."""
+    """Heads whose keys and values together fill about a quarter of the L2 (see
+    kernels/tile_scheduler.cuh): the tiles of one section run together, so each head's K/V is read
+    from DRAM about once. A quarter, not a half: Hopper's L2 is two partitions that each cache what
+    their SMs read, so data every SM reads takes room in both."""
     kv_bytes_per_head = max(1, p.tk) * 2 * DV * (1 if p.fp8 else p.dtype.itemsize)
-    g = max(1, min(p.heads, (_sm_count_and_l2(device_id)[1] // 2) // kv_bytes_per_head))
+    g = max(1, min(p.heads, (_sm_count_and_l2(device_id)[1] // 4) // kv_bytes_per_head))
     return -(-p.heads // -(-p.heads // g))  # the same number of heads in every section, or one fewer
 
 
