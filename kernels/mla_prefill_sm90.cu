@@ -218,10 +218,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       if (lane != 0) return;
       int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
       int nq = 0;  // Q tiles loaded so far
-      for (int n = 0, idx = blockIdx.x, nxt;; ++n, idx = handout.finish(nxt)) {
+      for (int n = 0, idx = blockIdx.x;; ++n, idx = handout.next(idx)) {
         handout.publish(n, idx);
         if (idx >= num_work) break;
-        nxt = handout.request(idx);  // in flight while this tile's loads are issued
         Work k;
         if (!plan(idx, k) || k.num_tiles == 0) continue;
         const WorkTile& w = k.w;
@@ -383,12 +382,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   auto turn_pass = [&]() { if constexpr (kPingpong) named_barrier_arrive(kTurnBar + 1 - cw, kConsumerThreads); };
   if (cw == 1) turn_pass();
 
-  for (int n = 1, idx = handout.take(0, blockIdx.x), idx_next; idx < num_work; ++n, idx = idx_next) {
+  for (int n = 0, idx = blockIdx.x;; ++n, idx += gridDim.x) {
+    idx = handout.take(n, idx);
+    if (idx >= num_work) break;
     Work k;
-    if (!plan(idx, k)) {
-      idx_next = handout.take(n, idx + gridDim.x);
-      continue;
-    }
+    if (!plan(idx, k)) continue;
     const WorkTile& w = k.w;
     const int wr0 = k.m0 + cw * kWgRows;           // first sequence row of this warpgroup
     const int row0 = wr0 + warp_in_wg * 16 + (lane >> 2);  // sequence row of this thread's row g
@@ -567,9 +565,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
       sm.row_sum[0] *= 1.f / kPScale;
       sm.row_sum[1] *= 1.f / kPScale;
     }
-    // The next work tile, taken before the epilogue's stores (the producer published it when it had
-    // issued this tile's loads), so its wait stays off the path to the next tile's first GEMM.
-    idx_next = handout.take(n, idx + gridDim.x);
     store_rows<OutT>(o, sm, w, row0, out, o_st, o_sh, lse, lse_st, accumulate != 0);
   }
   if (cw == 0) turn_wait();  // consumer 1's last pass: every turn barrier ends balanced

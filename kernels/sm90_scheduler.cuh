@@ -4,10 +4,9 @@
 // sequence of work-tile indices (tile_scheduler.cuh decodes them), so all of them agree on every
 // barrier count. Two modes:
 //   * static (counter == nullptr): blockIdx.x, then + gridDim.x each time (round robin);
-//   * dynamic: the first index is blockIdx.x; each next one comes from a global counter, requested
-//     by the producer thread as its current tile starts (the atomic's latency hides behind the
-//     tile's loads) and published once those loads are issued, so tiles go out in the order in
-//     which CTAs free up (longest first, as the indices are ordered: FlashAttention-3's
+//   * dynamic: the first index is blockIdx.x; each next one comes from a global counter, taken by
+//     the producer thread once it has issued the loads of its current tile, so tiles go out in the
+//     order in which CTAs free up (longest first, as the indices are ordered: FlashAttention-3's
 //     dynamic persistent scheduler). The round robin leaves CTAs idle when tile costs differ
 //     (ragged batches, indices that decode to nothing); the hand-out keeps every CTA busy to the end.
 //     The producer passes each index to the other roles through a 2-slot ring in shared memory:
@@ -51,13 +50,11 @@ struct TileHandout {
         "st.shared.u32 [%0], %1;\n"
         "mbarrier.arrive.release.cta.shared::cta.b64 _, [%2];\n" ::"r"(slot(s)), "r"(idx), "r"(full(s)) : "memory");
   }
-  // Producer thread: the index after `idx`, requested as `idx` starts (the atomic's latency then
-  // hides behind the tile's loads) and completed by finish() once the tile's loads are issued.
-  __device__ __forceinline__ int request(int idx) const {
-    return dynamic() ? static_cast<int>(gridDim.x + atomicAdd(counter, 1u)) : idx + static_cast<int>(gridDim.x);
-  }
-  __device__ __forceinline__ int finish(int nxt) const {
-    if (dynamic() && nxt >= num_work && atomicAdd(counter + 1, 1u) == gridDim.x - 1) {
+  // Producer thread: the index after `idx`.
+  __device__ __forceinline__ int next(int idx) const {
+    if (!dynamic()) return idx + static_cast<int>(gridDim.x);
+    const int nxt = static_cast<int>(gridDim.x + atomicAdd(counter, 1u));
+    if (nxt >= num_work && atomicAdd(counter + 1, 1u) == gridDim.x - 1) {
       counter[0] = 0;  // every CTA has taken its index past the end: ready for the next launch
       counter[1] = 0;
     }

@@ -17,7 +17,8 @@ see them. The schemas take what the Python API takes: the mask as ``mask_kind`` 
 :data:`MASK_KINDS`) and ``mask_arg`` (window or chunk size), positions as optional tensors, a paged
 cache as its tensors (``k_rope`` holds the blocks, ``lookup_table``, ``page_size``,
 ``rope_offset``, the fp8 scales in ``k_rope_scales``), ``out_dtype``, ``q_max_seq_len``,
-``scale``, ``validate`` and ``kernel``. The functions of this module (:func:`mla_prefill`,
+``scale``, ``validate`` and ``kernel_choice`` (the API's ``kernel``: inductor's fallback
+lowering reserves the name ``kernel``). The functions of this module (:func:`mla_prefill`,
 :func:`mla_prefill_fp8`, :func:`merge_states`, :func:`merge_states_`) take the Python API's
 arguments (mask objects, :class:`~mla_cupy.PagedKVCache`) and call the ops.
 
@@ -79,7 +80,7 @@ _SCALES = ", Tensor? k_rope_scales=None"  # an fp8 rope's scales (bf16 inputs on
 #: (schema type, name, default) of the keyword arguments every prefill op takes
 _KEYWORD_ARGS = (("float?", "scale", None), ("int", "mask_kind", 1), ("int", "mask_arg", 0),
                  ("SymInt?", "q_max_seq_len", None), ("int", "page_size", 0), ("int", "rope_offset", 512),
-                 ("bool", "validate", True), ("str", "kernel", "auto"))
+                 ("bool", "validate", True), ("str", "kernel_choice", "auto"))
 _KEYWORD_DEFAULTS = {name: default for _, name, default in _KEYWORD_ARGS}
 _KEYWORDS = ", ".join(f"{t} {name}={default!r}".replace("'", '"') for t, name, default in _KEYWORD_ARGS)
 
@@ -150,7 +151,7 @@ def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], 
     rope, plain_scales = _rope_source(k_rope, lookup_table, kw.pop("page_size"), kw.pop("rope_offset"), k_rope_scales)
     if q_start_pos is not None and q_start_pos.dtype == torch.int32:
         q_start_pos = q_start_pos.to(torch.int64)  # the kernels read int64 positions
-    kernel = kw.pop("kernel")
+    kernel = kw.pop("kernel_choice")
     with _torch_context(out.device):
         args = _api_kwargs(_cupy(cache_offsets), _cupy(q_start_pos), **kw)
         head = [_cupy(x) for x in head]
@@ -202,7 +203,7 @@ def _prefill_cpu(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], c
                  lookup_table, k_rope_scales, accumulate: bool, **kw) -> None:
     *head, k_rope, vl, cro = (_np(x) for x in inputs)
     ps, ro = kw.pop("page_size"), kw.pop("rope_offset")
-    kw.pop("kernel")  # one reference for every kernel
+    kw.pop("kernel_choice")  # one reference for every kernel
     args = _api_kwargs(_np(cache_offsets), _np(q_start_pos), **kw)
     scales = _np(k_rope_scales)
     if lookup_table is not None and (fp8 or scales is not None):
@@ -332,7 +333,7 @@ def _call_prefill(name: str, inputs: tuple, k_rope, rest: tuple, *, k_rope_scale
     rope, lut, page_size, rope_offset, scales = _rope_tensors(k_rope, k_rope_scales)
     kind, arg = mask_args(mask)
     kw = dict(scale=None if scale is None else float(scale), mask_kind=kind, mask_arg=arg, q_max_seq_len=q_max_seq_len,
-              page_size=page_size, rope_offset=rope_offset, validate=validate, kernel=kernel)
+              page_size=page_size, rope_offset=rope_offset, validate=validate, kernel_choice=kernel)
     ns = torch.ops.mla_cupy
     opt = (cache_offsets, q_start_pos, lut) + (() if name == "mla_prefill_fp8" else (scales,))
     if name == "mla_prefill_fp8" and scales is not None:
