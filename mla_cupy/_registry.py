@@ -49,11 +49,17 @@ def _prefill_family(kernel: Tuple[str, str], dtype: np.dtype, mask: Mask) -> Fam
 SM90_VARIANTS = {"bf16": 0, "fp8": 1, "fp8_rope": 2}
 
 
+#: The Hopper kernel's shared-memory size per CTA, by [fp8 per token]: a ``__device__ const int[2]``
+#: of mla_prefill_sm90.cu, compiled into every Hopper family and read by the launch code.
+SM90_SMEM_TABLE = "mla::sm90::kSmemBytesOf"
+
+
 def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = "bf16") -> Family:
     """Hopper family for (dtype, mask, variant): output in the input dtype or float32, plain or
-    paged rope. The fp8 variants take bfloat16 for their 16-bit parts."""
+    paged rope, and the exported shared-memory table (:data:`SM90_SMEM_TABLE`). The fp8 variants
+    take bfloat16 for their 16-bit parts."""
     names = tuple(prefill_sm90_name(dtype, o, mask, paged, variant) for o in (dtype, FP32) for paged in (False, True))
-    return PREFILL_SM90[0], names
+    return PREFILL_SM90[0], names + (SM90_SMEM_TABLE,)
 
 
 def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, variant: str = "bf16") -> str:
