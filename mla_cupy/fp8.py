@@ -9,7 +9,7 @@ and the device pre-pass that writes it (``kernels/transpose_v.cu``).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import numpy as np
 

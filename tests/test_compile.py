@@ -34,7 +34,7 @@ def test_family_compiles(compiled, i):
     assert not err, err
     assert size > 1000  # a real cubin came back
     if FAMILIES[i][1][0] == reg.PREFILL_SM90[0]:  # the launch code reads its shared-memory size from the module
-        assert reg.SM90_SMEM_TABLE in FAMILIES[i][1] and has_smem_table
+        assert reg.SM90_SMEM_TABLE in FAMILIES[i][1][1] and has_smem_table
 
 
 def test_matrix_covers_every_dtype_mask_and_arch():
