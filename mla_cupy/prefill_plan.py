@@ -236,10 +236,6 @@ class PrefillPlan:
 
     def _run(self, a: tuple, stream):
         torch_in = is_torch(a[Q])
-        if stream is None and not torch_in and self._current_stream is not None:
-            sp = self._current_stream().ptr
-        else:
-            sp = _stream_ptr(stream, torch_in)
         out, lse = a[OUT], a[LSE]
         if out is None or (lse is None and self.return_lse):
             check_run(self._p, self._t, self._bounds, [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)])
@@ -267,7 +263,14 @@ class PrefillPlan:
         key = tuple(keys)
         rec = self._records.get(key)
         if rec is None:
-            rec = self._new_record(a, key, sp)
+            d = [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)]
+            run_p = check_run(self._p, self._t, self._bounds, d)  # device arrays from here on
+            sp = _stream_ptr(stream, torch_in)
+            rec = self._remember(key, self._record(run_p, d, sp))
+        elif stream is None and not torch_in:
+            sp = self._current_stream().ptr
+        else:
+            sp = _stream_ptr(stream, torch_in)
         if self._p.fp8 and a[WS] is None:
             ptrs[WS] = self._workspace.data.ptr if self._workspace is not None else 0
         self._launch(rec, ptrs, sp)
@@ -292,11 +295,6 @@ class PrefillPlan:
             launch_record(rec, ptrs, sp)
 
     # -- the first run of a layout: checks and packing --------------------------------------------
-    def _new_record(self, a: tuple, key: tuple, sp: int) -> Record:
-        d = [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)]
-        run_p = check_run(self._p, self._t, self._bounds, d)  # device arrays from here on
-        return self._remember(key, self._record(run_p, d, sp))
-
     def _record(self, p: Problem, d: list, sp: int) -> Record:
         return pack(self._t, p, d, sp, self._workspace_for)
 
