@@ -104,6 +104,7 @@ def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Re
         return Record(launch, _offsets_of(SM80_ARGS, fields), tuple(align))
     return _sm90_record(t, p, d, ck, values, fields, align, nmb, sp, workspace_for)
 
+
 def _rope_args(t: Target, p: Problem, d: list, values: dict) -> int:
     """The rope_* parameters into ``values``; returns the byte offset of the rope from its array's pointer."""
     rope, rs = d[ROPE], d[RSC]
@@ -125,6 +126,7 @@ def _rope_args(t: Target, p: Problem, d: list, values: dict) -> int:
         values.update(rope_scales=device_pointer(rs), rope_scale_row_stride=int(rs.strides[0]) // 4,
                       rope_scale_block_stride=0)
     return 0
+
 
 def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list, align: list, nmb: int, sp: int,
                  workspace_for: Callable) -> Record:
@@ -191,6 +193,7 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
     return Record(launch, _offsets_of(SM90_ARGS, fields), tuple(align),
                    map_slots=(Q, K, v_slot, ROPE, OUT, QR, KS), make_maps=make_maps, vt=vt, vt_fields=vt_fields)
 
+
 def _offsets_of(pack, fields) -> tuple:
     return tuple((pack.offsets[name], slot, add) for name, slot, add in fields)
 
@@ -222,6 +225,7 @@ def launch_record(rec: Record, ptrs: List[int], sp: int) -> None:
             _U64.pack_into(vmem, off, ptrs[i] + add)
         rec.vt.launch(sp)
     launch.launch(sp)
+
 
 def _new_maps(rec: Record, mk: tuple) -> bytes:
     maps, box_rows = rec.make_maps(mk)

@@ -154,6 +154,7 @@ def check_run(p: Problem, t: Target, bounds: RunBounds, d: list) -> Problem:
     check_same_device([x for _, x in named] + [t.page_table])
     return run_p
 
+
 def _rope_view(p: Problem, t: Target, k_rope, scales):
     """A paged plan's blocks as the PagedKVCache the checks read; a plain rope as it is."""
     if not p.paged:

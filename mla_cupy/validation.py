@@ -57,6 +57,7 @@ class Problem:
 # ---------------------------------------------------------------------------------------------
 # step 1: metadata and values
 
+
 def check_qkv(q, k, v, *, device: bool) -> Tuple[int, int, int, np.dtype]:
     """q ``[Tq, H, 192]``, k and v ``[Tk, H, 128]``, one float dtype. Returns (Tq, H, Tk, dtype)."""
     float_dtypes = DEVICE_DTYPES if device else None
@@ -240,6 +241,7 @@ def check_grid(max_sq: int, batch: int, heads: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # steps 2 and 3: on the device, laid out for the kernels
 
+
 def rope_arrays(k_rope, k_rope_scales) -> Sequence[Tuple[str, Any]]:
     """(name, array) of a k_rope argument, in the order they are checked."""
     if isinstance(k_rope, PagedKVCache):
@@ -282,6 +284,7 @@ def check_same_device(arrays) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # one call
+
 
 def check_inputs(
     q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets, q_start_pos,
