@@ -19,7 +19,8 @@ except ImportError:  # pragma: no cover - ml_dtypes is a base dependency
 FP16 = np.dtype(np.float16)
 FP32 = np.dtype(np.float32)
 
-__all__ = ["BF16", "FP16", "FP32", "FP8_E4M3", "cupy_or_none", "as_device", "is_torch", "result_wrapper", "to_host"]
+__all__ = ["BF16", "FP16", "FP32", "FP8_E4M3", "cupy_or_none", "as_device", "checkable", "is_device", "require_device",
+           "is_torch", "result_wrapper", "to_host"]
 
 
 _CUPY = []  # memo: [module or None]
@@ -40,6 +41,63 @@ def is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch")
 
 
+class HostTensorView(np.ndarray):
+    """A NumPy view of a torch CPU tensor, so the argument checks can read it; never launched.
+    ``move_hint`` is how :func:`require_device` tells the caller to move it."""
+
+    move_hint = "{name}.cuda()"
+
+
+_TORCH_TO_NUMPY = {"torch.bfloat16": BF16, "torch.float8_e4m3fn": FP8_E4M3}
+_SAME_SIZE_INT = {1: "uint8", 2: "int16"}
+
+
+def _torch_host_view(x: Any) -> np.ndarray:
+    import torch
+
+    x = x.detach()
+    try:
+        a = x.numpy()
+    except TypeError:  # bfloat16 / float8 have no NumPy dtype of their own: view the bits
+        target = _TORCH_TO_NUMPY.get(str(x.dtype))
+        if target is None:
+            raise
+        a = x.view(getattr(torch, _SAME_SIZE_INT[x.element_size()])).numpy().view(target)
+    return a.view(HostTensorView)
+
+
+def checkable(x: Any, name: str):
+    """``x`` as an array the checks can read without moving it: device arrays as in
+    :func:`as_device` (zero-copy), NumPy arrays as they are, torch CPU tensors as NumPy views.
+    Raises ``TypeError`` for anything that is not an array."""
+    cp = cupy_or_none()
+    if cp is not None and isinstance(x, cp.ndarray):
+        return x
+    if isinstance(x, np.ndarray):
+        return x
+    if is_torch(x) and hasattr(x, "is_cuda") and not x.is_cuda:
+        return _torch_host_view(x)
+    return as_device(x, name)
+
+
+def is_device(x: Any) -> bool:
+    """True unless ``x`` is host memory (a NumPy array or the view of a torch CPU tensor)."""
+    return not isinstance(x, np.ndarray) or hasattr(x, "__cuda_array_interface__")
+
+
+def require_device(x: Any, name: str) -> None:
+    """Raise ``TypeError`` naming ``name``, and how to move the data, when ``x`` is host memory."""
+    if is_device(x):
+        return
+    what = "a torch tensor on the CPU" if isinstance(x, HostTensorView) else "a NumPy array"
+    hint = getattr(type(x), "move_hint", "cupy.asarray({name})").format(name=name)
+    raise TypeError(
+        f"{name}: expected a device array (CuPy array, torch CUDA tensor, or an object with "
+        f"__cuda_array_interface__ / DLPack), got {what}; move it with {hint} "
+        f"or call mla_cupy.reference.mla_prefill for the CPU reference"
+    )
+
+
 def as_device(x: Any, name: str):
     """Return ``x`` as an array the kernels can read in place, or raise ``TypeError`` naming ``name``.
 
@@ -50,23 +108,20 @@ def as_device(x: Any, name: str):
     cp = cupy_or_none()
     if cp is not None and isinstance(x, cp.ndarray):
         return x
-    if isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__"):
-        raise TypeError(
-            f"{name}: expected a device array (CuPy array, torch CUDA tensor, or an object with "
-            f"__cuda_array_interface__ / DLPack), got a NumPy array; move it with cupy.asarray({name}) "
-            f"or call mla_cupy.reference.mla_prefill for the CPU reference"
-        )
+    if isinstance(x, np.ndarray):
+        require_device(x, name)
+        return x
     if hasattr(x, "__cuda_array_interface__") and all(hasattr(x, a) for a in ("shape", "dtype", "strides")) and not is_torch(x):
         return x
-    if cp is None:
+    if is_torch(x) and hasattr(x, "is_cuda") and not x.is_cuda:
+        raise TypeError(f"{name}: expected a CUDA tensor, got a torch tensor on {x.device}; move it with {name}.cuda()")
+    if cp is None and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
         raise TypeError(f"{name}: CuPy is not installed, so device arrays cannot be used (pip install mla_cupy[cuda12] or [cuda13])")
     if hasattr(x, "__dlpack__"):
-        if is_torch(x) and not x.is_cuda:
-            raise TypeError(f"{name}: expected a CUDA tensor, got a torch tensor on {x.device}")
         return cp.from_dlpack(x)
     if hasattr(x, "__cuda_array_interface__"):
         return cp.asarray(x)
-    raise TypeError(f"{name}: expected a device array, got {type(x).__module__}.{type(x).__name__}")
+    raise TypeError(f"{name}: expected an array, got {type(x).__module__}.{type(x).__name__}")
 
 
 def to_host(x: Any) -> np.ndarray:

@@ -49,11 +49,17 @@ def _prefill_family(kernel: Tuple[str, str], dtype: np.dtype, mask: Mask) -> Fam
 SM90_VARIANTS = {"bf16": 0, "fp8": 1, "fp8_rope": 2}
 
 
+#: The Hopper kernel's shared-memory size per CTA, by [fp8 per token]: a ``__device__ const int[2]``
+#: of mla_prefill_sm90.cu, compiled into every Hopper family and read by the launch code.
+SM90_SMEM_TABLE = "mla::sm90::kSmemBytesOf"
+
+
 def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = "bf16") -> Family:
     """Hopper family for (dtype, mask, variant): output in the input dtype or float32, plain or
-    paged rope. The fp8 variants take bfloat16 for their 16-bit parts."""
+    paged rope, and the exported shared-memory table (:data:`SM90_SMEM_TABLE`). The fp8 variants
+    take bfloat16 for their 16-bit parts."""
     names = tuple(prefill_sm90_name(dtype, o, mask, paged, variant) for o in (dtype, FP32) for paged in (False, True))
-    return PREFILL_SM90[0], names
+    return PREFILL_SM90[0], names + (SM90_SMEM_TABLE,)
 
 
 def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, variant: str = "bf16") -> str:
@@ -89,13 +95,29 @@ def transpose_v_family() -> Family:
     return TRANSPOSE_V
 
 
+_SHORT_TYPES = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "f32"}
+_VARIANT_NAMES = {"bf16": "16-bit", "fp8": "fp8-per-token", "fp8_rope": "fp8-rope"}
+
+
 def family_label(fam: Family) -> str:
-    """Short name of a family for logs and test ids: file stem, first template argument, mask."""
-    first = fam[1][0]
-    if "<" not in first:
-        return fam[0].rsplit(".", 1)[0]
-    args = first.split("<", 1)[1].rstrip(">").split(", ")
-    return "-".join([fam[0].rsplit(".", 1)[0], args[0]] + ([args[2]] if len(args) > 2 else []))
+    """A family as a person reads it: the source's stem and the template arguments its kernels
+    share (input dtype, mask, Hopper variant; the output dtype and rope source vary inside a
+    family), e.g. ``mla_prefill_sm90<bf16, CausalMask, fp8-per-token>``."""
+    stem = fam[0].rsplit(".", 1)[0]
+    # template instantiations only (a family may also name a global, e.g. the shared-memory table)
+    arg_lists = [n.split("<", 1)[1].rsplit(">", 1)[0].split(", ") for n in fam[1] if "<" in n]
+    if not arg_lists or any(len(a) != len(arg_lists[0]) for a in arg_lists):
+        return stem
+    variants = {str(code): _VARIANT_NAMES.get(name, name) for name, code in SM90_VARIANTS.items()}
+    shared = []
+    for i, first in enumerate(arg_lists[0]):
+        if any(a[i] != first for a in arg_lists):
+            continue  # varies inside the family
+        if first.isdigit() and fam[0] == PREFILL_SM90[0]:
+            shared.append(variants.get(first, first))
+        else:
+            shared.append(_SHORT_TYPES.get(first, first.rsplit("::", 1)[-1]))
+    return f"{stem}<{', '.join(shared)}>" if shared else stem
 
 
 def all_families() -> List[Tuple[str, Family]]:

@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _registry as reg
 from . import bench as B
+from ._registry import family_label
 
 Job = Tuple[str, reg.Family, bool]  # (arch, family, compile through this GPU's driver)
 
@@ -46,30 +47,6 @@ def require_cupy_and_nvrtc():
         raise click.ClickException(f"NVRTC (libnvrtc) is not found by CuPy {cupy.__version__} ({type(exc).__name__}); "
                                    f"kernels compile through it: {_INSTALL_HINT}") from None
     return cupy, nvrtc
-
-
-_SHORT_TYPES = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "f32"}
-_VARIANT_NAMES = {"bf16": "16-bit", "fp8": "fp8-per-token", "fp8_rope": "fp8-rope"}
-
-
-def family_label(fam: reg.Family) -> str:
-    """A family as a person reads it: the source's stem and the template arguments its kernels
-    share (input dtype, mask, Hopper variant; the output dtype and rope source vary inside a
-    family), e.g. ``mla_prefill_sm90<bf16, CausalMask, fp8-per-token>``."""
-    stem = fam[0].rsplit(".", 1)[0]
-    arg_lists = [n.split("<", 1)[1].rsplit(">", 1)[0].split(", ") if "<" in n else [] for n in fam[1]]
-    if not arg_lists[0] or any(len(a) != len(arg_lists[0]) for a in arg_lists):
-        return stem
-    variants = {str(code): _VARIANT_NAMES.get(name, name) for name, code in getattr(reg, "SM90_VARIANTS", {}).items()}
-    shared = []
-    for i, first in enumerate(arg_lists[0]):
-        if any(a[i] != first for a in arg_lists):
-            continue  # varies inside the family
-        if first.isdigit() and fam[0] == reg.PREFILL_SM90[0]:
-            shared.append(variants.get(first, first))
-        else:
-            shared.append(_SHORT_TYPES.get(first, first.rsplit("::", 1)[-1]))
-    return f"{stem}<{', '.join(shared)}>" if shared else stem
 
 
 def _compile_one(job: Job) -> Tuple[float, str]:

@@ -20,11 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 __all__ = [
     "KERNEL_DIR",
     "KernelCompileError",
     "kernel_source",
     "get_function",
+    "get_global",
     "compile_offline",
     "arch_for_capability",
     "compiled_modules",
@@ -88,6 +91,7 @@ class _Key:
 
 _modules: Dict[_Key, object] = {}
 _functions: Dict[Tuple[_Key, str], object] = {}
+_globals: Dict[tuple, object] = {}
 _locks: Dict[_Key, threading.Lock] = {}
 _registry_lock = threading.Lock()
 _compiles = 0
@@ -99,11 +103,8 @@ def _device_arch() -> str:
     return arch_for_capability(cupy.cuda.Device().compute_capability)
 
 
-def get_function(filename: str, name_expressions: Sequence[str], name: str, arch: Optional[str] = None):
-    """Return the ``cupy.RawKernel`` for instantiation ``name`` of ``kernels/<filename>``.
-
-    ``name_expressions`` is the whole family compiled together (``name`` must be one of them).
-    """
+def _module(filename: str, name_expressions: Sequence[str], name: str, arch: Optional[str]):
+    """(key, RawModule) of the family, compiled on first use; ``name`` must be one of its expressions."""
     global _compiles
     import cupy
 
@@ -111,9 +112,6 @@ def get_function(filename: str, name_expressions: Sequence[str], name: str, arch
     key = _Key(filename, tuple(name_expressions), arch)
     if name not in key.name_expressions:
         raise ValueError(f"{name!r} is not among the name expressions of this module")
-    fn = _functions.get((key, name))
-    if fn is not None:  # hot path: no lock, no driver call
-        return fn
     with _registry_lock:
         module = _modules.get(key)
         lock = _locks.setdefault(key, threading.Lock())
@@ -135,9 +133,42 @@ def get_function(filename: str, name_expressions: Sequence[str], name: str, arch
                 with _registry_lock:
                     _modules[key] = module
                     _compiles += 1
+    return key, module
+
+
+def get_function(filename: str, name_expressions: Sequence[str], name: str, arch: Optional[str] = None):
+    """Return the ``cupy.RawKernel`` for instantiation ``name`` of ``kernels/<filename>``.
+
+    ``name_expressions`` is the whole family compiled together (``name`` must be one of them).
+    """
+    fn = _functions.get((_Key(filename, tuple(name_expressions), arch or _device_arch()), name))
+    if fn is not None:  # hot path: no lock, no driver call
+        return fn
+    key, module = _module(filename, name_expressions, name, arch)
     fn = module.get_function(name)
     with _registry_lock:
         return _functions.setdefault((key, name), fn)  # one kernel object per instantiation, kept
+
+
+def get_global(filename: str, name_expressions: Sequence[str], name: str, dtype, count: int,
+               arch: Optional[str] = None) -> np.ndarray:
+    """The value of the ``__device__`` array ``name`` (one of the family's name expressions, e.g.
+    ``"mla::sm90::kSmemBytesOf"``) of the family's module on the current device: ``count``
+    elements of ``dtype``, copied to the host once and kept."""
+    import cupy
+
+    key, module = _module(filename, name_expressions, name, arch)
+    cache_key = (key, name, cupy.cuda.runtime.getDevice())
+    got = _globals.get(cache_key)
+    if got is None:
+        mangled = module.module.mapping.get(name, name)  # NVRTC's lowered name of the expression
+        ptr = module.get_global(mangled)
+        got = np.zeros(int(count), np.dtype(dtype))
+        cupy.cuda.runtime.memcpy(got.ctypes.data, ptr.ptr, got.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
+        got.flags.writeable = False
+        with _registry_lock:
+            got = _globals.setdefault(cache_key, got)
+    return got
 
 
 def compile_offline(filename: str, name_expressions: Sequence[str], arch: str, method: str = "cubin") -> bytes:

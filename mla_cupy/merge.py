@@ -7,14 +7,16 @@ import numpy as np
 
 from . import _registry as reg
 from ._arrays import BF16, FP16, FP32, as_device, device_pointer, is_torch, result_wrapper, stream_of
-from .api import _empty, device_inputs, launch_prefill
+from ._checks import check_array, check_layout, check_shape
+from .api import checkable_args, launch_call
+from .dims import DV
 from .jit import get_function
 from .masks import Mask
-from .validation import DV, check_array, check_inputs, check_shape
+from .prefill_plan import offsets_of
+from .validation import check_inputs
+from .workspace import empty_result
 
 __all__ = ["merge_states", "mla_prefill_chunked"]
-
-_MERGE_WARPS = 8  # kernels/merge_states.cu: kMergeWarps
 
 
 def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=None):
@@ -41,30 +43,33 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=N
     a, b = as_device(out_a, "out_a"), as_device(out_b, "out_b")
     la, lb = as_device(lse_a, "lse_a"), as_device(lse_b, "lse_b")
     dtypes = (FP32, BF16, FP16)
-    check_array(a, "out_a", 3, dtypes, device=True)
+    check_array(a, "out_a", 3, dtypes)
+    check_layout(a, "out_a")
     t, h, dv = (int(n) for n in a.shape)
     if dv % 4:
         raise ValueError(f"out_a: the last dimension must be a multiple of 4, got {dv}")
-    check_array(b, "out_b", 3, (np.dtype(a.dtype),), device=True)
+    check_array(b, "out_b", 3, (np.dtype(a.dtype),))
+    check_layout(b, "out_b")
     check_shape(b, "out_b", (t, h, dv), "the shape of out_a")
     for name, x in (("lse_a", la), ("lse_b", lb)):
-        check_array(x, name, 2, (FP32,), device=False)
+        check_array(x, name, 2, (FP32,))
         check_shape(x, name, (t, h), "[T, H] matching out_a")
         if x.size and int(x.strides[1]) != 4:
             raise ValueError(f"{name}: the last dimension must be contiguous, got strides {tuple(x.strides)}")
     s = stream_of(stream, torch_in is not None)
     with s:
         if out is None:
-            out = _empty((t, h, dv), a.dtype, torch_in)
+            out = empty_result((t, h, dv), a.dtype, torch_in)
         else:
             out = as_device(out, "out")
-            check_array(out, "out", 3, dtypes, device=True)
+            check_array(out, "out", 3, dtypes)
+            check_layout(out, "out")
             check_shape(out, "out", (t, h, dv), "the shape of out_a")
         if lse_out is None:
-            lse_out = _empty((t, h), FP32, torch_in)
+            lse_out = empty_result((t, h), FP32, torch_in, "lse_out")
         else:
             lse_out = as_device(lse_out, "lse_out")
-            check_array(lse_out, "lse_out", 2, (FP32,), device=False)
+            check_array(lse_out, "lse_out", 2, (FP32,))
             check_shape(lse_out, "lse_out", (t, h), "[T, H]")
     if t * h:
         fn = get_function(*reg.merge_family(), reg.merge_name(a.dtype, out.dtype))
@@ -75,8 +80,9 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=N
                 i64(a.strides[0] // ia), i64(a.strides[1] // ia), i64(b.strides[0] // ia), i64(b.strides[1] // ia),
                 i64(out.strides[0] // io), i64(out.strides[1] // io), i64(la.strides[0] // 4), i64(lb.strides[0] // 4),
                 i64(lse_out.strides[0] // 4))
+        rows = fn.max_threads_per_block // 32  # one warp per (token, head) row (the kernel's launch bounds)
         with s:
-            fn(((t * h + _MERGE_WARPS - 1) // _MERGE_WARPS,), (_MERGE_WARPS * 32,), args)
+            fn(((t * h + rows - 1) // rows,), (rows * 32,), args)
     return wrap(out), wrap(lse_out)
 
 
@@ -102,10 +108,11 @@ def mla_prefill_chunked(
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     torch_q = q if is_torch(q) else None
     wrap = result_wrapper(q)
-    q, k, v, k_rope, vl, cro, co, qs, out = device_inputs(q, k, v, k_rope, valid_length, cache_row_offsets,
-                                                          cache_offsets, q_start_pos, out)
+    q, k, v, k_rope, vl, cro, co, qs, out, _, _, _ = checkable_args(q, k, v, k_rope, valid_length, cache_row_offsets,
+                                                                    cache_offsets, q_start_pos, out)
     p = check_inputs(q, k, v, k_rope, vl, cro, scale=scale, mask=mask, q_max_seq_len=None, cache_offsets=co,
-                     q_start_pos=qs, out=out, out_dtype=out_dtype, validate=validate, device=True, read_offsets=True)
+                     q_start_pos=qs, out=out, out_dtype=out_dtype, validate=validate, device=True, read_offsets=True,
+                     kernel=kernel)
     s = stream_of(stream, torch_q is not None)
     with s:
         vl64, cro64 = cp.asarray(vl).astype(cp.int64), cp.asarray(cro).astype(cp.int64)
@@ -122,12 +129,11 @@ def mla_prefill_chunked(
             begin = (cro64[:-1] + cp.minimum(sk, c0)).astype(cp.uint32)
             end = (cro64[:-1] + cp.minimum(sk, c0 + chunk_size)).astype(cp.uint32)
             chunk_co = (k_pos0 + cp.minimum(sk, c0)).astype(cp.uint32)
-        launch_prefill(part_p, q, k, v, k_rope, acc, acc_lse, device_pointer(vl), device_pointer(begin),
-                       device_pointer(end), device_pointer(chunk_co), device_pointer(q_pos0), s, kernel,
-                       accumulate=i > 0)
+        offsets = offsets_of(vl, device_pointer(begin), device_pointer(end), chunk_co, q_pos0, keep=(begin, end))
+        launch_call(part_p, q, k, v, k_rope, acc, acc_lse, offsets, kernel, i > 0, s.ptr)
     with s:
         if out is None:
-            out = _empty((p.tq, p.heads, DV), p.out_dtype, torch_q)
+            out = empty_result((p.tq, p.heads, DV), p.out_dtype, torch_q)
         out[...] = acc.astype(out.dtype, copy=False)
     return (wrap(out), wrap(acc_lse)) if return_lse else wrap(out)
 

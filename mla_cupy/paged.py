@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["PagedKVCache"]
+__all__ = ["PagedKVCache", "check_page_geometry"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,8 @@ class PagedKVCache:
         ``b`` has its rope values at ``blocks[lookup_table[b, t // page_size], t % page_size, 0,
         rope_offset : rope_offset + 64]``.
     page_size : int
-        Keys per page: a power of two from 16 to 512, equal to ``blocks.shape[1]``.
+        Keys per page: a power of two from 16 to 512, equal to ``blocks.shape[1]`` (checked when
+        the cache is built).
     rope_offset : int
         Column of the first rope value in a cache row; a multiple of 64 (default 512).
     scales : array, optional
@@ -42,9 +43,18 @@ class PagedKVCache:
     scales: Optional[Any] = None
 
     def __post_init__(self):
-        ps = self.page_size
-        if isinstance(ps, bool) or not isinstance(ps, int) or ps < 16 or ps > 512 or ps & (ps - 1):
-            raise ValueError(f"PagedKVCache.page_size: expected a power of two from 16 to 512, got {ps!r}")
-        ro = self.rope_offset
-        if isinstance(ro, bool) or not isinstance(ro, int) or ro < 0 or ro % 64:
-            raise ValueError(f"PagedKVCache.rope_offset: expected a non-negative multiple of 64, got {ro!r}")
+        check_page_geometry(self.page_size, self.rope_offset, "PagedKVCache.")
+        shape = getattr(self.blocks, "shape", None)
+        if shape is not None and len(shape) >= 2 and int(shape[1]) != self.page_size:
+            raise ValueError(f"PagedKVCache.page_size: expected blocks.shape[1] = {int(shape[1])} (slots per page of "
+                             f"blocks {list(shape)}), got {self.page_size}")
+
+
+def check_page_geometry(page_size: Any, rope_offset: Any, prefix: str = "") -> None:
+    """``page_size`` a power of two from 16 to 512, ``rope_offset`` a non-negative multiple of 64;
+    errors name them with ``prefix`` (``"PagedKVCache."`` for the cache's fields)."""
+    ps, ro = page_size, rope_offset
+    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 16 or ps > 512 or ps & (ps - 1):
+        raise ValueError(f"{prefix}page_size: expected a power of two from 16 to 512, got {ps!r}")
+    if isinstance(ro, bool) or not isinstance(ro, int) or ro < 0 or ro % 64:
+        raise ValueError(f"{prefix}rope_offset: expected a non-negative multiple of 64, got {ro!r}")

@@ -1,5 +1,5 @@
 """fp8 (float8_e4m3fn) quantization of MLA prefill inputs, as the SPEC ("Data types") and MAX
-define it: the host-side (NumPy) reference of issue 6's quantizers.
+define it, on the host (NumPy) and on the device.
 
 Two schemes:
 
@@ -20,8 +20,8 @@ arrays, fp8 data as uint8: bit for bit the same values, ready for :func:`mla_cup
 and ``mla_prefill(..., k_rope_scales=...)``.
 
 The per-token kernel reads V transposed (keys contiguous, as the e4m3 tensor cores need):
-:func:`transpose_v` writes that layout (``kernels/vt_layout.cuh``) on the device, and
-:func:`mla_cupy.mla_prefill_fp8` calls it once per call; :func:`transpose_v_host` is its NumPy model.
+:func:`transpose_v`, :func:`transpose_v_host` and :func:`vt_columns` are those of
+:mod:`mla_cupy.fp8`, the home of that layout, available here too.
 """
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ from typing import Dict
 import numpy as np
 
 from ._arrays import FP8_E4M3
-from .validation import DR, DV
+from .dims import DR, DV
+from .fp8 import VT_SIGMA, transpose_v, transpose_v_host, vt_columns
 
 __all__ = ["E4M3_MAX", "to_e4m3", "quantize_per_token", "quantize_rope_blocks", "dequantize_rope_blocks",
-           "transpose_v", "transpose_v_host", "vt_columns"]
+           "transpose_v", "transpose_v_host", "vt_columns", "VT_SIGMA"]
 
 E4M3_MAX = 448.0  #: largest finite float8_e4m3fn
 
@@ -140,87 +141,3 @@ def dequantize_rope_blocks(k_rope_fp8: np.ndarray, k_rope_scales: np.ndarray) ->
     r = np.asarray(k_rope_fp8).astype(np.float64)
     blocks = r.reshape(r.shape[0], r.shape[1], r.shape[2] // 64, 64) * np.asarray(k_rope_scales, np.float64)[..., None]
     return blocks.reshape(r.shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# V^T for the per-token kernel (kernels/vt_layout.cuh, kernels/transpose_v.cu)
-
-VT_ALIGN = 16  #: kVtAlign: keys per aligned column group
-_VT_COLS_PER_CTA, _VT_THREADS = 128, 128  # kernels/transpose_v.cu: kVtCols, kVtThreads
-#: column p of a 16-column group holds key VT_SIGMA[p] of the group (vt_layout.cuh: sigma)
-VT_SIGMA = np.array([2 * (p // 4) + (p & 1) + 8 * ((p >> 1) & 1) for p in range(VT_ALIGN)])
-
-
-def vt_columns(tk: int, batch: int) -> int:
-    """Columns of the V^T buffer for ``Tk`` keys in ``batch`` sequences: a multiple of 16 past every
-    sequence's region (region b starts at ``16 * (ceil(cache_row_offsets[b] / 16) + b)``)."""
-    return max(VT_ALIGN, -(-(tk + VT_ALIGN * batch) // VT_ALIGN) * VT_ALIGN)
-
-
-def _vt_col0(kv_begin: int, b: int) -> int:
-    return (-(-int(kv_begin) // VT_ALIGN) + b) * VT_ALIGN
-
-
-def transpose_v_host(v, cache_row_offsets) -> np.ndarray:
-    """NumPy model of :func:`transpose_v`: e4m3 ``v[Tk, H, 128]`` (uint8 or ml_dtypes bytes) ->
-    ``vt[H, 128, vt_columns(Tk, B)]`` uint8: sequence b's keys from column
-    ``16 * (ceil(cache_row_offsets[b] / 16) + b)``, each group of 16 in the VT_SIGMA order, zeros
-    elsewhere."""
-    v8 = np.ascontiguousarray(v).view(np.uint8)
-    cro = np.asarray(cache_row_offsets, np.int64)
-    tk, heads = int(v8.shape[0]), int(v8.shape[1])
-    vt = np.zeros((heads, DV, vt_columns(tk, len(cro) - 1)), np.uint8)
-    for b in range(len(cro) - 1):
-        sk = int(cro[b + 1] - cro[b])
-        n = -(-sk // VT_ALIGN) * VT_ALIGN
-        keys = np.zeros((n, heads, DV), np.uint8)
-        keys[:sk] = v8[cro[b]:cro[b + 1]]
-        order = (np.arange(n) // VT_ALIGN) * VT_ALIGN + VT_SIGMA[np.arange(n) % VT_ALIGN]
-        c0 = _vt_col0(cro[b], b)
-        vt[:, :, c0:c0 + n] = keys[order].transpose(1, 2, 0)
-    return vt
-
-
-def _transpose_v_device(v, kv_begin_ptr: int, kv_end_ptr: int, batch: int, stream=None):
-    """kernels/transpose_v.cu on device e4m3 bytes ``v[Tk, H, 128]`` (16-byte aligned rows, last dim
-    contiguous; unchecked) with raw pointers to the key offsets: a new uint8 ``[H, 128, cols]``
-    CuPy array, written on ``stream`` (the current one when None)."""
-    import cupy as cp
-
-    from . import _registry as reg
-    from .jit import get_function
-
-    tk, heads = int(v.shape[0]), int(v.shape[1])
-    cols = vt_columns(tk, batch)
-    s = stream if stream is not None else cp.cuda.get_current_stream()
-    with s:
-        vt = cp.empty((heads, DV, cols), cp.uint8)
-        if batch and tk:
-            fn = get_function(*reg.transpose_v_family(), reg.TRANSPOSE_V[1][0])
-            fn((-(-cols // _VT_COLS_PER_CTA), heads), (_VT_THREADS,),
-               (v, np.int64(v.strides[0]), np.int64(v.strides[1]), np.uintp(kv_begin_ptr), np.uintp(kv_end_ptr),
-                np.int32(batch), vt, np.int64(cols)))
-        else:
-            vt.fill(0)
-    return vt
-
-
-def transpose_v(v, cache_row_offsets, *, stream=None):
-    """V^T as :func:`mla_cupy.mla_prefill_fp8` reads it (``kernels/vt_layout.cuh``), on the device:
-    e4m3 ``v[Tk, H, 128]`` (uint8) and ``cache_row_offsets[B + 1]`` (int32 or uint32, device) ->
-    uint8 ``[H, 128, vt_columns(Tk, B)]``, bit for bit :func:`transpose_v_host`."""
-    from ._arrays import as_device, to_host
-    from .validation import OFFSET_DTYPES, check_array, check_offsets_values
-
-    v = as_device(v, "v")
-    check_array(v, "v", 3, (np.dtype(np.uint8),), device=True)
-    if int(v.shape[2]) != DV:
-        raise ValueError(f"v: expected [Tk, H, {DV}] e4m3 bytes, got shape {list(v.shape)}")
-    cro = as_device(cache_row_offsets, "cache_row_offsets")
-    check_array(cro, "cache_row_offsets", 1, OFFSET_DTYPES, device=False)
-    if cro.shape[0] < 1 or (cro.shape[0] > 1 and cro.strides[0] != cro.itemsize):
-        raise ValueError(f"cache_row_offsets: expected a contiguous [B + 1] array, got shape {list(cro.shape)}")
-    check_offsets_values(to_host(cro).astype(np.int64), "cache_row_offsets", int(v.shape[0]), False, "Tk (v.shape[0])")
-    batch = int(cro.shape[0]) - 1
-    ptr = int(cro.data.ptr)
-    return _transpose_v_device(v, ptr, ptr + 4, batch, stream)

@@ -1,20 +1,22 @@
-"""Host-side TMA tensor maps (``cuTensorMapEncodeTiled`` through ctypes on ``libcuda``).
+"""Host-side TMA tensor maps (``cuTensorMapEncodeTiled`` through ctypes on ``libcuda``), and the
+maps of the Hopper prefill kernel.
 
 CuPy does not wrap the call; ctypes reaches it in the driver every CUDA machine has. A map is
 passed to the kernel by value (a 128-byte ``__grid_constant__`` parameter) as a NumPy structured
-scalar, which CuPy's ``RawKernel`` copies into the launch's parameter buffer.
+scalar, copied into the launch's packed parameter buffer.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
 from ._arrays import BF16, FP16
+from .dims import DQK, DR, DV
 
-__all__ = ["encode_tiled", "TENSOR_MAP_DTYPE"]
+__all__ = ["encode_tiled", "TENSOR_MAP_DTYPE", "ZERO_MAP", "stride16", "prefill_maps"]
 
 # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / _FLOAT16 / _UINT8 (e4m3 bytes) / _FLOAT32 (fp8 scales)
 _DTYPE_CODE = {BF16: 9, FP16: 6, np.dtype(np.uint8): 0, np.dtype(np.float32): 7}
@@ -60,3 +62,66 @@ def _encode_cached(ptr: int, dtype: np.dtype, dims, strides_bytes, box, swizzle:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} (dims {list(dims)}, strides "
                            f"{list(strides_bytes)}, box {list(box)})")
     return buf[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper prefill kernel's maps (kernels/mla_prefill_sm90.cu: tm_q .. tm_k_scales)
+
+ZERO_MAP = np.zeros(1, TENSOR_MAP_DTYPE)[0]  #: an unused map parameter
+
+
+def stride16(x, dim: int) -> int:
+    """Byte stride of ``dim`` for a tensor map (a size-1 dimension's stride is arbitrary: use 16)."""
+    st = int(x.strides[dim])
+    return st if x.shape[dim] > 1 and st % 16 == 0 else 16
+
+
+def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tuple[int, int]],
+                 k: Tuple[int, Tuple[int, int]], v: Tuple[int, Tuple[int, int]], rope: tuple,
+                 fp8: Optional[tuple], block_rows: int) -> Tuple[Tuple[np.void, ...], int]:
+    """The six TMA descriptors of the Hopper kernel (Q, K, V, rope, q_rope, k_scales) and the rope
+    box height. ``q``, ``k``, ``v`` are ``(pointer, (head stride, row stride))`` in bytes;
+    ``block_rows`` is the kernel's tile height (rows of a box).
+
+    ``rope`` is ``(ptr, row_stride)`` for a plain k_rope, ``(ptr, row_stride, block_stride,
+    page_size, num_blocks)`` for a paged cache, or ``(0,)`` for an fp8 rope (read by the rope warp,
+    no map). ``fp8`` (per-token variant) is ``(q_rope_ptr, q_rope_strides, k_scales_ptr)``: q / k
+    are then e4m3 bytes of the 128 nope values (one 128-byte box per row) and v the e4m3 V^T of
+    :func:`mla_cupy.fp8.transpose_v`, with strides ``(cols, 128 * cols)``."""
+    if fp8 is None:
+        tm_q = encode_tiled(q[0], dtype, (DQK, heads, tq), q[1], (64, 1, block_rows))
+        tm_k = encode_tiled(k[0], dtype, (DV, heads, tk), k[1], (64, 1, block_rows))
+        tm_v = encode_tiled(v[0], dtype, (DV, heads, tk), v[1], (64, 1, block_rows))
+        tm_qr = tm_ks = ZERO_MAP
+    else:
+        u8 = np.dtype(np.uint8)
+        tm_q = encode_tiled(q[0], u8, (DV, heads, tq), q[1], (128, 1, block_rows))
+        tm_k = encode_tiled(k[0], u8, (DV, heads, tk), k[1], (128, 1, block_rows))
+        # V^T[H][128][cols]: block_rows key columns x 128 values
+        tm_v = encode_tiled(v[0], u8, (v[1][0], DV, heads), v[1], (block_rows, DV, 1))
+        tm_qr = encode_tiled(fp8[0], dtype, (DR, heads, tq), fp8[1], (64, 1, block_rows))
+        # key scales from the 16-byte boundary at or before a tile's first key (kernels: kScaleBox)
+        tm_ks = encode_tiled(fp8[2], np.float32, (tk,), (), (block_rows + 4,), swizzle=False)
+    if len(rope) == 2:
+        tm_r, box_rows = encode_tiled(rope[0], dtype, (DR, tk), (rope[1],), (64, block_rows)), 0
+    elif len(rope) == 1:
+        tm_r, box_rows = ZERO_MAP, 0
+    else:
+        tm_r, box_rows = _paged_rope_map(dtype, *rope, block_rows)
+    return (tm_q, tm_k, tm_v, tm_r, tm_qr, tm_ks), box_rows
+
+
+def _paged_rope_map(dtype: np.dtype, ptr: int, row_st: int, block_st: int, page_size: int, num_blocks: int,
+                    block_rows: int) -> Tuple[np.void, int]:
+    """The paged cache's rope columns as a [num_blocks][page_size][64] tensor map with boxes of
+    min(page_size, block_rows) slots (one page run of a key tile), or a zero map and box height 0
+    (the kernel then gathers every tile) when TMA cannot address the cache: strides or the base not
+    16-byte aligned, or no blocks."""
+    box_rows = min(page_size, block_rows)
+    ok = num_blocks > 0 and ptr % 16 == 0 and row_st > 0 and row_st % 16 == 0 and block_st > 0 and block_st % 16 == 0
+    if ok:
+        try:
+            return encode_tiled(ptr, dtype, (DR, page_size, num_blocks), (row_st, block_st), (64, box_rows, 1)), box_rows
+        except RuntimeError:  # a layout the driver refuses (e.g. strides past 2^40): gather instead
+            pass
+    return ZERO_MAP, 0

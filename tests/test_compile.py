@@ -15,9 +15,10 @@ FAMILIES = reg.all_families()
 def _compile(job):
     arch, (filename, names) = job
     try:
-        return len(jit.compile_offline(filename, names, arch)), ""
+        cubin = jit.compile_offline(filename, names, arch)
+        return len(cubin), "", b"kSmemBytesOf" in cubin
     except Exception as exc:  # reported per family by the test below
-        return 0, f"{type(exc).__name__}: {exc}"
+        return 0, f"{type(exc).__name__}: {exc}", False
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,11 @@ def compiled():
 
 @pytest.mark.parametrize("i", range(len(FAMILIES)), ids=[f"{a}-{family_label(f)}" for a, f in FAMILIES])
 def test_family_compiles(compiled, i):
-    size, err = compiled[i]
+    size, err, has_smem_table = compiled[i]
     assert not err, err
     assert size > 1000  # a real cubin came back
+    if FAMILIES[i][1][0] == reg.PREFILL_SM90[0]:  # the launch code reads its shared-memory size from the module
+        assert reg.SM90_SMEM_TABLE in FAMILIES[i][1][1] and has_smem_table
 
 
 def test_matrix_covers_every_dtype_mask_and_arch():

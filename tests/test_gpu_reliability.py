@@ -61,17 +61,15 @@ def test_request_that_cannot_fit_fails_cleanly():
     assert bool(cp.isfinite(out.astype(cp.float32)).all())
 
 
-def test_repeated_calls_memory_flat_and_host_overhead(record_property):
-    """10,000 calls keep device memory flat; the host time per call (validate=False, out= given,
-    q_max_seq_len given) is measured while enqueueing, reported, and held under issue 7's 30 us."""
+def test_repeated_calls_keep_memory_flat():
+    """10,000 one-shot calls with out= given keep device memory flat, and allocating calls return
+    their outputs to the pool. (The host time per call of plan.run: tests/test_plan_gpu.py.)"""
     import cupy as cp
-
-    from mla_cupy.bench import host_us
 
     x = small_problem(64, 16, seed=3)
     q, k, kr, vl, out = x["q"], x["k"], x["k_rope"], x["offsets"], x["out"]
 
-    def call(_i=0):
+    def call():
         mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, q_max_seq_len=64, validate=False)
 
     pool = cp.get_default_memory_pool()
@@ -87,17 +85,12 @@ def test_repeated_calls_memory_flat_and_host_overhead(record_property):
     cp.cuda.Device().synchronize()
     assert pool.used_bytes() == used0
     assert pool.total_bytes() <= total0 + out.nbytes * 2
-    host = min(host_us(call, 1, reps=500) for _ in range(3))  # best of 3: the host, not its neighbours
-    record_property("host_us_per_call", host)
-    import warnings
-
-    warnings.warn(UserWarning(f"host overhead per call (validate=False, out= given): {host:.1f} us"))
-    assert host < 30, f"host time per call {host:.1f} us (issue 7 bar: 30 us)"
 
 
-def test_fast_path_still_rejects_bad_input():
-    """validate=False with q_max_seq_len reuses the checks of an identical earlier call; a call that
-    differs in anything checked (dtype, shape, alignment, keyword types) is checked again."""
+def test_unvalidated_calls_still_reject_bad_input():
+    """validate=False with q_max_seq_len reads nothing back from the device, yet every call checks
+    its arguments (dtype, shape, alignment, keyword types), and a repeated call reads new data in
+    the same buffers."""
     import cupy as cp
 
     sq, H = 33, 16
@@ -106,9 +99,9 @@ def test_fast_path_still_rejects_bad_input():
     kw = dict(q_max_seq_len=sq, validate=False)
     mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, **kw)
     first = out.copy()
-    mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, **kw)  # the cached path
+    mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, **kw)  # the same call again
     assert bool(cp.all(out == first)) and not bool(cp.isnan(out).any())
-    q[...] = cp.flip(q, axis=0).copy()  # new data in the same buffer: the cached launch reads it
+    q[...] = cp.flip(q, axis=0).copy()  # new data in the same buffer
     want = mla_cupy.mla_prefill(q, k, k, kr, vl, vl)
     mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, **kw)
     assert bool(cp.all(out == want)) and not bool(cp.all(out == first))

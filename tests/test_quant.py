@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from mla_cupy import quant, reference
+from mla_cupy import fp8, quant, reference
 from mla_cupy._arrays import FP8_E4M3
 from mla_cupy.masks import CausalMask, NullMask
 
@@ -105,7 +105,7 @@ def test_transpose_v_host_layout(sk):
     assert sorted(quant.VT_SIGMA) == list(range(16))
     seen = np.zeros(vt.shape[2], bool)
     for b in range(len(sk)):
-        c0 = quant._vt_col0(cro[b], b)
+        c0 = fp8.vt_col0(cro[b], b)
         assert c0 % 16 == 0
         for j in range(sk[b]):
             col = c0 + 16 * (j // 16) + int(np.flatnonzero(quant.VT_SIGMA == j % 16)[0])

@@ -114,14 +114,14 @@ def test_paged_cache_errors():
     # table too narrow for cache_offsets + Sk
     with pytest.raises(ValueError, match="needs pages up to 1"):
         mla_cupy.mla_prefill(k_rope=_paged(blocks, np.array([[0], [1]], np.int32)), cache_offsets=dev(np.array([0, 20], np.uint32)), **kw)
-    # wrong page_size vs blocks
-    with pytest.raises(ValueError, match="k_rope.blocks"):
-        mla_cupy.mla_prefill(k_rope=PagedKVCache(dev(blocks), dev(np.zeros((2, 1), np.int32)), 32), **kw)
+    # wrong page_size vs blocks: refused when the cache is built
+    with pytest.raises(ValueError, match=r"PagedKVCache.page_size: expected blocks.shape\[1\] = 16 .*got 32"):
+        PagedKVCache(dev(blocks), dev(np.zeros((2, 1), np.int32)), 32)
     with pytest.raises(ValueError, match="k_rope.lookup_table: expected 2 rows"):
         mla_cupy.mla_prefill(k_rope=_paged(blocks, np.zeros((3, 1), np.int32)), **kw)
     with pytest.raises(TypeError, match="k_rope.blocks: expected dtype bfloat16"):
         mla_cupy.mla_prefill(k_rope=_paged(blocks.astype(np.float16), np.zeros((2, 1), np.int32)), **kw)
-    # fp8 caches and their scales (issue 6): scales only with uint8 blocks, and always with them
+    # fp8 caches and their scales: scales only with uint8 blocks, and always with them
     lut = dev(np.zeros((2, 1), np.int32))
     sc = dev(np.ones((4, 16, 1, 9), np.float32))
     with pytest.raises(ValueError, match="k_rope.scales: only an fp8"):
@@ -133,7 +133,7 @@ def test_paged_cache_errors():
 
 
 def test_fp8_argument_errors():
-    """fp8 data without scales, wrong dtypes and shapes: errors name the argument (issue 6)."""
+    """fp8 data without scales, wrong dtypes and shapes: errors name the argument."""
     a = base_args()
     tq, h = a["q"].shape[:2]
     tk = a["k"].shape[0]

@@ -1,0 +1,242 @@
+"""Argument packing of the prefill launches: for one array layout of a plan, the prepared
+launches with every kernel argument packed (:class:`Record`), and the run-time step that rewrites
+the data pointers (and the Hopper kernel's tensor maps) before launching (:func:`launch_record`)."""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+from ._arrays import device_pointer, optional_ptr
+from ._checks import check_aligned, dtype_of
+from ._geometry import BLOCK_M, SM90_BLOCK_N, prefill_kernel
+from ._launch import PreparedLaunch
+from ._prefill_args import SM80_ARGS, SM90_ARGS, SM90_MAPS
+from ._select import heads_per_section, sm_count
+from .dims import DV
+from .fp8 import vt_launch, vt_shape
+from .tma import ZERO_MAP, prefill_maps, stride16
+from .validation import Problem
+from .workspace import tile_counter
+
+__all__ = ["SLOTS", "Offsets", "Target", "Record", "pack", "launch_record"]
+
+LOG2E = 1.4426950408889634
+_U64 = struct.Struct("<Q")
+_MAPS_MAX = 1024  # pointer sets whose tensor maps are remembered per layout
+
+#: Argument slots of a run, in this order: the pointers of a run are a list over them.
+SLOTS = ("q", "k", "v", "k_rope", "out", "lse", "k_rope_scales", "q_rope", "q_scale", "k_scales", "workspace")
+Q, K, V, ROPE, OUT, LSE, RSC, QR, QS, KS, WS = range(len(SLOTS))
+
+
+@dataclass(frozen=True)
+class Offsets:
+    """Device pointers of the offset arrays a launch reads, and the arrays they belong to."""
+
+    keep: tuple
+    q_offsets: int
+    kv_begin: int
+    kv_end: int
+    cache_offsets: int
+    q_start: int
+
+
+class Record:
+    """One array layout of a plan: the prepared launches, and what a run rewrites in them (pointer
+    fields as (byte offset, slot, addend); the slots whose pointers key the tensor maps; the slots
+    that must be 16-byte aligned)."""
+
+    __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "vt", "vt_fields", "align", "counter")
+
+    def __init__(self, launch: Optional[PreparedLaunch], ptr_fields, align, map_slots=None, make_maps=None, vt=None,
+                 vt_fields=(), counter=None):
+        self.launch, self.ptr_fields, self.align = launch, ptr_fields, align
+        self.map_slots, self.make_maps, self.maps = map_slots, make_maps, {}
+        self.vt, self.vt_fields = vt, vt_fields
+        self.counter = counter  # Hopper: (byte offset of tile_counter, device), set per stream at launch
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a plan fixes besides its :class:`~mla_cupy.validation.Problem`: the kernel and device,
+    the offsets, ``accumulate``, and a paged rope's table and geometry."""
+
+    kernel: str
+    device_id: int
+    offsets: Offsets
+    accumulate: bool
+    page_table: Any = None
+    page_size: int = 0
+    rope_offset: int = 0
+
+
+def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Record:
+    """Pack the kernel arguments of layout ``p`` with the arrays ``d`` (device arrays in :data:`SLOTS`
+    order) of its first run on stream ``sp``. ``workspace_for(given, shape, sp)`` gives the fp8
+    variant's V^T workspace."""
+    if p.batch == 0 or p.tq == 0 or not p.max_sq:
+        return Record(None, (), ())
+    dev = t.device_id
+    ck = prefill_kernel(t.kernel, p.dtype, p.out_dtype, p.mask, p.paged, p.fp8, p.rope8, dev)
+    nmb = -(-p.max_sq // BLOCK_M)
+    out, lse = d[OUT], d[LSE]
+    oitem = p.out_dtype.itemsize
+    o = t.offsets
+    values: Dict[str, Any] = dict(
+        out=device_pointer(out), lse=optional_ptr(lse), q_offsets=o.q_offsets, kv_begin=o.kv_begin, kv_end=o.kv_end,
+        cache_offsets=o.cache_offsets, q_start_pos=o.q_start, o_st=out.strides[0] // oitem,
+        o_sh=out.strides[1] // oitem, lse_st=0 if lse is None else lse.strides[0] // 4, num_heads=p.heads,
+        heads_per_section=heads_per_section(p, dev), batch=p.batch, num_m_blocks=nmb, scale_log2=p.scale * LOG2E,
+        mask_arg=p.mask.arg, accumulate=int(t.accumulate))
+    rope_add = _rope_args(t, p, d, values)
+    fields = [("out", OUT, 0), ("lse", LSE, 0), ("rope_base", ROPE, rope_add)]
+    align = [i for i in (Q, K, V, OUT) if math.prod(d[i].shape)]
+    if not p.rope8 and math.prod(d[ROPE].shape):
+        align.append(ROPE)
+    if t.kernel == "sm80":
+        item = p.dtype.itemsize
+        q, k, v = d[Q], d[K], d[V]
+        values.update(q=device_pointer(q), k=device_pointer(k), v=device_pointer(v),
+                      q_st=q.strides[0] // item, q_sh=q.strides[1] // item, k_st=k.strides[0] // item,
+                      k_sh=k.strides[1] // item, v_st=v.strides[0] // item, v_sh=v.strides[1] // item)
+        launch = PreparedLaunch(SM80_ARGS, ck.fn, (nmb * p.batch * p.heads, 1, 1), ck.threads, ck.smem, values)
+        fields += [("q", Q, 0), ("k", K, 0), ("v", V, 0)]
+        return Record(launch, _offsets_of(SM80_ARGS, fields), tuple(align))
+    return _sm90_record(t, p, d, ck, values, fields, align, nmb, sp, workspace_for)
+
+
+def _rope_args(t: Target, p: Problem, d: list, values: dict) -> int:
+    """The rope_* parameters into ``values``; returns the byte offset of the rope from its array's pointer."""
+    rope, rs = d[ROPE], d[RSC]
+    item = dtype_of(rope).itemsize
+    if p.paged:
+        lut = t.page_table
+        add = t.rope_offset * item
+        values.update(rope_base=device_pointer(rope) + add, rope_row_stride=int(rope.strides[1]) // item,
+                      rope_block_stride=int(rope.strides[0]) // item, lookup=device_pointer(lut),
+                      lookup_stride=int(lut.strides[0]) // 4, log2_page_size=int(math.log2(t.page_size)),
+                      num_blocks=int(rope.shape[0]), max_pages=int(lut.shape[1]))
+        if rs is not None:  # the rope's scale of slot 0
+            values.update(rope_scales=device_pointer(rs) + 4 * (t.rope_offset // 64),
+                          rope_scale_row_stride=int(rs.strides[1]) // 4, rope_scale_block_stride=int(rs.strides[0]) // 4)
+        return add
+    values.update(rope_base=device_pointer(rope), rope_row_stride=int(rope.strides[0]) // item, rope_block_stride=0,
+                  lookup=0, lookup_stride=0, log2_page_size=0, num_blocks=0, max_pages=0)
+    if rs is not None:
+        values.update(rope_scales=device_pointer(rs), rope_scale_row_stride=int(rs.strides[0]) // 4,
+                      rope_scale_block_stride=0)
+    return 0
+
+
+def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list, align: list, nmb: int, sp: int,
+                 workspace_for: Callable) -> Record:
+    q, k, v, rope = d[Q], d[K], d[V], d[ROPE]
+    values.setdefault("rope_scales", 0)
+    values.setdefault("rope_scale_row_stride", 0)
+    values.setdefault("rope_scale_block_stride", 0)
+    if d[RSC] is not None:
+        fields.append(("rope_scales", RSC, 4 * (t.rope_offset // 64) if p.paged else 0))
+    q_st = (stride16(q, 1), stride16(q, 0))
+    k_st = (stride16(k, 1), stride16(k, 0))
+    v_st = (stride16(v, 1), stride16(v, 0))
+    vt = None
+    vt_fields: tuple = ()
+    v_slot = V
+    fp8_st = None
+    values.update(q_scale=0, q_scale_stride=0)
+    if p.fp8:
+        qr, qs = d[QR], d[QS]
+        fp8_st = (stride16(qr, 1), stride16(qr, 0))
+        values.update(q_scale=device_pointer(qs), q_scale_stride=int(qs.strides[0]) // 4)
+        fields.append(("q_scale", QS, 0))
+        if math.prod(qr.shape):
+            align.append(QR)
+        if p.tk:
+            align += [KS, WS]
+        shape = vt_shape(p.heads, p.tk, p.batch)
+        ws = workspace_for(d[WS], shape, sp)
+        cols = shape[2]
+        v_st = (cols, DV * cols)
+        v_slot = WS
+        if p.tk:
+            vt = vt_launch(v, t.offsets.kv_begin, t.offsets.kv_end, p.batch, ws.reshape(-1)[:math.prod(shape)]
+                           .reshape(shape), t.device_id)
+            vt_fields = _offsets_of(vt.pack, [("v", V, 0), ("vt", WS, 0)])
+    heads, tq, tk, dtype = p.heads, p.tq, p.tk, p.dtype
+    paged, rope8 = p.paged, p.rope8
+    rope_geom = None
+    if not rope8:
+        if paged:
+            item = dtype.itemsize
+            rope_geom = (t.rope_offset * item, int(rope.strides[1]), int(rope.strides[0]), t.page_size,
+                         int(rope.shape[0]))
+        else:
+            rope_geom = (stride16(rope, 0),)
+
+    def make_maps(mk: tuple):
+        qp, kp, vp, rp, op, qrp, ksp = mk
+        if not tk:  # no keys: nothing is read through K, V or the rope; a map of a null buffer is refused
+            kp = vp = rp = ksp = op
+        if rope8:
+            rmap: tuple = (0,)
+        elif paged:
+            rmap = (rp + rope_geom[0],) + rope_geom[1:]
+        else:
+            rmap = (rp, rope_geom[0])
+        f8 = (qrp, fp8_st, ksp) if fp8_st is not None else None
+        return prefill_maps(dtype, heads, tq, tk, (qp, q_st), (kp, k_st), (vp, v_st), rmap, f8, SM90_BLOCK_N)
+
+    values.update({n: ZERO_MAP for n in SM90_MAPS},
+                  rope_box_rows=0, tile_counter=0)
+    grid = min(nmb * p.batch * p.heads, sm_count(t.device_id))  # persistent: at most one CTA per SM
+    launch = PreparedLaunch(SM90_ARGS, ck.fn, (grid, 1, 1), ck.threads, ck.smem, values)
+    return Record(launch, _offsets_of(SM90_ARGS, fields), tuple(align),
+                   map_slots=(Q, K, v_slot, ROPE, OUT, QR, KS), make_maps=make_maps, vt=vt, vt_fields=vt_fields,
+                   counter=(SM90_ARGS.offsets["tile_counter"], t.device_id))
+
+
+def _offsets_of(pack, fields) -> tuple:
+    return tuple((pack.offsets[name], slot, add) for name, slot, add in fields)
+
+
+def launch_record(rec: Record, ptrs: List[int], sp: int) -> None:
+    """Check the pointers' alignment, rewrite them (and the tensor maps they key) into the record's
+    launches, and launch on stream ``sp``. One thread at a time per record."""
+    acc = 0
+    for i in rec.align:
+        acc |= ptrs[i]
+    if acc & 15:
+        for i in rec.align:
+            check_aligned(ptrs[i], SLOTS[i])
+    if rec.launch is None:
+        return
+    launch = rec.launch
+    mem = launch._mem
+    for off, i, add in rec.ptr_fields:
+        _U64.pack_into(mem, off, ptrs[i] + add)
+    if rec.map_slots is not None:
+        mk = tuple([ptrs[i] for i in rec.map_slots])
+        maps = rec.maps.get(mk)
+        if maps is None:
+            maps = _new_maps(rec, mk)
+        launch.set_bytes(SM90_MAPS[0], maps)
+    if rec.counter is not None:
+        _U64.pack_into(mem, rec.counter[0], tile_counter(rec.counter[1], sp))
+    if rec.vt is not None:
+        vmem = rec.vt._mem
+        for off, i, add in rec.vt_fields:
+            _U64.pack_into(vmem, off, ptrs[i] + add)
+        rec.vt.launch(sp)
+    launch.launch(sp)
+
+
+def _new_maps(rec: Record, mk: tuple) -> bytes:
+    maps, box_rows = rec.make_maps(mk)
+    data = b"".join(m.tobytes() for m in maps)
+    if len(rec.maps) >= _MAPS_MAX:
+        rec.maps.clear()
+    rec.maps[mk] = data
+    rec.launch._buf[0]["rope_box_rows"] = box_rows
+    return data

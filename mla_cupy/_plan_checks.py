@@ -1,0 +1,178 @@
+"""The checks of a plan: of its layout when it is built (:func:`check_plan_args`), and of a run's
+arrays against it the first time a run sees their layout (:func:`check_run`). Both use the checks
+of :mod:`mla_cupy.validation`, in the same three steps (metadata and values, then the device,
+then the layout)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import numpy as np
+
+from ._arrays import BF16, FP32, checkable, to_host
+from ._checks import OFFSET_DTYPES, check_array, check_layout, check_shape, dtype_of
+from ._packing import KS, LSE, OUT, Q, QR, QS, ROPE, RSC, SLOTS, V, WS, K, Target
+from ._select import check_kernel_name
+from .fp8 import check_fp8_arrays, check_fp8_layout
+from .paged import PagedKVCache, check_page_geometry
+from .validation import (DEVICE_DTYPES, Problem, check_accumulate, check_grid, check_lse_and_accumulate,
+                         check_lse_layout, check_offset_values, check_offsets, check_out, check_out_dtype,
+                         check_paged_table, check_positions, check_qkv, check_rope, check_rope_layout,
+                         check_same_device, check_scalars, require_devices, rope_arrays)
+
+__all__ = ["PlanArgs", "RunBounds", "check_plan_args", "check_run"]
+
+
+@dataclass(frozen=True)
+class RunBounds:
+    """What a plan knows of its layout on the host, for checking runs without reading the device:
+    Tq and the keys used (None when the offsets were not read), the page table, key positions and
+    key counts (paged plans with ``validate``)."""
+
+    kv_total: Optional[int] = None
+    table: Optional[np.ndarray] = None
+    cache_offsets: Optional[np.ndarray] = None
+    kv_sizes: Optional[np.ndarray] = None
+
+
+@dataclass(frozen=True)
+class PlanArgs:
+    """A checked plan layout: the problem (Tk = -1; Tq = -1 when unknown), what the host knows of
+    it, and the offset arguments as the checks read them (device or host arrays)."""
+
+    problem: Problem
+    bounds: RunBounds
+    valid_length: Any
+    cache_row_offsets: Any
+    cache_offsets: Any
+    q_start_pos: Any
+    page_table: Any
+
+
+def check_plan_args(valid_length, cache_row_offsets, *, num_heads, dtype, mask, scale, q_max_seq_len, kernel,
+                    cache_offsets, q_start_pos, page_table, page_size, rope_offset, fp8, fp8_rope, out_dtype,
+                    return_lse, accumulate, validate) -> PlanArgs:
+    """Every argument of :func:`mla_cupy.plan`, in argument order; offsets on the host or the device."""
+    d_vl, d_cro = checkable(valid_length, "valid_length"), checkable(cache_row_offsets, "cache_row_offsets")
+    d_co = None if cache_offsets is None else checkable(cache_offsets, "cache_offsets")
+    d_qs = None if q_start_pos is None else checkable(q_start_pos, "q_start_pos")
+    d_lut = None if page_table is None else checkable(page_table, "page_table")
+    batch = check_offsets(d_vl, d_cro)
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
+    dt = _dtype_arg(dtype)
+    allowed = (BF16,) if fp8 or fp8_rope else DEVICE_DTYPES
+    if dt not in allowed:
+        what = " (fp8 plans take bfloat16 for their 16-bit parts)" if fp8 or fp8_rope else ""
+        raise TypeError(f"dtype: expected {' or '.join(d.name for d in allowed)}{what}, got {dt.name}")
+    scale, mask = check_scalars(scale, mask, q_max_seq_len)
+    check_kernel_name(kernel)
+    if (fp8 or fp8_rope) and kernel == "sm80":
+        raise ValueError("kernel: the fp8 variants run on the Hopper kernel only (kernel='auto' or 'sm90'), got 'sm80'")
+    if fp8 and fp8_rope:
+        raise ValueError("fp8_rope: the fp8 per-token variant keeps a bfloat16 rope; pass fp8=True or fp8_rope=True")
+    check_positions(d_co, d_qs, batch)
+    paged = d_lut is not None
+    if paged:
+        check_array(d_lut, "page_table", 2, OFFSET_DTYPES)
+        if d_lut.shape[0] != batch:
+            raise ValueError(f"page_table: expected {batch} rows (B), got {d_lut.shape[0]}")
+        check_page_geometry(page_size, rope_offset)
+    elif page_size is not None:
+        raise ValueError("page_size: only a paged plan (page_table=...) has a page size")
+    out_dtype = check_out_dtype(None, out_dtype, dt, device=True)
+    check_accumulate(accumulate)
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    if accumulate and out_dtype != FP32:
+        raise TypeError(f"accumulate: out must be float32 (partial results are merged in float32), got {out_dtype.name}")
+
+    max_sq = None if q_max_seq_len is None else int(q_max_seq_len)
+    tq, kv_total, lut_h, co_h, sk_h = -1, None, None, None, None
+    if validate or max_sq is None:
+        observed, vl_h, cro_h, co_h = check_offset_values(d_vl, d_cro, d_co, tq=None, tk=None, q_max_seq_len=max_sq,
+                                                          validate=validate)
+        tq, kv_total, sk_h = int(vl_h[-1]) if batch else 0, int(cro_h[-1]), np.diff(cro_h)
+        if paged:
+            lut_h = to_host(d_lut).astype(np.int64)
+            if validate:
+                check_paged_table(lut_h, page_size, None, co_h, sk_h, name="page_table")
+        if max_sq is None:
+            max_sq = observed
+    check_grid(max_sq, batch, num_heads)
+    layout = Problem(batch, int(num_heads), tq, -1, dt, out_dtype, mask, scale, max_sq, paged, bool(fp8), bool(fp8_rope))
+    bounds = RunBounds(kv_total, lut_h if validate else None, co_h, sk_h)
+    return PlanArgs(layout, bounds, d_vl, d_cro, d_co, d_qs, d_lut)
+
+
+
+def check_run(p: Problem, t: Target, bounds: RunBounds, d: list) -> Problem:
+    """The arrays ``d`` of a run (in :data:`~mla_cupy._packing.SLOTS` order, as
+    :func:`~mla_cupy._arrays.checkable` gives them) against the plan's problem ``p``, in argument
+    order, then on the device. Returns the problem of the run (its Tq and Tk)."""
+    if p.fp8:
+        tq, heads, tk = check_fp8_arrays(d[Q], d[QR], d[QS], d[K], d[KS], d[V])
+        dtype = BF16
+        qname = "q_nope"
+    else:
+        tq, heads, tk, dtype = check_qkv(d[Q], d[K], d[V], device=True)
+        qname = "q"
+    if heads != p.heads:
+        raise ValueError(f"{qname}: expected H = {p.heads} heads (the plan's num_heads), got shape {list(d[Q].shape)}")
+    if dtype != p.dtype:
+        raise TypeError(f"{qname}: expected dtype {p.dtype.name} (the plan's dtype), got {dtype.name}")
+    if p.tq >= 0 and tq != p.tq:
+        raise ValueError(f"{qname}: expected Tq = {p.tq} rows (valid_length[-1] of the plan), got shape "
+                         f"{list(d[Q].shape)}")
+    if bounds.kv_total is not None and tk < bounds.kv_total:
+        raise ValueError(f"k: expected at least {bounds.kv_total} rows (cache_row_offsets[-1] of the plan), got shape "
+                         f"{list(d[K].shape)}")
+    rope = _rope_view(p, t, d[ROPE], d[RSC])
+    rope8 = check_rope(rope, d[RSC], tk, dtype, device=True, fp8=p.fp8)
+    if rope8 != p.rope8:
+        raise TypeError(f"k_rope: the plan was built for {'an fp8' if p.rope8 else 'a 16-bit'} rope (fp8_rope="
+                        f"{p.rope8}), got dtype {dtype_of(rope.blocks if p.paged else rope).name}")
+    check_out(d[OUT], p.out_dtype, tq, heads)
+    run_p = replace(p, tq=tq, tk=tk)
+    check_lse_and_accumulate(run_p, d[OUT], d[LSE], t.accumulate)
+    if p.paged and bounds.table is not None:
+        check_paged_table(bounds.table, t.page_size, int(rope.blocks.shape[0]), bounds.cache_offsets, bounds.kv_sizes)
+    named = [(qname, d[Q])]
+    named += [("q_rope", d[QR]), ("q_scale", d[QS]), ("k", d[K]), ("k_scales", d[KS])] if p.fp8 else [("k", d[K])]
+    named += [("v", d[V])] + [(n, x) for n, x in rope_arrays(rope, d[RSC]) if n != "k_rope.lookup_table"]
+    named += [("out", d[OUT]), ("lse", d[LSE]), ("workspace", d[WS])]
+    require_devices(named)
+    if p.fp8:
+        check_fp8_layout(d[Q], d[QR], d[K], d[KS], d[V])
+    else:
+        for i in (Q, K, V):
+            check_layout(d[i], SLOTS[i])
+    check_rope_layout(rope)
+    if d[OUT] is not None:
+        check_layout(d[OUT], "out")
+    check_lse_layout(d[LSE], heads)
+    check_same_device([x for _, x in named] + [t.page_table])
+    return run_p
+
+
+def _rope_view(p: Problem, t: Target, k_rope, scales):
+    """A paged plan's blocks as the PagedKVCache the checks read; a plain rope as it is."""
+    if not p.paged:
+        if isinstance(k_rope, PagedKVCache):
+            raise TypeError("k_rope: this plan is for a plain [Tk, 1, 64] rope, got a PagedKVCache")
+        return k_rope
+    check_array(k_rope, "k_rope.blocks", 4)
+    check_shape(k_rope, "k_rope.blocks", (None, t.page_size, 1, None),
+                f"[num_blocks, page_size, 1, Dc] with the plan's page_size = {t.page_size}")
+    return PagedKVCache(k_rope, t.page_table, t.page_size, t.rope_offset, scales)
+
+
+def _dtype_arg(dtype) -> np.dtype:
+    """A NumPy dtype from a NumPy / ml_dtypes dtype, its name, or a torch dtype."""
+    if type(dtype).__module__.startswith("torch"):
+        name = str(dtype).replace("torch.", "")
+        dtype = BF16 if name == "bfloat16" else name
+    try:
+        return np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"dtype: expected a dtype (bfloat16 or float16), got {dtype!r}") from exc

@@ -1,0 +1,79 @@
+"""Kernel choice: which prefill kernel runs on this device, and the Hopper kernel's L2 grouping of
+heads (``heads_per_section``)."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Tuple
+
+from .dims import DV
+
+__all__ = ["KERNELS", "choose_kernel", "heads_per_section", "sm_count", "device_id"]
+
+KERNELS = ("auto", "sm80", "sm90")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(dev: int) -> str:
+    import cupy
+
+    return cupy.cuda.Device(dev).compute_capability
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_and_l2(dev: int) -> Tuple[int, int]:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(dev)
+    return int(props["multiProcessorCount"]), int(props.get("l2CacheSize", 50 << 20))
+
+
+def sm_count(dev: int) -> int:
+    """Streaming multiprocessors of device ``dev``."""
+    return _sm_count_and_l2(dev)[0]
+
+
+def device_id() -> int:
+    """The current CUDA device."""
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+def check_kernel_name(kernel: str) -> None:
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+
+
+def choose_kernel(kernel: str, paged: bool, device_id: Optional[int] = None) -> str:
+    """``'sm90'`` (the Hopper TMA + wgmma kernel) on compute capability 9.0, else ``'sm80'`` (the
+    portable mma.sync kernel). ``kernel`` forces one; the environment variable
+    ``MLA_CUPY_DISABLE_SM90=1`` makes ``"auto"`` pick the portable kernel. ``paged`` does not change
+    the choice (both kernels read a 16-bit PagedKVCache); the fp8 variants need ``'sm90'`` and the
+    plan refuses anything else."""
+    check_kernel_name(kernel)
+    if device_id is None:
+        import cupy
+
+        device_id = cupy.cuda.runtime.getDevice()
+    hopper = _capability(device_id) == "90"
+    if kernel == "sm90":
+        if not hopper:
+            raise ValueError(f"kernel: 'sm90' needs a compute capability 9.0 GPU, this one is {_capability(device_id)}")
+        return "sm90"
+    if kernel == "sm80":
+        return "sm80"
+    return "sm90" if hopper and not os.environ.get("MLA_CUPY_DISABLE_SM90") else "sm80"
+
+
+def heads_per_section(p, device_id: int) -> int:
+    """Heads whose keys and values together fill about half the L2 for one sequence, a quarter for
+    a batch (see kernels/tile_scheduler.cuh): the tiles of one section run together, so each head's
+    K/V is read from DRAM about once. One causal sequence's tiles in flight read nested prefixes of
+    its keys (the short ones stay hot); a batch's read every sequence's keys whole, and smaller
+    sections measured faster there (16 x 512: 7%), larger ones for one sequence (H = 16, 1 x 8192:
+    6%). ``p`` is the checked :class:`~mla_cupy.validation.Problem`."""
+    kv_bytes_per_head = max(1, p.tk) * 2 * DV * (1 if p.fp8 else p.dtype.itemsize)
+    budget = _sm_count_and_l2(device_id)[1] // (2 if p.batch == 1 else 4)
+    g = max(1, min(p.heads, budget // kv_bytes_per_head))
+    return -(-p.heads // -(-p.heads // g))  # the same number of heads in every section, or one fewer

@@ -1,0 +1,442 @@
+"""Plan once, run per layer: the prefill of one batch layout, prepared for repeated launches.
+
+A :class:`PrefillPlan` is built by :func:`plan` from a batch's layout (offsets, positions, mask,
+heads, dtype, kernel choice) and checked then. :meth:`PrefillPlan.run` launches it on a layer's
+q, k, v and rope: the first run with a given set of array shapes, strides and dtypes checks those
+arrays against the plan and packs the kernel's arguments; every later run with the same layout
+only rewrites the data pointers (and, on Hopper, looks up the tensor maps of those pointers) and
+launches. A run copies nothing to or from the host and, with ``out=`` (and ``lse=`` where the
+plan returns it) given, allocates nothing: it can be captured in a CUDA graph. The fp8 plan owns
+the V^T workspace its pre-pass writes (or takes ``workspace=``).
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ._arrays import (FP32, as_device, checkable, cupy_or_none, device_pointer, is_device, is_torch, optional_ptr,
+                      result_wrapper)
+from ._checks import check_offsets_layout, dtype_of
+from ._packing import LSE, OUT, Q, SLOTS, WS, Offsets, Record, Target, launch_record, pack
+from ._plan_checks import RunBounds, check_plan_args, check_run
+from ._select import choose_kernel
+from .dims import DV
+from .masks import Mask
+from .paged import PagedKVCache
+from .validation import Problem, check_same_device
+from .workspace import allocate_workspace, check_workspace, empty_result
+
+__all__ = ["plan", "PrefillPlan"]
+
+_RECORDS_MAX = 256  # array layouts remembered per plan
+
+
+def _layout_key(x) -> Optional[tuple]:
+    """The layout key of any array (what a run reads of CuPy arrays and torch tensors directly)."""
+    if x is None or not hasattr(x, "shape"):
+        return None if x is None else (type(x), id(x))
+    return type(x), tuple(int(n) for n in x.shape), tuple(int(n) for n in getattr(x, "strides", ())), str(x.dtype)
+
+
+def _pointer_or_zero(x) -> int:
+    """The device pointer of a device array; 0 for None and host arrays (their run is refused by
+    the checks of its first use)."""
+    try:
+        return device_pointer(x) if x is not None and is_device(x) else 0
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return 0
+
+
+def _stream_ptr(stream, torch_in: bool) -> int:
+    """The raw cudaStream_t of the ``stream=`` argument (default: CuPy's current stream, or
+    torch's for torch inputs)."""
+    if stream is None:
+        if torch_in:
+            import torch
+
+            return int(torch.cuda.current_stream().cuda_stream)
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    ptr = getattr(stream, "ptr", None)
+    if isinstance(ptr, int):
+        return ptr
+    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        return int(stream.cuda_stream)
+    raise TypeError(f"stream: expected a cupy.cuda.Stream, a torch.cuda.Stream or a raw cudaStream_t int, got "
+                    f"{type(stream).__name__}")
+
+
+def _q_start_i64(q_start_pos):
+    """The kernels read int64 positions: an int32 array is widened (a B-element copy, at plan time)."""
+    if q_start_pos is None or dtype_of(q_start_pos) == np.int64:
+        return q_start_pos
+    import cupy
+
+    return cupy.asarray(q_start_pos).astype(cupy.int64)
+
+
+def _require_gpu() -> None:
+    cp = cupy_or_none()
+    count = 0
+    if cp is not None:
+        try:
+            count = cp.cuda.runtime.getDeviceCount()
+        except Exception:  # no driver, or no device
+            count = 0
+    if not count:
+        raise RuntimeError("plan: needs a CUDA GPU and CuPy (pip install mla_cupy[cuda12] or [cuda13]); on a CPU use "
+                           "mla_cupy.reference.mla_prefill")
+
+
+def _upload(x, name: str):
+    """An offsets argument on the device: device arrays in place, host arrays (NumPy, torch CPU) copied."""
+    if x is None:
+        return None
+    import cupy
+
+    if isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(np.ascontiguousarray(x))
+    x = as_device(x, name)
+    check_offsets_layout(x, name) if len(x.shape) == 1 else None
+    return x
+
+
+class PrefillPlan:
+    """The prefill of one batch layout, built by :func:`plan`; run it with :meth:`run` (or, for an
+    fp8 plan, :meth:`run_fp8`) once per layer.
+
+    Attributes
+    ----------
+    batch, num_heads : int
+    dtype, out_dtype : numpy.dtype
+        16-bit dtype of q / k / v (of the rope parts for an fp8 plan) and of the result.
+    mask : Mask
+    scale : float
+    q_max_seq_len : int
+        The grid's bound on any sequence's query count.
+    num_queries : int or None
+        Tq (``valid_length[-1]``) when the offsets were read at plan time.
+    kernel : str
+        ``'sm80'`` or ``'sm90'``, the kernel every run launches.
+    paged, fp8, fp8_rope, return_lse, accumulate : bool
+
+    Notes
+    -----
+    A plan keeps references to its offset arrays and reads them at every launch: change their
+    contents only for a layout with the same maximum query count and still valid for the plan.
+    Runs of one plan may come from several threads; runs that can overlap on different streams
+    must not share the plan's own V^T workspace (pass ``workspace=`` to each).
+    """
+
+    def __init__(self, layout: Problem, target: Target, *, return_lse: bool, bounds: RunBounds = RunBounds()):
+        self._p = layout
+        self._t = target
+        self._bounds = bounds
+        self.kernel = target.kernel
+        self.accumulate = bool(target.accumulate)
+        self.return_lse = bool(return_lse)
+        self.page_size, self.rope_offset = target.page_size, target.rope_offset
+        self._records: Dict[tuple, Record] = {}
+        self._lock = threading.Lock()
+        self._workspace = None
+        cp = cupy_or_none()
+        self._cp_nd = cp.ndarray if cp is not None else None
+        self._current_stream = cp.cuda.get_current_stream if cp is not None else None
+
+    # -- what the plan is -----------------------------------------------------------------------
+    batch = property(lambda self: self._p.batch)
+    num_heads = property(lambda self: self._p.heads)
+    dtype = property(lambda self: self._p.dtype)
+    out_dtype = property(lambda self: self._p.out_dtype)
+    mask = property(lambda self: self._p.mask)
+    scale = property(lambda self: self._p.scale)
+    q_max_seq_len = property(lambda self: self._p.max_sq)
+    num_queries = property(lambda self: self._p.tq if self._p.tq >= 0 else None)
+    paged = property(lambda self: self._p.paged)
+    fp8 = property(lambda self: self._p.fp8)
+    fp8_rope = property(lambda self: self._p.rope8)
+
+    @property
+    def workspace(self):
+        """The V^T workspace this fp8 plan owns (None before its first run without ``workspace=``)."""
+        return self._workspace
+
+    def __repr__(self) -> str:
+        p = self._p
+        return (f"PrefillPlan(batch={p.batch}, num_heads={p.heads}, dtype={p.dtype.name}, out_dtype={p.out_dtype.name}, "
+                f"mask={p.mask!r}, q_max_seq_len={p.max_sq}, kernel={self.kernel!r}, paged={p.paged}, fp8={p.fp8}, "
+                f"fp8_rope={p.rope8})")
+
+    # -- runs -------------------------------------------------------------------------------------
+    def run(self, q, k, v, k_rope, *, k_rope_scales=None, out=None, lse=None, stream=None):
+        """The prefill of one layer with this plan's layout.
+
+        Parameters
+        ----------
+        q : ``[Tq, H, 192]`` device array of the plan's dtype
+        k, v : ``[Tk, H, 128]``, same dtype
+        k_rope : ``[Tk, 1, 64]`` array, or for a paged plan the cache blocks ``[num_blocks,
+            page_size, 1, Dc]`` (or a :class:`PagedKVCache` over them with the plan's page table)
+        k_rope_scales : float32 device array, optional
+            For an fp8-rope plan: ``[Tk, 1, 1]``, or for a paged one ``[num_blocks, page_size, 1,
+            Dc / 64]`` (a :class:`PagedKVCache` brings its ``scales``).
+        out : ``[Tq, H, 128]`` device array of the plan's ``out_dtype``, optional
+        lse : ``[Tq, H]`` float32 device array, optional
+        stream : cupy / torch stream or raw ``cudaStream_t`` int, optional
+
+        Returns
+        -------
+        out, and ``lse`` when the plan was built with ``return_lse=True``. ``out`` / ``lse`` are the
+        arrays passed, or new ones of the kind of ``q`` (torch in, torch out).
+        """
+        if self._p.fp8:
+            raise TypeError("run: this plan is for fp8 inputs; call plan.run_fp8(q_nope, q_rope, q_scale, k, k_scales, v, "
+                            "k_rope, ...)")
+        if type(k_rope) is PagedKVCache:
+            if k_rope_scales is None:
+                k_rope_scales = k_rope.scales
+            self._check_cache_matches(k_rope)
+            k_rope = k_rope.blocks
+        return self._run((q, k, v, k_rope, out, lse, k_rope_scales, None, None, None, None), stream)
+
+    def run_fp8(self, q_nope, q_rope, q_scale, k, k_scales, v, k_rope, *, out=None, lse=None, stream=None,
+                workspace=None):
+        """The prefill of one layer of fp8 per-token inputs with this (fp8) plan's layout; the
+        arrays are those of :func:`mla_cupy.mla_prefill_fp8`. ``workspace`` (a contiguous uint8
+        device array of at least ``prod(fp8.vt_shape(H, Tk, B))`` bytes) receives V^T; without it
+        the plan's own workspace does, allocated by the first run (and again only by a run with
+        more keys than any before). Returns ``out`` (and ``lse`` with ``return_lse``)."""
+        if not self._p.fp8:
+            raise TypeError("run_fp8: this plan is for 16-bit inputs; call plan.run(q, k, v, k_rope, ...)")
+        from .fp8 import fp8_bytes
+
+        q_nope, k, v = fp8_bytes(q_nope, "q_nope"), fp8_bytes(k, "k"), fp8_bytes(v, "v")
+        if type(k_rope) is PagedKVCache:
+            self._check_cache_matches(k_rope)
+            k_rope = k_rope.blocks
+        return self._run((q_nope, k, v, k_rope, out, lse, None, q_rope, q_scale, k_scales, workspace), stream)
+
+    def _check_cache_matches(self, cache: PagedKVCache) -> None:
+        if not self._p.paged:
+            raise TypeError("k_rope: this plan is for a plain [Tk, 1, 64] rope, got a PagedKVCache")
+        if cache.page_size != self.page_size or cache.rope_offset != self.rope_offset:
+            raise ValueError(f"k_rope: page_size {cache.page_size} / rope_offset {cache.rope_offset} differ from the "
+                             f"plan's {self.page_size} / {self.rope_offset}")
+        table = self._t.page_table
+        if cache.lookup_table is not table and device_pointer(as_device(cache.lookup_table, "k_rope.lookup_table")) \
+                != device_pointer(table):
+            raise ValueError("k_rope.lookup_table: a paged plan reads the page table it was built with; pass the cache "
+                             "blocks (or a PagedKVCache over that table)")
+
+    def _run(self, a: tuple, stream):
+        torch_in = is_torch(a[Q])
+        out, lse = a[OUT], a[LSE]
+        if out is None or (lse is None and self.return_lse):
+            check_run(self._p, self._t, self._bounds, [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)])
+            a, out, lse = self._allocate(a, torch_in)
+        # (data pointer, layout key) of every argument, read without converting it
+        cp_nd = self._cp_nd
+        ptrs, keys = [], []
+        for x in a:
+            if x is None:
+                ptrs.append(0)
+                keys.append(None)
+                continue
+            t = type(x)
+            if t is cp_nd:
+                d = x.data
+                ptrs.append(d.ptr)
+                keys.append((x.shape, x.strides, x.dtype, d.device_id))
+            elif t.__module__.startswith("torch"):
+                ptrs.append(x.data_ptr())
+                keys.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
+            else:  # another kind of array (e.g. a Numba device array)
+                ptrs = [_pointer_or_zero(y) for y in a]
+                keys = [_layout_key(y) for y in a]
+                break
+        key = tuple(keys)
+        rec = self._records.get(key)
+        if rec is None:
+            d = [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)]
+            run_p = check_run(self._p, self._t, self._bounds, d)  # device arrays from here on
+            sp = _stream_ptr(stream, torch_in)
+            rec = self._remember(key, self._record(run_p, d, sp))
+        elif stream is None and not torch_in:
+            sp = self._current_stream().ptr
+        else:
+            sp = _stream_ptr(stream, torch_in)
+        if self._p.fp8 and a[WS] is None:
+            ptrs[WS] = self._workspace.data.ptr if self._workspace is not None else 0
+        self._launch(rec, ptrs, sp)
+        return (out, lse) if self.return_lse else out
+
+    def _allocate(self, a: tuple, torch_in: bool):
+        p = self._p
+        q = a[Q]
+        tq = int(q.shape[0])
+        like = q if torch_in else None
+        out, lse = a[OUT], a[LSE]
+        wrap = result_wrapper(q)
+        if out is None:
+            out = wrap(empty_result((tq, p.heads, DV), p.out_dtype, like))
+        if lse is None and self.return_lse:
+            lse = wrap(empty_result((tq, p.heads), FP32, like, "lse"))
+        a = a[:OUT] + (out, lse) + a[LSE + 1:]
+        return a, out, lse
+
+    def _launch(self, rec: Record, ptrs: List[int], sp: int) -> None:
+        with self._lock:
+            launch_record(rec, ptrs, sp)
+
+    # -- the first run of a layout: checks and packing --------------------------------------------
+    def _record(self, p: Problem, d: list, sp: int) -> Record:
+        return pack(self._t, p, d, sp, self._workspace_for)
+
+    def _remember(self, key: tuple, rec: Record) -> Record:
+        with self._lock:
+            if len(self._records) >= _RECORDS_MAX:
+                self._records.clear()
+            self._records[key] = rec
+        return rec
+
+    def _workspace_for(self, given, shape, sp: int):
+        """The V^T workspace of a run: the caller's (checked), or the plan's own, grown to ``shape``
+        (allocated on the run's stream)."""
+        if given is not None:
+            return check_workspace(given, shape)
+        need = math.prod(shape)
+        if self._workspace is None or self._workspace.size < need:
+            import cupy
+
+            with cupy.cuda.ExternalStream(sp):
+                self._workspace = allocate_workspace((max(need, 1),))
+        return self._workspace
+
+
+def plan(
+    valid_length, cache_row_offsets, *, num_heads: int, dtype, mask: Optional[Mask] = None,
+    scale: Optional[float] = None, q_max_seq_len: Optional[int] = None, kernel: str = "auto", cache_offsets=None,
+    q_start_pos=None, page_table=None, page_size: Optional[int] = None, rope_offset: int = 512, fp8: bool = False,
+    fp8_rope: bool = False, out_dtype=None, return_lse: bool = False, accumulate: bool = False, validate: bool = True,
+) -> PrefillPlan:
+    """Build the prefill plan of one batch layout, to run once per layer (:meth:`PrefillPlan.run`).
+
+    Parameters
+    ----------
+    valid_length : ``[B + 1]`` int32/uint32 array
+        Row offsets of each sequence's queries, as in :func:`mla_cupy.mla_prefill`. A device array
+        is read in place (keep it alive and unchanged); a host array (NumPy, torch CPU) is copied
+        to the device.
+    cache_row_offsets : ``[B + 1]`` int32/uint32 array
+        Row offsets of each sequence's keys in k / v (and a plain k_rope); host or device.
+    num_heads : int
+        H, the heads of q, k, v.
+    dtype : bfloat16 or float16 (NumPy / ml_dtypes dtype, or a torch dtype)
+        Dtype of q, k, v (of q_rope and k_rope for an fp8 plan: bfloat16).
+    mask, scale : optional
+        As in :func:`mla_cupy.mla_prefill` (default causal, ``1 / sqrt(192)``).
+    q_max_seq_len : int, optional
+        Upper bound on any sequence's query count (sizes the grid). Default: read from the offsets.
+        With ``validate=False`` and ``q_max_seq_len`` given, building the plan reads nothing back
+        from the device.
+    kernel : {"auto", "sm80", "sm90"}
+        As in :func:`mla_cupy.mla_prefill`; resolved here (``plan.kernel``).
+    cache_offsets, q_start_pos : ``[B]`` arrays, optional
+        Absolute positions of each sequence's first key / query, as in :func:`mla_cupy.mla_prefill`
+        (host or device; an int32 ``q_start_pos`` is widened once here).
+    page_table : ``[B, max_pages]`` int32/uint32 array, optional
+        A paged rope's block ids (``PagedKVCache.lookup_table``): the plan is then paged and each
+        run takes the cache blocks as ``k_rope``. Host or device.
+    page_size : int
+        Keys per page of a paged cache (a power of two from 16 to 512); with ``page_table`` only.
+    rope_offset : int
+        Column of the rope in a paged cache row (default 512).
+    fp8 : bool
+        Plan the fp8 per-token variant (:meth:`PrefillPlan.run_fp8`, Hopper only).
+    fp8_rope : bool
+        Plan for an fp8 (e4m3) rope with float32 scales (``k_rope_scales`` /
+        ``PagedKVCache.scales``) and bfloat16 q, k, v (Hopper only).
+    out_dtype : dtype, optional
+        ``dtype`` (default) or float32.
+    return_lse : bool
+        Runs return ``(out, lse)`` (lse allocated unless ``lse=`` is given).
+    accumulate : bool
+        Runs merge into ``out`` (float32) and ``lse`` in place, as in :func:`mla_cupy.mla_prefill`.
+    validate : bool
+        Check the offsets' values, and the page table's block ids, on the host.
+
+    Returns
+    -------
+    PrefillPlan
+
+    Notes
+    -----
+    Every check of the layout runs here, before the plan needs a GPU: a CPU machine hears about a
+    bad layout (decreasing offsets, a negative scale, a page table too narrow...) exactly as a GPU
+    one does. The arrays of a run are checked against the plan the first time a run sees their
+    layout.
+    """
+    args = check_plan_args(valid_length, cache_row_offsets, num_heads=num_heads, dtype=dtype, mask=mask, scale=scale,
+                           q_max_seq_len=q_max_seq_len, kernel=kernel, cache_offsets=cache_offsets,
+                           q_start_pos=q_start_pos, page_table=page_table, page_size=page_size, rope_offset=rope_offset,
+                           fp8=fp8, fp8_rope=fp8_rope, out_dtype=out_dtype, return_lse=return_lse,
+                           accumulate=accumulate, validate=validate)
+    layout = args.problem
+    _require_gpu()
+    from ._select import device_id
+
+    dev = device_id()
+    vl, cro = _upload(args.valid_length, "valid_length"), _upload(args.cache_row_offsets, "cache_row_offsets")
+    co, qs = _upload(args.cache_offsets, "cache_offsets"), _q_start_i64(_upload(args.q_start_pos, "q_start_pos"))
+    lut = _upload(args.page_table, "page_table") if layout.paged else None
+    if lut is not None and lut.shape[1] > 1 and int(lut.strides[1]) != dtype_of(lut).itemsize:
+        raise ValueError(f"page_table: the last dimension must be contiguous, got strides {tuple(lut.strides)}")
+    check_same_device([vl, cro, co, qs, lut])
+    chosen = _kernel_for(layout, kernel, dev)
+    cro_ptr = device_pointer(cro)
+    offsets = offsets_of(vl, cro_ptr, cro_ptr + 4, co, qs, keep=(cro, lut))
+    target = Target(chosen, dev, offsets, bool(accumulate), lut, page_size or 0, rope_offset if layout.paged else 0)
+    return PrefillPlan(layout, target, return_lse=return_lse, bounds=args.bounds)
+
+
+def _kernel_for(p: Problem, kernel: str, dev: int) -> str:
+    """The kernel a plan runs; the fp8 variants need the Hopper one."""
+    chosen = choose_kernel(kernel, p.paged, dev)
+    if (p.fp8 or p.rope8) and (kernel == "sm80" or chosen != "sm90"):
+        what = "the fp8 per-token variant" if p.fp8 else "an fp8 rope"
+        raise ValueError(f"kernel: {what} runs on the Hopper kernel only (compute capability 9.0, kernel='auto' or "
+                         f"'sm90'), got kernel={kernel!r}")
+    return chosen
+
+
+def plan_for_call(p: Problem, offsets: Offsets, kernel: str, *, accumulate: bool, return_lse: bool,
+                  page_table=None, page_size: int = 0, rope_offset: int = 0) -> PrefillPlan:
+    """The plan of one checked call (:func:`mla_cupy.mla_prefill`, the chunks of
+    :func:`mla_cupy.mla_prefill_chunked`): its layout is ``p``, already checked with its arrays."""
+    from ._select import device_id
+
+    dev = device_id()
+    target = Target(_kernel_for(p, kernel, dev), dev, offsets, bool(accumulate), page_table, page_size, rope_offset)
+    return PrefillPlan(p, target, return_lse=return_lse)
+
+
+def run_checked(pl: PrefillPlan, p: Problem, arrays: tuple, stream_ptr: int) -> None:
+    """Launch ``pl`` on device arrays already checked against ``p`` (in :data:`SLOTS` order)."""
+    d = list(arrays)
+    rec = pl._record(p, d, stream_ptr)
+    ptrs = [optional_ptr(x) for x in d]
+    if p.fp8 and d[WS] is None and pl.workspace is not None:
+        ptrs[WS] = device_pointer(pl.workspace)
+    pl._launch(rec, ptrs, stream_ptr)
+
+
+def offsets_of(valid_length, kv_begin_ptr: int, kv_end_ptr: int, cache_offsets, q_start_pos, keep: tuple = ()) -> Offsets:
+    """The offsets of a launch from device arrays (``q_start_pos`` int64) and raw key-range pointers."""
+    return Offsets((valid_length, cache_offsets, q_start_pos) + tuple(keep), device_pointer(valid_length), kv_begin_ptr,
+                    kv_end_ptr, optional_ptr(cache_offsets), optional_ptr(q_start_pos))
