@@ -1,27 +1,7 @@
-"""Compile-time kernel variants for measurement scripts: text edits of a kernel source, compiled for
-one run only (never shipped). ``use_variant(filename, edits, names)`` makes the next API calls
-compile ``kernels/<filename>`` with ``edits`` applied, as a family of just ``names(dtype, mask, variant)``."""
-from mla_cupy import _registry as reg, api, jit
-
-ORIG_SOURCE = jit.kernel_source
-ORIG_FAMILY = reg.prefill_sm90
-
-
-def use_variant(filename, edits, paged=(False, True)):
-    """Edits [(old, new), ...] of kernels/<filename>; the Hopper prefill family shrinks to the
-    instantiations with output in the input dtype, for the ``paged`` flags given."""
-    def source(name):
-        text = ORIG_SOURCE(name)
-        if name == filename:
-            for a, b in edits:
-                assert a in text, a
-                text = text.replace(a, b)
-        return text
-
-    jit.kernel_source = source
-    reg.prefill_sm90 = lambda dtype, mask, v="bf16": (reg.PREFILL_SM90[0], tuple(
-        reg.prefill_sm90_name(dtype, dtype, mask, p, v) for p in paged))
-    _clear()
+"""Kernel versions side by side in one process, for measurement scripts (benchmarks/ab.py):
+``use_sources(directory)`` makes the next plans compile every kernel from an older version's
+sources; ``restore`` goes back to the shipped ones. Plans packed meanwhile keep their functions."""
+from mla_cupy import _geometry, jit
 
 
 def use_sources(directory):
@@ -38,16 +18,16 @@ def use_sources(directory):
 
 
 def restore(saved_sources=None):
-    """Back to the shipped kernels (and sources, given what ``use_sources`` returned)."""
+    """Back to the shipped kernels (given what ``use_sources`` returned)."""
     if saved_sources is not None:
         jit._RAW_SOURCES.clear()
         jit._RAW_SOURCES.update(saved_sources)
-    jit.kernel_source, reg.prefill_sm90 = ORIG_SOURCE, ORIG_FAMILY
     _clear()
 
 
 def _clear():
+    """Forget compiled modules and functions, so the next plan compiles from the current sources
+    (plans already packed keep the functions they hold)."""
     jit._modules.clear()
     jit._functions.clear()
-    api._FUNCTIONS.clear()
-    api._PLANS.clear()
+    _geometry._KERNELS.clear()

@@ -11,6 +11,9 @@ spread (min, max) over rounds. An NVML thread samples the SM clock and the board
 Implementations (``--impls``, comma separated; the first is the base):
 
   ours              16-bit Hopper kernel (``mla_prefill``, out= given, validate=False)
+  ours:paged=P      the same with the rope in a PagedKVCache of P-row pages (shuffled), key tiles on page
+                    boundaries (TMA path); ours:paged=P;shift=S puts the keys S rows into their first page
+                    (cache_offsets = S: the row gather); one-sequence cases
   ours:hps=N        the same with N heads per L2 section (scheduler experiment; overrides the host heuristic)
   ours:sched=static the same with the round-robin tile order instead of the dynamic hand-out
   ours:l2div=N      the same with L2 sections sized to 1/N of the L2 (scheduler experiment)
@@ -40,7 +43,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
@@ -144,69 +147,88 @@ def _fa3_module():
     return None
 
 
+def _paged(k_rope, page: int, shift: int, seed: int = 1):
+    """k_rope [Tk, 1, 64] as a PagedKVCache of ``page``-row pages in shuffled order, keys starting
+    ``shift`` rows into their first page (``cache_offsets``: 0 keeps key tiles on page boundaries, the
+    TMA path; otherwise the row gather)."""
+    import cupy as cp
+
+    from mla_cupy import PagedKVCache
+
+    tk = int(k_rope.shape[0])
+    n_pages = -(-(tk + shift) // page)
+    order = cp.asarray(np.random.default_rng(seed).permutation(n_pages).astype(np.uint32))
+    bits = cp.zeros((n_pages * page, 576), cp.uint16)  # 16-bit rows, filled through their bits
+    pos = cp.arange(shift, shift + tk)
+    bits[order[pos // page].astype(cp.int64) * page + pos % page, 512:] = k_rope[:, 0, :].view(cp.uint16)
+    blocks = bits.view(k_rope.dtype).reshape(n_pages, page, 1, 576)
+    return PagedKVCache(blocks, order.reshape(1, -1), page, rope_offset=512), shift
+
+
 def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
+    """Our 16-bit Hopper kernel through a plan (``mla_cupy.plan``: packed once, then each run
+    rewrites pointers and launches). Variants pack their plan's launch record under the variant."""
     import cupy as cp
 
     import mla_cupy
-    from mla_cupy import api
+    from mla_cupy import _packing, workspace
     from mla_cupy._arrays import BF16
+    from mla_cupy._select import _sm_count_and_l2
 
+    if len(case.sq) > 1 and "paged" in opts:
+        raise SystemExit("ours:paged=P takes one-sequence cases")
     n = len(sets)
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
-    qmax = max(case.sq)
-    hps = int(opts["hps"]) if "hps" in opts else None
-    src = opts.get("src")
+    vl, cro = case.offsets()
+    ropes = [x["k_rope"] for x in sets]
+    cache_offsets = None
+    if "paged" in opts:
+        built = [_paged(r, int(opts["paged"]), int(opts.get("shift", 0))) for r in ropes]
+        ropes = [b[0] for b in built]
+        cache_offsets = cp.asarray(np.array([built[0][1]], np.uint32))
+    kw = {}
+    if "paged" in opts:
+        kw = dict(page_table=ropes[0].lookup_table, page_size=ropes[0].page_size)
+    pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=case.mask, q_max_seq_len=max(case.sq),
+                       cache_offsets=cache_offsets, **kw)
     dynamic = opts.get("sched", "dynamic") == "dynamic"
 
-    def launch(i):
+    def call(i):
         x = sets[i]
-        api.DYNAMIC_SCHEDULE = dynamic
+        workspace.DYNAMIC_SCHEDULE = dynamic
         try:
-            mla_cupy.mla_prefill(x["q"], x["k"], x["v"], x["k_rope"], x["valid_length"], x["cache_row_offsets"],
-                                 mask=case.mask, q_max_seq_len=qmax, validate=False, out=outs[i])
+            pl.run(x["q"], x["k"], x["v"], ropes[i], out=outs[i])
         finally:
-            api.DYNAMIC_SCHEDULE = True
+            workspace.DYNAMIC_SCHEDULE = True
         return outs[i]
 
+    hps = int(opts["hps"]) if "hps" in opts else None
     l2div = int(opts["l2div"]) if "l2div" in opts else None
+    src = opts.get("src")
     if hps is None and src is None and l2div is None:
-        return launch, lambda i: outs[i]
-    # A variant: build each input set's launch record under the variant, then replay the records
-    # (no recompilation or re-planning inside the timed region).
+        return call, lambda i: outs[i]
+    # A variant: the plan's first run packs its launch record (kernel function, arguments) under
+    # the variant; later runs reuse that record, so nothing recompiles inside the timed region.
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from _variant import restore, use_sources
 
     saved = use_sources(src) if src is not None else None
-    orig = api.heads_per_section
+    orig = _packing.heads_per_section
     if hps is not None:
-        api.heads_per_section = lambda p, d: hps
+        _packing.heads_per_section = lambda p, d: hps
     if l2div is not None:
         def sections(p, d):
             kv_bytes_per_head = max(1, p.tk) * 2 * DV * (1 if p.fp8 else p.dtype.itemsize)
-            g = max(1, min(p.heads, (api._sm_count_and_l2(d)[1] // l2div) // kv_bytes_per_head))
+            g = max(1, min(p.heads, (_sm_count_and_l2(d)[1] // l2div) // kv_bytes_per_head))
             return -(-p.heads // -(-p.heads // g))
 
-        api.heads_per_section = sections
-    recs = []
+        _packing.heads_per_section = sections
     try:
-        api._PLANS.clear()
-        for i in range(n):
-            before = set(api._PLANS)
-            launch(i)
-            (key,) = [k for k in api._PLANS if k not in before]
-            recs.append(api._PLANS[key][1])
+        call(0)
     finally:
-        api.heads_per_section = orig
-        restore(saved)
-
-    def call(i):
-        api.DYNAMIC_SCHEDULE = dynamic
-        try:
-            api._relaunch(recs[i], cp.cuda.get_current_stream())
-        finally:
-            api.DYNAMIC_SCHEDULE = True
-        return outs[i]
-
+        _packing.heads_per_section = orig
+        if src is not None:
+            restore(saved)
     return call, lambda i: outs[i]
 
 

@@ -16,7 +16,7 @@
 #                            quantizers); SUBSET='<pytest -k expression>' replaces the subset
 #   bench [BENCH ARGS...]    `mla-cupy bench` over the default matrix (JSON and plot into --out), then
 #                            the paged-rope and merge timings
-#   ab [ARGS...]             benchmarks/ab_bench.py ARGS (implementations timed in one process)
+#   ab [ARGS...]             benchmarks/ab.py ARGS (implementations timed in one process)
 #   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
 #                            bench case (`mla-cupy bench --list`) or fp8 / bf16 / paged (1x8192, H = 128)
 #   compile                  `mla-cupy compile`: every kernel family into CuPy's on-disk cache
@@ -133,7 +133,7 @@ case "$MODE" in
     step paged_merge "$PY" benchmarks/paged_merge_bench.py
     cat "$OUT_DIR/paged_merge.log" ;;
   ab)
-    step ab "$PY" benchmarks/ab_bench.py "$@"
+    step ab "$PY" benchmarks/ab.py "$@"
     cat "$OUT_DIR/ab.log" ;;
   ncu)
     [ $# -ge 1 ] || usage 2

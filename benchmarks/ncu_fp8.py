@@ -1,6 +1,6 @@
 """Runs the fp8 per-token (or the bf16, or the bf16 with a paged rope: page 64, shuffled pages)
 Hopper kernel on 1x8192 causal, H = 128, three times, so that `ncu` can profile the last launch
-(issue 6: what bounds the fp8 kernel; issue 3: where paged loses to plain):
+(what bounds the fp8 kernel; where the paged rope loses to the plain one):
 
     ncu --clock-control none -k regex:mla_prefill_kernel --launch-skip 2 --launch-count 1 --set full \
         -o fp8 python3 benchmarks/ncu_fp8.py fp8

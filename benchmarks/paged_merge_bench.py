@@ -1,4 +1,4 @@
-"""Issue-3 timings on one GPU, one process: paged vs plain rope (1x8192, H=128, causal) and the
+"""Timings on one GPU, one process: paged vs plain rope (1x8192, H=128, causal) and the
 cost of merge_states against the attention of the 8k-key chunk it merges. Prints a table.
 
     PYTHONPATH=. python3 benchmarks/paged_merge_bench.py

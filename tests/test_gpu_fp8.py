@@ -1,4 +1,4 @@
-"""GPU tests of the fp8 per-token variant (issue 6) against the float64 reference of the
+"""GPU tests of the fp8 per-token variant against the float64 reference of the
 dequantized inputs (pytest -m gpu; Hopper only)."""
 import dataclasses
 
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif("sm90" not in KERNELS, reason="the fp8 per-token kernel needs a Hopper GPU")]
 
 MASKS = [NullMask(), CausalMask(), SlidingWindowCausalMask(37), ChunkedMask(50), ChunkedCausalMask(50)]
-TOL = 3e-2  # issue 6: relative error against the float64 reference of the dequantized inputs
+TOL = 3e-2  # the contract: relative error against the float64 reference of the dequantized inputs
 
 
 def quantized(case):
@@ -132,7 +132,7 @@ def test_fp8_rejects_bad_input():
 
 def test_fp8_accuracy_report():
     """Error of the fp8 path against the dequantized reference and against bf16 attention of the
-    ORIGINAL (unquantized) inputs, printed for the bench table (issue 6)."""
+    ORIGINAL (unquantized) inputs, printed for the bench table."""
     import cupy as cp
 
     c = make_case([300, 129], [700, 129], 16, BF16, seed=11, cache_offsets=[400, 0])
