@@ -150,6 +150,17 @@ def _fp8_host(x, name: str) -> np.ndarray:
     return x.astype(np.float64)
 
 
+def _rope_host(x, name: str) -> np.ndarray:
+    """A rope part as float64: 16-bit or wider values as they are; e4m3 data (or its uint8 bytes)
+    decoded, never read as integers."""
+    from ._arrays import FP8_E4M3
+
+    h = to_host(x)
+    if h.dtype == np.uint8 or (FP8_E4M3 is not None and h.dtype == FP8_E4M3):
+        return _fp8_host(h, name)
+    return h.astype(np.float64)
+
+
 def _scales_host(x, name: str, shape) -> np.ndarray:
     if x is None:
         raise ValueError(f"{name}: fp8 data needs its float32 scales")
@@ -163,12 +174,14 @@ def mla_prefill_fp8(q_nope, q_rope, q_scale, k, k_scales, v, k_rope, valid_lengt
     """Reference of the fp8 per-token variant (SPEC "Data types"): the true query is
     ``q_scale[i] * concat(q_nope, q_rope)``, the true key ``k_scales[j] * concat(k, rope_j)``, V is
     used as stored; then :func:`mla_prefill` in float64. ``q_nope``, ``k``, ``v``: e4m3 (or uint8
-    bytes); ``q_rope``, ``k_rope``: 16-bit or wider; scales float32 ``[T, 1]``. Plain k_rope only."""
+    bytes); scales float32 ``[T, 1]``. ``q_rope``, ``k_rope``: 16-bit or wider (MAX's semantics), or
+    e4m3 / uint8 bytes too (all of Q K^T in e4m3: the same per-token scales then cover all 192
+    values). Plain k_rope only."""
     qn, kn, vv = _fp8_host(q_nope, "q_nope"), _fp8_host(k, "k"), _fp8_host(v, "v")
     qs = _scales_host(q_scale, "q_scale", (qn.shape[0], 1))
     ks = _scales_host(k_scales, "k_scales", (kn.shape[0], 1))
-    qt = qs[:, :, None] * np.concatenate([qn, to_host(q_rope).astype(np.float64)], axis=-1)
-    rope = ks[:, :, None] * to_host(k_rope).astype(np.float64)
+    qt = qs[:, :, None] * np.concatenate([qn, _rope_host(q_rope, "q_rope")], axis=-1)
+    rope = ks[:, :, None] * _rope_host(k_rope, "k_rope")
     return mla_prefill(qt, ks[:, :, None] * kn, vv, rope, valid_length, cache_row_offsets, **kw)
 
 

@@ -152,3 +152,30 @@ def test_every_mask_sees_one_interval_of_keys(mask):
     for q in range(-120, 121, 7):
         idx = np.flatnonzero(mask.visible(np.int64(q), ks))
         assert idx.size == 0 or idx[-1] - idx[0] + 1 == idx.size, f"q={q}: visible keys are not one interval"
+
+
+def test_fp8_reference_reads_e4m3_rope_bytes_as_e4m3():
+    """All of Q K^T in e4m3: uint8 rope bytes are decoded as e4m3 (with the per-token scales over
+    all 192 values), never read as integers."""
+    from mla_cupy._arrays import FP8_E4M3
+
+    rng = np.random.default_rng(3)
+    tq, tk, h = 9, 14, 2
+    def e4m3(*shape):
+        return (rng.standard_normal(shape) * 8).astype(FP8_E4M3)
+    qn, qr, kn, kr, v = e4m3(tq, h, 128), e4m3(tq, h, 64), e4m3(tk, h, 128), e4m3(tk, 1, 64), e4m3(tk, h, 128)
+    qs = rng.uniform(0.01, 0.1, (tq, 1)).astype(np.float32)
+    ks = rng.uniform(0.01, 0.1, (tk, 1)).astype(np.float32)
+    vl = np.array([0, 4, tq], np.uint32)
+    cro = np.array([0, 6, tk], np.uint32)
+    got = reference.mla_prefill_fp8(qn.view(np.uint8), qr.view(np.uint8), qs, kn.view(np.uint8), ks, v.view(np.uint8),
+                                    kr.view(np.uint8), vl, cro)
+    f = lambda x: x.astype(np.float64)
+    q_true = qs[:, :, None] * np.concatenate([f(qn), f(qr)], axis=-1)
+    want = reference.mla_prefill(q_true, ks[:, :, None] * f(kn), f(v), ks[:, :, None] * f(kr), vl, cro)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    # the same bytes read as integers would give another answer
+    wrong = reference.mla_prefill(qs[:, :, None] * np.concatenate([f(qn), qr.view(np.uint8).astype(np.float64)], -1),
+                                  ks[:, :, None] * f(kn), f(v), ks[:, :, None] * kr.view(np.uint8).astype(np.float64),
+                                  vl, cro)
+    assert np.abs(wrong - want).max() > 1e-3
