@@ -196,7 +196,8 @@ def _one_shot(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, 
     k_scales)``, with q / k / v the e4m3 nope parts): checks, results, the plan of the call, the launch."""
     import cupy
 
-    torch_in = is_torch(q)
+    like = q if is_torch(q) else None  # torch callers get results from torch's allocator
+    torch_in = like is not None
     wrap = result_wrapper(q)
     out_given, lse_given = out, lse
     q, k, v, k_rope, vl, cro, co, qs, out, lse, k_rope_scales, fp8 = checkable_args(
@@ -206,7 +207,6 @@ def _one_shot(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, 
                      read_offsets=q_max_seq_len is None, fp8=fp8, k_rope_scales=k_rope_scales, lse=lse,
                      accumulate=accumulate, kernel=kernel)
     sp = _stream_ptr(stream, torch_in)
-    like = q if torch_in else None
     if out is None:
         out = empty_result((p.tq, p.heads, DV), p.out_dtype, like)
     if lse is None and return_lse:
