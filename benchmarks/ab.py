@@ -325,33 +325,16 @@ def _fa3(case: BenchCase, sets, opts, *, kbuild: bool, fp8: bool = False) -> Imp
 def _cudnn(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     tx = _torch_sets(sets)
-    vl, cro = case.offsets()
     k192 = [_build_k(t, case.heads) for t in tx]
-    scale = 1.0 / math.sqrt(DQK)
     outs: List[object] = [None] * len(sets)
 
     def call(i):
         t = tx[i]
-        kf = _build_k(t, case.heads) if kbuild else k192[i]
-        res = []
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), torch.no_grad():
-            for b in range(len(case.sq)):
-                qb = t["q"][vl[b]:vl[b + 1]].transpose(0, 1).unsqueeze(0)
-                kb = kf[cro[b]:cro[b + 1]].transpose(0, 1).unsqueeze(0)
-                vb = t["v"][cro[b]:cro[b + 1]].transpose(0, 1).unsqueeze(0)
-                sq, sk = case.sq[b], case.sk[b]
-                if not case.causal:
-                    res.append(sdpa(qb, kb, vb, scale=scale))
-                elif sq == sk:
-                    res.append(sdpa(qb, kb, vb, is_causal=True, scale=scale))
-                else:
-                    res.append(sdpa(qb, kb, vb, attn_mask=causal_lower_right(sq, sk), scale=scale))
-        outs[i] = res
-        return res
+            outs[i] = bench.sdpa_per_sequence(case, t, _build_k(t, case.heads) if kbuild else k192[i])
+        return outs[i]
 
     def output(i):
         import cupy as cp

@@ -451,36 +451,43 @@ def bench_ours_fp8(run: CaseRun) -> List[Row]:
 # ----------------------------------------------------------------------------------------------
 # peers (torch); each builder returns its rows, or none when it is not importable
 # ----------------------------------------------------------------------------------------------
+def sdpa_per_sequence(case: BenchCase, t: dict, k192) -> list:
+    """torch SDPA (whichever backend the caller's ``sdpa_kernel`` context allows), one call per
+    sequence of ``case``: bottom-right causal when Sq != Sk. ``t`` holds torch views of the inputs,
+    ``k192`` the keys built at 192 width; returns each sequence's output ``[1, H, Sq, 128]``."""
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    vl, cro = case.offsets()
+    scale = 1.0 / math.sqrt(DQK)
+    outs = []
+    for b in range(len(case.sq)):
+        qb = t["q"][vl[b]:vl[b + 1]].transpose(0, 1).unsqueeze(0)
+        kb = k192[cro[b]:cro[b + 1]].transpose(0, 1).unsqueeze(0)
+        vb = t["v"][cro[b]:cro[b + 1]].transpose(0, 1).unsqueeze(0)
+        sq, sk = case.sq[b], case.sk[b]
+        if not case.causal:
+            outs.append(sdpa(qb, kb, vb, scale=scale))
+        elif sq == sk:
+            outs.append(sdpa(qb, kb, vb, is_causal=True, scale=scale))
+        else:
+            outs.append(sdpa(qb, kb, vb, attn_mask=causal_lower_right(sq, sk), scale=scale))
+    return outs
+
+
 def bench_sdpa(run: CaseRun) -> List[Row]:
     """cuDNN SDPA, one call per sequence (bottom-right causal when Sq != Sk), K built at 192; the
     flash / memory-efficient backends when cuDNN does not run."""
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        from torch.nn.attention.bias import causal_lower_right
-        from torch.nn.functional import scaled_dot_product_attention as sdpa
     except ImportError:
         return []
     case = run.case
     tx, (kfull, _) = run.torch_sets(), run.k192()
-    vl, cro = case.offsets()
-    scale = 1.0 / math.sqrt(DQK)
 
     def sdpa_call(i):
-        t, kf = tx[i], kfull[i]
-        outs = []
-        for b in range(len(case.sq)):
-            qb = t["q"][vl[b]:vl[b + 1]].transpose(0, 1).unsqueeze(0)
-            kb = kf[cro[b]:cro[b + 1]].transpose(0, 1).unsqueeze(0)
-            vb = t["v"][cro[b]:cro[b + 1]].transpose(0, 1).unsqueeze(0)
-            sq, sk = case.sq[b], case.sk[b]
-            if not case.causal:
-                outs.append(sdpa(qb, kb, vb, scale=scale))
-            elif sq == sk:
-                outs.append(sdpa(qb, kb, vb, is_causal=True, scale=scale))
-            else:
-                outs.append(sdpa(qb, kb, vb, attn_mask=causal_lower_right(sq, sk), scale=scale))
-        return outs
+        return sdpa_per_sequence(case, tx[i], kfull[i])
 
     rows: List[Row] = []
     for label, backends in (("cudnn-sdpa", [SDPBackend.CUDNN_ATTENTION]),
