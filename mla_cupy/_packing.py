@@ -18,6 +18,7 @@ from .dims import DV
 from .fp8 import vt_launch, vt_shape
 from .tma import ZERO_MAP, prefill_maps, stride16
 from .validation import Problem
+from . import workspace
 from .workspace import tile_counter
 
 __all__ = ["SLOTS", "Offsets", "Target", "Record", "pack", "launch_record"]
@@ -48,7 +49,8 @@ class Record:
     fields as (byte offset, slot, addend); the slots whose pointers key the tensor maps; the slots
     that must be 16-byte aligned)."""
 
-    __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "vt", "vt_fields", "align", "counter")
+    __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "vt", "vt_fields", "align", "counter",
+                 "last_maps", "last_stream")
 
     def __init__(self, launch: Optional[PreparedLaunch], ptr_fields, align, map_slots=None, make_maps=None, vt=None,
                  vt_fields=(), counter=None):
@@ -56,6 +58,8 @@ class Record:
         self.map_slots, self.make_maps, self.maps = map_slots, make_maps, {}
         self.vt, self.vt_fields = vt, vt_fields
         self.counter = counter  # Hopper: (byte offset of tile_counter, device), set per stream at launch
+        self.last_maps = self.last_stream = None  # what the buffer holds now (map pointers; stream and
+        # schedule of the counter): a run that changes neither skips rewriting them
 
 
 @dataclass(frozen=True)
@@ -218,12 +222,17 @@ def launch_record(rec: Record, ptrs: List[int], sp: int) -> None:
         _U64.pack_into(mem, off, ptrs[i] + add)
     if rec.map_slots is not None:
         mk = tuple([ptrs[i] for i in rec.map_slots])
-        maps = rec.maps.get(mk)
-        if maps is None:
-            maps = _new_maps(rec, mk)
-        launch.set_bytes(SM90_MAPS[0], maps)
+        if mk != rec.last_maps:
+            maps = rec.maps.get(mk)
+            if maps is None:
+                maps = _new_maps(rec, mk)
+            launch.set_bytes(SM90_MAPS[0], maps)
+            rec.last_maps = mk
     if rec.counter is not None:
-        _U64.pack_into(mem, rec.counter[0], tile_counter(rec.counter[1], sp))
+        ck = (sp, workspace.DYNAMIC_SCHEDULE)
+        if ck != rec.last_stream:
+            _U64.pack_into(mem, rec.counter[0], tile_counter(rec.counter[1], sp))
+            rec.last_stream = ck
     if rec.vt is not None:
         vmem = rec.vt._mem
         for off, i, add in rec.vt_fields:
