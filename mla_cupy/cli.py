@@ -244,7 +244,37 @@ wheel to a GPU machine without network access:
 """
 
 
-@cli.command(help=_BENCH_HELP)
+_CP_HELP = ("Context-parallel run on W ranks (mla_cupy.distributed.bench): equality with the one-GPU "
+            "result per mask, then the scaling of 1 x --seq tokens. W = 1 runs in this process; W > 1 starts "
+            "W processes through torch.distributed.run (NCCL's NVLink multicast off). The arguments after "
+            "the options go to that runner (--seq, --heads, --check-seq, --page-size, --iters, --warmup, "
+            "--device, --skip-scaling); --json and --cpu (as --device cpu) are passed on too.")
+_CP_CONFLICTS = ("cases", "list_cases", "csv_path", "plot_path", "no_peers", "fp8", "reps")
+
+
+def cp_command(world_size: int, args: Sequence[str]) -> List[str]:
+    """The command line that starts ``world_size`` ranks of :mod:`mla_cupy.distributed.bench`
+    with ``args`` (through ``torch.distributed.run``, with this Python)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+            "-m", "mla_cupy.distributed.bench", *args]
+
+
+def run_cp(world_size: int, args: Sequence[str]) -> int:
+    """``mla-cupy bench --cp W``: one rank in this process (returns the runner's exit status), or
+    W ranks in place of this process (``os.execvp``, never returns) with NVLink multicast off in
+    the environment the ranks inherit."""
+    from .distributed import bench as cp_bench
+
+    if world_size == 1:
+        return cp_bench.main(list(args))
+    os.environ.update(cp_bench.NVLS_OFF)
+    cmd = cp_command(world_size, args)
+    os.execvp(cmd[0], cmd)
+    raise AssertionError("os.execvp returned")  # only a replaced execvp (tests) gets here
+
+
+@cli.command(help=_BENCH_HELP, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--cp", "cp_ranks", type=click.IntRange(min=1), default=None, metavar="W", help=_CP_HELP)
 @click.option("--cases", default=None, help="Comma-separated case names (default: this machine's matrix; see --list).")
 @click.option("--list", "list_cases", is_flag=True, help="List every case, marking those that need a GPU, and exit.")
 @click.option("--json", "json_path", default=None, help="Write the rows to this JSON file.")
@@ -256,7 +286,18 @@ wheel to a GPU machine without network access:
 @click.option("--reps", default=20, show_default=True, help="Timed repeats per measurement (median reported).")
 @click.option("--cpu", is_flag=True, help="No GPU: time the reference on tiny cases (what CI runs).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
-def bench(cases, list_cases, json_path, csv_path, plot_path, no_peers, fp8, reps, cpu, no_progress):
+@click.pass_context
+def bench(ctx, cp_ranks, cases, list_cases, json_path, csv_path, plot_path, no_peers, fp8, reps, cpu, no_progress):
+    if cp_ranks is not None:
+        flags = {p.name: p.opts[0] for p in ctx.command.params}
+        given = [flags[name] for name in _CP_CONFLICTS
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"--cp runs the context-parallel runner; it does not take {', '.join(given)}")
+        args = list(ctx.args) + (["--json", json_path] if json_path else []) + (["--device", "cpu"] if cpu else [])
+        ctx.exit(run_cp(cp_ranks, args))
+    if ctx.args:
+        raise click.UsageError(f"unexpected arguments {' '.join(ctx.args)} (only --cp passes arguments on)")
     gpu = not cpu and _gpu_available()
     if list_cases:
         defaults = {c.name for c in B.resolve_cases(None, gpu)}

@@ -190,3 +190,61 @@ def test_package_never_imports_the_command_line():
         text = path.read_text()
         assert not re.search(r"^\s*(from\s+(\.|mla_cupy\.)?cli\s+import|import\s+cli\b|from\s+\.\s+import\s+cli\b)",
                              text, re.MULTILINE), path.name
+
+
+def _nvls_env_restored(monkeypatch):
+    """The runner sets NVLink multicast variables in os.environ; monkeypatch puts them back."""
+    from mla_cupy.distributed.bench import NVLS_OFF
+
+    for key in NVLS_OFF:
+        monkeypatch.setenv(key, "unset-by-test")
+    return NVLS_OFF
+
+
+def test_bench_cp_one_rank_runs_in_process(monkeypatch):
+    """``--cp 1 --cpu``: the context-parallel runner on gloo with the float64 reference, tiny sizes."""
+    pytest.importorskip("torch")
+    nvls = _nvls_env_restored(monkeypatch)
+    monkeypatch.delenv("RANK", raising=False)
+    res = invoke("bench", "--cp", "1", "--cpu", "--seq", "32", "--heads", "2", "--check-seq", "24", "--iters", "1",
+                 "--warmup", "0", "--page-size", "16")
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")]
+    env, results = rows[0], rows[1:]
+    assert env["world_size"] == 1 and env["device"] == "cpu" and all(env[k] == v for k, v in nvls.items())
+    equality = [r for r in results if r["check"] == "equality"]
+    assert len(equality) == 12 and all(r["ok"] for r in equality)  # 5 masks + paged, ring and all-gather
+    (scaling,) = [r for r in results if r["check"] == "scaling"]
+    assert scaling["seq"] == 32 and scaling["heads"] == 2 and scaling["t_ring_s"] > 0
+
+
+def test_bench_cp_several_ranks_execs_torchrun(monkeypatch):
+    """``--cp 4``: this process becomes ``torch.distributed.run`` over the runner, with the runner's
+    arguments (--json and --cpu passed on) and NVLink multicast off in the environment."""
+    import os
+
+    nvls = _nvls_env_restored(monkeypatch)
+    seen = {}
+
+    def fake_execvp(file, argv):
+        seen.update(file=file, argv=list(argv), env={k: os.environ[k] for k in nvls})
+        raise SystemExit(7)
+
+    monkeypatch.setattr(cli.os, "execvp", fake_execvp)
+    res = invoke("bench", "--cp", "4", "--seq", "131072", "--heads", "128", "--json", "cp4.json", "--cpu")
+    assert res.exit_code == 7, res.output
+    assert seen["file"] == sys.executable
+    assert seen["argv"] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m",
+                            "mla_cupy.distributed.bench", "--seq", "131072", "--heads", "128", "--json", "cp4.json",
+                            "--device", "cpu"]
+    assert seen["env"] == nvls
+
+
+def test_bench_cp_refuses_the_matrix_options_and_stray_arguments():
+    res = invoke("bench", "--cp", "2", "--fp8", "--cases", "1x8192")
+    assert res.exit_code != 0 and "--cp runs the context-parallel runner" in res.output
+    assert "--fp8" in res.output and "--cases" in res.output
+    res = invoke("bench", "--cpu", "--seq", "64")
+    assert res.exit_code != 0 and "unexpected arguments --seq 64" in res.output
+    res = invoke("bench", "--cp", "0")
+    assert res.exit_code != 0

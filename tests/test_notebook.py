@@ -29,13 +29,17 @@ GPU_CHECKS = (
     ("kernel: batch out", "kernel: cache_offsets and q_start_pos", "kernel: paged cache",
      "kernel: merge_states of two halves", "kernel: mla_prefill_chunked (chunk_size=24)")
     + tuple(f"kernel: {m}" for m in MASK_NAMES)
+    + tuple(f"kernel: plan.run, layer {i}" for i in range(3))
 )
 #: ... on a Hopper GPU (the fp8 variants).
 HOPPER_CHECKS = ("kernel: fp8 per token", "kernel: fp8 rope")
 #: ... with torch seeing a CUDA device.
 TORCH_CUDA_CHECKS = ("kernel: torch CUDA tensors",)
-#: Cells that run only on a GPU print one such line each without one.
-GPU_SECTIONS = 6
+#: ... with transformers installed and torch seeing a CUDA device.
+TRANSFORMERS_CUDA_CHECKS = ("kernel: transformers DeepseekV3 logits vs eager",)
+#: Cells that run only on a GPU print one such line each without one (the transformers cell too,
+#: when transformers and torch are installed).
+GPU_SECTIONS = 7
 
 
 def _installed(name: str) -> bool:
@@ -56,11 +60,12 @@ def _images(nb) -> int:
     return sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
 
 
-def _expected(gpu: bool, hopper: bool, torch: bool, torch_cuda: bool) -> set:
+def _expected(gpu: bool, hopper: bool, torch: bool, torch_cuda: bool, transformers: bool) -> set:
     want = set(CPU_CHECKS) | (set(TORCH_CHECKS) if torch else set())
     if gpu:
         want |= set(GPU_CHECKS) | (set(HOPPER_CHECKS) if hopper else set())
         want |= set(TORCH_CUDA_CHECKS) if torch_cuda else set()
+        want |= set(TRANSFORMERS_CUDA_CHECKS) if torch_cuda and transformers else set()
     return want
 
 
@@ -85,11 +90,12 @@ def test_quickstart_runs_and_its_checks_hold(executed):
         import torch
 
         torch_cuda = gpu and torch.cuda.is_available()
-    missing = _expected(gpu, hopper, _installed("torch"), torch_cuda) - _checks(executed)
+    with_hf = _installed("torch") and _installed("transformers")
+    missing = _expected(gpu, hopper, _installed("torch"), torch_cuda, with_hf) - _checks(executed)
     assert not missing, f"the notebook did not print these checks: {sorted(missing)}"
     out = _stdout(executed)
     skips = out.count("SKIPPED (no CUDA GPU)")
-    assert skips == (0 if gpu else GPU_SECTIONS), f"{skips} cells said they skipped for want of a GPU"
+    assert skips == (0 if gpu else GPU_SECTIONS + with_hf), f"{skips} cells said they skipped for want of a GPU"
     assert "Traceback" not in out
     assert _images(executed) == 1, "the mask plot is shown inline"
 
@@ -102,6 +108,6 @@ def test_stored_notebook_has_the_outputs_of_a_run():
     assert all(c.execution_count is not None for c in code), "every code cell was run"
     assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), "in order, top to bottom"
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
-    missing = _expected(False, False, True, False) - _checks(nb)
+    missing = _expected(False, False, True, False, True) - _checks(nb)
     assert not missing, f"the stored outputs lack these checks: {sorted(missing)}"
     assert _images(nb) == 1, "the stored notebook shows its plot"
