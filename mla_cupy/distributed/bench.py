@@ -15,7 +15,7 @@ What it does, in one run:
 1. equality: a ragged batch (three sequences, one with keys before its queries) under every mask,
    and a paged rope cache (each rank's cache holds only its own keys; the others' slots are NaN),
    through the ring and the all-gather, gathered and compared with the one-device call
-   (relative error per (sequence, head) slice against the SPEC's bound, lse, empty rows);
+   (relative error per (sequence, head) slice against the contract's bound, lse, empty rows);
 2. scaling: 1 x ``--seq`` tokens, causal: the one-device call (every rank runs it on its own
    device at the same time), the ring and the all-gather on W ranks, the ring's communication
    alone (no compute) and its compute alone (no communication), and the parallel efficiency
@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-TOL = 1e-2  # SPEC: bf16 per-slice relative error
+TOL = 1e-2  # the contract: bf16 per-slice relative error
 
 
 def free_port() -> int:
