@@ -5,6 +5,7 @@ Usage (from the repository root)::
     python examples/run_notebook.py                      # run examples/quickstart.ipynb, save it with its outputs
     python examples/run_notebook.py --no-save            # run it, leave the file as it is
     python examples/run_notebook.py path/to/other.ipynb
+    python examples/run_notebook.py --plain              # its code cells in this process, no Jupyter
 
 The kernel starts in the repository root, so it imports ``mla_cupy`` from this checkout. The
 test ``tests/test_notebook.py`` runs notebooks through :func:`execute`.
@@ -61,13 +62,45 @@ def execute(path: Path, cwd: Path = ROOT, timeout: int = 600):
     return nb
 
 
-def main(argv=None) -> int:
-    import nbformat
+def execute_plain(path: Path, cwd: Path = ROOT) -> str:
+    """Run the notebook's code cells in order in THIS process, in one namespace, without Jupyter
+    (for machines without a Jupyter kernel); returns what they printed. A cell that raises stops
+    the run with its exception (the traceback names ``<cell N>``). Figures are drawn with
+    matplotlib's non-interactive backend and not kept."""
+    import contextlib
+    import io
+    import json
+    import os
 
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display in this mode; the Jupyter run shows the plot inline
+    cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
+    out = io.StringIO()
+    namespace: dict = {"__name__": "__main__"}
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out):
+            for i, cell in enumerate(c for c in cells if c["cell_type"] == "code"):
+                exec(compile("".join(cell["source"]), f"<cell {i + 1}>", "exec"), namespace)
+    finally:
+        os.chdir(old)
+    return out.getvalue()
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("notebook", nargs="?", type=Path, default=QUICKSTART)
     ap.add_argument("--no-save", action="store_true", help="do not write the outputs back into the file")
+    ap.add_argument("--plain", action="store_true", help="run the code cells in this process without Jupyter; save nothing")
     args = ap.parse_args(argv)
+    if args.plain:
+        print(execute_plain(args.notebook), end="")
+        print(f"ran the code cells of {args.notebook} without error")
+        return 0
+    import nbformat
+
     nb = execute(args.notebook)
     if not args.no_save:
         nbformat.write(nb, str(args.notebook))

@@ -53,7 +53,11 @@ def _stdout(nb) -> str:
 
 def _checks(nb) -> set:
     """Names of the CHECK lines a run printed (``CHECK <name> | relative error ...``)."""
-    return {line[len("CHECK "):].split(" | ")[0] for line in _stdout(nb).splitlines() if line.startswith("CHECK ")}
+    return _checks_in(_stdout(nb))
+
+
+def _checks_in(text: str) -> set:
+    return {line[len("CHECK "):].split(" | ")[0] for line in text.splitlines() if line.startswith("CHECK ")}
 
 
 def _images(nb) -> int:
@@ -69,17 +73,22 @@ def _expected(gpu: bool, hopper: bool, torch: bool, torch_cuda: bool, transforme
     return want
 
 
+def _runner():
+    spec = importlib.util.spec_from_file_location("run_notebook", ROOT / "examples" / "run_notebook.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    return runner
+
+
 @pytest.fixture(scope="module")
 def executed():
     for mod in ("nbformat", "nbclient", "ipykernel", "matplotlib"):
         pytest.importorskip(mod)
-    spec = importlib.util.spec_from_file_location("run_notebook", ROOT / "examples" / "run_notebook.py")
-    runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
-    return runner.execute(NB)  # a cell that raises (a failed check) fails here, naming the cell
+    return _runner().execute(NB)  # a cell that raises (a failed check) fails here, naming the cell
 
 
-def test_quickstart_runs_and_its_checks_hold(executed):
+def _check_run(checks: set, out: str) -> None:
+    """The checks and skip lines a run on this machine must print."""
     gpu = gpu_count() > 0
     hopper = torch_cuda = False
     if gpu:
@@ -91,13 +100,24 @@ def test_quickstart_runs_and_its_checks_hold(executed):
 
         torch_cuda = gpu and torch.cuda.is_available()
     with_hf = _installed("torch") and _installed("transformers")
-    missing = _expected(gpu, hopper, _installed("torch"), torch_cuda, with_hf) - _checks(executed)
+    missing = _expected(gpu, hopper, _installed("torch"), torch_cuda, with_hf) - checks
     assert not missing, f"the notebook did not print these checks: {sorted(missing)}"
-    out = _stdout(executed)
     skips = out.count("SKIPPED (no CUDA GPU)")
     assert skips == (0 if gpu else GPU_SECTIONS + with_hf), f"{skips} cells said they skipped for want of a GPU"
     assert "Traceback" not in out
+
+
+def test_quickstart_runs_and_its_checks_hold(executed):
+    _check_run(_checks(executed), _stdout(executed))
     assert _images(executed) == 1, "the mask plot is shown inline"
+
+
+def test_quickstart_code_runs_without_jupyter():
+    """The same run with the code cells executed in this process (machines without a Jupyter
+    kernel: the GPU machine runs the notebook this way)."""
+    pytest.importorskip("matplotlib")
+    out = _runner().execute_plain(NB)  # a cell that raises fails here, naming the cell
+    _check_run(_checks_in(out), out)
 
 
 def test_stored_notebook_has_the_outputs_of_a_run():
