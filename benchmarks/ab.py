@@ -16,7 +16,6 @@ Implementations (``--impls``, comma separated; the first is the base):
                     (cache_offsets = S: the row gather); one-sequence cases
   ours:hps=N        the same with N heads per L2 section (scheduler experiment; overrides the host heuristic)
   ours:sched=static the same with the round-robin tile order instead of the dynamic hand-out
-  ours:l2div=N      the same with L2 sections sized to 1/N of the L2 (scheduler experiment)
   ours:src=DIR      the same with the kernels of DIR (an older version: ``git archive REV kernels | tar -x -C DIR``)
   ours-fp8          fp8 per-token kernel (``mla_prefill_fp8``; inputs quantized by ``quant.quantize_per_token``)
   fa3, fa3+kbuild   FlashAttention-3 (``fa3_fwd_interface`` or ``flash_attn_interface``), kernel only / with
@@ -173,7 +172,6 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
     import mla_cupy
     from mla_cupy import _packing, workspace
     from mla_cupy._arrays import BF16
-    from mla_cupy._select import _sm_count_and_l2
 
     if len(case.sq) > 1 and "paged" in opts:
         raise SystemExit("ours:paged=P takes one-sequence cases")
@@ -203,9 +201,8 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
         return outs[i]
 
     hps = int(opts["hps"]) if "hps" in opts else None
-    l2div = int(opts["l2div"]) if "l2div" in opts else None
     src = opts.get("src")
-    if hps is None and src is None and l2div is None:
+    if hps is None and src is None:
         return call, lambda i: outs[i]
     # A variant: the plan's first run packs its launch record (kernel function, arguments) under
     # the variant; later runs reuse that record, so nothing recompiles inside the timed region.
@@ -216,13 +213,6 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
     orig = _packing.heads_per_section
     if hps is not None:
         _packing.heads_per_section = lambda p, d: hps
-    if l2div is not None:
-        def sections(p, d):
-            kv_bytes_per_head = max(1, p.tk) * 2 * DV * (1 if p.fp8 else p.dtype.itemsize)
-            g = max(1, min(p.heads, (_sm_count_and_l2(d)[1] // l2div) // kv_bytes_per_head))
-            return -(-p.heads // -(-p.heads // g))
-
-        _packing.heads_per_section = sections
     try:
         call(0)
     finally:
