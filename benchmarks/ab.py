@@ -16,7 +16,11 @@ Implementations (``--impls``, comma separated; the first is the base):
                     (cache_offsets = S: the row gather); one-sequence cases
   ours:hps=N        the same with N heads per L2 section (scheduler experiment; overrides the host heuristic)
   ours:sched=static the same with the round-robin tile order instead of the dynamic hand-out
-  ours:src=DIR      the same with the kernels of DIR (an older version: ``git archive REV kernels | tar -x -C DIR``)
+  ours:src=DIR      the same with the kernels under DIR (``git archive REV kernels | tar -x -C DIR``; they must
+                    take the parameters the current launch code packs)
+  ours:def=A:0+B:1  the same with compile-time switches of the Hopper kernel set (kernels/sm90/config.cuh)
+  ours:pkg=DIR      an older version of the whole package: DIR holds a copy of its mla_cupy/ renamed (e.g.
+                    mla_cupy_prev/) and its kernels/ beside it (``git archive REV mla_cupy kernels``)
   ours-fp8          fp8 per-token kernel (``mla_prefill_fp8``; inputs quantized by ``quant.quantize_per_token``)
   fa3, fa3+kbuild   FlashAttention-3 (``fa3_fwd_interface`` or ``flash_attn_interface``), kernel only / with
                     the K build at 192 width that it needs
@@ -36,6 +40,7 @@ Case names are those of ``mla-cupy bench --list`` (``mla_cupy.bench.DEFAULT_CASE
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import statistics
@@ -175,6 +180,9 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
 
     if len(case.sq) > 1 and "paged" in opts:
         raise SystemExit("ours:paged=P takes one-sequence cases")
+    if "pkg" in opts:
+        mla_cupy = _package(opts["pkg"])
+        workspace = importlib.import_module(mla_cupy.__name__ + ".workspace")
     n = len(sets)
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
     vl, cro = case.offsets()
@@ -200,16 +208,27 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
             workspace.DYNAMIC_SCHEDULE = True
         return outs[i]
 
-    hps = int(opts["hps"]) if "hps" in opts else None
-    src = opts.get("src")
-    if hps is None and src is None:
-        return call, lambda i: outs[i]
-    # A variant: the plan's first run packs its launch record (kernel function, arguments) under
-    # the variant; later runs reuse that record, so nothing recompiles inside the timed region.
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from _variant import restore, use_sources
+    return _first_call_under_variant(call, opts), lambda i: outs[i]
 
-    saved = use_sources(src) if src is not None else None
+
+def _first_call_under_variant(call, opts: Dict[str, str]):
+    """Runs ``call(0)`` once under the variant that ``opts`` names (``src``, ``def``, ``hps``): the
+    plan's first run packs its launch record (kernel function, arguments) under the variant; later
+    runs reuse that record, so nothing recompiles inside the timed region. Returns ``call``."""
+    from mla_cupy import _packing
+
+    hps = int(opts["hps"]) if "hps" in opts else None
+    src, defs = opts.get("src"), opts.get("def")
+    if hps is None and src is None and defs is None:
+        return call
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from _variant import restore, use_defines, use_sources
+
+    saved = None
+    if src is not None:
+        saved = use_sources(src)
+    elif defs is not None:
+        saved = use_defines(dict(d.split(":", 1) for d in defs.split("+")))
     orig = _packing.heads_per_section
     if hps is not None:
         _packing.heads_per_section = lambda p, d: hps
@@ -217,30 +236,46 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
         call(0)
     finally:
         _packing.heads_per_section = orig
-        if src is not None:
+        if saved is not None:
             restore(saved)
-    return call, lambda i: outs[i]
+    return call
+
+
+def _package(directory: str):
+    """The package copy in ``directory`` (a folder holding one renamed copy of mla_cupy/ and the
+    kernels/ it compiles), imported under its own name beside the current one."""
+    from pathlib import Path
+
+    (pkg,) = [p for p in Path(directory).iterdir() if (p / "__init__.py").is_file()]
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    return importlib.import_module(pkg.name)
 
 
 def _ours_fp8(case: BenchCase, sets, opts) -> Impl:
+    """Our fp8 per-token kernel through a plan (inputs quantized by ``quant.quantize_per_token``);
+    the V^T pre-pass runs in every call (the plan owns its workspace). Options as ``ours``."""
     import cupy as cp
 
     import mla_cupy
     from mla_cupy import quant
     from mla_cupy._arrays import BF16
 
+    if "pkg" in opts:
+        mla_cupy = _package(opts["pkg"])
     n = len(sets)
     fs = [quant.quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"]) for x in sets]
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
-    qmax = max(case.sq)
+    vl, cro = case.offsets()
+    pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=case.mask, q_max_seq_len=max(case.sq),
+                       fp8=True)
 
     def call(i):
-        f, x = fs[i], sets[i]
-        return mla_cupy.mla_prefill_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"], f["v"],
-                                        f["k_rope"], x["valid_length"], x["cache_row_offsets"], mask=case.mask,
-                                        q_max_seq_len=qmax, validate=False, out=outs[i])
+        f = fs[i]
+        return pl.run_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"], f["v"], f["k_rope"],
+                          out=outs[i])
 
-    return call, lambda i: outs[i]
+    return _first_call_under_variant(call, opts), lambda i: outs[i]
 
 
 def _torch_sets(sets):

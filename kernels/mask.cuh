@@ -8,6 +8,8 @@
 //   all_visible(q_lo, q_hi, k_lo, k_hi): true when every pair in [q_lo, q_hi] x [k_lo, k_hi]
 //       (inclusive) is visible; such tiles skip the per-element predicate.
 // The single run-time argument (window or chunk size) is `arg`; masks without one ignore it.
+// For every mask here a query's first and last visible key never decrease as the query moves on
+// (tested on the CPU: tests/test_masks.py), which common_key_range relies on.
 #pragma once
 #include "common.cuh"
 
@@ -67,5 +69,15 @@ struct ChunkedCausalMask {
     return k_hi <= q_lo && floor_div(q_hi, arg) == c && floor_div(k_lo, arg) == c;
   }
 };
+
+// Keys [k_lo, k_hi) visible to EVERY query in [q_lo, q_hi] (empty when k_hi <= k_lo): with the
+// first and last visible key non-decreasing in the query, that is from the last query's first key
+// to the first query's last key.
+template <typename Mask>
+__device__ __forceinline__ void common_key_range(const Mask& mask, i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) {
+  i64 a, b;
+  mask.key_range(q_hi, q_hi, k_lo, a);
+  mask.key_range(q_lo, q_lo, b, k_hi);
+}
 
 }  // namespace mla

@@ -10,6 +10,7 @@
 //     skip the per-element predicate; a warp whose 16 rows see nothing of a tile skips its MMAs.
 #include "common.cuh"
 #include "mask.cuh"
+#include "params_abi.cuh"
 #include "rope_source.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
@@ -50,28 +51,46 @@ static_assert(kBlockM * kQkChunks % kThreads == 0, "Q tile copy must divide even
 static_assert(kBlockN * kNopeChunks % kThreads == 0, "K/V tile copy must divide evenly");
 static_assert(kBlockN * kRopeChunks == 2 * kThreads, "rope copy: two chunks per thread");
 
+// The arguments: one struct passed by value, its layout exported to the launch code (params_abi.cuh).
+#define MLA_SM80_PARAMS(X)                                                                          \
+  /* q [Tq, H, 192], k / v [Tk, H, 128] (element strides), out [Tq, H, 128], lse [Tq, H] or null */   \
+  X(const void*, q) X(const void*, k) X(const void*, v) X(void*, out) X(float*, lse)                \
+  X(i64, q_st) X(i64, q_sh) X(i64, k_st) X(i64, k_sh) X(i64, v_st) X(i64, v_sh) X(i64, o_st) X(i64, o_sh)    \
+  X(i64, lse_st)                                                                                    \
+  /* the ragged batch (tile_scheduler.cuh: SeqOffsets) */                                           \
+  X(const u32*, q_offsets) X(const u32*, kv_begin) X(const u32*, kv_end) X(const u32*, cache_offsets)        \
+  X(const i64*, q_start_pos)                                                                        \
+  /* the rope source (rope_source.cuh: RopeArgs) */                                                 \
+  X(const void*, rope_base) X(i64, rope_row_stride) X(i64, rope_block_stride) X(const u32*, lookup)          \
+  X(i64, lookup_stride) X(int, log2_page_size) X(u32, num_blocks) X(u32, max_pages)                  \
+  /* the work: one CTA per (query block, sequence, head) in tile_scheduler.cuh's order */             \
+  X(int, num_heads) X(int, heads_per_section) X(int, batch) X(int, num_m_blocks)                    \
+  /* softmax scale times log2(e), the mask's argument, merge into out / lse (chunked prefill) */     \
+  X(float, scale_log2) X(i64, mask_arg) X(int, accumulate)
+
+MLA_DEFINE_PARAMS(Params, MLA_SM80_PARAMS)
+
+// What the launch code reads from the module besides the parameter layout: dynamic shared memory in
+// bytes, threads per CTA, query rows per CTA.
+__device__ const int kGeometry[] = {kSmemBytes, kThreads, kBlockM};
+
 template <typename T, typename OutT, typename Mask, bool kPaged>
-__global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    OutT* __restrict__ out, float* __restrict__ lse,
-    const u32* __restrict__ q_offsets, const u32* __restrict__ kv_begin, const u32* __restrict__ kv_end,
-    const u32* __restrict__ cache_offsets, const i64* __restrict__ q_start_pos,
-    i64 q_st, i64 q_sh, i64 k_st, i64 k_sh, i64 v_st, i64 v_sh, i64 o_st, i64 o_sh, i64 lse_st,
-    const void* rope_base, i64 rope_row_stride, i64 rope_block_stride, const u32* __restrict__ lookup,
-    i64 lookup_stride, int log2_page_size, u32 num_blocks, u32 max_pages,
-    int num_heads, int heads_per_section, int batch, int num_m_blocks, float scale_log2, i64 mask_arg,
-    int accumulate) {
+__global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(const __grid_constant__ Params p) {
+  const T* __restrict__ q = static_cast<const T*>(p.q);
+  const T* __restrict__ k = static_cast<const T*>(p.k);
+  const T* __restrict__ v = static_cast<const T*>(p.v);
+  const i64 q_st = p.q_st, q_sh = p.q_sh, k_st = p.k_st, k_sh = p.k_sh, v_st = p.v_st, v_sh = p.v_sh;
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
 
-  const SeqOffsets so{q_offsets, kv_begin, kv_end, cache_offsets, q_start_pos};
+  const SeqOffsets so{p.q_offsets, p.kv_begin, p.kv_end, p.cache_offsets, p.q_start_pos};
   WorkTile w;
-  if (!decode_work_tile(so, blockIdx.x, num_heads, heads_per_section, batch, num_m_blocks, kBlockM, w)) return;
-  const RopeArgs ra{rope_base, rope_row_stride, rope_block_stride, lookup, lookup_stride,
-                    log2_page_size, num_blocks, max_pages};
-  const Mask mask{mask_arg};
+  if (!decode_work_tile(so, blockIdx.x, p.num_heads, p.heads_per_section, p.batch, p.num_m_blocks, kBlockM, w)) return;
+  const RopeArgs ra{p.rope_base, p.rope_row_stride, p.rope_block_stride, p.lookup, p.lookup_stride,
+                    p.log2_page_size, p.num_blocks, p.max_pages};
+  const Mask mask{p.mask_arg};
 
   const int m0 = w.m_block * kBlockM;             // first row of this CTA within the sequence
   const int rows = min(kBlockM, w.sq - m0);
@@ -189,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
                         mask.all_visible(wq_lo, wq_hi, w.k_pos0 + n0, w.k_pos0 + n0 + kBlockN - 1);
       if (!full)
         apply_mask(s, mask, w, wr0 + (lane >> 2), n0, n_end, kPaged && tile_bad ? key_ok + stage * kBlockN : nullptr);
-      sm.update(s, o, scale_log2);
+      sm.update(s, o, p.scale_log2);
 
       // O += P V: the S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
 #pragma unroll
@@ -210,7 +229,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(
   }
 
   // ---- epilogue: normalize, write rows that exist; rows with no visible key get 0 and lse -inf ----
-  store_rows<OutT>(o, sm, w, wr0 + (lane >> 2), out, o_st, o_sh, lse, lse_st, accumulate != 0);
+  store_rows<OutT>(o, sm, w, wr0 + (lane >> 2), static_cast<OutT*>(p.out), p.o_st, p.o_sh, p.lse, p.lse_st,
+                   p.accumulate != 0);
 }
 
 }  // namespace sm80

@@ -131,15 +131,31 @@ __device__ __forceinline__ void pack_p(const float (&s)[kSTiles][4], int kk, u32
   a[3] = Elem<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
+// The weights that finish row r (0: row g, 1: row g + 8) of a thread's accumulator: the row's
+// result is o * wb, plus out * wa with `accumulate` (out and lse already hold a partial result of
+// the row over other keys, whose lse is lse_old: merge.cuh), and its natural-log lse is .lse. A
+// row with no visible key gets wb = 0 and lse -inf (with nothing to merge: out 0). kFast: the
+// reciprocal and log2 of the special-function unit instead of an IEEE division and logf (relative
+// error about 2^-21). Called by every lane of the warp together (quad reduction).
+template <bool kFast>
+__device__ __forceinline__ MergeWeights row_weights(const OnlineSoftmax& sm, int r, bool accumulate, float lse_old) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float l = quad_sum(sm.row_sum[r]);
+  const float lse_new = l > 0.f ? sm.row_max[r] * kLn2 + (kFast ? __logf(l) : logf(l)) : neg_inf();
+  MergeWeights mw{0.f, l > 0.f ? 1.f : 0.f, lse_new};  // side a: what out / lse hold; side b: this result
+  if (accumulate) mw = merge_weights(lse_old, lse_new);
+  mw.wb = l > 0.f ? (kFast ? __fdividef(mw.wb, l) : mw.wb / l) : 0.f;
+  return mw;
+}
+
 // Normalizes and writes the thread's two rows of O (those < sq) and their natural-log lse.
 // Rows with no visible key get 0 and -inf. With `accumulate`, out and lse already hold a partial
 // result of these rows over other keys: it is read and merged with this one in place (merge.cuh),
 // so chunked prefill needs no separate merge pass. Called by every thread of the warp together.
-template <typename OutT, int kOTiles>
+template <typename OutT, bool kFast = false, int kOTiles>
 __device__ __forceinline__ void store_rows(const float (&o)[kOTiles][4], const OnlineSoftmax& sm, const WorkTile& w,
                                           int row0, OutT* out, i64 o_st, i64 o_sh, float* lse, i64 lse_st,
                                           bool accumulate) {
-  constexpr float kLn2 = 0.6931471805599453f;
   const int lane = threadIdx.x % 32;
   float lse_old[2] = {neg_inf(), neg_inf()};
   if (accumulate) {
@@ -150,19 +166,14 @@ __device__ __forceinline__ void store_rows(const float (&o)[kOTiles][4], const O
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(sm.row_sum[r]);
+    const MergeWeights mw = row_weights<kFast>(sm, r, accumulate, lse_old[r]);
     const int row = row0 + 8 * r;
     if (row < w.sq) {
-      const float lse_new = l > 0.f ? sm.row_max[r] * kLn2 + logf(l) : neg_inf();
-      // Side a: what out / lse hold (weight 0 unless accumulating); side b: this result, o / l.
-      MergeWeights mw{0.f, l > 0.f ? 1.f : 0.f, lse_new};
-      if (accumulate) mw = merge_weights(lse_old[r], lse_new);
-      const float wb = l > 0.f ? mw.wb / l : 0.f;
       const i64 grow = w.q_row0 + row;
       OutT* op = out + grow * o_st + w.h * o_sh + 2 * (lane & 3);
 #pragma unroll
       for (int dt = 0; dt < kOTiles; ++dt) {
-        float lo = o[dt][2 * r] * wb, hi = o[dt][2 * r + 1] * wb;
+        float lo = o[dt][2 * r] * mw.wb, hi = o[dt][2 * r + 1] * mw.wb;
         if (accumulate && mw.wa > 0.f) {
           float old[2];
           load2<OutT>(op + dt * 8, old);

@@ -10,6 +10,7 @@
 //      values, the 4 bytes of columns 4t .. 4t + 3 (keys in the sigma order) into the tile;
 //   2. the 128 x 128-byte tile is written out row by row (8 lanes per 128-byte row).
 #include "common.cuh"
+#include "params_abi.cuh"
 #include "vt_layout.cuh"
 
 namespace mla {
@@ -30,9 +31,24 @@ __device__ __forceinline__ int vt_sequence_of(i64 col, const u32* __restrict__ k
   return lo;
 }
 
-__global__ void __launch_bounds__(kVtThreads) transpose_v_e4m3_kernel(
-    const unsigned char* __restrict__ v, i64 v_st, i64 v_sh, const u32* __restrict__ kv_begin,
-    const u32* __restrict__ kv_end, int batch, unsigned char* __restrict__ vt, i64 cols) {
+namespace vt_prepass {
+// The arguments (params_abi.cuh): v [Tk, H, 128] e4m3 bytes (byte strides v_st, v_sh), the
+// sequences' key rows [kv_begin[b], kv_end[b]) of `batch` sequences, vt [H][128][cols].
+#define MLA_VT_PARAMS(X)                                                                            \
+  X(const unsigned char*, v) X(i64, v_st) X(i64, v_sh) X(const u32*, kv_begin) X(const u32*, kv_end) \
+  X(int, batch) X(unsigned char*, vt) X(i64, cols)
+MLA_DEFINE_PARAMS(Params, MLA_VT_PARAMS)
+// What the launch code reads besides the parameters: threads per CTA, V^T columns per CTA.
+__device__ const int kGeometry[] = {kVtThreads, kVtCols};
+}  // namespace vt_prepass
+
+__global__ void __launch_bounds__(kVtThreads) transpose_v_e4m3_kernel(const __grid_constant__ vt_prepass::Params p) {
+  const unsigned char* __restrict__ v = p.v;
+  const u32* __restrict__ kv_begin = p.kv_begin;
+  const u32* __restrict__ kv_end = p.kv_end;
+  unsigned char* __restrict__ vt = p.vt;
+  const i64 v_st = p.v_st, v_sh = p.v_sh, cols = p.cols;
+  const int batch = p.batch;
   __shared__ __align__(16) unsigned char tile[128 * kVtPitch];  // [value][column]
   const int h = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const i64 c0 = static_cast<i64>(blockIdx.x) * kVtCols;

@@ -1,49 +1,52 @@
-"""The compiled kernels and their launch geometry.
+"""The compiled kernels and their launch geometry, read from the compiled modules.
 
-Threads per CTA come from each kernel's ``__launch_bounds__`` (the CUfunction's
-``max_threads_per_block``), and the Hopper kernel's shared-memory size from the table its module
-exports (``kSmemBytesOf``, read once per module and device). The few tile constants below are not
-exported by the modules yet; each is the kernel's ``constexpr`` of the same name, and a CPU test
-(tests/test_launch.py) compares them with the kernel sources.
+The prefill kernels and the V^T pre-pass export their parameter struct's layout
+(``kParamLayout``, ``kParamNames``: kernels/params_abi.cuh) and their geometry (``kGeometry``:
+shared memory, threads per CTA, tile sizes), read once per module and device; nothing here
+restates a kernel constant.
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
 from . import _registry as reg
+from ._launch import ArgPack
 from .jit import get_function, get_global
 
-__all__ = ["BLOCK_M", "SM90_BLOCK_N", "SM80_SMEM_BYTES", "VT_COLS_PER_CTA", "CompiledKernel", "prefill_kernel",
-           "transpose_v_kernel"]
+__all__ = ["CompiledKernel", "prefill_kernel", "transpose_v_kernel"]
 
-BLOCK_M = 128  #: kBlockM of both prefill kernels: query rows per CTA (sizes the grid)
-SM90_BLOCK_N = 128  #: kBlockN of mla_prefill_sm90.cu: keys per tile (rows of a K / V / rope TMA box)
-SM80_SMEM_BYTES = 128 * 384 + 2 * (64 * 384 + 64 * 256) + 2 * 64  #: kSmemBytes of mla_prefill_sm80.cu
-VT_COLS_PER_CTA = 128  #: kVtCols of transpose_v.cu: V^T columns per CTA
+#: kGeometry's fields, in order: kernels/mla_prefill_sm90.cu (a row per variant),
+#: kernels/mla_prefill_sm80.cu and kernels/transpose_v.cu.
+SM90_GEOMETRY = ("smem", "threads", "block_m", "block_n", "scale_box")
+SM80_GEOMETRY = ("smem", "threads", "block_m")
+VT_GEOMETRY = ("threads", "cols_per_cta")
 
 
 @dataclass(frozen=True)
 class CompiledKernel:
-    """A compiled kernel, its threads per CTA and its dynamic shared memory in bytes (the
-    function's limit is raised to it)."""
+    """A compiled kernel, its threads per CTA, its dynamic shared memory in bytes (the function's
+    limit is raised to it), and for the prefill kernels their parameter struct and geometry."""
 
     fn: Any
     threads: int
     smem: int
+    params: Optional[ArgPack] = None
+    geometry: Dict[str, int] = field(default_factory=dict)
 
 
 _KERNELS: Dict[Tuple, CompiledKernel] = {}
 _LOCK = threading.Lock()
 
 
-def _compiled(key: Tuple, fn: Any, smem: int) -> CompiledKernel:
+def _compiled(key: Tuple, fn: Any, smem: int, params: Optional[ArgPack] = None,
+              geometry: Optional[Dict[str, int]] = None) -> CompiledKernel:
     if fn.max_dynamic_shared_size_bytes < smem:  # a driver call, once per kernel and device
         fn.max_dynamic_shared_size_bytes = smem
-    ck = CompiledKernel(fn, int(fn.max_threads_per_block), int(smem))
+    ck = CompiledKernel(fn, int(fn.max_threads_per_block), int(smem), params, dict(geometry or {}))
     with _LOCK:
         return _KERNELS.setdefault(key, ck)
 
@@ -52,10 +55,20 @@ def sm90_variant(fp8: bool, rope8: bool) -> str:
     return "fp8" if fp8 else "fp8_rope" if rope8 else "bf16"
 
 
+def _exports(fam, names: Tuple[str, ...], what: str) -> Tuple[ArgPack, np.ndarray]:
+    """The parameter struct and the geometry table a module exports (names: the layout, the field
+    names and the geometry table)."""
+    layout = get_global(*fam, names[0], np.int32)
+    param_names = get_global(*fam, names[1], np.uint8)
+    return ArgPack.from_export(layout, param_names.tobytes(), what), get_global(*fam, names[2], np.int32)
+
+
 def prefill_kernel(kernel: str, dtype: np.dtype, out_dtype: np.dtype, mask, paged: bool, fp8: bool, rope8: bool,
                    device_id: int) -> CompiledKernel:
     """The instantiation of ``kernel`` (``'sm80'`` or ``'sm90'``) for these template arguments on
-    device ``device_id`` (the current one), compiled on first use."""
+    device ``device_id`` (the current one), compiled on first use, with its parameter struct
+    (``.params``) and geometry (``.geometry``: smem, threads, block_m and, on Hopper, block_n and
+    scale_box)."""
     key = (device_id, kernel, dtype, out_dtype, mask.cpp_name, paged, fp8, rope8)
     ck = _KERNELS.get(key)
     if ck is not None:
@@ -64,17 +77,24 @@ def prefill_kernel(kernel: str, dtype: np.dtype, out_dtype: np.dtype, mask, page
         variant = sm90_variant(fp8, rope8)
         fam = reg.prefill_sm90(dtype, mask, variant)
         fn = get_function(*fam, reg.prefill_sm90_name(dtype, out_dtype, mask, paged, variant))
-        smem = int(get_global(*fam, reg.SM90_SMEM_TABLE, np.int32, 2)[int(fp8)])
+        params, table = _exports(fam, reg.SM90_EXPORTS, "the Hopper prefill kernel")
+        row = table.reshape(-1, len(SM90_GEOMETRY))[reg.SM90_VARIANTS[variant][1]]
+        geometry = dict(zip(SM90_GEOMETRY, (int(x) for x in row)))
     else:
-        fn = get_function(*reg.prefill_sm80(dtype, mask), reg.prefill_sm80_name(dtype, out_dtype, mask, paged))
-        smem = SM80_SMEM_BYTES
-    return _compiled(key, fn, smem)
+        fam = reg.prefill_sm80(dtype, mask)
+        fn = get_function(*fam, reg.prefill_sm80_name(dtype, out_dtype, mask, paged))
+        params, table = _exports(fam, reg.SM80_EXPORTS, "the portable prefill kernel")
+        geometry = dict(zip(SM80_GEOMETRY, (int(x) for x in table)))
+    return _compiled(key, fn, geometry["smem"], params, geometry)
 
 
 def transpose_v_kernel(device_id: int) -> CompiledKernel:
-    """The fp8 per-token variant's V^T pre-pass (static shared memory only)."""
+    """The fp8 per-token variant's V^T pre-pass (static shared memory only), with its parameter
+    struct and geometry (threads, cols_per_cta)."""
     key = (device_id, "transpose_v")
     ck = _KERNELS.get(key)
     if ck is not None:
         return ck
-    return _compiled(key, get_function(*reg.transpose_v_family(), reg.TRANSPOSE_V[1][0]), 0)
+    fam = reg.transpose_v_family()
+    params, table = _exports(fam, fam[1][1:], "the V^T pre-pass")
+    return _compiled(key, get_function(*fam, fam[1][0]), 0, params, dict(zip(VT_GEOMETRY, (int(x) for x in table))))

@@ -1,12 +1,14 @@
 """Kernel launches straight through the driver (``cuLaunchKernel``) from a packed argument buffer.
 
-CuPy's ``RawKernel.__call__`` converts every argument on every call (tens of microseconds for the
-prefill kernels' ~37 parameters, six of them 128-byte tensor maps). Here a kernel's parameter
-list is declared once as NumPy dtypes (:class:`ArgPack`); a :class:`PreparedLaunch` holds one
-packed buffer of it with every value filled in, and a call rewrites only the values that change
-(pointers, tensor maps) before handing the driver an array of pointers into the buffer. The driver
-copies the values at launch, so the buffer may be rewritten as soon as the launch returns; CUDA
-graph capture records the values the same way.
+CuPy's ``RawKernel.__call__`` converts every argument on every call (tens of microseconds for
+kernels with many parameters or 128-byte tensor maps). Here a kernel's parameters are described
+once as a NumPy structured dtype (:class:`ArgPack`): the prefill kernels take one parameter
+struct whose layout their compiled module exports (``kernels/params_abi.cuh``:
+:meth:`ArgPack.from_export`), smaller kernels a list declared in Python. A :class:`PreparedLaunch`
+holds one packed buffer with every value filled in, and a call rewrites only the values that
+change (pointers, tensor maps) before handing the driver an array of pointers into the buffer. The
+driver copies the values at launch, so the buffer may be rewritten as soon as the launch returns;
+CUDA graph capture records the values the same way.
 """
 from __future__ import annotations
 
@@ -16,16 +18,21 @@ from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["ArgPack", "PreparedLaunch", "PTR", "I32", "U32", "I64", "F32"]
+__all__ = ["ArgPack", "PreparedLaunch", "PTR", "I32", "U32", "I64", "F32", "TENSOR_MAP_DTYPE"]
 
 PTR = np.dtype(np.uint64)  # any device pointer
 I32, U32, I64, F32 = np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.int64), np.dtype(np.float32)
+#: A TMA tensor map: 128 opaque bytes, passed by value (kernels/sm90/ptx.cuh: TensorMap).
+TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, (16,))])
+#: kernels/params_abi.cuh: ParamKindCode -> the field's dtype
+_PARAM_KINDS = {0: PTR, 1: I32, 2: U32, 3: I64, 4: F32, 5: TENSOR_MAP_DTYPE}
 
 _U64 = struct.Struct("<Q")
 
 
 class ArgPack:
-    """The parameter list of one kernel signature: ``ArgPack([("q", PTR), ("heads", I32), ...])``."""
+    """A kernel's parameters: ``ArgPack([("q", PTR), ("heads", I32), ...])`` for a parameter list
+    (natural alignment, tensor maps on 64 bytes), or :meth:`from_export` for one parameter struct."""
 
     def __init__(self, params: Sequence[Tuple[str, np.dtype]]):
         names, formats, offsets = [], [], []
@@ -38,20 +45,53 @@ class ArgPack:
             formats.append(dt)
             offsets.append(off)
             off += dt.itemsize
-        self.dtype = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": -(-off // 64) * 64})
+        self._init(names, formats, offsets, -(-off // 64) * 64, struct=False)
+
+    def _init(self, names, formats, offsets, itemsize: int, struct: bool) -> None:
+        self.dtype = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
         self.names = tuple(names)
         self.offsets: Dict[str, int] = dict(zip(names, offsets))
+        self.struct = struct  # one kernel parameter: the whole buffer
         self._types = tuple(np.dtype(f).type if np.dtype(f).names is None else None for f in formats)
 
+    @classmethod
+    def from_export(cls, layout: np.ndarray, names: bytes, what: str = "kernel") -> "ArgPack":
+        """The parameter struct a compiled module describes (kernels/params_abi.cuh): ``layout`` is
+        its ``kParamLayout`` (int32: size, field count, bytes of the names, then offset, size and
+        kind per field), ``names`` its ``kParamNames`` (``"a,b,...,"``)."""
+        layout = np.asarray(layout, np.int64)
+        size, count, nchars = (int(x) for x in layout[:3])
+        fields = layout[3:3 + 3 * count].reshape(count, 3)
+        field_names = bytes(names[:nchars]).rstrip(b"\0").decode("ascii").split(",")[:-1]
+        if len(field_names) != count or len(fields) != count:
+            raise RuntimeError(f"{what}: malformed parameter export ({count} fields, names {field_names})")
+        formats = []
+        for name, (off, nbytes, kind) in zip(field_names, fields.tolist()):
+            dt = _PARAM_KINDS.get(kind)
+            if dt is None or dt.itemsize != nbytes or off + nbytes > size:
+                raise RuntimeError(f"{what}: parameter {name!r} has kind {kind}, {nbytes} bytes at {off} of {size}")
+            formats.append(dt)
+        pack = cls.__new__(cls)
+        pack._init(field_names, formats, [int(f[0]) for f in fields], size, struct=True)
+        return pack
+
     def new_buffer(self) -> Tuple[np.ndarray, np.ndarray]:
-        """A zeroed structured buffer of one argument set and the array of pointers to its fields."""
+        """A zeroed structured buffer of one argument set and the array of pointers to its fields
+        (to the buffer itself for a parameter struct)."""
         buf = np.zeros(1, self.dtype)
+        if self.struct:
+            return buf, np.array([buf.ctypes.data], np.uint64)
         ptrs = np.array([buf.ctypes.data + self.offsets[n] for n in self.names], np.uint64)
         return buf, ptrs
 
     def launch_through_cupy(self, kernel: Any, grid: tuple, block: int, smem: int, stream, values: tuple) -> None:
         """The same launch through ``RawKernel.__call__`` (``MLA_CUPY_LAUNCH=cupy``, a debugging aid)."""
-        args = tuple(v if t is None else t(v) for v, t in zip(values, self._types))
+        if self.struct:
+            buf = np.zeros(1, self.dtype)
+            buf[0] = values
+            args: tuple = (buf[0],)
+        else:
+            args = tuple(v if t is None else t(v) for v, t in zip(values, self._types))
         with stream:
             kernel(grid, (block,), args, shared_mem=smem)
 

@@ -10,9 +10,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ._arrays import device_pointer, optional_ptr
 from ._checks import check_aligned, dtype_of
-from ._geometry import BLOCK_M, SM90_BLOCK_N, prefill_kernel
-from ._launch import PreparedLaunch
-from ._prefill_args import SM80_ARGS, SM90_ARGS, SM90_MAPS
+from ._geometry import prefill_kernel
+from ._launch import TENSOR_MAP_DTYPE, ArgPack, PreparedLaunch
 from ._select import heads_per_section, sm_count
 from .dims import DV
 from .fp8 import vt_launch, vt_shape
@@ -50,14 +49,15 @@ class Record:
     that must be 16-byte aligned)."""
 
     __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "vt", "vt_fields", "align", "counter",
-                 "last_maps", "last_stream")
+                 "map_field", "last_maps", "last_stream")
 
     def __init__(self, launch: Optional[PreparedLaunch], ptr_fields, align, map_slots=None, make_maps=None, vt=None,
-                 vt_fields=(), counter=None):
+                 vt_fields=(), counter=None, map_field=None):
         self.launch, self.ptr_fields, self.align = launch, ptr_fields, align
         self.map_slots, self.make_maps, self.maps = map_slots, make_maps, {}
         self.vt, self.vt_fields = vt, vt_fields
         self.counter = counter  # Hopper: (byte offset of tile_counter, device), set per stream at launch
+        self.map_field = map_field  # Hopper: the first of the consecutive tensor-map fields
         self.last_maps = self.last_stream = None  # what the buffer holds now (map pointers; stream and
         # schedule of the counter): a run that changes neither skips rewriting them
 
@@ -84,7 +84,7 @@ def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Re
         return Record(None, (), ())
     dev = t.device_id
     ck = prefill_kernel(t.kernel, p.dtype, p.out_dtype, p.mask, p.paged, p.fp8, p.rope8, dev)
-    nmb = -(-p.max_sq // BLOCK_M)
+    nmb = -(-p.max_sq // ck.geometry["block_m"])
     out, lse = d[OUT], d[LSE]
     oitem = p.out_dtype.itemsize
     o = t.offsets
@@ -105,9 +105,9 @@ def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Re
         values.update(q=device_pointer(q), k=device_pointer(k), v=device_pointer(v),
                       q_st=q.strides[0] // item, q_sh=q.strides[1] // item, k_st=k.strides[0] // item,
                       k_sh=k.strides[1] // item, v_st=v.strides[0] // item, v_sh=v.strides[1] // item)
-        launch = PreparedLaunch(SM80_ARGS, ck.fn, (nmb * p.batch * p.heads, 1, 1), ck.threads, ck.smem, values)
+        launch = PreparedLaunch(ck.params, ck.fn, (nmb * p.batch * p.heads, 1, 1), ck.threads, ck.smem, values)
         fields += [("q", Q, 0), ("k", K, 0), ("v", V, 0)]
-        return Record(launch, _offsets_of(SM80_ARGS, fields), tuple(align))
+        return Record(launch, _offsets_of(ck.params, fields), tuple(align))
     return _sm90_record(t, p, d, ck, values, fields, align, nmb, sp, workspace_for)
 
 
@@ -137,6 +137,7 @@ def _rope_args(t: Target, p: Problem, d: list, values: dict) -> int:
 def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list, align: list, nmb: int, sp: int,
                  workspace_for: Callable) -> Record:
     q, k, v, rope = d[Q], d[K], d[V], d[ROPE]
+    geom = ck.geometry
     values.setdefault("rope_scales", 0)
     values.setdefault("rope_scale_row_stride", 0)
     values.setdefault("rope_scale_block_stride", 0)
@@ -190,15 +191,32 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
         else:
             rmap = (rp, rope_geom[0])
         f8 = (qrp, fp8_st, ksp) if fp8_st is not None else None
-        return prefill_maps(dtype, heads, tq, tk, (qp, q_st), (kp, k_st), (vp, v_st), rmap, f8, SM90_BLOCK_N)
+        return prefill_maps(dtype, heads, tq, tk, (qp, q_st), (kp, k_st), (vp, v_st), rmap, f8, geom["block_n"],
+                            geom["scale_box"])
 
-    values.update({n: ZERO_MAP for n in SM90_MAPS},
-                  rope_box_rows=0, tile_counter=0)
+    pack = ck.params
+    maps = map_fields(pack)
+    values.update({n: ZERO_MAP for n in maps}, rope_box_rows=0, tile_counter=0)
     grid = min(nmb * p.batch * p.heads, sm_count(t.device_id))  # persistent: at most one CTA per SM
-    launch = PreparedLaunch(SM90_ARGS, ck.fn, (grid, 1, 1), ck.threads, ck.smem, values)
-    return Record(launch, _offsets_of(SM90_ARGS, fields), tuple(align),
+    launch = PreparedLaunch(pack, ck.fn, (grid, 1, 1), ck.threads, ck.smem, values)
+    return Record(launch, _offsets_of(pack, fields), tuple(align),
                    map_slots=(Q, K, v_slot, ROPE, OUT, QR, KS), make_maps=make_maps, vt=vt, vt_fields=vt_fields,
-                   counter=(SM90_ARGS.offsets["tile_counter"], t.device_id))
+                   counter=(pack.offsets["tile_counter"], t.device_id), map_field=maps[0])
+
+
+#: The Hopper kernel's tensor maps in the order tma.prefill_maps returns them.
+SM90_MAPS = ("tm_q", "tm_k", "tm_v", "tm_rope", "tm_q_rope", "tm_k_scales")
+
+
+def map_fields(pack: ArgPack) -> tuple:
+    """The tensor-map fields of a parameter struct: :data:`SM90_MAPS`, consecutive, so that a run
+    rewrites them as one block."""
+    maps = tuple(n for n in pack.names if pack.dtype.fields[n][0] == TENSOR_MAP_DTYPE)
+    offs = [pack.offsets[n] for n in maps]
+    if maps != SM90_MAPS or offs != [offs[0] + TENSOR_MAP_DTYPE.itemsize * i for i in range(len(maps))]:
+        raise RuntimeError(f"the Hopper kernel's tensor maps are {maps} at offsets {offs}: expected {SM90_MAPS}, "
+                           "consecutive")
+    return maps
 
 
 def _offsets_of(pack, fields) -> tuple:
@@ -226,7 +244,7 @@ def launch_record(rec: Record, ptrs: List[int], sp: int) -> None:
             maps = rec.maps.get(mk)
             if maps is None:
                 maps = _new_maps(rec, mk)
-            launch.set_bytes(SM90_MAPS[0], maps)
+            launch.set_bytes(rec.map_field, maps)
             rec.last_maps = mk
     if rec.counter is not None:
         ck = (sp, workspace.DYNAMIC_SCHEDULE)

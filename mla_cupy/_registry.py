@@ -25,14 +25,17 @@ PREFILL_SM90 = ("mla_prefill_sm90.cu", "mla::sm90::mla_prefill_kernel")
 MERGE = ("merge_states.cu", "mla::merge_states_kernel")
 SPIN = ("bench_spin.cu", ("mla::spin_kernel",))  # the benchmark's GPU-busy helper
 QUANTIZE = ("quantize.cu", "mla::quantize_rows_kernel")
-TRANSPOSE_V = ("transpose_v.cu", ("mla::transpose_v_e4m3_kernel",))  # V^T for the fp8 per-token kernel
+TRANSPOSE_V = ("transpose_v.cu", ("mla::transpose_v_e4m3_kernel", "mla::vt_prepass::kParamLayout",
+                                   "mla::vt_prepass::kParamNames", "mla::vt_prepass::kGeometry"))  # V^T for fp8
 
 Family = Tuple[str, Tuple[str, ...]]
 
 
 def prefill_sm80(dtype: np.dtype, mask: Mask) -> Family:
-    """Family for (dtype, mask): output in the input dtype or float32, plain or paged rope."""
-    return _prefill_family(PREFILL_SM80, dtype, mask)
+    """Family for (dtype, mask): output in the input dtype or float32, plain or paged rope, and the
+    exported tables (:data:`SM80_EXPORTS`)."""
+    fam = _prefill_family(PREFILL_SM80, dtype, mask)
+    return fam[0], fam[1] + SM80_EXPORTS
 
 
 def prefill_sm80_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool) -> str:
@@ -45,25 +48,30 @@ def _prefill_family(kernel: Tuple[str, str], dtype: np.dtype, mask: Mask) -> Fam
     return kernel[0], names
 
 
-#: Hopper kernel variants (kernels/mla_prefill_sm90.cu: Variant): 16-bit, fp8 per token, fp8 rope.
-SM90_VARIANTS = {"bf16": 0, "fp8": 1, "fp8_rope": 2}
+#: Hopper kernel variants: the traits type of each (kernels/sm90/config.cuh) as a template of the
+#: 16-bit type, and its row in the exported geometry table (``kId``).
+SM90_VARIANTS = {"bf16": ("mla::sm90::Variant16<{t}>", 0), "fp8": ("mla::sm90::VariantFp8", 1),
+                 "fp8_rope": ("mla::sm90::VariantFp8Rope<{t}>", 2)}
 
-
-#: The Hopper kernel's shared-memory size per CTA, by [fp8 per token]: a ``__device__ const int[2]``
-#: of mla_prefill_sm90.cu, compiled into every Hopper family and read by the launch code.
-SM90_SMEM_TABLE = "mla::sm90::kSmemBytesOf"
+#: What every prefill module exports besides its kernels (kernels/params_abi.cuh): the parameter
+#: struct's layout and field names; the Hopper module also its geometry per variant
+#: (kernels/mla_prefill_sm90.cu: kGeometry), the portable one per kernel.
+SM80_EXPORTS = ("mla::sm80::kParamLayout", "mla::sm80::kParamNames", "mla::sm80::kGeometry")
+SM90_EXPORTS = ("mla::sm90::kParamLayout", "mla::sm90::kParamNames", "mla::sm90::kGeometry")
 
 
 def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = "bf16") -> Family:
     """Hopper family for (dtype, mask, variant): output in the input dtype or float32, plain or
-    paged rope, and the exported shared-memory table (:data:`SM90_SMEM_TABLE`). The fp8 variants
-    take bfloat16 for their 16-bit parts."""
+    paged rope, and the exported tables (:data:`SM90_EXPORTS`). The fp8 per-token variant takes
+    bfloat16 for its 16-bit parts."""
     names = tuple(prefill_sm90_name(dtype, o, mask, paged, variant) for o in (dtype, FP32) for paged in (False, True))
-    return PREFILL_SM90[0], names + (SM90_SMEM_TABLE,)
+    return PREFILL_SM90[0], names + SM90_EXPORTS
 
 
 def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, variant: str = "bf16") -> str:
-    return _prefill_name(PREFILL_SM90, dtype, out_dtype, mask, paged)[:-1] + f", {SM90_VARIANTS[variant]}>"
+    traits = SM90_VARIANTS[variant][0].format(t=CPP_TYPE[np.dtype(dtype)])
+    return (f"{PREFILL_SM90[1]}<{traits}, {CPP_TYPE[np.dtype(out_dtype)]}, {mask.cpp_name}, "
+            f"{'true' if paged else 'false'}>")
 
 
 def _prefill_name(kernel: Tuple[str, str], dtype, out_dtype, mask: Mask, paged: bool) -> str:
@@ -99,24 +107,35 @@ _SHORT_TYPES = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "f32"}
 _VARIANT_NAMES = {"bf16": "16-bit", "fp8": "fp8-per-token", "fp8_rope": "fp8-rope"}
 
 
+def _sm90_traits_label(arg: str) -> List[str]:
+    """``mla::sm90::Variant16<__nv_bfloat16>`` -> ``["bf16", "16-bit"]``."""
+    for name, (pattern, _) in SM90_VARIANTS.items():
+        for t in _SHORT_TYPES:
+            if arg == pattern.format(t=t):
+                return [_SHORT_TYPES["__nv_bfloat16" if "{t}" not in pattern else t], _VARIANT_NAMES[name]]
+    return [arg.rsplit("::", 1)[-1]]
+
+
 def family_label(fam: Family) -> str:
     """A family as a person reads it: the source's stem and the template arguments its kernels
     share (input dtype, mask, Hopper variant; the output dtype and rope source vary inside a
     family), e.g. ``mla_prefill_sm90<bf16, CausalMask, fp8-per-token>``."""
     stem = fam[0].rsplit(".", 1)[0]
-    # template instantiations only (a family may also name a global, e.g. the shared-memory table)
+    # template instantiations only (a family may also name a global, e.g. an exported table)
     arg_lists = [n.split("<", 1)[1].rsplit(">", 1)[0].split(", ") for n in fam[1] if "<" in n]
     if not arg_lists or any(len(a) != len(arg_lists[0]) for a in arg_lists):
         return stem
-    variants = {str(code): _VARIANT_NAMES.get(name, name) for name, code in SM90_VARIANTS.items()}
-    shared = []
+    shared, variant = [], []
     for i, first in enumerate(arg_lists[0]):
         if any(a[i] != first for a in arg_lists):
             continue  # varies inside the family
-        if first.isdigit() and fam[0] == PREFILL_SM90[0]:
-            shared.append(variants.get(first, first))
+        if i == 0 and fam[0] == PREFILL_SM90[0]:
+            dtype_and_variant = _sm90_traits_label(first)
+            shared.append(dtype_and_variant[0])
+            variant = dtype_and_variant[1:]
         else:
             shared.append(_SHORT_TYPES.get(first, first.rsplit("::", 1)[-1]))
+    shared += variant
     return f"{stem}<{', '.join(shared)}>" if shared else stem
 
 

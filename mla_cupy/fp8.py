@@ -15,11 +15,10 @@ import numpy as np
 
 from ._arrays import BF16, FP8_E4M3, FP32, as_device, device_pointer, is_torch, to_host
 from ._checks import OFFSET_DTYPES, U8, check_aligned, check_array, check_layout, check_offsets_layout, check_offsets_values, check_shape
-from ._launch import I32, I64, PTR, ArgPack
 from .dims import DR, DV
 
 __all__ = ["VT_ALIGN", "VT_SIGMA", "fp8_bytes", "check_fp8_arrays", "check_fp8_layout", "check_q_scale_values",
-           "vt_columns", "vt_shape", "transpose_v_host", "transpose_v", "TRANSPOSE_V_ARGS"]
+           "vt_columns", "vt_shape", "transpose_v_host", "transpose_v"]
 
 
 class E4m3HostView(np.ndarray):
@@ -130,11 +129,6 @@ def transpose_v_host(v, cache_row_offsets) -> np.ndarray:
     return vt
 
 
-#: kernels/transpose_v.cu: transpose_v_e4m3_kernel's parameters
-TRANSPOSE_V_ARGS = ArgPack([("v", PTR), ("v_st", I64), ("v_sh", I64), ("kv_begin", PTR), ("kv_end", PTR),
-                            ("batch", I32), ("vt", PTR), ("cols", I64)])
-
-
 def transpose_v_values(v, kv_begin_ptr: int, kv_end_ptr: int, batch: int, vt_ptr: int, cols: int) -> dict:
     """The pre-pass's parameters for device e4m3 bytes ``v[Tk, H, 128]`` into ``cols`` columns at ``vt_ptr``."""
     return dict(v=device_pointer(v), v_st=int(v.strides[0]), v_sh=int(v.strides[1]), kv_begin=kv_begin_ptr,
@@ -185,10 +179,11 @@ def transpose_v(v, cache_row_offsets, *, stream=None, out=None):
 def vt_launch(v, kv_begin_ptr: int, kv_end_ptr: int, batch: int, vt, dev: int):
     """The pre-pass of ``v`` (at least one key) into ``vt`` (``[H, 128, cols]`` contiguous uint8)
     for ``batch >= 1`` sequences, as a :class:`~mla_cupy._launch.PreparedLaunch`."""
-    from ._geometry import VT_COLS_PER_CTA, transpose_v_kernel
+    from ._geometry import transpose_v_kernel
     from ._launch import PreparedLaunch
 
     ck = transpose_v_kernel(dev)
     heads, cols = int(vt.shape[0]), int(vt.shape[2])
     values = transpose_v_values(v, kv_begin_ptr, kv_end_ptr, batch, device_pointer(vt), cols)
-    return PreparedLaunch(TRANSPOSE_V_ARGS, ck.fn, (-(-cols // VT_COLS_PER_CTA), heads, 1), ck.threads, 0, values)
+    grid = (-(-cols // ck.geometry["cols_per_cta"]), heads, 1)
+    return PreparedLaunch(ck.params, ck.fn, grid, ck.threads, 0, values)

@@ -14,6 +14,7 @@ available; elsewhere it is the device's own ``sm_XY``.
 """
 from __future__ import annotations
 
+import posixpath
 import re
 import threading
 from dataclasses import dataclass
@@ -45,16 +46,20 @@ def _find_kernel_dir() -> Path:
 
 KERNEL_DIR: Path = _find_kernel_dir()
 
-# Read once at import: file name -> text.
+# Read once at import: path under kernels/ (e.g. "sm90/config.cuh") -> text.
 _RAW_SOURCES: Dict[str, str] = {
-    p.name: p.read_text(encoding="utf-8") for p in sorted(KERNEL_DIR.iterdir()) if p.suffix in (".cu", ".cuh")
+    p.relative_to(KERNEL_DIR).as_posix(): p.read_text(encoding="utf-8")
+    for p in sorted(KERNEL_DIR.rglob("*")) if p.suffix in (".cu", ".cuh")
 }
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
 def kernel_source(filename: str) -> str:
-    """Return the full text of ``kernels/<filename>`` with local includes inlined (once each)."""
+    """Return the full text of ``kernels/<filename>`` with local includes inlined (once each).
+
+    A local ``#include "x"`` is resolved against the including file's folder, as a C++ compiler
+    does (``"../common.cuh"`` from ``sm90/config.cuh`` is ``common.cuh``)."""
     seen: set = set()
 
     def expand(name: str) -> str:
@@ -64,7 +69,8 @@ def kernel_source(filename: str) -> str:
             return ""
         seen.add(name)
         text = _RAW_SOURCES[name].replace("#pragma once", "")
-        return _INCLUDE_RE.sub(lambda m: expand(m.group(1)), text)
+        folder = posixpath.dirname(name)
+        return _INCLUDE_RE.sub(lambda m: expand(posixpath.normpath(posixpath.join(folder, m.group(1)))), text)
 
     return f"// ---- {filename} (local includes inlined) ----\n" + expand(filename)
 
@@ -150,11 +156,11 @@ def get_function(filename: str, name_expressions: Sequence[str], name: str, arch
         return _functions.setdefault((key, name), fn)  # one kernel object per instantiation, kept
 
 
-def get_global(filename: str, name_expressions: Sequence[str], name: str, dtype, count: int,
+def get_global(filename: str, name_expressions: Sequence[str], name: str, dtype, count: Optional[int] = None,
                arch: Optional[str] = None) -> np.ndarray:
     """The value of the ``__device__`` array ``name`` (one of the family's name expressions, e.g.
-    ``"mla::sm90::kSmemBytesOf"``) of the family's module on the current device: ``count``
-    elements of ``dtype``, copied to the host once and kept."""
+    ``"mla::sm90::kGeometry"``) of the family's module on the current device: ``count`` elements of
+    ``dtype`` (the whole array when ``count`` is None), copied to the host once and kept."""
     import cupy
 
     key, module = _module(filename, name_expressions, name, arch)
@@ -163,7 +169,10 @@ def get_global(filename: str, name_expressions: Sequence[str], name: str, dtype,
     if got is None:
         mangled = module.module.mapping.get(name, name)  # NVRTC's lowered name of the expression
         ptr = module.get_global(mangled)
-        got = np.zeros(int(count), np.dtype(dtype))
+        dtype = np.dtype(dtype)
+        if count is None:
+            count = int(ptr.mem.size) // dtype.itemsize  # the symbol's size, from cuModuleGetGlobal
+        got = np.zeros(int(count), dtype)
         cupy.cuda.runtime.memcpy(got.ctypes.data, ptr.ptr, got.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
         got.flags.writeable = False
         with _registry_lock:

@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from ._arrays import BF16, FP16
+from ._launch import TENSOR_MAP_DTYPE
 from .dims import DQK, DR, DV
 
 __all__ = ["encode_tiled", "TENSOR_MAP_DTYPE", "ZERO_MAP", "stride16", "prefill_maps"]
@@ -23,10 +24,6 @@ _DTYPE_CODE = {BF16: 9, FP16: 6, np.dtype(np.uint8): 0, np.dtype(np.float32): 7}
 _SWIZZLE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
-
-#: 128 opaque bytes, what CuPy passes by value for a ``TensorMap`` parameter.
-TENSOR_MAP_DTYPE = np.dtype([("opaque", np.uint64, (16,))])
-
 
 @functools.lru_cache(maxsize=1)
 def _driver():
@@ -65,7 +62,7 @@ def _encode_cached(ptr: int, dtype: np.dtype, dims, strides_bytes, box, swizzle:
 
 
 # ---------------------------------------------------------------------------------------------
-# The Hopper prefill kernel's maps (kernels/mla_prefill_sm90.cu: tm_q .. tm_k_scales)
+# The Hopper prefill kernel's maps (kernels/sm90/params.cuh: tm_q .. tm_k_scales)
 
 ZERO_MAP = np.zeros(1, TENSOR_MAP_DTYPE)[0]  #: an unused map parameter
 
@@ -78,10 +75,11 @@ def stride16(x, dim: int) -> int:
 
 def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tuple[int, int]],
                  k: Tuple[int, Tuple[int, int]], v: Tuple[int, Tuple[int, int]], rope: tuple,
-                 fp8: Optional[tuple], block_rows: int) -> Tuple[Tuple[np.void, ...], int]:
+                 fp8: Optional[tuple], block_rows: int, scale_box: int) -> Tuple[Tuple[np.void, ...], int]:
     """The six TMA descriptors of the Hopper kernel (Q, K, V, rope, q_rope, k_scales) and the rope
     box height. ``q``, ``k``, ``v`` are ``(pointer, (head stride, row stride))`` in bytes;
-    ``block_rows`` is the kernel's tile height (rows of a box).
+    ``block_rows`` is the kernel's tile height (rows of a box), ``scale_box`` the floats of its fp8 key-scale box
+    (both from the kernel's exported geometry).
 
     ``rope`` is ``(ptr, row_stride)`` for a plain k_rope, ``(ptr, row_stride, block_stride,
     page_size, num_blocks)`` for a paged cache, or ``(0,)`` for an fp8 rope (read by the rope warp,
@@ -100,8 +98,8 @@ def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tu
         # V^T[H][128][cols]: block_rows key columns x 128 values
         tm_v = encode_tiled(v[0], u8, (v[1][0], DV, heads), v[1], (block_rows, DV, 1))
         tm_qr = encode_tiled(fp8[0], dtype, (DR, heads, tq), fp8[1], (64, 1, block_rows))
-        # key scales from the 16-byte boundary at or before a tile's first key (kernels: kScaleBox)
-        tm_ks = encode_tiled(fp8[2], np.float32, (tk,), (), (block_rows + 4,), swizzle=False)
+        # key scales from the 16-byte boundary at or before a tile's first key
+        tm_ks = encode_tiled(fp8[2], np.float32, (tk,), (), (scale_box,), swizzle=False)
     if len(rope) == 2:
         tm_r, box_rows = encode_tiled(rope[0], dtype, (DR, tk), (rope[1],), (64, block_rows)), 0
     elif len(rope) == 1:

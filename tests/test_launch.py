@@ -1,19 +1,17 @@
-"""The launch code on the CPU: the packed argument buffer (mla_cupy/_launch.py), the parameter
-lists (mla_cupy/_prefill_args.py, mla_cupy/fp8.py) against the kernels' C++ signatures, the
-shared-memory table the Hopper modules export, and the few tile constants the launch code still
-names (mla_cupy/_geometry.py) against the kernels' own, so a kernel edit that is not followed in
-Python fails CI."""
+"""The launch code on the CPU: the packed argument buffer (mla_cupy/_launch.py), and the parameter
+structs and geometry the kernel modules export (kernels/params_abi.cuh), read here from NVRTC's PTX
+exactly as the launch code reads them from a loaded module, so a kernel edit that the launch code
+does not follow fails CI."""
 import ctypes
 import re
 
 import numpy as np
 import pytest
 
-from mla_cupy import _geometry, _registry as reg, jit
-from mla_cupy._launch import F32, I32, I64, PTR, ArgPack, PreparedLaunch
-from mla_cupy._prefill_args import SM80_ARGS, SM90_ARGS, SM90_MAPS
-from mla_cupy.fp8 import TRANSPOSE_V_ARGS
-from mla_cupy.tma import TENSOR_MAP_DTYPE
+from mla_cupy import _geometry, _packing, _registry as reg, jit
+from mla_cupy._arrays import BF16, FP16
+from mla_cupy._launch import F32, I32, I64, PTR, TENSOR_MAP_DTYPE, ArgPack, PreparedLaunch
+from mla_cupy.masks import CausalMask, ChunkedMask
 
 
 class _NoKernel:
@@ -47,91 +45,75 @@ def test_prepared_launch_needs_every_value():
         PreparedLaunch(ArgPack([("a", I32), ("n", I64)]), _NoKernel(), (1, 1, 1), 32, 0, dict(a=1))
 
 
-_CPP_SIZE = [(r"TensorMap", 128), (r"\*", 8), (r"\bi64\b|long long", 8), (r"\b(int|u32|float)\b", 4)]
-
-
-def _signature(filename, kernel):
-    src = jit.kernel_source(filename)
-    body = src[src.index(f"{kernel}("):]
-    body = body[len(f"{kernel}("):body.index(") {")]
-    params = []
-    for decl in body.split(","):
-        decl = decl.strip()
-        name = re.findall(r"(\w+)$", decl)[0]
-        size = next(s for pat, s in _CPP_SIZE if re.search(pat, decl))
-        params.append((name, size))
-    return params
-
-
-@pytest.mark.parametrize("filename, kernel, pack", [("mla_prefill_sm80.cu", "mla_prefill_kernel", SM80_ARGS),
-                                                    ("mla_prefill_sm90.cu", "mla_prefill_kernel", SM90_ARGS),
-                                                    ("transpose_v.cu", "transpose_v_e4m3_kernel", TRANSPOSE_V_ARGS)])
-def test_declared_parameters_match_the_kernel_signature(filename, kernel, pack):
-    want = _signature(filename, kernel)
-    got = [(n, pack.dtype.fields[n][0].itemsize) for n in pack.names]
-    assert got == want
-
-
-def test_tensor_maps_are_consecutive_parameters():
-    """A run rewrites the six maps as one 768-byte block from tm_q."""
-    offs = [SM90_ARGS.offsets[n] for n in SM90_MAPS]
-    assert offs == [offs[0] + 128 * i for i in range(len(SM90_MAPS))]
-    assert SM90_ARGS.names[:len(SM90_MAPS)] == SM90_MAPS
-
-
-def _ptx(fam, names):
-    ptx = jit.compile_offline(fam[0], names, "sm_90a", method="ptx")
-    return ptx if isinstance(ptx, str) else ptx.decode()
-
-
-def test_hopper_module_exports_its_shared_memory_table():
-    """The launch code reads the Hopper kernel's shared-memory size from the compiled module
-    (mla_cupy._geometry.prefill_kernel through jit.get_global): the table is a name expression of
-    the family, present in the PTX as a global of two ints, each within the 227 KiB a CTA may have."""
+def _ptx_globals(fam, names, arch="sm_90a"):
+    """name expression -> bytes of the exported globals ``names`` of the family's module, from its PTX."""
     pytest.importorskip("cupy")
-    from mla_cupy._arrays import BF16
-    from mla_cupy.masks import CausalMask
-
-    fam = reg.prefill_sm90(BF16, CausalMask())
-    assert reg.SM90_SMEM_TABLE in fam[1]
-    line = next(ln for ln in _ptx(fam, fam[1][:1] + (reg.SM90_SMEM_TABLE,)).splitlines()
-                if "kSmemBytesOf" in ln and "=" in ln)
-    assert re.search(r"\.global .*kSmemBytesOf\w*\[8\]", line), line
-    raw = [int(b) for b in re.search(r"\{([^}]*)\}", line).group(1).split(",")]
-    raw += [0] * (8 - len(raw))  # PTX omits trailing zero bytes
-    table = [int.from_bytes(bytes(raw[4 * i:4 * i + 4]), "little") for i in range(2)]  # [fp8]
-    assert all(100 * 1024 < t <= 227 * 1024 for t in table), table
+    ptx = jit.compile_offline(fam[0], fam[1], arch, method="ptx")
+    text = ptx if isinstance(ptx, str) else ptx.decode()
+    out = {}
+    for name in names:
+        leaf = name.rsplit("::", 1)[-1]
+        m = re.search(r"\.global \.align \d+ \.b8 (\w*%d%s\w*)\[(\d+)\](?: = \{([^}]*)\})?" % (len(leaf), leaf), text)
+        assert m, f"{name} is not in the PTX of {fam[0]}"
+        raw = [int(b) for b in m.group(3).split(",")] if m.group(3) else []
+        out[name] = bytes(raw + [0] * (int(m.group(2)) - len(raw)))  # PTX omits trailing zero bytes
+    return out
 
 
-def test_geometry_constants_are_the_kernels_own():
-    """Every tile constant the launch code names is the kernel's constexpr of the same meaning:
-    checked by NVRTC itself (static_assert appended to each source; no GPU needed)."""
-    pytest.importorskip("cupy")
-    from cupy._core.core import assemble_cupy_compiler_options
-    from cupy.cuda import compiler
-
-    g = _geometry
-    checks = {
-        "mla_prefill_sm80.cu": [f"mla::sm80::kBlockM == {g.BLOCK_M}", f"mla::sm80::kSmemBytes == {g.SM80_SMEM_BYTES}"],
-        "mla_prefill_sm90.cu": [f"mla::sm90::kBlockM == {g.BLOCK_M}", f"mla::sm90::kBlockN == {g.SM90_BLOCK_N}",
-                                f"mla::sm90::kScaleBox == {g.SM90_BLOCK_N} + 4"],
-        "transpose_v.cu": [f"mla::kVtCols == {g.VT_COLS_PER_CTA}"],
-    }
-    opts = assemble_cupy_compiler_options(("-std=c++17", "-arch=compute_90a"))
-    for filename, conds in checks.items():
-        src = jit.kernel_source(filename) + "".join(f'\nstatic_assert({c}, "{c}");' for c in conds)
-        try:
-            compiler._NVRTCProgram(src, filename).compile(opts)
-        except compiler.CompileException as exc:
-            pytest.fail(f"{filename}: {str(exc).splitlines()[0]}")
+def _pack_of(fam, exports):
+    g = _ptx_globals(fam, exports, "sm_90a" if fam[0] != reg.PREFILL_SM80[0] else "sm_80")
+    layout = np.frombuffer(g[exports[0]], np.int32)
+    return ArgPack.from_export(layout, g[exports[1]]), np.frombuffer(g[exports[2]], np.int32), g
 
 
-def test_static_assert_check_can_fail():
-    """The check above reports a constant that differs (so it is not vacuous)."""
-    pytest.importorskip("cupy")
-    from cupy._core.core import assemble_cupy_compiler_options
-    from cupy.cuda import compiler
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_rope"])
+def test_hopper_module_exports_its_parameter_struct_and_geometry(variant):
+    """What mla_cupy._geometry.prefill_kernel reads from a loaded module (jit.get_global), taken from
+    the PTX: the parameter struct (every field the packing writes, the six tensor maps consecutive as
+    a run rewrites them), and a geometry row per variant within the limits of a Hopper CTA."""
+    fam = reg.prefill_sm90(BF16, CausalMask(), variant)
+    pack, table, _ = _pack_of(fam, reg.SM90_EXPORTS)
+    assert pack.struct and pack.dtype.itemsize <= 4096  # kernel parameters: 4 KiB
+    assert _packing.map_fields(pack) == _packing.SM90_MAPS
+    assert pack.dtype.fields["tm_q"][0] == TENSOR_MAP_DTYPE and pack.offsets["tm_q"] % 64 == 0
+    for name in ("out", "lse", "q_offsets", "kv_begin", "kv_end", "tile_counter", "q_scale", "rope_scales"):
+        assert pack.dtype.fields[name][0] == PTR, name
+    assert pack.dtype.fields["scale_log2"][0] == F32 and pack.dtype.fields["mask_arg"][0] == I64
+    assert pack.dtype.fields["num_heads"][0] == I32
+    rows = table.reshape(-1, len(_geometry.SM90_GEOMETRY))
+    assert rows.shape[0] == len(reg.SM90_VARIANTS)
+    for name, (_, row) in reg.SM90_VARIANTS.items():
+        geom = dict(zip(_geometry.SM90_GEOMETRY, rows[row].tolist()))
+        assert 100 * 1024 < geom["smem"] <= 227 * 1024, (name, geom)
+        assert geom["threads"] == 384 and geom["block_m"] == geom["block_n"] == 128, geom
+        assert geom["scale_box"] >= geom["block_n"], geom  # a tile's key scales and the aligned start
 
-    src = jit.kernel_source("transpose_v.cu") + f'\nstatic_assert(mla::kVtCols == {_geometry.VT_COLS_PER_CTA + 1}, "x");'
-    with pytest.raises(compiler.CompileException, match="static assertion"):
-        compiler._NVRTCProgram(src, "t.cu").compile(assemble_cupy_compiler_options(("-std=c++17", "-arch=compute_90a")))
+
+def test_portable_module_and_pre_pass_export_theirs():
+    fam = reg.prefill_sm80(FP16, ChunkedMask(5))
+    pack, table, _ = _pack_of(fam, reg.SM80_EXPORTS)
+    geom = dict(zip(_geometry.SM80_GEOMETRY, table.tolist()))
+    assert 64 * 1024 < geom["smem"] <= 164 * 1024 and geom["threads"] == 256 and geom["block_m"] == 128, geom
+    assert {"q", "k", "v", "out", "lse", "q_st", "rope_base", "accumulate"} <= set(pack.names)
+    fam = reg.transpose_v_family()
+    pack, table, _ = _pack_of(fam, fam[1][1:])
+    assert pack.names == ("v", "v_st", "v_sh", "kv_begin", "kv_end", "batch", "vt", "cols")
+    assert dict(zip(_geometry.VT_GEOMETRY, table.tolist())) == {"threads": 128, "cols_per_cta": 128}
+
+
+def test_export_parser_rejects_a_malformed_layout():
+    """A kind or size the launch code cannot pack is an error, not a silent misplacement."""
+    layout = np.array([16, 2, 4, 0, 8, 0, 8, 4, 1], np.int32)  # ptr at 0, int at 8
+    pack = ArgPack.from_export(layout, b"a,b,")
+    assert pack.names == ("a", "b") and pack.offsets == {"a": 0, "b": 8} and pack.dtype.itemsize == 16
+    with pytest.raises(RuntimeError, match="parameter 'b' has kind 1, 8 bytes"):
+        ArgPack.from_export(np.array([16, 2, 4, 0, 8, 0, 8, 8, 1], np.int32), b"a,b,")
+    with pytest.raises(RuntimeError, match="malformed"):
+        ArgPack.from_export(layout, b"a,")
+
+
+def test_struct_launch_passes_one_pointer_to_the_whole_buffer():
+    pack = ArgPack.from_export(np.array([16, 2, 4, 0, 8, 0, 8, 4, 1], np.int32), b"a,b,")
+    pl = PreparedLaunch(pack, _NoKernel(), (1, 1, 1), 32, 0, dict(a=0xABC0, b=-3))
+    assert len(pl._ptrs) == 1 and int(pl._ptrs[0]) == pl._buf.ctypes.data
+    assert int(np.frombuffer(ctypes.string_at(int(pl._ptrs[0]) + 8, 4), np.int32)[0]) == -3

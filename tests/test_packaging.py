@@ -22,8 +22,11 @@ def wheel(tmp_path_factory):
 
 def test_wheel_contents(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    kernels = sorted(Path(n).name for n in names if n.startswith("mla_cupy/kernels/"))
-    assert set(kernels) == {p.name for p in (ROOT / "kernels").iterdir() if p.suffix in (".cu", ".cuh")}
+    prefix = "mla_cupy/kernels/"
+    kernels = {n[len(prefix):] for n in names if n.startswith(prefix)}
+    assert kernels == {p.relative_to(ROOT / "kernels").as_posix() for p in (ROOT / "kernels").rglob("*")
+                       if p.suffix in (".cu", ".cuh")}
+    assert "sm90/mainloop.cuh" in kernels  # the Hopper kernel's role headers
     assert "cli.py" not in names and "mla_cupy/cli.py" in names and "mla_cupy/__init__.py" in names
     assert not any(n.startswith("tests/") for n in names)
 

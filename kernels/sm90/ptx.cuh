@@ -1,7 +1,8 @@
 // Hopper (sm_90a) primitives: mbarriers, the bulk tensor copy engine (TMA), wgmma with shared-memory
 // descriptors, register reallocation and named barriers. Small wrappers over PTX, one per concept.
 #pragma once
-#include "common.cuh"
+#include "../common.cuh"
+#include "../params_abi.cuh"
 
 namespace mla {
 namespace sm90 {
@@ -40,6 +41,9 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // __grid_constant__ kernel parameter (built on the host with cuTensorMapEncodeTiled).
 // ---------------------------------------------------------------------------------------------
 struct alignas(64) TensorMap { unsigned long long opaque[16]; };
+}  // namespace sm90
+template <> struct ParamKind<sm90::TensorMap> { static constexpr int value = kParamMap; };
+namespace sm90 {
 
 __device__ __forceinline__ void tma_load_1d(u32 dst, const TensorMap* map, u32 bar, int c0) {
   asm volatile(
@@ -55,6 +59,15 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 b
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
       ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+
+// threadIdx.x read where it is used: the compiler can neither hoist this read nor values derived
+// from it, so per-thread addresses of rarely run code (e.g. a partial tile's clean-up) are not
+// kept live in registers across a whole loop.
+__device__ __forceinline__ int thread_index_here() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@
 // stores its keys in that order (vt_layout.cuh: sigma), so the contraction pairs every P value
 // with its own key's V row.
 #pragma once
-#include "common.cuh"
-#include "e4m3.cuh"
-#include "sm90.cuh"
-#include "vt_layout.cuh"
+#include "../common.cuh"
+#include "../e4m3.cuh"
+#include "ptx.cuh"
+#include "../vt_layout.cuh"
 
 namespace mla {
 namespace sm90 {

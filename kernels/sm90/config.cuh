@@ -1,0 +1,127 @@
+// Geometry of the Hopper kernel, its variants as traits types, and the switches that select
+// alternative code paths for measurements. Every constant the launch code needs is exported from
+// the compiled module (mla_prefill_sm90.cu: kGeometry), never written again in Python.
+#pragma once
+#include "../common.cuh"
+
+namespace mla {
+namespace sm90 {
+
+constexpr int kDv = 128;                            // values and the per-head ("nope") part of q / k
+constexpr int kDr = 64;                             // the rope part every head shares
+constexpr int kDqk = kDv + kDr;                     // 192
+constexpr int kBlockM = 128;                        // query rows per work tile
+constexpr int kBlockN = 128;                        // keys per key tile
+static_assert(kBlockM == kBlockN, "Q and K/V tiles share the column-block size");
+constexpr int kConsumers = 2;                       // consumer warpgroups, 64 rows each
+constexpr int kWgRows = kBlockM / kConsumers;       // 64 = one wgmma M
+constexpr int kThreads = 128 * (1 + kConsumers);    // 384: the producer warpgroup and the consumers
+constexpr int kConsumerThreads = 128 * kConsumers;
+constexpr int kConsumerWarps = kConsumerThreads / 32;
+constexpr int kColBlock = 64;                       // 16-bit elements per 128-byte swizzled column block
+constexpr int kBlk = kBlockN * 128;                 // one column block of a 128-row tile: 16 KiB
+constexpr int kSTiles = kBlockN / 8;                // n-tiles of 8 keys in S (16)
+constexpr int kOTiles = kDv / 8;                    // n-tiles of 8 values in O (16)
+constexpr int kQkSteps = kDqk / 16;                 // 16-bit wgmma k-steps of S (12)
+// fp8: a tile's key scales come as one TMA box of kScaleBox floats starting at the 16-byte boundary
+// at or before the tile's first key (a 1-D box must start 16-byte aligned).
+constexpr int kScaleBox = kBlockN + 4;
+constexpr int kFlagBytes = kBlockN + 16;            // rope warp: a flag per key, then two tile flags
+
+// Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The producer
+// warps need more than a bare TMA issuer's 24: warp 0 decodes the work tiles, takes them from the
+// counter and publishes them, the rope warp keeps a tile's page lookups in registers (at 56 ptxas
+// spills in the fp8 variants); the consumers need no more than 224 (no spills).
+constexpr int kProducerRegs = 72;
+constexpr int kConsumerRegs = 216;
+static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register budget");
+
+// Named barriers (0 is __syncthreads): both consumers after zeroing V rows, the consumers' turns
+// (kTurnBar + c: consumer c may issue its GEMMs), the epilogue's shared-memory staging.
+constexpr int kVZeroBar = 1;
+constexpr int kTurnBar = 2;
+constexpr int kEpilogueBar = 4;                     // kEpilogueBar: both consumers; + 1 + c: consumer c
+
+// ---------------------------------------------------------------------------------------------
+// Variants. Each is a traits type: the 16-bit element type, what Q K^T and P V read, the K/V ring
+// depth, and whether the two consumers take turns issuing their GEMMs.
+// ---------------------------------------------------------------------------------------------
+
+// 16-bit q, k, v and rope (bf16 or fp16): 2-stage ring of 80 KiB stages.
+template <typename T>
+struct Variant16 {
+  using Elem = T;
+  static constexpr int kId = 0;                     // index into the exported tables
+  static constexpr bool kFp8 = false;               // e4m3 nope parts, V^T and P
+  static constexpr bool kRope8 = false;             // e4m3 rope with one scale per key
+  static constexpr int kNopeBlocks = 2;             // column blocks of a row's 128 nope values
+  static constexpr int kStages = 2;
+  static constexpr bool kPingpong = false;
+};
+
+// fp8 per token: e4m3 q_nope, k and V^T (the pre-pass of transpose_v.cu) with float32 scales per
+// token, bf16 rope; S = q_scale[i] k_scales[j] (q_nope k^T + q_rope k_rope^T). Key tiles start on
+// multiples of kVtAlign keys (vt_layout.cuh). The e4m3 P V is half as long as the 16-bit one, too
+// short to hide the softmax: the consumers take turns (FlashAttention-3's pingpong).
+struct VariantFp8 {
+  using Elem = __nv_bfloat16;
+  static constexpr int kId = 1;
+  static constexpr bool kFp8 = true;
+  static constexpr bool kRope8 = false;
+  static constexpr int kNopeBlocks = 1;
+  static constexpr int kStages = 3;
+  static constexpr bool kPingpong = true;
+};
+
+// 16-bit q, k, v with an e4m3 rope and one float32 scale per key, dequantized by the rope warp.
+template <typename T>
+struct VariantFp8Rope {
+  using Elem = T;
+  static constexpr int kId = 2;
+  static constexpr bool kFp8 = false;
+  static constexpr bool kRope8 = true;
+  static constexpr int kNopeBlocks = 2;
+  static constexpr int kStages = 2;
+  static constexpr bool kPingpong = false;
+};
+
+constexpr int kNumVariants = 3;
+constexpr int kMaxStages = 3;
+
+// Bytes of one tile in shared memory:
+//   Q: the nope block(s), then the rope block (q's last 64 values; q_rope in the fp8 variant);
+//   K: the nope block(s), then the rope block, then (fp8) the key scales in a 1 KiB slot;
+//   V: 16-bit: two column blocks; fp8: one e4m3 block of V^T (128 values x 128 keys).
+template <class V> constexpr int kQBytes = (V::kNopeBlocks + 1) * kBlk;
+template <class V> constexpr int kKBytes = (V::kNopeBlocks + 1) * kBlk + (V::kFp8 ? 1024 : 0);
+template <class V> constexpr int kVBytes = V::kNopeBlocks * kBlk;
+template <class V> constexpr int kPvSteps = V::kFp8 ? kBlockN / 32 : kBlockN / 16;  // wgmma k-steps of O
+// A rope warp writes the rope rows into the K stages (paged cache or fp8 rope).
+template <class V, bool kPaged> constexpr bool kRopeWarp = kPaged || V::kRope8;
+
+// ---------------------------------------------------------------------------------------------
+// Switches: alternative code paths kept for same-process A/B measurements (benchmarks/ab.py,
+// `ours:def=NAME=0`); the defaults are the measured choices (benchmarks/NOTES.md).
+// ---------------------------------------------------------------------------------------------
+// Fully visible key tiles run in a loop without mask code; tiles on a mask's edge in their own.
+#ifndef MLA_SM90_SPLIT_MASKED
+#define MLA_SM90_SPLIT_MASKED 1
+#endif
+// Stage releases (mbarrier arrives) from one elected lane per consumer warp instead of all lanes.
+#ifndef MLA_SM90_ELECTED_ARRIVE
+#define MLA_SM90_ELECTED_ARRIVE 1
+#endif
+// The epilogue's normalization and lse with MUFU reciprocal and log2 instead of IEEE division and logf.
+#ifndef MLA_SM90_FAST_EPILOGUE
+#define MLA_SM90_FAST_EPILOGUE 1
+#endif
+// 16-bit outputs staged through the last V stage and written with 16-byte stores.
+#ifndef MLA_SM90_SMEM_EPILOGUE
+#define MLA_SM90_SMEM_EPILOGUE 0
+#endif
+
+// Arrivals each consumer-released barrier expects: one per consumer warp, or one per thread.
+constexpr int kConsumerArrivals = MLA_SM90_ELECTED_ARRIVE ? kConsumerWarps : kConsumerThreads;
+
+}  // namespace sm90
+}  // namespace mla

@@ -1,0 +1,268 @@
+// The consumer mainloop: two warpgroups, 64 query rows each. Per key tile, S = Q K^T by wgmma with
+// both operands in shared memory, the online softmax in registers, and O += P V with P from
+// registers and V read transposed from shared memory (fp8: e4m3 P and V^T).
+//
+//   * Intra-warpgroup overlap: a consumer issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, waits
+//     for S_t only, and runs the softmax of tile t while the tensor cores still work on P V; only
+//     then does it wait for O and rescale it. The loop is peeled (tile 0, tiles 1..n-1, the last
+//     P V) so that no wgmma sits under a per-tile branch: ptxas serializes every wgmma of a kernel
+//     that has one in a divergent path (advisory C7518).
+//   * Masked and fully visible tiles run in separate loop copies (MLA_SM90_SPLIT_MASKED): for the
+//     masks here a warpgroup's fully visible tiles are one run [t_lo, t_hi) (softmax.cuh:
+//     full_tile_range), so the tiles before and after it take the mask and the run itself none.
+//     A warpgroup whose rows see nothing of a tile computes it anyway, masked to zeros: rare, and
+//     cheaper than serialized wgmma.
+//   * fp8 per token: the two consumers take turns issuing their GEMMs (pingpong, named barriers),
+//     so that one's softmax runs under the other's GEMMs. Consumer 0 has the first turn; both run
+//     the same GEMM blocks (same work tiles and counts), so turns alternate exactly, and consumer 0
+//     takes the last pass after the loop.
+//   * Keys past a sequence's end arrive from TMA (the neighbour's rows, or zeros past Tk): their
+//     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
+//     before P V (fp8: their V^T columns), so a neighbour's NaN can never reach this sequence.
+#pragma once
+#include "config.cuh"
+#include "scheduler.cuh"
+#include "shared_storage.cuh"
+#include "softmax.cuh"
+
+namespace mla {
+namespace sm90 {
+
+// O[64x128] += P[64x128] V[128x128]: P from registers (8 k-steps of 16 keys), V from the stage's
+// shared memory read transposed. Keys 16kk .. 16kk+15 are rows of V: 16 rows x 128 bytes = 2048
+// bytes per k-step; V's two 64-wide column blocks are one block (16 KiB) apart (the LBO).
+template <typename T>
+__device__ __forceinline__ void pv_mma(float (&o)[kOTiles][4], const u32 (&pa)[kBlockN / 16][4], u32 v_stage) {
+  const unsigned long long dv = make_desc(v_stage, kBlk, 1024);
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) Wgmma<T>::rs_tb(o, pa[kk], desc_add(dv, kk * 2048));
+}
+// fp8: O += P V with V^T (rows = values, 128 k positions of one byte) K-major: 4 k-steps of 32 bytes.
+__device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&pa)[kBlockN / 32][4], u32 vt_stage) {
+  const unsigned long long dv = make_desc(vt_stage, 16, 1024);
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 32; ++kk) WgmmaE4m3::rs(o, pa[kk], desc_add(dv, kk * 32));
+}
+
+template <class V, class Mask, bool kPaged>
+struct Mainloop {
+  using T = typename V::Elem;
+  static constexpr int kS = V::kStages;
+  static constexpr bool kRW = kRopeWarp<V, kPaged>;
+
+  const Params& p;          // the kernel's __grid_constant__ parameter
+  const Smem<V> sm;         // by value, as the mask: a reference member would put them on the stack
+  const Mask mask;
+  int cw;                   // consumer index: rows cw * 64 .. cw * 64 + 63 of each work tile
+  int lane, warp_in_wg;
+  unsigned long long dq;    // wgmma descriptor of this warpgroup's 64 Q rows (K-major)
+  int it = 0, nq = 0;       // the producer's counters (key tiles, Q tiles), followed in step
+
+  __device__ __forceinline__ Mainloop(const Params& p_, const Smem<V>& sm_, const Mask& mask_)
+      : p(p_), sm(sm_), mask(mask_) {
+    // warp-uniform through a shuffle, so that ptxas keeps the descriptors derived from it in
+    // uniform registers (no R2UR moves before each wgmma)
+    cw = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) - 1;
+    lane = threadIdx.x % 32;
+    warp_in_wg = (threadIdx.x / 32) % 4;
+    dq = make_desc(sm.q() + cw * kWgRows * 128, 16, 1024);
+    if (cw == 1) turn_pass();
+  }
+  __device__ __forceinline__ void turn_wait() const {
+    if constexpr (V::kPingpong) named_barrier_sync(kTurnBar + cw, kConsumerThreads);
+  }
+  __device__ __forceinline__ void turn_pass() const {
+    if constexpr (V::kPingpong) named_barrier_arrive(kTurnBar + 1 - cw, kConsumerThreads);
+  }
+  // After the last work tile: consumer 1's last pass, so every turn barrier ends balanced.
+  __device__ __forceinline__ void finish() const {
+    if (cw == 0) turn_wait();
+  }
+  // The sequence row of this thread's row g (rows g and g + 8) in work tile k.
+  __device__ __forceinline__ int row0(const WorkInfo& k) const {
+    return k.m0 + cw * kWgRows + warp_in_wg * 16 + (lane >> 2);
+  }
+
+  // One work tile in flight: what the per-tile steps below share.
+  struct Tile {
+    const WorkInfo& k;
+    int wr0;                         // first sequence row of this warpgroup
+    int r0;                          // sequence row of this thread's row g
+    int key_lo[2], key_hi[2];        // visible keys of rows g, g + 8 from n_begin (row_key_ranges)
+    float row_scale[2];              // softmax scale (times log2 e) of the thread's two rows
+    float sacc[kSTiles][4];          // S of the current key tile, then its P
+    u32 pa[kPvSteps<V>][4];          // P of the previous tile, waiting for its P V
+    float ksc[V::kFp8 ? kSTiles : 1][2];  // fp8: key scales of the thread's columns
+    float corr[2];                   // rescale factors of O from the last softmax step
+    int prev_s;                      // ring stage and phase of the previous key tile
+    u32 prev_parity;
+  };
+
+  // Waits for key tile `it` (its K stage, rope rows included) and issues S = Q K^T, committed as
+  // one group.
+  __device__ __forceinline__ void issue_qk(Tile& x, int it) const {
+    const int s = it % kS;
+    mbar_wait(sm.k_full(s), (it / kS) & 1);
+    // rope rows gathered by cp.async are generic-proxy writes, wgmma reads through the async proxy
+    if (kRW && sm.s.key_ok[s][kBlockN + 1]) fence_proxy_async();
+    fence_operands(x.sacc);
+    const unsigned long long dk = make_desc(sm.k(s), 16, 1024), dr = make_desc(sm.rope(s), 16, 1024);
+    wgmma_fence();
+    if constexpr (V::kFp8) {
+      // 4 e4m3 k-steps of 32 bytes over the nope block, then 4 16-bit k-steps over the rope
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(x.sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Wgmma<T>::ss(x.sacc, desc_add(dq, kBlk + kk * 32), desc_add(dr, kk * 32), 1);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kQkSteps; ++kk) {
+        // k-step kk: column block kk / 4 (nope, nope, rope), 32-byte step kk % 4 inside the
+        // 128-byte swizzled row
+        const u32 step = (kk % 4) * 32;
+        const unsigned long long dkk = kk / 4 < 2 ? desc_add(dk, (kk / 4) * kBlk + step) : desc_add(dr, step);
+        Wgmma<T>::ss(x.sacc, desc_add(dq, (kk / 4) * kBlk + step), dkk, kk > 0);
+      }
+    }
+    wgmma_commit();
+  }
+  // O += P V of ring stage s, committed as one group.
+  __device__ __forceinline__ void issue_pv(Tile& x, float (&o)[kOTiles][4], int s) const {
+    wgmma_fence();
+    if constexpr (V::kFp8) pv_mma_e4m3(o, x.pa, sm.v(s));
+    else pv_mma<T>(o, x.pa, sm.v(s));
+    wgmma_commit();
+  }
+  // fp8: the key scales of key tile t (ring position it), read while the GEMMs run.
+  __device__ __forceinline__ void key_scales(Tile& x, int t, int it) const {
+    if constexpr (V::kFp8)
+      load_key_scales(reinterpret_cast<const float*>(sm.s.stage[it % kS].k + (V::kNopeBlocks + 1) * kBlk),
+                      x.k.w.kv_row0 + x.k.n_begin + t * kBlockN, x.ksc);
+  }
+  // S of key tile t (ring position it) into probabilities: dequantized (fp8), masked as kMode says,
+  // its K stage (with the rope rows and their flags) released.
+  template <int kMode>
+  __device__ __forceinline__ void scores_to_p(Tile& x, OnlineSoftmax& smx, int t, int it) const {
+    fence_operands(x.sacc);
+    const int s = it % kS;
+    if constexpr (V::kFp8) dequantize_scores(x.sacc, x.ksc);
+    const unsigned char* ok = sm.s.key_ok[s];
+    const bool tile_bad = kRW && ok[kBlockN];  // a key of the tile could not be read
+    bool masked = kMode == kMaskApply || tile_bad;
+    if (kMode == kMaskTest) masked = masked || tile_needs_mask(x.key_lo, x.key_hi, t);
+    if (masked) mask_tile(x.sacc, x.key_lo, x.key_hi, t, tile_bad ? ok : nullptr);
+    TileHandout::release(sm.k_empty(s));
+    smx.update_scores<V::kFp8 ? kLog2PScale : 0>(x.sacc, x.row_scale, x.corr);  // fp8: kPScale * P (fp8.cuh)
+  }
+  // Key tiles t .. end - 1: S_t and P_{t-1} V_{t-1} in flight together; the softmax of S_t
+  // overlaps P V.
+  template <int kMode>
+  __device__ __forceinline__ void steps(Tile& x, float (&o)[kOTiles][4], OnlineSoftmax& smx, int& t, int end) {
+    for (; t < end; ++t, ++it) {
+      const int s = it % kS;
+      const u32 parity = (it / kS) & 1;
+      turn_wait();
+      issue_qk(x, it);
+      mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
+      issue_pv(x, o, x.prev_s);
+      turn_pass();
+      key_scales(x, t, it);
+      wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
+      scores_to_p<kMode>(x, smx, t, it);
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(x.pa);
+      TileHandout::release(sm.v_empty(x.prev_s));
+      OnlineSoftmax::rescale(o, x.corr);
+      pack_probabilities<V>(x.sacc, x.pa);
+      x.prev_s = s;
+      x.prev_parity = parity;
+    }
+  }
+
+  // The mainloop of work tile k: O (unnormalized; fp8: times kPScale) and the softmax state of this
+  // thread's two rows. With keep_v, the last key tile's V stage is not released: its index is
+  // returned for the epilogue to stage the output in (and release); -1 when there was no key tile.
+  __device__ __forceinline__ int run(const WorkInfo& k, float (&o)[kOTiles][4], OnlineSoftmax& smx, bool keep_v) {
+    const WorkTile& w = k.w;
+#pragma unroll
+    for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    smx.init();
+    if (k.num_tiles == 0) return -1;
+    Tile x{k};
+    x.wr0 = k.m0 + cw * kWgRows;
+    x.r0 = row0(k);
+    row_key_ranges(mask, w, x.r0, k.n_begin, k.n_end, x.key_lo, x.key_hi);
+    // fp8: S_ij = q_scale[i] k_scales[j] raw_ij; k_scales[j] multiplies the scores (before the mask:
+    // scales may be 0), q_scale[i] >= 0 (the API checks it) folds into the row's scale, as the
+    // maximum of q_scale[i] x is q_scale[i] max(x): one multiply per score instead of two on the
+    // softmax's critical path. A zero q_scale becomes FLT_MIN (all scores 0 -> uniform weights; a
+    // zero scale would turn masked -inf scores into NaN).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      x.row_scale[r] = p.scale_log2;
+      if constexpr (V::kFp8) {
+        const float qs = x.r0 + 8 * r < w.sq ? p.q_scale[(w.q_row0 + x.r0 + 8 * r) * p.q_scale_stride] : 1.f;
+        const float rs = qs * p.scale_log2;
+        x.row_scale[r] = rs == 0.f ? 1.17549435e-38f : rs;  // FLT_MIN
+      }
+    }
+    int t_lo = 0, t_hi = 0;  // fully visible tiles [t_lo, t_hi) of this warpgroup
+    if constexpr (MLA_SM90_SPLIT_MASKED) full_tile_range(mask, w, x.wr0, k.n_begin, k.n_end, k.num_tiles, t_lo, t_hi);
+
+    mbar_wait(sm.q_full(), nq & 1);
+    ++nq;
+    // Tile 0: S only (O is still zero, nothing to rescale).
+    x.prev_s = it % kS;
+    x.prev_parity = (it / kS) & 1;
+    turn_wait();
+    issue_qk(x, it);
+    turn_pass();
+    key_scales(x, 0, it);
+    wgmma_wait<0>();
+    scores_to_p<kMaskApply>(x, smx, 0, it);
+    pack_probabilities<V>(x.sacc, x.pa);
+    ++it;
+    int t = 1;
+    if constexpr (MLA_SM90_SPLIT_MASKED) {
+      steps<kMaskApply>(x, o, smx, t, t_lo);
+      steps<kMaskNone>(x, o, smx, t, t_hi);
+      steps<kMaskApply>(x, o, smx, t, k.num_tiles);
+    } else {
+      steps<kMaskTest>(x, o, smx, t, k.num_tiles);
+    }
+    TileHandout::release(sm.q_empty());  // every S of this work tile is done: the producer may load the next Q
+
+    // The last tile's P V. Its V rows past the span's end (the neighbour's keys) are zeroed first,
+    // by both consumers together, and the stores made visible to wgmma before either reads V.
+    const int last = x.prev_s;
+    mbar_wait(sm.v_full(last), x.prev_parity);
+    const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBlockN);
+    if (valid < kBlockN) {
+      const int tid = thread_index_here() - 128;  // (ctid, not kept live across the loop above)
+      if constexpr (V::kFp8) {
+        zero_vt_keys_from(sm.v(last), valid, tid, kConsumerThreads);  // V^T: key columns
+      } else {
+        for (int i = tid; i < (kBlockN - valid) * (kDv / 8); i += kConsumerThreads) {
+          const int r = valid + i / (kDv / 8);
+          const int c = i % (kDv / 8);  // 16-byte chunk: block c / 8, chunk c % 8 of the row
+          sts128(sm.v(last) + (c / 8) * kBlk + r * 128 + (c % 8) * 16, 0u, 0u, 0u, 0u);
+        }
+      }
+      fence_proxy_async();
+      named_barrier_sync(kVZeroBar, kConsumerThreads);
+    }
+    turn_wait();
+    issue_pv(x, o, last);
+    turn_pass();
+    wgmma_wait<0>();
+    fence_operands(o);
+    fence_operands(x.pa);
+    if (keep_v) return last;
+    TileHandout::release(sm.v_empty(last));
+    return -1;
+  }
+};
+
+}  // namespace sm90
+}  // namespace mla

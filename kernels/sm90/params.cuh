@@ -1,0 +1,40 @@
+// The Hopper kernel's arguments: one struct passed by value as a __grid_constant__ parameter (the
+// tensor maps must live in parameter space for TMA). Its layout is exported from the compiled module
+// (params_abi.cuh), and the launch code packs its buffer from that export.
+#pragma once
+#include "../params_abi.cuh"
+#include "ptx.cuh"
+
+namespace mla {
+namespace sm90 {
+
+// (type, name) of every field, in order. Pointers are untyped where the element type depends on
+// the variant (the kernel casts them).
+#define MLA_SM90_PARAMS(X)                                                                          \
+  /* TMA maps: q (fp8: e4m3 q_nope), k (fp8: e4m3 k), v (fp8: the e4m3 V^T of the pre-pass), the  */ \
+  /* rope (plain k_rope, or the paged cache as [blocks][page slots][64]), q_rope and the key      */ \
+  /* scales (fp8 per token); unused maps are zero                                                  */ \
+  X(TensorMap, tm_q) X(TensorMap, tm_k) X(TensorMap, tm_v) X(TensorMap, tm_rope) X(TensorMap, tm_q_rope)      \
+  X(TensorMap, tm_k_scales)                                                                         \
+  /* results: out [Tq, H, 128] (element strides o_st, o_sh), lse [Tq, H] (row stride lse_st) or null */ \
+  X(void*, out) X(float*, lse) X(i64, o_st) X(i64, o_sh) X(i64, lse_st)                             \
+  /* the ragged batch (tile_scheduler.cuh: SeqOffsets) */                                           \
+  X(const u32*, q_offsets) X(const u32*, kv_begin) X(const u32*, kv_end) X(const u32*, cache_offsets)        \
+  X(const i64*, q_start_pos)                                                                        \
+  /* the rope source (rope_source.cuh: RopeArgs), and the rows of one paged TMA box (0: gather) */   \
+  X(const void*, rope_base) X(i64, rope_row_stride) X(i64, rope_block_stride) X(const u32*, lookup)          \
+  X(i64, lookup_stride) X(int, log2_page_size) X(u32, num_blocks) X(u32, max_pages) X(int, rope_box_rows)    \
+  /* the work: heads, L2 sections of heads, sequences, query blocks of the longest sequence */      \
+  X(int, num_heads) X(int, heads_per_section) X(int, batch) X(int, num_m_blocks)                    \
+  /* softmax scale times log2(e), the mask's argument, merge into out / lse (chunked prefill) */     \
+  X(float, scale_log2) X(i64, mask_arg) X(int, accumulate)                                          \
+  /* fp8 per token: q_scale [Tq] (stride); fp8 rope: its scales per key (plain rows / paged slots) */ \
+  X(const float*, q_scale) X(i64, q_scale_stride) X(const float*, rope_scales) X(i64, rope_scale_row_stride) \
+  X(i64, rope_scale_block_stride)                                                                   \
+  /* the work-tile counter of this launch's stream (sm90/scheduler.cuh), or null: round robin */     \
+  X(u32*, tile_counter)
+
+MLA_DEFINE_PARAMS(Params, MLA_SM90_PARAMS)
+
+}  // namespace sm90
+}  // namespace mla

@@ -1,0 +1,70 @@
+// The producer role: one thread of warp 0 takes the work tiles (scheduler.cuh) and issues the TMA
+// copies of each one's Q (once the consumers are done with the previous Q, through q_empty) and of
+// its K and V tiles into the ring of V::kStages stages, K and V with their own full / empty
+// mbarriers so that K of tile t+1 can load while V of tile t is in use. With a plain 16-bit rope
+// the K stage's rope block comes from its own map over k_rope, shared by every head; otherwise the
+// rope warp (rope_warp.cuh) writes it.
+#pragma once
+#include "../vt_layout.cuh"
+#include "config.cuh"
+#include "scheduler.cuh"
+#include "shared_storage.cuh"
+
+namespace mla {
+namespace sm90 {
+
+template <class V, class Mask, bool kPaged>
+__device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm, const TileHandout& sched,
+                                              const Mask& mask) {
+  constexpr int kS = V::kStages;
+  constexpr bool kRW = kRopeWarp<V, kPaged>;
+  // K stage bytes that arrive by TMA: the nope block(s), the rope when plain, the key scales (fp8)
+  constexpr int kKTxBytes = (V::kNopeBlocks + (kRW ? 0 : 1)) * kBlk + (V::kFp8 ? kScaleBox * 4 : 0);
+  int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
+  int nq = 0;  // Q tiles loaded so far
+  int idx = blockIdx.x;
+  for (int n = 0;; ++n) {
+    WorkInfo k;
+    idx = sched.find<V>(p, mask, idx, k);
+    sched.publish(n, k);
+    if (!k.valid) break;
+    if (k.num_tiles > 0) {
+      const WorkTile& w = k.w;
+      mbar_wait(sm.q_empty(), (nq & 1) ^ 1);  // the consumers are done with the previous Q
+      mbar_expect_tx(sm.q_full(), kQBytes<V>);
+      const int qrow = static_cast<int>(w.q_row0 + k.m0);
+      if constexpr (V::kFp8) {
+        tma_load_3d(sm.q(), &p.tm_q, sm.q_full(), 0, w.h, qrow);                // 128 e4m3 nope values
+        tma_load_3d(sm.q() + kBlk, &p.tm_q_rope, sm.q_full(), 0, w.h, qrow);    // 64 rope values
+      } else {
+        for (int c = 0; c < kDqk / kColBlock; ++c)
+          tma_load_3d(sm.q() + c * kBlk, &p.tm_q, sm.q_full(), c * kColBlock, w.h, qrow);
+      }
+      ++nq;
+      // fp8: the sequence's first column in V^T (vt_layout.cuh)
+      const i64 vt_col = V::kFp8 ? vt_col0(static_cast<u32>(w.kv_row0), w.b) + k.n_begin : 0;
+      for (int t = 0; t < k.num_tiles; ++t, ++it) {
+        const int s = it % kS;
+        const u32 empty_parity = ((it / kS) & 1) ^ 1;  // the first pass over the ring does not wait
+        const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * kBlockN);
+        mbar_wait(sm.k_empty(s), empty_parity);
+        mbar_expect_tx(sm.k_full(s), kKTxBytes);
+        for (int c = 0; c < V::kNopeBlocks; ++c)
+          tma_load_3d(sm.k(s) + c * kBlk, &p.tm_k, sm.k_full(s), c * kColBlock, w.h, row);
+        if (!kRW) tma_load_2d(sm.rope(s), &p.tm_rope, sm.k_full(s), 0, row);
+        if (V::kFp8) tma_load_1d(sm.k_scales(s), &p.tm_k_scales, sm.k_full(s), row & ~3);  // 16-byte aligned start
+        mbar_wait(sm.v_empty(s), empty_parity);
+        mbar_expect_tx(sm.v_full(s), kVBytes<V>);
+        if constexpr (V::kFp8) {  // V^T: 128 values x 128 key columns (16-byte aligned: the tile starts on a group)
+          tma_load_3d(sm.v(s), &p.tm_v, sm.v_full(s), static_cast<int>(vt_col + t * kBlockN), 0, w.h);
+        } else {
+          for (int c = 0; c < 2; ++c) tma_load_3d(sm.v(s) + c * kBlk, &p.tm_v, sm.v_full(s), c * kColBlock, w.h, row);
+        }
+      }
+    }
+    idx = sched.next(idx);
+  }
+}
+
+}  // namespace sm90
+}  // namespace mla

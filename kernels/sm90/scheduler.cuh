@@ -1,0 +1,122 @@
+// The scheduler role of the persistent Hopper kernel: which work tile a CTA takes next, decoded
+// once and handed to every role through shared memory.
+//
+// Work tiles are (query block, sequence, head) in the linear order of tile_scheduler.cuh (heads in
+// L2-sized sections, the longest query blocks first). Two modes:
+//   * static (tile_counter == nullptr): blockIdx.x, then + gridDim.x each time (round robin);
+//   * dynamic: the first index is blockIdx.x; each next one comes from a global counter, taken by
+//     the producer thread once it has issued the loads of its current tile, so tiles go out in the
+//     order in which CTAs free up (FlashAttention-3's dynamic persistent scheduler). The round robin
+//     leaves CTAs idle when tile costs differ (ragged batches, indices that decode to nothing).
+// The producer thread decodes each index (tile_scheduler.cuh: decode_work_tile and the visible key
+// span), skips indices without rows, and publishes the result as a WorkInfo in a 2-slot ring in
+// shared memory: full(s) completes on the producer's one arrival, empty(s) on one arrival per
+// reader (kConsumerArrivals of the consumers, plus the rope warp's when it runs). Every role thus
+// walks the same work tiles and agrees on every barrier count, and nobody else decodes (no integer
+// divisions nor dependent global loads on the consumers' path).
+// The counter is zero between launches: each CTA's producer takes exactly one index past the end
+// (then stops), and the CTA that takes the gridDim.x-th such index resets the counter; no CTA
+// touches it afterwards. Launches that share a counter must not overlap (one counter per stream).
+#pragma once
+#include "../tile_scheduler.cuh"
+#include "../vt_layout.cuh"
+#include "config.cuh"
+#include "params.cuh"
+#include "ptx.cuh"
+
+namespace mla {
+namespace sm90 {
+
+// One work tile as every role needs it.
+struct alignas(16) WorkInfo {
+  WorkTile w;          // sequence, head, query block; row offsets and positions
+  int m0;              // the tile's first query row in its sequence
+  int n_begin, n_end;  // keys [n_begin, n_end) of the sequence that some row of the tile may see
+  int num_tiles;       // key tiles of kBlockN keys from n_begin (0: nothing visible)
+  int valid;           // 0: no more work for this CTA
+};
+
+__device__ __forceinline__ SeqOffsets seq_offsets(const Params& p) {
+  return SeqOffsets{p.q_offsets, p.kv_begin, p.kv_end, p.cache_offsets, p.q_start_pos};
+}
+
+// Decodes work tile idx; false when it has no rows (its sequence is shorter than the query block).
+template <class V, class Mask>
+__device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int idx, WorkInfo& k) {
+  if (!decode_work_tile(seq_offsets(p), idx, p.num_heads, p.heads_per_section, p.batch, p.num_m_blocks, kBlockM,
+                        k.w))
+    return false;
+  k.m0 = k.w.m_block * kBlockM;
+  const int rows = min(kBlockM, k.w.sq - k.m0);
+  visible_key_span(mask, k.w, k.w.q_pos0 + k.m0, k.w.q_pos0 + k.m0 + rows - 1, k.n_begin, k.n_end);
+  // fp8 per token: key tiles start on a multiple of kVtAlign keys (V^T's layout); the keys added are masked
+  if (V::kFp8) k.n_begin &= ~(kVtAlign - 1);
+  k.num_tiles = (k.n_end - k.n_begin + kBlockN - 1) / kBlockN;
+  k.valid = 1;
+  return true;
+}
+
+struct TileHandout {
+  u32* counter;  // global, 2 words: [0] indices handed out past the first gridDim.x, [1] CTAs done
+  int num_work;  // work-tile indices of the launch
+  u32 bars;      // shared: 4 mbarriers full(0), full(1), empty(0), empty(1)
+  WorkInfo* slots;  // shared: the 2 slots
+
+  __device__ __forceinline__ u32 full(int s) const { return bars + 8 * s; }
+  __device__ __forceinline__ u32 empty(int s) const { return bars + 16 + 8 * s; }
+
+  // One thread, before the CTA's first __syncthreads (with the other mbarrier inits).
+  __device__ __forceinline__ void init(u32 readers) const {
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), readers);
+    }
+  }
+  // Producer thread: the index after `idx`.
+  __device__ __forceinline__ int next(int idx) const {
+    if (counter == nullptr) return idx + static_cast<int>(gridDim.x);
+    const int nxt = static_cast<int>(gridDim.x + atomicAdd(counter, 1u));
+    if (nxt >= num_work && atomicAdd(counter + 1, 1u) == gridDim.x - 1) {
+      counter[0] = 0;  // every CTA has taken its index past the end: ready for the next launch
+      counter[1] = 0;
+    }
+    return nxt;
+  }
+  // Producer thread: from index idx on, the first work tile with rows into k (k.valid = 0 past the
+  // end); returns its index.
+  template <class V, class Mask>
+  __device__ __forceinline__ int find(const Params& p, const Mask& mask, int idx, WorkInfo& k) const {
+    for (; idx < num_work; idx = next(idx))
+      if (plan_work<V>(p, mask, idx, k)) return idx;
+    k.valid = 0;
+    return idx;
+  }
+  // Producer thread: hand-out n is k.
+  __device__ __forceinline__ void publish(int n, const WorkInfo& k) const {
+    const int s = n & 1;
+    mbar_wait(empty(s), ((n >> 1) & 1) ^ 1);  // the first pass over the 2 slots does not wait
+    slots[s] = k;
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(full(s)) : "memory");
+  }
+  // Reader threads (whole warps): hand-out n. One lane per warp releases the slot once every lane
+  // has read it (or every lane, with kConsumerArrivals counting threads).
+  __device__ __forceinline__ void take(int n, WorkInfo& k) const {
+    const int s = n & 1;
+    mbar_wait(full(s), (n >> 1) & 1);
+    asm volatile("" ::: "memory");  // the slot is read after the wait
+    k = slots[s];
+    release(empty(s));
+  }
+  // A reader warp's arrival on a barrier counted in kConsumerArrivals units.
+  static __device__ __forceinline__ void release(u32 bar) {
+    if constexpr (MLA_SM90_ELECTED_ARRIVE) {
+      __syncwarp();  // every lane's reads of the released buffer are done
+      if (threadIdx.x % 32 == 0) mbar_arrive(bar);
+    } else {
+      mbar_arrive(bar);
+    }
+  }
+};
+
+}  // namespace sm90
+}  // namespace mla

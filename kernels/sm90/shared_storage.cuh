@@ -1,0 +1,78 @@
+// The Hopper kernel's shared memory: one struct per variant, and the shared-space addresses of its
+// parts (what TMA, wgmma and the mbarrier instructions take).
+//
+//   [Q][stage 0: K V][stage 1: K V](fp8: [stage 2: K V])[mbarriers][work slots][key flags]
+//
+// Tiles are 64-element column blocks with the 128-byte swizzle (what TMA writes; ptx.cuh), so Q and
+// each K and V start on a 1 KiB boundary. The epilogue's 16-bit output staging reuses the last key
+// tile's V stage once both consumers' P V has read it (epilogue.cuh).
+#pragma once
+#include "config.cuh"
+#include "scheduler.cuh"
+
+namespace mla {
+namespace sm90 {
+
+template <class V>
+struct alignas(1024) SharedStorage {
+  struct alignas(1024) Stage {
+    unsigned char k[kKBytes<V>];  // 1024-multiple: v stays 1 KiB aligned
+    unsigned char v[kVBytes<V>];
+  };
+  unsigned char q[kQBytes<V>];
+  Stage stage[V::kStages];
+  // mbarriers: Q (TMA / the consumers), each stage's K and V (TMA, plus the rope warp for K / the
+  // consumers), and the scheduler's two slots (full, full, empty, empty)
+  unsigned long long q_full, q_empty;
+  unsigned long long k_full[V::kStages], v_full[V::kStages], k_empty[V::kStages], v_empty[V::kStages];
+  unsigned long long work_bars[4];
+  WorkInfo work[2];
+  // rope warp only: key_ok[s][0..127] per-key flags of K stage s, then at byte kBlockN "a key of
+  // the span is unreadable" and at kBlockN + 1 "gathered by cp.async"
+  unsigned char key_ok[V::kStages][kFlagBytes];
+};
+static_assert(kKBytes<VariantFp8> % 1024 == 0 && kKBytes<Variant16<__half>> % 1024 == 0, "V stages 1 KiB aligned");
+
+// Dynamic shared memory of variant V: the struct, plus the slack to align its base to 1 KiB.
+template <class V> constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage<V>)) + 1024;
+static_assert(kSmemBytes<Variant16<__half>> <= 227 * 1024 && kSmemBytes<VariantFp8> <= 227 * 1024,
+              "shared memory per CTA");
+
+// Shared-space addresses of the parts of SharedStorage<V> at `base` (what TMA, wgmma and the
+// mbarrier instructions take). Offsets are pointer differences inside the struct, which the
+// compiler folds to constants.
+template <class V>
+struct Smem {
+  using S = SharedStorage<V>;
+  S& s;
+  u32 base;
+
+  __device__ __forceinline__ u32 at(const void* part) const {
+    return base + static_cast<u32>(static_cast<const unsigned char*>(part) - reinterpret_cast<const unsigned char*>(&s));
+  }
+  __device__ __forceinline__ u32 q() const { return at(s.q); }
+  __device__ __forceinline__ u32 k(int st) const { return at(s.stage[st].k); }
+  __device__ __forceinline__ u32 rope(int st) const { return k(st) + V::kNopeBlocks * kBlk; }  // the K rope block
+  __device__ __forceinline__ u32 k_scales(int st) const { return rope(st) + kBlk; }         // fp8
+  __device__ __forceinline__ u32 v(int st) const { return at(s.stage[st].v); }
+  __device__ __forceinline__ u32 q_full() const { return at(&s.q_full); }
+  __device__ __forceinline__ u32 q_empty() const { return at(&s.q_empty); }
+  __device__ __forceinline__ u32 k_full(int st) const { return at(&s.k_full[st]); }
+  __device__ __forceinline__ u32 v_full(int st) const { return at(&s.v_full[st]); }
+  __device__ __forceinline__ u32 k_empty(int st) const { return at(&s.k_empty[st]); }
+  __device__ __forceinline__ u32 v_empty(int st) const { return at(&s.v_empty[st]); }
+  __device__ __forceinline__ u32 work_bars() const { return at(s.work_bars); }
+};
+
+// The shared storage of this CTA: the dynamic shared memory's base rounded up to 1 KiB.
+template <class V>
+__device__ __forceinline__ Smem<V> shared_storage(unsigned char* smem_raw) {
+  const u32 raw = smem_addr(smem_raw);
+  // warp-uniform through a shuffle: addresses and wgmma descriptors derived from it stay in
+  // uniform registers
+  const u32 base = __shfl_sync(0xffffffffu, (raw + 1023u) & ~1023u, 0);
+  return Smem<V>{*reinterpret_cast<SharedStorage<V>*>(smem_raw + (base - raw)), base};
+}
+
+}  // namespace sm90
+}  // namespace mla

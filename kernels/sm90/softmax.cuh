@@ -1,0 +1,120 @@
+// The consumers' per-tile score work on Hopper: fp8 dequantization of S, the mask, the online
+// softmax (../softmax.cuh: OnlineSoftmax, shared with the portable kernel) and P packed as the A
+// operand of P V. A thread holds rows g and g + 8 of its warp's 16 (the wgmma C layout, ../softmax.cuh).
+#pragma once
+#include "../mask.cuh"
+#include "../softmax.cuh"
+#include "config.cuh"
+#include "fp8.cuh"
+
+namespace mla {
+namespace sm90 {
+
+// How a key tile's scores are masked: kMaskNone for tiles that every row of the warpgroup sees
+// whole, kMaskApply on a mask's edge, kMaskTest to decide per tile and thread at run time.
+enum MaskMode : int { kMaskNone = 0, kMaskApply = 1, kMaskTest = 2 };
+template <int kMode> struct MaskTag { static constexpr int value = kMode; };
+
+// fp8 per token: the key scales of this thread's columns of a tile, read from its K stage while the
+// GEMMs run, so that their latency stays off the softmax's path. The tile's scales start
+// (kv_row0 + n0) % 4 floats into the stage's box (the producer loads it from the 16-byte boundary).
+__device__ __forceinline__ void load_key_scales(const float* box, i64 first_row, float (&ksc)[kSTiles][2]) {
+  const float* p = box + (first_row & 3) + 2 * (threadIdx.x % 4);
+#pragma unroll
+  for (int nt = 0; nt < kSTiles; ++nt) ksc[nt][0] = p[nt * 8], ksc[nt][1] = p[nt * 8 + 1];
+}
+
+// fp8 per token: S_ij *= k_scales[j] (q_scale[i] is folded into the row's softmax scale).
+__device__ __forceinline__ void dequantize_scores(float (&s)[kSTiles][4], const float (&ksc)[kSTiles][2]) {
+#pragma unroll
+  for (int nt = 0; nt < kSTiles; ++nt) {
+    s[nt][0] *= ksc[nt][0];
+    s[nt][1] *= ksc[nt][1];
+    s[nt][2] *= ksc[nt][0];
+    s[nt][3] *= ksc[nt][1];
+  }
+}
+
+// P (kPScale * P in fp8) as the A fragments of the kPvSteps k-steps of P V.
+template <class V>
+__device__ __forceinline__ void pack_probabilities(const float (&s)[kSTiles][4], u32 (&pa)[kPvSteps<V>][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kPvSteps<V>; ++kk) {
+    if constexpr (V::kFp8) pack_p_e4m3(s, kk, pa[kk]);
+    else pack_p<typename V::Elem>(s, kk, pa[kk]);
+  }
+}
+
+// The keys each of the thread's two rows sees, as [lo[r], hi[r]) relative to the work tile's first
+// key n_begin and inside its span [n_begin, n_end): found once per work tile (the mask's 64-bit
+// position arithmetic, divisions for the chunked masks), so that masking a key tile is two integer
+// compares per score. r0 is the sequence row of the thread's row g; rows past sq get the range of
+// their would-be positions (never stored).
+template <class Mask>
+__device__ __forceinline__ void row_key_ranges(const Mask& mask, const WorkTile& w, int r0, int n_begin, int n_end,
+                                               int (&lo)[2], int (&hi)[2]) {
+  const i64 key0 = w.k_pos0 + n_begin;
+  const i64 span = n_end - n_begin;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    i64 k_lo, k_hi;
+    const i64 q = w.q_pos0 + r0 + 8 * r;
+    mask.key_range(q, q, k_lo, k_hi);
+    k_lo -= key0;  // |positions| < 2^62: no overflow
+    k_hi -= key0;
+    lo[r] = static_cast<int>(k_lo < 0 ? 0 : (k_lo > span ? span : k_lo));
+    hi[r] = static_cast<int>(k_hi < 0 ? 0 : (k_hi > span ? span : k_hi));
+  }
+}
+
+// Sets to -inf the scores of key tile t outside each row's [lo, hi) (row_key_ranges) and, with
+// key_ok, of keys whose data could not be read. Returns nothing to rescale: the softmax treats a
+// row with nothing visible yet as empty.
+__device__ __forceinline__ void mask_tile(float (&s)[kSTiles][4], const int (&lo)[2], const int (&hi)[2], int t,
+                                          const unsigned char* key_ok) {
+  const int c0 = 2 * (threadIdx.x % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int l = lo[r] - t * kBlockN - c0, h = hi[r] - t * kBlockN - c0;  // this thread's columns: c0 + 8 nt + e
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = nt * 8 + e;
+        bool vis = col >= l && col < h;
+        if (key_ok != nullptr) vis = vis && key_ok[c0 + col];
+        if (!vis) s[nt][2 * r + e] = neg_inf();
+      }
+    }
+  }
+}
+
+// Whether key tile t needs mask_tile for this thread's rows.
+__device__ __forceinline__ bool tile_needs_mask(const int (&lo)[2], const int (&hi)[2], int t) {
+  const int a = t * kBlockN, b = a + kBlockN;
+  return lo[0] > a || hi[0] < b || lo[1] > a || hi[1] < b;
+}
+
+// The tiles [t_lo, t_hi) of a work tile's num_tiles key tiles that every row of a warpgroup sees
+// whole: inside the keys common to its first and last row (mask.cuh: common_key_range) and the
+// span [n_begin, n_end). Rows wr0 .. of the sequence (none when wr0 >= sq: then nothing is stored
+// and nothing needs masking).
+template <class Mask>
+__device__ __forceinline__ void full_tile_range(const Mask& mask, const WorkTile& w, int wr0, int n_begin, int n_end,
+                                                int num_tiles, int& t_lo, int& t_hi) {
+  t_lo = 0;
+  t_hi = num_tiles;
+  if (wr0 >= w.sq) return;
+  const i64 q_lo = w.q_pos0 + wr0, q_hi = w.q_pos0 + min(wr0 + kWgRows - 1, w.sq - 1);
+  i64 k_lo, k_hi;
+  common_key_range(mask, q_lo, q_hi, k_lo, k_hi);
+  const i64 key0 = w.k_pos0 + n_begin;                        // position of tile 0's first key
+  const i64 lo = k_lo - key0;                                 // first fully visible key, from key0
+  const i64 hi = (k_hi - w.k_pos0 < n_end ? k_hi - w.k_pos0 : n_end) - n_begin;  // one past the last
+  t_lo = lo <= 0 ? 0 : static_cast<int>(lo >= static_cast<i64>(num_tiles) * kBlockN ? num_tiles : (lo + kBlockN - 1) / kBlockN);
+  t_hi = hi <= 0 ? 0 : static_cast<int>(hi >= static_cast<i64>(num_tiles) * kBlockN ? num_tiles : hi / kBlockN);
+  if (t_hi < t_lo) t_hi = t_lo;
+}
+
+}  // namespace sm90
+}  // namespace mla
