@@ -36,9 +36,16 @@ Usage (``cuobjdump`` from CUDA, ``PATH``, ``$CUOBJDUMP`` or the pip package
     python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>"
     python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>" --family-kernel "float"
     python benchmarks/sass.py --so fa3/fa3_fwd/_C.abi3.so --list --kernel FlashAttnFwdSm90 --kernel "C<192>"
-    python benchmarks/sass.py --so fa3/fa3_fwd/_C.abi3.so --kernel "C<192> >, 128, cutlass::bfloat16_t" ...
-    # side by side: both given; the main loop of each (or --ours-loop / --theirs-loop ADDRESS)
-    python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>" --so ... --kernel ...
+    # FA3's bf16 kernel for flash_attn_varlen_func(causal=True) at head sizes 192 / 128 with as many
+    # K as Q heads; the booleans after Sm90: Is_causal, Is_local, Has_softcap, Varlen, PagedKVNonTMA,
+    # AppendKV, HasQv, MmaPV_is_RS, IntraWGOverlap, PackGQA, Split, V_colmajor
+    FA3_BF16=(--so fa3/fa3_fwd/_C.abi3.so --kernel FlashAttnFwdSm90 --kernel "C<192> >, 128,
+      cutlass::bfloat16_t, float, cutlass::arch::Sm90, true, false, false, true, false, false, false,
+      true, true, false, false, false>")   # (one line)
+    python benchmarks/sass.py "${FA3_BF16[@]}"
+    # side by side: both given; our family's first kernel (or the first --family-kernel keeps),
+    # the main loop of each (or --ours-loop / --theirs-loop ADDRESS)
+    python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>" "${FA3_BF16[@]}"
 
 ``--kernel`` may be given several times (every substring must appear in the demangled or the
 mangled name); when several kernels still match, ``--index N`` picks one of the listed matches.
@@ -675,7 +682,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             found = library_kernels(a.so, a.kernel)
             if a.json:
                 print(json.dumps([asdict(k) for k in found], indent=1))
-            for i, k in enumerate(found) if not a.json else ():
+                return 0
+            for i, k in enumerate(found):
                 print(f"[{i}] ELF {k.elf_index} REG {k.resources.get('REG')} STACK {k.resources.get('STACK')}: {_short(k.demangled)}")
             return 0
         if not a.family and not a.so:
