@@ -26,6 +26,10 @@ Implementations (``--impls``, comma separated; the first is the base):
                     the K build at 192 width that it needs
   fa3-fp8           FlashAttention-3 e4m3 (per (batch, head) descales)
   cudnn, cudnn+kbuild   torch SDPA on the cuDNN backend (one call per sequence)
+  cudnn-ragged, cudnn-ragged+kbuild
+                    cuDNN's ragged SDPA (``cudnn.sdpa_torch`` with ``cu_seqlens``, the nvidia-cudnn-frontend
+                    wheel): one call per batch; left out of the run, with one line saying how to get it,
+                    when the module does not import, and of a case whose mask it cannot express
   kbuild            the K build alone (``torch.cat``)
 
 Every implementation's output is checked against the float64 reference (two heads) once per case;
@@ -291,6 +295,17 @@ def _build_k(t, heads):
     return torch.cat([t["k"], t["k_rope"].expand(tk, heads, DR)], dim=-1)
 
 
+def _from_torch(outs: List[object]) -> Callable[[int], object]:
+    """``output(i)`` of an implementation whose ``call(i)`` leaves a torch tensor ``[Tq, H, 128]``
+    in ``outs[i]``: a zero-copy CuPy view of it."""
+    def output(i):
+        import cupy as cp
+
+        return cp.from_dlpack(outs[i])
+
+    return output
+
+
 def _fa3(case: BenchCase, sets, opts, *, kbuild: bool, fp8: bool = False) -> Impl:
     import torch
 
@@ -339,12 +354,7 @@ def _fa3(case: BenchCase, sets, opts, *, kbuild: bool, fp8: bool = False) -> Imp
         outs[i] = r[0] if isinstance(r, tuple) else r
         return outs[i]
 
-    def output(i):
-        import cupy as cp
-
-        return cp.from_dlpack(outs[i])
-
-    return call, output
+    return call, _from_torch(outs)
 
 
 def _cudnn(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
@@ -369,6 +379,34 @@ def _cudnn(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
     return call, output
 
 
+class LeftOut(Exception):
+    """An implementation that cannot run a case (not installed, or a mask it cannot express): the
+    case runs without it, and the message says why."""
+
+
+def _cudnn_ragged(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
+    fn = bench.cudnn_sdpa_function()
+    if fn is None:
+        raise LeftOut(f"the cuDNN frontend (module cudnn) does not import; {bench.CUDNN_FRONTEND_HINT}")
+    try:
+        attn = bench.cudnn_ragged_fn(case, fn, "cuda")
+    except ValueError as exc:
+        raise LeftOut(str(exc)) from None
+    import torch
+
+    tx = _torch_sets(sets)
+    k192 = [_build_k(t, case.heads) for t in tx]
+    outs: List[object] = [None] * len(sets)
+
+    def call(i):
+        t = tx[i]
+        with torch.no_grad():
+            outs[i] = attn(t["q"], _build_k(t, case.heads) if kbuild else k192[i], t["v"])
+        return outs[i]
+
+    return call, _from_torch(outs)
+
+
 def _kbuild(case: BenchCase, sets, opts) -> Impl:
     tx = _torch_sets(sets)
     return (lambda i: _build_k(tx[i], case.heads)), None
@@ -382,6 +420,8 @@ FACTORIES: Dict[str, Callable[..., Impl]] = {
     "fa3-fp8": lambda c, s, o: _fa3(c, s, o, kbuild=False, fp8=True),
     "cudnn": lambda c, s, o: _cudnn(c, s, o, kbuild=False),
     "cudnn+kbuild": lambda c, s, o: _cudnn(c, s, o, kbuild=True),
+    "cudnn-ragged": lambda c, s, o: _cudnn_ragged(c, s, o, kbuild=False),
+    "cudnn-ragged+kbuild": lambda c, s, o: _cudnn_ragged(c, s, o, kbuild=True),
     "kbuild": _kbuild,
 }
 
@@ -421,7 +461,13 @@ def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler:
     errors = {}
     for spec in specs:
         base, opts = parse_impl(spec)
-        call, output = FACTORIES[base](case, sets, opts)
+        try:
+            call, output = FACTORIES[base](case, sets, opts)
+        except LeftOut as exc:
+            if spec == specs[0]:
+                raise SystemExit(f"{case.name} / {spec} (the base): {exc}") from None
+            print(f"{case.name} / {spec}: left out ({exc})", file=sys.stderr, flush=True)
+            continue
         # Poison, run once, check against the float64 reference.
         if output is not None and base in ("ours", "ours-fp8"):
             output(0).view(cp.uint16)[...] = 0x7FC0  # bf16 NaN
@@ -433,6 +479,7 @@ def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler:
             if not errors[spec] <= limit:
                 raise SystemExit(f"{case.name} / {spec}: relative error {errors[spec]:.3e} > {limit:.1e}")
         impls[spec] = call
+    specs = [s for s in specs if s in impls]
     times: Dict[str, List[float]] = {s: [] for s in specs}
     mark = sampler.mark()
     for r in range(rounds):
@@ -496,7 +543,11 @@ def main(argv=None) -> int:
             sets = [bench._inputs(case, 0)]
             for spec in specs:
                 base, opts = parse_impl(spec)
-                call, _ = FACTORIES[base](case, sets, opts)
+                try:
+                    call, _ = FACTORIES[base](case, sets, opts)
+                except LeftOut as exc:
+                    print(f"{case.name} / {spec}: left out ({exc})", file=sys.stderr, flush=True)
+                    continue
                 for _ in range(3):
                     call(0)
                 cp.cuda.Device().synchronize()

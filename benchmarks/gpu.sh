@@ -23,8 +23,8 @@
 #
 # Options:
 #   --out DIR        where logs and results go (default ./gpu-logs)
-#   --wheels DIR     install the wheels in DIR (e.g. FlashAttention-3's fa3-fwd, a bench peer) into
-#                    DIR/site without an index, and put it on PYTHONPATH
+#   --wheels DIR     install the wheels in DIR (the bench peers FlashAttention-3's fa3-fwd and
+#                    nvidia-cudnn-frontend; README) into DIR/site without an index, and put it on PYTHONPATH
 #   --timeout S      limit of each step in seconds (default 540; each sanitizer tool is one step)
 #
 # Environment: PYTHON (default python3); NCU and SANITIZER name the tools when they are neither on

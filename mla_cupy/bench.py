@@ -1,9 +1,10 @@
 """``mla-cupy bench``: mla_cupy against its peers on this GPU.
 
 Every number in a table comes from one process on one warm GPU: our kernel, the peers that are
-importable (torch's cuDNN SDPA and FlexAttention, and FlashAttention-3 from the ``fa3-fwd`` wheel
-or FA3's own ``flash_attn_interface``, which all need K built at full 192 width: that build is timed
-too), and the card's bf16 matmul rate as a roofline. Times are medians of many repeats after
+importable (torch's cuDNN SDPA, one call per sequence; cuDNN's ragged SDPA from the
+``nvidia-cudnn-frontend`` wheel, one call per batch; FlexAttention; FlashAttention-3 from the
+``fa3-fwd`` wheel or FA3's own ``flash_attn_interface``: all need K built at full 192 width, and that
+build is timed too), and the card's bf16 matmul rate as a roofline. Times are medians of many repeats after
 warm-up, measured with CUDA events behind a GPU-busy spin kernel (so they are GPU time, for every
 implementation alike; our host time per call is its own column), rotating through enough input sets
 to defeat the L2 cache. FLOPs count visible (query, key) pairs only: ``H * 2 * (192 + 128) * pairs``.
@@ -32,7 +33,8 @@ from .reference import visible_pairs
 from .validation import DQK, DR, DV
 
 __all__ = ["BenchCase", "DEFAULT_CASES", "EXTRA_CASES", "CPU_CASES", "ALL_CASES", "resolve_cases", "CaseRun",
-           "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "fa3_function", "run", "run_cpu", "format_table", "write_csv", "plot"]
+           "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "fa3_function", "cudnn_sdpa_function", "cudnn_ragged_args",
+           "cudnn_ragged_fn", "run", "run_cpu", "format_table", "write_csv", "plot"]
 
 L2_DEFEAT_BYTES = 256 << 20  # rotate input sets until their total passes this (H100/H200 L2: 50-60 MB)
 
@@ -598,6 +600,94 @@ def bench_fa3(run: CaseRun) -> List[Row]:
         return [_failed(run, "fa3", exc)]
 
 
+#: How to get cuDNN's frontend (module ``cudnn``), which the ``cudnn-ragged`` rows need.
+CUDNN_FRONTEND_HINT = ("pip install --no-deps nvidia-cudnn-frontend==1.32.0 (it uses the libcudnn torch ships; "
+                       "for a GPU machine without network see the README: bash benchmarks/gpu.sh --wheels DIR)")
+
+_said: set = set()
+
+
+def _say_once(text: str) -> None:
+    """Print ``text`` on stderr the first time only (one line per missing peer and process)."""
+    if text not in _said:
+        _said.add(text)
+        print(text, file=sys.stderr)
+
+
+def cudnn_sdpa_function():
+    """cuDNN frontend's ``sdpa_torch`` (the ``nvidia-cudnn-frontend`` wheel), or None when the
+    module ``cudnn`` does not import (see :data:`CUDNN_FRONTEND_HINT`)."""
+    try:
+        import cudnn
+
+        return cudnn.sdpa_torch
+    except Exception:  # not installed, or built for another torch / cuDNN
+        return None
+
+
+def cudnn_ragged_args(case: BenchCase) -> dict:
+    """The keywords of ``cudnn.sdpa_torch`` for ``case`` other than the offsets: the mask (causal
+    bottom-right aligned, as ours), the scale, the longest sequences.
+
+    Raises
+    ------
+    ValueError
+        The case's mask is one cuDNN's ragged path cannot express as ours does: a mask other than
+        none or causal, or a causal sequence with more queries than keys (rows that see no key).
+    """
+    mask = case.mask
+    if isinstance(mask, NullMask):
+        kw = dict(is_causal=False)
+    elif isinstance(mask, CausalMask):
+        if any(q > k for q, k in zip(case.sq, case.sk)):
+            raise ValueError("causal with more queries than keys in a sequence (rows that see no key)")
+        kw = dict(is_causal=True, causal_bottom_right=True)
+    else:
+        raise ValueError(f"cuDNN's ragged SDPA has no {type(mask).__name__}")
+    return dict(kw, scale=1.0 / math.sqrt(DQK), max_seqlen_q=max(case.sq), max_seqlen_kv=max(case.sk))
+
+
+def cudnn_ragged_fn(case: BenchCase, fn, device):
+    """``attn(q, k192, v) -> out``: one call of cuDNN's ragged (THD) SDPA ``fn``
+    (:func:`cudnn_sdpa_function`) over the whole batch of ``case``: torch tensors ``[T, H, D]``, the
+    offsets (``cu_seqlens``) built once on ``device``, the other keywords :func:`cudnn_ragged_args`'s
+    (which raises ValueError for a mask cuDNN cannot express)."""
+    kw = cudnn_ragged_args(case)
+    import torch
+
+    vl, cro = case.offsets()
+    kw.update(cu_seqlens_q=torch.tensor(vl.astype(np.int32), device=device),
+              cu_seqlens_kv=torch.tensor(cro.astype(np.int32), device=device))
+
+    def attn(q, k192, v):
+        return fn(q, k192, v, **kw)
+
+    return attn
+
+
+def bench_cudnn_ragged(run: CaseRun) -> List[Row]:
+    """cuDNN's ragged SDPA (``cudnn.sdpa_torch`` with ``cu_seqlens``), one call for the whole
+    batch, K built at 192; left out, with one line on stderr, when the frontend does not import."""
+    fn = cudnn_sdpa_function()
+    if fn is None:
+        _say_once(f"cudnn-ragged rows left out: the cuDNN frontend (module cudnn) does not import; {CUDNN_FRONTEND_HINT}")
+        return []
+    tx = run.torch_sets()
+    try:
+        attn = cudnn_ragged_fn(run.case, fn, tx[0]["q"].device)
+    except ValueError as exc:
+        return [Row(run.case.name, "cudnn-ragged", float("nan"), float("nan"), note=f"skipped: {exc}")]
+    kfull, _ = run.k192()
+
+    def call(i):
+        return attn(tx[i]["q"], kfull[i], tx[i]["v"])
+
+    try:
+        return _timed_rows(run, "cudnn-ragged", call, call(0), note="cudnn.sdpa_torch, one call per batch (cu_seqlens)")
+    except Exception as exc:
+        return [_failed(run, "cudnn-ragged", exc)]
+
+
 def _quantize_per_batch_head(x, offsets):
     """e4m3 of ``x[T, H, D]`` (torch) with one scale per (sequence, head): ``(x8, descale[B, H]
     float32)``, ``descale = amax / 448`` over the sequence's rows and all D values (1 when 0)."""
@@ -661,7 +751,8 @@ def bench_kbuild(run: CaseRun) -> List[Row]:
 
 
 #: Row builders run with ``peers=True``, in order: each takes the :class:`CaseRun` and returns its rows.
-PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_sdpa, bench_flex, bench_fa3, bench_kbuild]
+PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_sdpa, bench_cudnn_ragged, bench_flex, bench_fa3,
+                                                   bench_kbuild]
 
 #: Our fp8 row builders, run with ``fp8=True`` (group "fp8": the ratios on the first of these rows
 #: are against every other fp8 row). Another fp8 mode of ours plugs in here: a function
@@ -768,7 +859,7 @@ def format_table(result: dict) -> str:
     widths = [max(len(h), *(len(c[i]) for c in body)) if body else len(h) for i, h in enumerate(head)]
     fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
     lines += [fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(c) for c in body]
-    notes = [f"{r['case']}/{r['impl']}: {r['note']}" for r in result["rows"] if r["note"].startswith("failed")]
+    notes = [f"{r['case']}/{r['impl']}: {r['note']}" for r in result["rows"] if r["note"].startswith(("failed", "skipped"))]
     return "\n".join(lines + notes)
 
 

@@ -241,6 +241,11 @@ wheel to a GPU machine without network access:
   (copy wheels/ to the GPU machine)
   pip install --no-deps --no-index --target DIR wheels/fa3_fwd-*.whl
   PYTHONPATH=DIR mla-cupy bench
+
+\b
+cuDNN's ragged rows ("cudnn-ragged", "cudnn-ragged+kbuild": cudnn.sdpa_torch with cu_seqlens, one
+call per batch) appear when the cuDNN frontend imports (the nvidia-cudnn-frontend wheel, brought
+the same way; README, Performance).
 """
 
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import posixpath
 import re
+import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -30,6 +31,11 @@ __all__ = [
     "get_function",
     "get_global",
     "compile_offline",
+    "compile_offline_with_log",
+    "OfflineBuild",
+    "PtxasFunction",
+    "parse_ptxas_log",
+    "WGMMA_SERIALIZED",
     "arch_for_capability",
     "compiled_modules",
     "compile_count",
@@ -180,24 +186,177 @@ def get_global(filename: str, name_expressions: Sequence[str], name: str, dtype,
     return got
 
 
-def compile_offline(filename: str, name_expressions: Sequence[str], arch: str, method: str = "cubin") -> bytes:
-    """Compile without a GPU (NVRTC only) and return the cubin (or PTX with ``method='ptx'``).
+#: ptxas' advisories that wgmma instructions were serialized (the "C75xx" family: extern calls,
+#: function boundaries, register pressure, non-wgmma instructions touching wgmma registers inside a
+#: pipeline stage, compiler-inserted waits in divergent paths, ...): every line that names wgmma
+#: and a serialization, whatever its code.
+WGMMA_SERIALIZED = re.compile(r"wgmma.*serializ", re.IGNORECASE)
 
-    Used by CI to check every template instantiation for every target architecture. Relies on
-    CuPy's private ``_NVRTCProgram`` (tested against CuPy 14.2).
+#: ptxas' advisory code at the start of a message, e.g. ``(C7511)``.
+_ADVISORY_CODE = re.compile(r"\((C\d{4})\)")
+
+#: What ``compile_offline`` asks of ptxas for a cubin: its per-function report (registers, stack
+#: frame, spill stores and loads, shared memory, barriers) in the program log.
+_PTXAS_VERBOSE = "--ptxas-options=-v"
+
+
+@dataclass(frozen=True)
+class PtxasFunction:
+    """One function of ptxas' ``-v`` report (kernels and non-inlined device functions).
+
+    Attributes
+    ----------
+    name : str
+        The mangled (lowered) name.
+    stack_frame, spill_stores, spill_loads : int
+        Bytes of local memory per thread: the stack frame, and the bytes ptxas spills to it and
+        loads back.
+    registers : int or None
+        Registers per thread (kernels only; a device function reports none).
+    smem : int
+        Bytes of static shared memory (dynamic shared memory is set at launch).
+    barriers : int
+        Named barriers used.
     """
+
+    name: str
+    stack_frame: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    registers: Optional[int] = None
+    smem: int = 0
+    barriers: int = 0
+
+    @property
+    def spills(self) -> bool:
+        """Whether the function uses local memory at all (a stack frame, spill stores or loads)."""
+        return bool(self.stack_frame or self.spill_stores or self.spill_loads)
+
+
+@dataclass(frozen=True)
+class OfflineBuild:
+    """What :func:`compile_offline_with_log` returns.
+
+    Attributes
+    ----------
+    binary : bytes or str
+        The cubin (the whole ELF) or the PTX.
+    log : str
+        NVRTC's program log: front-end warnings, ptxas' advisories (``(C7511) ...``) and, for a
+        cubin, ptxas' ``-v`` report of every function.
+    lowered : dict
+        Name expression -> lowered (mangled) name, as the cubin and the log spell it.
+    """
+
+    binary: Union[bytes, str]
+    log: str
+    lowered: Dict[str, str]
+
+    def functions(self) -> Dict[str, PtxasFunction]:
+        """ptxas' report per function (mangled name -> :class:`PtxasFunction`); empty for PTX."""
+        return parse_ptxas_log(self.log)
+
+    def advisories(self) -> List[str]:
+        """ptxas' coded advisories (lines with ``(Cdddd)``), in log order."""
+        return [ln.strip() for ln in self.log.splitlines() if _ADVISORY_CODE.search(ln)]
+
+    def serialized_wgmma(self) -> List[str]:
+        """The log lines saying that wgmma instructions were serialized (:data:`WGMMA_SERIALIZED`)."""
+        return [ln.strip() for ln in self.log.splitlines() if WGMMA_SERIALIZED.search(ln)]
+
+
+_FN_START = re.compile(r"(?:Compiling entry function|Function properties for) '?([^' ]+)'?")
+_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+_BARRIERS = re.compile(r"used (\d+) barriers")
+
+
+def parse_ptxas_log(log: str) -> Dict[str, PtxasFunction]:
+    """ptxas' ``-v`` report in ``log`` per function: mangled name -> :class:`PtxasFunction`.
+
+    The report names a function (``Compiling entry function 'f'`` or ``Function properties for
+    f``), then its stack line and, for a kernel, its ``Used N registers`` line."""
+    found: Dict[str, dict] = {}
+    current: Optional[str] = None
+    for line in log.splitlines():
+        m = _FN_START.search(line)
+        if m:
+            current = m.group(1)
+            found.setdefault(current, {})
+            continue
+        if current is None:
+            continue
+        m = _STACK.search(line)
+        if m:
+            found[current].update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)),
+                                  spill_loads=int(m.group(3)))
+        m = _USED.search(line)
+        if m:
+            found[current]["registers"] = int(m.group(1))
+            for key, rx in (("smem", _SMEM), ("barriers", _BARRIERS)):
+                mm = rx.search(line)
+                if mm:
+                    found[current][key] = int(mm.group(1))
+    return {name: PtxasFunction(name, **fields) for name, fields in found.items()}
+
+
+def _whole_elf(data: bytes) -> bytes:
+    """The cubin NVRTC produced, whole: CuPy 14's ``getCUBIN`` returns it one byte short (it
+    drops the last byte as if it were a string's terminating NUL; that byte is the zero high byte
+    of the ELF's last table entry). The ELF header says where its tables end; a cubin exactly
+    one byte shorter than that gets its NUL back, anything else is returned as it is."""
+    if not isinstance(data, bytes) or data[:4] != b"\x7fELF" or data[4] != 2 or len(data) < 64:
+        return data  # not a 64-bit ELF
+    phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return data + b"\0" if end == len(data) + 1 else data
+
+
+def compile_offline_with_log(filename: str, name_expressions: Sequence[str], arch: str,
+                             method: str = "cubin") -> OfflineBuild:
+    """Compile without a GPU (NVRTC only): the cubin (or PTX with ``method='ptx'``), NVRTC's log
+    and the lowered names.
+
+    A cubin is compiled with ptxas' ``-v``, so the log reports every function's registers,
+    stack frame, spills and shared memory (:meth:`OfflineBuild.functions`), next to ptxas'
+    advisories (:meth:`OfflineBuild.serialized_wgmma`). Relies on CuPy's private
+    ``_NVRTCProgram`` (tested against CuPy 14.2).
+
+    Raises
+    ------
+    KernelCompileError
+        NVRTC rejected the source; the message names the instantiations and carries the log.
+    """
+    import io
+
     from cupy._core.core import assemble_cupy_compiler_options
     from cupy.cuda import compiler
 
     opts = assemble_cupy_compiler_options(_options(arch))
     if method == "ptx":
         opts = tuple(o.replace("-arch=sm_", "-arch=compute_") for o in opts)
+    elif method == "cubin":
+        opts += (_PTXAS_VERBOSE,)
     prog = compiler._NVRTCProgram(kernel_source(filename), filename, name_expressions=list(name_expressions), method=method)
+    log = io.StringIO()
     try:
-        out, _mapping = prog.compile(opts)
+        out, mapping = prog.compile(opts, log_stream=log)
     except compiler.CompileException as exc:
         raise KernelCompileError(f"compiling {filename} for {arch} failed; instantiations {list(name_expressions)}:\n{exc}") from exc
-    return out
+    if method == "cubin":
+        out = _whole_elf(out)
+    return OfflineBuild(out, log.getvalue().rstrip("\0"), dict(mapping or {}))
+
+
+def compile_offline(filename: str, name_expressions: Sequence[str], arch: str, method: str = "cubin") -> bytes:
+    """Compile without a GPU (NVRTC only) and return the cubin (or PTX with ``method='ptx'``):
+    :func:`compile_offline_with_log` without the log.
+
+    Used by CI to check every template instantiation for every target architecture.
+    """
+    return compile_offline_with_log(filename, name_expressions, arch, method).binary
 
 
 def compiled_modules() -> List[Tuple[str, str, Tuple[str, ...]]]:

@@ -1,5 +1,6 @@
 """Every template instantiation compiles, for every architecture it targets, through NVRTC alone
-(no GPU needed). Modules compile in parallel, one process per core."""
+(no GPU needed), with no register spills and no serialized wgmma. Modules compile in parallel, one
+process per core; compiling them all takes minutes, so those tests are marked ``slow``."""
 import os
 from concurrent.futures import ProcessPoolExecutor
 
@@ -13,12 +14,17 @@ FAMILIES = reg.all_families()
 
 
 def _compile(job):
+    """(cubin size, error or "", shared-memory table in the cubin, functions that use local
+    memory as "name: N bytes stack frame, ...", ptxas' serialized-wgmma lines) of one family."""
     arch, (filename, names) = job
     try:
-        cubin = jit.compile_offline(filename, names, arch)
-        return len(cubin), "", b"kSmemBytesOf" in cubin
-    except Exception as exc:  # reported per family by the test below
-        return 0, f"{type(exc).__name__}: {exc}", False
+        build = jit.compile_offline_with_log(filename, names, arch)
+    except Exception as exc:  # reported per family by the tests below
+        return 0, f"{type(exc).__name__}: {exc}", False, [], []
+    spills = [f"{f.name}: {f.stack_frame} bytes stack frame, {f.spill_stores} bytes spill stores, "
+              f"{f.spill_loads} bytes spill loads" for f in build.functions().values() if f.spills]
+    cubin = build.binary
+    return len(cubin), "", b"kSmemBytesOf" in cubin, spills, build.serialized_wgmma()
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +34,29 @@ def compiled():
         return dict(zip(range(len(FAMILIES)), ex.map(_compile, FAMILIES)))
 
 
-@pytest.mark.parametrize("i", range(len(FAMILIES)), ids=[f"{a}-{family_label(f)}" for a, f in FAMILIES])
+FAMILY_IDS = [f"{a}-{family_label(f)}" for a, f in FAMILIES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(FAMILIES)), ids=FAMILY_IDS)
 def test_family_compiles(compiled, i):
-    size, err, has_smem_table = compiled[i]
+    size, err, has_smem_table, _, _ = compiled[i]
     assert not err, err
     assert size > 1000  # a real cubin came back
     if FAMILIES[i][1][0] == reg.PREFILL_SM90[0]:  # the launch code reads its shared-memory size from the module
         assert reg.SM90_SMEM_TABLE in FAMILIES[i][1][1] and has_smem_table
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(FAMILIES)), ids=FAMILY_IDS)
+def test_family_has_no_spills_nor_serialized_wgmma(compiled, i):
+    """ptxas' report of every function of the family: no stack frame, spill stores or spill loads,
+    and no advisory that wgmma instructions were serialized (C7511, C7514, C7515, C7518, C7520 and
+    kin: :data:`mla_cupy.jit.WGMMA_SERIALIZED` matches the message, whatever the code)."""
+    size, err, _, spills, serialized = compiled[i]
+    assert not err, err
+    assert not spills, "local memory in use:\n" + "\n".join(spills)
+    assert not serialized, "ptxas serialized wgmma:\n" + "\n".join(serialized)
 
 
 def test_matrix_covers_every_dtype_mask_and_arch():
@@ -74,3 +96,72 @@ def test_kernel_source_inlines_headers():
     assert '#include "' not in src
     assert "struct SwizzledTile" in src and "struct CausalMask" in src
     assert src.count("struct SwizzledTile") == 1  # each header once
+
+
+# ---- the checks above, on kernels made to fail them (fast: tiny sources) ----
+_WGMMA = ('asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, 1, 1, 1, 0, 0;"'
+          ' : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])'
+          ' : "l"(da), "l"(db));\n')
+
+
+def _probe(src, monkeypatch):
+    """compile_offline_with_log of ``src`` as a kernel file of its own, for sm_90a."""
+    monkeypatch.setitem(jit._RAW_SOURCES, "probe.cu", src)
+    return jit.compile_offline_with_log("probe.cu", (), "sm_90a")
+
+
+def test_log_reports_serialized_wgmma(monkeypatch):
+    """A plain write to a wgmma accumulator between two wgmma of one pipeline stage makes ptxas
+    serialize them (C7511 with NVRTC 13.0): the check must see it, and not see it without the write."""
+    pytest.importorskip("cupy")
+    body = ('extern "C" __global__ void f(float* x, unsigned long long da, unsigned long long db) {\n'
+            '  float d[8];\n  for (int i = 0; i < 8; ++i) d[i] = x[i];\n'
+            '  asm volatile("wgmma.fence.sync.aligned;");\n' + _WGMMA + "{WRITE}" + _WGMMA +
+            '  asm volatile("wgmma.commit_group.sync.aligned;");\n'
+            '  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");\n'
+            '  for (int i = 0; i < 8; ++i) x[i + 8 * threadIdx.x] = d[i];\n}\n')
+    bad = _probe(body.replace("{WRITE}", "  d[0] = 3.f;\n"), monkeypatch)
+    assert bad.serialized_wgmma(), bad.log
+    assert all(jit.WGMMA_SERIALIZED.search(a) for a in bad.serialized_wgmma())
+    good = _probe(body.replace("{WRITE}", ""), monkeypatch)
+    assert not good.serialized_wgmma(), good.log
+    assert "f" in good.functions() and good.functions()["f"].registers > 0  # the -v report is there
+
+
+def test_log_reports_local_memory(monkeypatch):
+    """A per-thread array indexed at run time lives in local memory: a stack frame in the report."""
+    pytest.importorskip("cupy")
+    src = ('extern "C" __global__ void f(float* x, int i) {\n  float a[512];\n'
+           '  for (int j = 0; j < 512; ++j) a[j] = x[j * threadIdx.x];\n  a[i & 511] += 1.f;\n'
+           '  x[threadIdx.x] = a[(i >> 9) & 511];\n}\n')
+    fn = _probe(src, monkeypatch).functions()["f"]
+    assert fn.spills and fn.stack_frame >= 2048, fn
+
+
+def test_ptxas_log_parser_reads_every_field():
+    log = ("ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+           "insufficient register resources for the wgmma pipeline in the function 'k'\n"
+           "ptxas info    : 0 bytes gmem\n"
+           "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+           "ptxas info    : Function properties for k\n"
+           "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 2 barriers, 8 bytes cumulative stack size, 1024 bytes smem\n"
+           "ptxas info    : Function properties for _Z5otherPf\n"
+           "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+    fns = jit.parse_ptxas_log(log)
+    assert fns["k"] == jit.PtxasFunction("k", 8, 4, 12, 168, 1024, 2)
+    assert fns["_Z5otherPf"] == jit.PtxasFunction("_Z5otherPf") and not fns["_Z5otherPf"].spills
+    build = jit.OfflineBuild(b"", log, {})
+    assert build.advisories() == build.serialized_wgmma() == [log.splitlines()[0].strip()]
+
+
+def test_offline_cubin_is_whole():
+    """CuPy's getCUBIN drops the cubin's last byte; compile_offline gives it back, so the ELF ends
+    where its header says its tables end."""
+    pytest.importorskip("cupy")
+    import struct
+
+    cubin = jit.compile_offline(*reg.SPIN, "sm_90a")
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    assert len(cubin) == max(phoff + phentsize * phnum, shoff + shentsize * shnum)

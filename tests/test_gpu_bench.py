@@ -40,6 +40,16 @@ def test_bench_one_case_with_a_peer():
     assert "gpu-test" in text and "mla_cupy" in text
 
 
+def _check_peer_rows(rows, impl):
+    """A 16-bit peer's two rows (kernel, and with the K build) of one case, by impl name: timed,
+    within bf16 accuracy of the reference, and its ratio on our row."""
+    assert impl in rows and impl + "+kbuild" in rows, [r["note"] for r in rows.values()]
+    peer, full = rows[impl], rows[impl + "+kbuild"]
+    assert peer["ms"] > 0 and peer["rel_err"] < 2e-2, peer
+    assert full["ms"] > peer["ms"] and full["rel_err"] == peer["rel_err"]
+    assert math.isclose(rows["mla_cupy"]["ratios"][impl], peer["ms"] / rows["mla_cupy"]["ms"])
+
+
 def test_bench_fa3_rows_when_importable():
     pytest.importorskip("torch")
     from mla_cupy import bench
@@ -48,12 +58,23 @@ def test_bench_fa3_rows_when_importable():
         pytest.skip("FlashAttention-3 (fa3_fwd_interface or flash_attn_interface) is not importable")
     case = _case()
     res = bench.run([case], peers=True, reps=3, progress=False)
-    rows = {r["impl"]: r for r in res["rows"]}
-    assert "fa3" in rows and "fa3+kbuild" in rows, [r["note"] for r in res["rows"]]
-    fa3, full = rows["fa3"], rows["fa3+kbuild"]
-    assert fa3["ms"] > 0 and fa3["rel_err"] < 2e-2, fa3
-    assert full["ms"] > fa3["ms"] and full["rel_err"] == fa3["rel_err"]
-    assert math.isclose(rows["mla_cupy"]["ratios"]["fa3"], fa3["ms"] / rows["mla_cupy"]["ms"])
+    _check_peer_rows({r["impl"]: r for r in res["rows"]}, "fa3")
+
+
+def test_bench_cudnn_ragged_rows_when_importable():
+    """cuDNN's ragged SDPA (nvidia-cudnn-frontend), one call per batch, causal (bottom-right: the
+    second sequence comes after 200 keys of context) and not, checked against the same reference."""
+    pytest.importorskip("torch")
+    from mla_cupy import bench
+
+    if bench.cudnn_sdpa_function() is None:
+        pytest.skip("the cuDNN frontend (module cudnn) is not importable: " + bench.CUDNN_FRONTEND_HINT)
+    cases = [_case(), bench.BenchCase("gpu-test-noncausal", *CASE_ARGS[1:], heads=16, causal=False)]
+    res = bench.run(cases, peers=True, reps=3, progress=False)
+    for case in cases:
+        rows = {r["impl"]: r for r in res["rows"] if r["case"] == case.name}
+        _check_peer_rows(rows, "cudnn-ragged")
+        assert "cudnn-sdpa" in rows  # the per-sequence torch SDPA rows keep their name
 
 
 def test_bench_fp8_rows():

@@ -1,0 +1,720 @@
+"""Static SASS statistics of our kernel families and of a kernel in a compiled library, without a GPU.
+
+For a kernel family of ``mla_cupy._registry.all_families()``, compiled here with NVRTC
+(``mla_cupy.jit.compile_offline_with_log``, ptxas' ``-v`` report included), or for one kernel of a
+shared library's fatbin (FlashAttention-3's ``fa3_fwd/_C.abi3.so``), the tool prints per kernel:
+
+* resources: registers, stack frame and local memory (``cuobjdump -res-usage``), static shared
+  memory (dynamic shared memory is set at launch and is not in the binary), ptxas' spill stores and
+  loads and its advisories (ours only: a library carries no ptxas log), the ``setmaxnreg`` values in
+  the code, and the highest register the code names;
+* per loop, the instructions by opcode class: GMMA (HGMMA / QGMMA / IGMMA, and mma.sync), MUFU.EX2,
+  other MUFU, FFMA, FMUL, FADD, FMNMX, LDS/STS (with LDSM / STSM), LDG/STG (and other global
+  memory), LDL/STL (local memory: spills), R2UR, other uniform-datapath ops (``U*`` and S2UR), integer ALU
+  (IMAD, IADD3, LOP3, SHF, ISETP, LEA, SEL, PRMT, ...), BAR/SYNC (barriers, mbarrier ``SYNCS``,
+  fences, ``WARPGROUP`` arrive / wait), BRA (branches, calls, exits), other, total.
+
+Loops are the natural loops of the control-flow graph (a backward branch whose target dominates
+it; back edges to one header form one loop). A loop's counts are the instructions of its body
+between its header and its last backward branch (nested loops included once); body blocks that
+the compiler placed elsewhere (the retry paths of mbarrier waits, laid out after the kernel's end)
+are reported apart as ``cold``. ``inner`` marks the innermost loops; loops of at most
+:data:`SMALL_LOOP` instructions without MMA (try-wait retries, the compiler's ``BRA.U.ANY`` loops)
+are hidden unless ``--all-loops``. The consumer main loop is the innermost loop with the most GMMA,
+the shortest of several such (the mask-free copy where masked and unmasked iterations have loops
+of their own, as in FlashAttention-3).
+Counts are static, per warp and per iteration of every path of the body: a masked path inside the
+body counts as much as the unmasked one.
+
+Why: instruction counts per loop, registers and spills are the first thing to compare with a faster
+kernel, and every change to a kernel moves them; this needs no GPU and takes seconds.
+
+Usage (``cuobjdump`` from CUDA, ``PATH``, ``$CUOBJDUMP`` or the pip package
+``nvidia-cuda-cuobjdump``; ``c++filt`` demangles library names when it is on ``PATH``)::
+
+    python benchmarks/sass.py --list-families
+    python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>"
+    python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>" --family-kernel "float"
+    python benchmarks/sass.py --so fa3/fa3_fwd/_C.abi3.so --list --kernel FlashAttnFwdSm90 --kernel "C<192>"
+    # FA3's bf16 kernel for flash_attn_varlen_func(causal=True) at head sizes 192 / 128 with as many
+    # K as Q heads; the booleans after Sm90: Is_causal, Is_local, Has_softcap, Varlen, PagedKVNonTMA,
+    # AppendKV, HasQv, MmaPV_is_RS, IntraWGOverlap, PackGQA, Split, V_colmajor
+    FA3_BF16=(--so fa3/fa3_fwd/_C.abi3.so --kernel FlashAttnFwdSm90 --kernel "C<192> >, 128,
+      cutlass::bfloat16_t, float, cutlass::arch::Sm90, true, false, false, true, false, false, false,
+      true, true, false, false, false>")   # (one line)
+    python benchmarks/sass.py "${FA3_BF16[@]}"
+    # side by side: both given; our family's first kernel (or the first --family-kernel keeps),
+    # the main loop of each (or --ours-loop / --theirs-loop ADDRESS)
+    python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>" "${FA3_BF16[@]}"
+
+``--kernel`` may be given several times (every substring must appear in the demangled or the
+mangled name); when several kernels still match, ``--index N`` picks one of the listed matches.
+``--json`` prints the same content as JSON. As a module: :func:`analyze_family`,
+:func:`analyze_library`, :func:`main_loop`, :func:`format_kernel`, :func:`format_side_by_side`.
+The fa3-fwd wheel (``pip download --no-deps fa3-fwd==0.0.3``, README) unzips to ``fa3_fwd/_C.abi3.so``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+#: A loop of at most this many instructions and no MMA is "small" (hidden unless --all-loops).
+SMALL_LOOP = 16
+
+#: Opcode classes, in the order of the table's columns.
+CLASSES = ("GMMA", "EX2", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "LDS/STS", "LDG/STG", "LDL/STL",
+           "R2UR", "U*", "INT", "SYNC", "BRA", "other")
+
+_INT = frozenset("IMAD IMAD32I IADD3 IADD IADD32I LOP3 LOP LOP32I SHF SHL SHR ISETP LEA IMNMX VIMNMX VIMNMX3 "
+                 "VIADD VIADDMNMX SEL IABS POPC FLO BREV SGXT BMSK PRMT ISCADD IMUL IMUL32I BFE BFI IDP "
+                 "VABSDIFF VABSDIFF4".split())
+_SYNC = frozenset("BAR SYNCS MEMBAR FENCE WARPGROUP DEPBAR ARRIVES ERRBAR WARPSYNC LDGDEPBAR".split())
+_BRANCH = frozenset("BRA BRX JMP JMX CALL RET EXIT".split())
+_SHARED = frozenset("LDS STS LDSM STSM ATOMS".split())
+_GLOBAL = frozenset("LDG STG LDGSTS ATOMG ATOM RED REDG LD ST".split())
+_LOCAL = frozenset("LDL STL".split())
+_MMA = frozenset("HMMA IMMA QMMA DMMA BMMA".split())
+
+
+def classify(opcode: str) -> str:
+    """The class (one of :data:`CLASSES`) of a SASS opcode with its modifiers, e.g.
+    ``"HGMMA.64x128x16.F32.BF16"`` -> ``"GMMA"``, ``"MUFU.EX2"`` -> ``"EX2"``."""
+    base = opcode.split(".", 1)[0]
+    if base.endswith("GMMA") or base in _MMA:
+        return "GMMA"
+    if base == "MUFU":
+        return "EX2" if ".EX2" in opcode else "MUFU"
+    if base in ("FFMA", "FMUL", "FADD", "FMNMX"):
+        return base
+    if base in _SHARED:
+        return "LDS/STS"
+    if base in _GLOBAL:
+        return "LDG/STG"
+    if base in _LOCAL:
+        return "LDL/STL"
+    if base == "R2UR":
+        return "R2UR"
+    if base.startswith("U") or base == "S2UR":
+        return "U*"
+    if base in _INT:
+        return "INT"
+    if base in _SYNC:
+        return "SYNC"
+    if base in _BRANCH:
+        return "BRA"
+    return "other"
+
+
+# ---------------------------------------------------------------------------------------------
+# tools
+# ---------------------------------------------------------------------------------------------
+def find_tool(name: str) -> str:
+    """Path of a CUDA binary tool: ``$NAME`` (upper case), ``PATH``, ``$CUDA_HOME/bin``, or a pip
+    package's ``nvidia/*/bin`` (``nvidia-cuda-cuobjdump``).
+
+    Raises
+    ------
+    FileNotFoundError
+        None of these has it.
+    """
+    override = os.environ.get(name.upper())
+    if override:
+        return override
+    found = shutil.which(name)
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidates = [Path(home) / "bin" / name]
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates += sorted(Path(root).glob(f"*/bin/{name}"))
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    raise FileNotFoundError(f"{name} not found (${name.upper()}, PATH, $CUDA_HOME/bin, pip's nvidia/*/bin): "
+                            f"pip install nvidia-cuda-{name}, or put CUDA's bin directory on PATH")
+
+
+def _run(args: Sequence[str], cwd: Optional[str] = None) -> str:
+    res = subprocess.run(list(args), cwd=cwd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:2])} ... failed ({res.returncode}): {res.stderr.strip()[:2000]}")
+    return res.stdout
+
+
+def demangle(names: Sequence[str]) -> List[str]:
+    """C++ names demangled by ``c++filt`` (one process for all); the names as given without it."""
+    tool = shutil.which("c++filt")
+    if not tool or not names:
+        return list(names)
+    out = subprocess.run([tool], input="\n".join(names) + "\n", capture_output=True, text=True).stdout.splitlines()
+    return out if len(out) == len(names) else list(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# SASS
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Instr:
+    """One SASS instruction: address, guard predicate ("" when none), opcode with its modifiers,
+    operands."""
+
+    addr: int
+    pred: str
+    opcode: str
+    operands: str
+
+
+_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_PRED = re.compile(r"^(@!?U?P[0-7T])\s+")
+_HEX = re.compile(r"0x[0-9a-f]+")
+_REG = re.compile(r"\bR(\d+)\b")
+
+
+def parse_sass(text: str) -> Dict[str, List[Instr]]:
+    """``cuobjdump -sass`` output -> {function name: its instructions in address order}."""
+    funcs: Dict[str, List[Instr]] = {}
+    current: Optional[List[Instr]] = None
+    for line in text.splitlines():
+        if "Function :" in line:
+            current = funcs.setdefault(line.split("Function :", 1)[1].strip(), [])
+            continue
+        m = _LINE.match(line)
+        if m is None or current is None:
+            continue
+        body = m.group(2)
+        pm = _PRED.match(body)
+        pred = pm.group(1) if pm else ""
+        body = body[pm.end():] if pm else body
+        opcode, _, operands = body.partition(" ")
+        current.append(Instr(int(m.group(1), 16), pred, opcode, operands.strip()))
+    return funcs
+
+
+def _conditional(ins: Instr) -> bool:
+    """Whether control may also fall through: a guard predicate other than ``@PT``, or
+    ``BRA.DIV`` (taken only when the warp diverged)."""
+    return (ins.pred not in ("", "@PT")) or ".DIV" in ins.opcode
+
+
+def _blocks(instrs: List[Instr]) -> Tuple[List[Tuple[int, int]], List[List[int]]]:
+    """Basic blocks as (first, last + 1) instruction indices, and each block's successors."""
+    index = {ins.addr: i for i, ins in enumerate(instrs)}
+    targets: Dict[int, Optional[int]] = {}
+    leaders = {0}
+    for i, ins in enumerate(instrs):
+        base = ins.opcode.split(".", 1)[0]
+        if base in _BRANCH:
+            if base in ("BRA", "JMP"):  # direct: the target is the last address operand
+                hexes = _HEX.findall(ins.operands)
+                t = index.get(int(hexes[-1], 16)) if hexes else None
+                targets[i] = t
+                if t is not None:
+                    leaders.add(t)
+            if i + 1 < len(instrs):
+                leaders.add(i + 1)
+    starts = sorted(leaders)
+    spans = [(s, (starts[k + 1] if k + 1 < len(starts) else len(instrs))) for k, s in enumerate(starts)]
+    block_of = {s: k for k, (s, _) in enumerate(spans)}
+    succs: List[List[int]] = []
+    for s, e in spans:
+        last = instrs[e - 1]
+        base = last.opcode.split(".", 1)[0]
+        out: List[int] = []
+        falls = True  # CALL returns; an indirect BRX / JMX has no known successor here
+        if base in _BRANCH and base != "CALL":
+            if base in ("BRA", "JMP") and targets.get(e - 1) is not None:
+                out.append(block_of[targets[e - 1]])
+            falls = _conditional(last)
+        if falls and e < len(instrs):
+            out.append(block_of[e])
+        succs.append(out)
+    return spans, succs
+
+
+def _dominators(succs: List[List[int]]) -> Tuple[List[Optional[int]], List[int]]:
+    """Immediate dominators (Cooper, Harvey and Kennedy) from block 0, and the reverse postorder."""
+    n = len(succs)
+    order: List[int] = []
+    seen = [False] * n
+    stack = [(0, iter(succs[0]))] if n else []
+    if n:
+        seen[0] = True
+    while stack:
+        node, it = stack[-1]
+        nxt = next(it, None)
+        if nxt is None:
+            order.append(node)
+            stack.pop()
+        elif not seen[nxt]:
+            seen[nxt] = True
+            stack.append((nxt, iter(succs[nxt])))
+    rpo = order[::-1]
+    pos = {b: i for i, b in enumerate(rpo)}
+    preds: List[List[int]] = [[] for _ in range(n)]
+    for b in rpo:
+        for s in succs[b]:
+            preds[s].append(b)
+    idom: List[Optional[int]] = [None] * n
+    if n:
+        idom[0] = 0
+    changed = True
+    while changed:
+        changed = False
+        for b in rpo[1:]:
+            new = None
+            for p in preds[b]:
+                if idom[p] is None:
+                    continue
+                if new is None:
+                    new = p
+                    continue
+                a, c = p, new
+                while a != c:
+                    while pos[a] > pos[c]:
+                        a = idom[a]
+                    while pos[c] > pos[a]:
+                        c = idom[c]
+                new = a
+            if new is not None and idom[b] != new:
+                idom[b] = new
+                changed = True
+    return idom, rpo
+
+
+def _dominates(idom: List[Optional[int]], a: int, b: int) -> bool:
+    while True:
+        if b == a:
+            return True
+        if b == 0 or idom[b] is None:
+            return False
+        b = idom[b]
+
+
+@dataclass
+class LoopReport:
+    """One natural loop: ``start`` / ``end`` are the addresses of its header and of its last
+    backward branch; ``classes`` / ``opcodes`` count its in-line body (``total`` instructions),
+    ``cold`` the body instructions laid out elsewhere; ``gmma`` its MMA instructions; ``max_register``
+    the highest register its in-line body names; ``depth`` 0 for an outermost loop."""
+
+    start: int
+    end: int
+    total: int
+    cold: int
+    gmma: int
+    depth: int
+    innermost: bool
+    small: bool
+    max_register: int
+    classes: Dict[str, int]
+    opcodes: Dict[str, int]
+
+    @property
+    def where(self) -> str:
+        return f"{self.start:#06x}-{self.end:#06x}"
+
+
+def _count(instrs: Iterable[Instr]) -> Tuple[Dict[str, int], Dict[str, int], int]:
+    classes = Counter({c: 0 for c in CLASSES})
+    opcodes: Counter = Counter()
+    top = -1
+    for ins in instrs:
+        classes[classify(ins.opcode)] += 1
+        opcodes[ins.opcode] += 1
+        regs = [int(r) for r in _REG.findall(ins.operands)]
+        if regs:
+            top = max(top, max(regs))
+    return {c: classes[c] for c in CLASSES}, dict(opcodes.most_common()), top
+
+
+def find_loops(instrs: List[Instr]) -> List[LoopReport]:
+    """The natural loops of one function's instructions, in address order (see the module
+    docstring for what is counted)."""
+    if not instrs:
+        return []
+    spans, succs = _blocks(instrs)
+    idom, rpo = _dominators(succs)
+    reachable = set(rpo)
+    preds: List[List[int]] = [[] for _ in spans]
+    for b in reachable:
+        for s in succs[b]:
+            preds[s].append(b)
+    bodies: Dict[int, set] = {}
+    latches: Dict[int, List[int]] = {}
+    for u in reachable:
+        for h in succs[u]:
+            if _dominates(idom, h, u):
+                body = bodies.setdefault(h, {h})
+                latches.setdefault(h, []).append(u)
+                work = [u] if u != h else []
+                while work:
+                    x = work.pop()
+                    if x not in body:
+                        body.add(x)
+                        work.extend(p for p in preds[x] if p in reachable)
+    loops = []
+    for h, body in bodies.items():
+        start = instrs[spans[h][0]].addr
+        end = max(instrs[spans[u][1] - 1].addr for u in latches[h])
+        inline, cold = [], 0
+        for b in body:
+            s, e = spans[b]
+            for ins in instrs[s:e]:
+                if start <= ins.addr <= end:
+                    inline.append(ins)
+                else:
+                    cold += 1
+        inline.sort(key=lambda i: i.addr)
+        classes, opcodes, top = _count(inline)
+        loops.append((h, body, LoopReport(start, end, len(inline), cold, classes["GMMA"], 0, False,
+                                          len(inline) <= SMALL_LOOP and classes["GMMA"] == 0, top, classes, opcodes)))
+    for h, body, rep in loops:
+        rep.depth = sum(1 for h2, b2, _ in loops if h2 != h and h in b2)
+        rep.innermost = not rep.small and not any(h2 != h and h2 in body and not r2.small for h2, _, r2 in loops)
+    return sorted((rep for _, _, rep in loops), key=lambda r: r.start)
+
+
+# ---------------------------------------------------------------------------------------------
+# resource usage
+# ---------------------------------------------------------------------------------------------
+def parse_res_usage(text: str) -> List[Dict[str, Dict[str, int]]]:
+    """``cuobjdump -res-usage`` output -> per ELF (in order), {function: {"REG": .., "STACK": ..,
+    "SHARED": .., "LOCAL": .., ...}}. Output for one cubin is one ELF."""
+    elves: List[Dict[str, Dict[str, int]]] = []
+    current: Optional[Dict[str, Dict[str, int]]] = None
+    name = None
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("Fatbin elf code") or current is None and s.startswith("Resource usage"):
+            current = {}
+            elves.append(current)
+        elif s.startswith("Function ") and s.endswith(":"):
+            name = s[len("Function "):-1]
+        elif name is not None and s.startswith("REG:"):
+            current[name] = {k: int(v) for k, v in re.findall(r"([A-Z_]+(?:\[\d+\])?):(\d+)", s)}
+            name = None
+    return elves
+
+
+# ---------------------------------------------------------------------------------------------
+# reports
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class KernelReport:
+    """Everything the tool prints about one kernel. ``resources`` comes from ``cuobjdump
+    -res-usage`` (REG, STACK, SHARED, LOCAL, ...); ``ptxas`` from ptxas' report (stack frame, spill
+    stores and loads; ours only) and ``advisories`` from its log; ``setmaxnreg`` are the register
+    counts the code asks for; ``classes`` count the whole kernel."""
+
+    name: str
+    label: str
+    source: str
+    resources: Dict[str, int]
+    ptxas: Optional[Dict[str, int]]
+    advisories: List[str]
+    setmaxnreg: List[int]
+    max_register: int
+    total: int
+    classes: Dict[str, int]
+    loops: List[LoopReport] = field(default_factory=list)
+
+
+def _report(name: str, label: str, source: str, instrs: List[Instr], resources: Dict[str, int],
+            ptxas=None, advisories: Sequence[str] = ()) -> KernelReport:
+    classes, _, top = _count(instrs)
+    maxreg = sorted({int(h, 16) for i in instrs if i.opcode.startswith("USETMAXREG") for h in _HEX.findall(i.operands)})
+    return KernelReport(name, label, source, resources, ptxas, list(advisories), maxreg, top, len(instrs), classes,
+                        find_loops(instrs))
+
+
+def main_loop(report: KernelReport, start: Optional[int] = None) -> LoopReport:
+    """The loop at address ``start``, or the innermost loop with the most GMMA (of several, the
+    shortest: the mask-free copy when masked iterations have a loop of their own).
+
+    Raises
+    ------
+    ValueError
+        No loop starts at ``start``, or the kernel has no loop.
+    """
+    if start is not None:
+        for lp in report.loops:
+            if lp.start == start:
+                return lp
+        raise ValueError(f"no loop starts at {start:#x} in {report.label[:120]}; loops: "
+                         f"{[lp.where for lp in report.loops]}")
+    inner = [lp for lp in report.loops if lp.innermost] or report.loops
+    if not inner:
+        raise ValueError(f"{report.label[:120]} has no loop")
+    return max(inner, key=lambda lp: (lp.gmma, -lp.total))
+
+
+def _families(arch: str):
+    from mla_cupy import _registry as reg
+
+    return [(a, fam, reg.family_label(fam)) for a, fam in reg.all_families() if a == arch]
+
+
+def find_family(label: str, arch: str = "sm_90a"):
+    """The (filename, name expressions) of our family whose label is ``label`` or, failing that,
+    the only one whose label contains it.
+
+    Raises
+    ------
+    ValueError
+        No family, or several, match.
+    """
+    fams = _families(arch)
+    exact = [f for _, f, lab in fams if lab == label]
+    if exact:
+        return exact[0]
+    some = [(f, lab) for _, f, lab in fams if label in lab]
+    if len(some) != 1:
+        known = "\n  ".join(lab for _, _, lab in fams)
+        raise ValueError(f"{len(some)} families for {arch} match {label!r}; the families:\n  {known}")
+    return some[0][0]
+
+
+def analyze_family(label: str, arch: str = "sm_90a", kernel: Sequence[str] = ()) -> List[KernelReport]:
+    """Compile our family ``label`` (:func:`find_family`) for ``arch`` with NVRTC and report its
+    kernels in the family's order, those whose name expression or mangled name contains every
+    string of ``kernel``."""
+    from mla_cupy import jit
+    from mla_cupy._registry import family_label
+
+    filename, names = find_family(label, arch)
+    build = jit.compile_offline_with_log(filename, names, arch)
+    ptxas = build.functions()
+    tool = find_tool("cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "family.cubin")
+        with open(path, "wb") as f:
+            f.write(build.binary)
+        sass = parse_sass(_run([tool, "-sass", path]))
+        res = parse_res_usage(_run([tool, "-res-usage", path]))
+    res = res[0] if res else {}
+    source = f"{family_label((filename, names))} ({arch}, NVRTC)"
+    reports = []
+    for expr in names:
+        mangled = build.lowered.get(expr)
+        if mangled not in sass or not all(k in expr or k in mangled for k in kernel):
+            continue  # a global of the family (not a kernel), or filtered out
+        p = ptxas.get(mangled)
+        pt = None if p is None else {"registers": p.registers, "stack_frame": p.stack_frame,
+                                     "spill_stores": p.spill_stores, "spill_loads": p.spill_loads}
+        adv = [a for a in build.advisories() if mangled in a or "'" not in a]
+        reports.append(_report(mangled, expr, source, sass[mangled], res.get(mangled, {}), pt, adv))
+    if not reports:
+        raise ValueError(f"no kernel of {source} matches {list(kernel)}; its kernels: {list(names)}")
+    return reports
+
+
+@dataclass(frozen=True)
+class LibraryKernel:
+    """A kernel of a library's fatbin: the ELF holding it (index from 1, name as ``cuobjdump
+    -lelf`` gives it), its mangled and demangled names and its resource usage."""
+
+    elf_index: int
+    elf_name: str
+    name: str
+    demangled: str
+    resources: Dict[str, int]
+
+
+def library_kernels(so: str, substrings: Sequence[str] = ()) -> List[LibraryKernel]:
+    """The kernels of the fatbin of ``so`` whose demangled or mangled name contains every string
+    of ``substrings``, in fatbin order."""
+    tool = find_tool("cuobjdump")
+    elves = re.findall(r"ELF file\s+(\d+):\s+(\S+)", _run([tool, "-lelf", so]))
+    res = parse_res_usage(_run([tool, "-res-usage", so]))
+    if len(elves) != len(res):
+        raise RuntimeError(f"cuobjdump lists {len(elves)} ELF files in {so} but reports resources of {len(res)}")
+    flat = [(int(i), n, fn, r) for (i, n), fns in zip(elves, res) for fn, r in fns.items()]
+    names = demangle([fn for _, _, fn, _ in flat])
+    return [LibraryKernel(i, n, fn, d, r) for (i, n, fn, r), d in zip(flat, names)
+            if all(s in d or s in fn for s in substrings)]
+
+
+def analyze_library(so: str, substrings: Sequence[str], index: Optional[int] = None) -> KernelReport:
+    """Report the one kernel of ``so`` that :func:`library_kernels` finds for ``substrings`` (or
+    the ``index``-th of several).
+
+    Raises
+    ------
+    ValueError
+        No kernel matches, or several do and ``index`` does not pick one.
+    """
+    found = library_kernels(so, substrings)
+    if index is not None:
+        if not 0 <= index < len(found):
+            raise ValueError(f"--index {index}: {len(found)} kernels match {list(substrings)}")
+        found = [found[index]]
+    if len(found) != 1:
+        shown = "\n".join(f"  [{i}] {_short(k.demangled)}" for i, k in enumerate(found[:30]))
+        raise ValueError(f"{len(found)} kernels of {so} match {list(substrings)}"
+                         + (f" (more --kernel strings, or --index N):\n{shown}" if found else ""))
+    k = found[0]
+    tool = find_tool("cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        _run([tool, "-xelf", k.elf_name, os.path.abspath(so)], cwd=tmp)
+        sass = parse_sass(_run([tool, "-sass", "-fun", k.name, os.path.join(tmp, k.elf_name)]))
+    if k.name not in sass:
+        raise RuntimeError(f"cuobjdump gave no SASS for {k.name[:200]} in ELF {k.elf_name}")
+    return _report(k.name, k.demangled, f"{so} (ELF {k.elf_index}: {k.elf_name})", sass[k.name], k.resources)
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------------
+def _short(name: str, width: int = 400) -> str:
+    return name if len(name) <= width else name[:width - 5] + " ..."
+
+
+def _table(head: List[str], rows: List[List[str]]) -> List[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
+    return [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
+
+
+def _reg(top: int) -> str:
+    return f"R{top}" if top >= 0 else "-"
+
+
+def _other(lp: LoopReport, n: int = 8) -> str:
+    other = Counter()
+    for op, c in lp.opcodes.items():
+        if classify(op) == "other":
+            other[op.split(".", 1)[0]] += c
+    return ", ".join(f"{op} {c}" for op, c in other.most_common(n))
+
+
+def format_kernel(rep: KernelReport, all_loops: bool = False) -> str:
+    """A kernel's resources and its loops' class counts as text."""
+    r = rep.resources
+    lines = [f"kernel: {_short(rep.label)}", f"  from {rep.source}"]
+    lines.append(f"  registers {r.get('REG', '?')} (launch), setmaxnreg {rep.setmaxnreg or '-'}, highest register "
+                 f"named R{rep.max_register}; stack {r.get('STACK', '?')} B, local {r.get('LOCAL', '?')} B, "
+                 f"static shared {r.get('SHARED', '?')} B; {rep.total} instructions")
+    if rep.ptxas is not None:
+        p = rep.ptxas
+        lines.append(f"  ptxas: {p['registers']} registers, {p['stack_frame']} B stack frame, "
+                     f"{p['spill_stores']} B spill stores, {p['spill_loads']} B spill loads")
+    lines += [f"  advisory: {a}" for a in rep.advisories]
+    shown = [lp for lp in rep.loops if all_loops or not lp.small]
+    hidden = len(rep.loops) - len(shown)
+    rows = [[lp.where, str(lp.depth), "*" if lp.innermost else "", str(lp.cold), _reg(lp.max_register)]
+            + [str(lp.classes[c]) for c in CLASSES] + [str(lp.total)] for lp in shown]
+    lines += ["  loops (inner *: innermost; cold: body instructions laid out elsewhere, not counted)"]
+    lines += ["  " + ln for ln in _table(["loop", "depth", "inner", "cold", "top reg", *CLASSES, "total"], rows)]
+    for lp in shown:
+        if lp.innermost:
+            lines.append(f"  {lp.where} other: {_other(lp) or '-'}")
+    if hidden:
+        lines.append(f"  ({hidden} small loops of <= {SMALL_LOOP} instructions without MMA not shown: --all-loops)")
+    return "\n".join(lines)
+
+
+def format_side_by_side(ours: KernelReport, ours_loop: LoopReport, theirs: KernelReport, theirs_loop: LoopReport,
+                        names: Tuple[str, str] = ("ours", "theirs")) -> str:
+    """Two loops' class counts side by side (the difference is theirs minus ours)."""
+    a, b = names
+    lines = [f"{a}: {_short(ours.label, 200)}", f"  loop {ours_loop.where}, {ours_loop.gmma} GMMA",
+             f"{b}: {_short(theirs.label, 200)}", f"  loop {theirs_loop.where}, {theirs_loop.gmma} GMMA"]
+    rows = [[c, str(ours_loop.classes[c]), str(theirs_loop.classes[c]), f"{theirs_loop.classes[c] - ours_loop.classes[c]:+d}"]
+            for c in CLASSES]
+    rows.append(["total", str(ours_loop.total), str(theirs_loop.total), f"{theirs_loop.total - ours_loop.total:+d}"])
+    rows.append(["cold", str(ours_loop.cold), str(theirs_loop.cold), f"{theirs_loop.cold - ours_loop.cold:+d}"])
+    rows.append(["top register", _reg(ours_loop.max_register), _reg(theirs_loop.max_register), ""])
+    rows.append(["setmaxnreg", "/".join(map(str, ours.setmaxnreg)) or "-", "/".join(map(str, theirs.setmaxnreg)) or "-", ""])
+    rows.append(["stack B", str(ours.resources.get("STACK", "?")), str(theirs.resources.get("STACK", "?")), ""])
+    lines += _table(["class", a, b, f"{b} - {a}"], rows)
+    lines += [f"{a} other: {_other(ours_loop) or '-'}", f"{b} other: {_other(theirs_loop) or '-'}"]
+    for name, rep, lp in ((a, ours, ours_loop), (b, theirs, theirs_loop)):
+        alike = [f"{o.where} ({o.total})" for o in rep.loops if o is not lp and o.innermost and o.gmma == lp.gmma]
+        if alike:
+            lines.append(f"{name}: other innermost loops with {lp.gmma} GMMA (instructions): {', '.join(alike)}")
+    return "\n".join(lines)
+
+
+def _as_json(rep: KernelReport) -> dict:
+    d = asdict(rep)
+    for lp, src in zip(d["loops"], rep.loops):
+        lp["where"] = src.where
+    return d
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", help="our family: its label (mla-cupy compile --list) or a unique part of it")
+    ap.add_argument("--family-kernel", action="append", default=[],
+                    help="keep our kernels whose name expression contains this (repeatable)")
+    ap.add_argument("--arch", default="sm_90a", help="target of our family (default sm_90a)")
+    ap.add_argument("--list-families", action="store_true", help="list our families for --arch and exit")
+    ap.add_argument("--so", help="a shared library whose fatbin holds the other kernel (fa3_fwd/_C.abi3.so)")
+    ap.add_argument("--kernel", action="append", default=[],
+                    help="part of the library kernel's demangled or mangled name (repeatable: all must match)")
+    ap.add_argument("--index", type=int, default=None, help="pick the N-th of several matching library kernels")
+    ap.add_argument("--list", action="store_true", help="list the library's kernels that match --kernel and exit")
+    ap.add_argument("--ours-loop", type=lambda s: int(s, 0), default=None, help="side by side: our loop's start address")
+    ap.add_argument("--theirs-loop", type=lambda s: int(s, 0), default=None,
+                    help="side by side: the library kernel's loop start address")
+    ap.add_argument("--all-loops", action="store_true", help=f"also the loops of <= {SMALL_LOOP} instructions without MMA")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    a = ap.parse_args(argv)
+    try:
+        if a.list_families:
+            for _, fam, lab in _families(a.arch):
+                print(f"{lab}    ({fam[0]}, {len(fam[1])} names)")
+            return 0
+        if a.so and a.list:
+            found = library_kernels(a.so, a.kernel)
+            if a.json:
+                print(json.dumps([asdict(k) for k in found], indent=1))
+                return 0
+            for i, k in enumerate(found):
+                print(f"[{i}] ELF {k.elf_index} REG {k.resources.get('REG')} STACK {k.resources.get('STACK')}: {_short(k.demangled)}")
+            return 0
+        if not a.family and not a.so:
+            ap.error("give --family, --so (with --kernel), or both for the side-by-side view")
+        if a.so and not a.kernel and a.index is None:
+            ap.error("--so needs --kernel (see --list)")
+        ours = analyze_family(a.family, a.arch, a.family_kernel) if a.family else []
+        theirs = analyze_library(a.so, a.kernel, a.index) if a.so else None
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"sass.py: {exc}", file=sys.stderr)
+        return 2
+    if ours and theirs is not None:  # side by side: our first kernel's main loop against theirs
+        names = ("ours", Path(a.so).parent.name or "theirs")
+        try:
+            lo, lt = main_loop(ours[0], a.ours_loop), main_loop(theirs, a.theirs_loop)
+        except ValueError as exc:
+            print(f"sass.py: {exc}", file=sys.stderr)
+            return 2
+        if a.json:
+            print(json.dumps({names[0]: _as_json(ours[0]), names[1]: _as_json(theirs),
+                              "loops": {names[0]: lo.where, names[1]: lt.where}}, indent=1))
+        else:
+            print(format_side_by_side(ours[0], lo, theirs, lt, names))
+        return 0
+    reports = ours + ([theirs] if theirs is not None else [])
+    if a.json:
+        print(json.dumps([_as_json(r) for r in reports], indent=1))
+    else:
+        print("\n\n".join(format_kernel(r, a.all_loops) for r in reports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
