@@ -322,8 +322,8 @@ def aligned(p: Problem) -> bool:
 
 
 def tags(p: Problem) -> List[str]:
-    """What a problem covers, for the coverage counts: its mask, positions, empty sequences,
-    the rope source, the outputs."""
+    """What a problem covers, for the coverage counts: its mask (first), dtype, positions, empty
+    sequences, the rope source, the outputs."""
     out = [p.mask[0], p.dtype]
     if not p.sq:
         out.append("B=0")
@@ -514,7 +514,7 @@ def run_range(seed: int, start: int, end: int, *, budget_s: float = 450.0, kerne
             break
         p = draw(seed, index)
         if p.kernel not in kernels:
-            rec["problems"].append([index, p.combo, p.mask[0], "skipped"])
+            rec["problems"].append([index, p.combo, "skipped", tags(p)])
             continue
         t1 = clock()
         try:
@@ -534,7 +534,7 @@ def run_range(seed: int, start: int, end: int, *, budget_s: float = 450.0, kerne
                 left = budget_s - (clock() - t0) - 2 * max(recent)
                 fail.update(_shrunk(p, exc, checker, min(shrink_s, left), clock, log))
             rec["failures"].append(fail)
-        rec["problems"].append([index, p.combo, p.mask[0], status])
+        rec["problems"].append([index, p.combo, status, tags(p)])
         rec["counts"][p.combo] = rec["counts"].get(p.combo, 0) + 1
         for tag in tags(p):
             rec["tags"][tag] = rec["tags"].get(tag, 0) + 1

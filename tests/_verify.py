@@ -87,17 +87,18 @@ def load_records(out_dir, kind: Optional[str] = None) -> List[dict]:
 
 
 def fuzz_outcomes(records: Iterable[dict], seed: Optional[int] = None) -> Dict[tuple, list]:
-    """``{(seed, index): [combo, mask, status]}`` over fuzz records (of ``seed`` only, if given).
-    A problem run more than once keeps its worst status (failed over ok over skipped)."""
+    """``{(seed, index): [combo, status, tags]}`` over fuzz records (of ``seed`` only, if given);
+    ``tags[0]`` is the problem's mask. A problem run more than once keeps its worst status (failed
+    over ok over skipped)."""
     rank = {"skipped": 0, "ok": 1, "failed": 2}
     out: Dict[tuple, list] = {}
     for rec in records:
         if rec.get("kind") != "fuzz" or (seed is not None and rec["seed"] != seed):
             continue
-        for index, combo, mask, status in rec["problems"]:
+        for index, combo, status, tags in rec["problems"]:
             key = (rec["seed"], index)
-            if key not in out or rank[status] > rank[out[key][2]]:
-                out[key] = [combo, mask, status]
+            if key not in out or rank[status] > rank[out[key][1]]:
+                out[key] = [combo, status, tags]
     return out
 
 
@@ -148,12 +149,15 @@ def sanitizer_record(tool: str, log_path, rc: int) -> dict:
 def summarize(records: List[dict]) -> dict:
     """The numbers of one summary from every record of a folder."""
     outcomes = fuzz_outcomes(records)
-    ran = {k: v for k, v in outcomes.items() if v[2] != "skipped"}
+    ran = {k: v for k, v in outcomes.items() if v[1] != "skipped"}
     combos: Dict[str, int] = {}
     masks: Dict[str, int] = {}
-    for combo, mask, _ in ran.values():
+    tags: Dict[str, int] = {}
+    for combo, _, problem_tags in ran.values():
         combos[combo] = combos.get(combo, 0) + 1
-        masks[mask] = masks.get(mask, 0) + 1
+        masks[problem_tags[0]] = masks.get(problem_tags[0], 0) + 1
+        for t in problem_tags[1:]:
+            tags[t] = tags.get(t, 0) + 1
     by_seed: Dict[int, List[int]] = {}
     for seed, index in ran:
         by_seed.setdefault(seed, []).append(index)
@@ -168,8 +172,8 @@ def summarize(records: List[dict]) -> dict:
             sanitize[rec["tool"]] = rec  # the latest run of each tool
     soaks = [r for r in records if r.get("kind") == "soak"]
     return dict(
-        problems=len(ran), failed=sum(1 for v in ran.values() if v[2] == "failed"),
-        skipped=sum(1 for v in outcomes.values() if v[2] == "skipped"), combos=combos, masks=masks,
+        problems=len(ran), failed=sum(1 for v in ran.values() if v[1] == "failed"),
+        skipped=sum(1 for v in outcomes.values() if v[1] == "skipped"), combos=combos, masks=masks, tags=tags,
         ranges={seed: _ranges(ix) for seed, ix in by_seed.items()}, failures=list(failures.values()),
         fatal=[r["fatal"] for r in fuzz_recs if r.get("fatal")], sanitize=sanitize,
         soak=soaks[-1] if soaks else None,
@@ -211,7 +215,10 @@ def _sanitizer_text(summary: dict) -> str:
 
 
 def _mib(nbytes) -> str:
-    return "n/a" if nbytes is None else f"{nbytes / 2**20:+.1f} MiB"
+    """A signed byte count: in bytes below 1 MiB (a small leak stays visible), else in MiB."""
+    if nbytes is None:
+        return "n/a"
+    return f"{nbytes:+,} B" if abs(nbytes) < 2**20 else f"{nbytes / 2**20:+.1f} MiB"
 
 
 def _soak_text(soak: Optional[dict]) -> str:
@@ -248,7 +255,8 @@ def format_summary(summary: dict) -> str:
     masks = ", ".join(f"{k} {n}" for k, n in sorted(summary["masks"].items()))
     lines += [f"fuzz: {summary['problems']:,} problems ({_ranges_text(summary)}), {summary['failed']} mismatches, "
               f"{summary['skipped']} skipped (kernel not on this GPU)",
-              f"  by kernel/variant: {combos or '-'}", f"  by mask: {masks or '-'}"]
+              f"  by kernel/variant: {combos or '-'}", f"  by mask: {masks or '-'}",
+              "  covering: " + (", ".join(f"{k} {n}" for k, n in sorted(summary["tags"].items())) or "-")]
     for f in summary["failures"]:
         lines.append(f"  FAILED {f['label']}: {f['error']}")
         lines.append(f"    reproduce: {f['repro']}")

@@ -149,7 +149,7 @@ def test_budget_stop_and_resume_cover_every_index_once(tmp_path):
 def test_skipped_kernels_and_resume_skip_list():
     clock = FakeClock()
     rec, _ = _run(4, 0, 20, clock, kernels=("sm80",), skip={0, 2}, budget=1000)
-    statuses = {i: s for i, _, _, s in rec["problems"]}
+    statuses = {i: s for i, _, s, _ in rec["problems"]}
     assert 0 not in statuses and 2 not in statuses
     assert all(s == ("ok" if _fuzz.draw(4, i).kernel == "sm80" else "skipped") for i, s in statuses.items())
 
@@ -169,7 +169,7 @@ def test_a_failure_is_reported_with_reproductions_and_shrunk(tmp_path):
     small = _fuzz.Problem.from_json(f["shrunk"])
     assert _failing(small) and sum(small.sq) == 10
     assert "!! FAILED problem" in log and "reproduce it: python benchmarks/fuzz.py --problem '" in log
-    assert len(rec["failures"]) == sum(1 for *_, s in rec["problems"] if s == "failed")
+    assert len(rec["failures"]) == sum(1 for _, _, s, _ in rec["problems"] if s == "failed")
     assert sum(1 for f in rec["failures"] if "shrunk" in f) == min(2, len(rec["failures"]))  # max_shrinks
     summary = _verify.summarize(_verify.load_records(tmp_path))
     assert summary["failed"] == len(rec["failures"]) and summary["problems"] == 10
@@ -252,9 +252,10 @@ def test_soak_drift_and_judgement():
 def test_summary_counts_each_problem_once_and_prints_a_table_row(tmp_path):
     base = dict(kind="fuzz", commit="abc1234", device="NVIDIA H200", failures=[], fatal=None)
     _verify.write_record(tmp_path, "fuzz-a.json", dict(base, seed=7, time=1, problems=[
-        [i, "sm80/plain", "CausalMask", "ok"] for i in range(0, 600)]))
+        [i, "sm80/plain", "ok", ["CausalMask", "lse"]] for i in range(0, 600)]))
     _verify.write_record(tmp_path, "fuzz-b.json", dict(base, seed=7, time=2, problems=[
-        [i, "sm90/fp8", "NullMask", "ok"] for i in range(550, 1000)] + [[1000, "sm90/fp8", "NullMask", "skipped"]]))
+        [i, "sm90/fp8", "ok", ["NullMask", "bf16"]] for i in range(550, 1000)]
+        + [[1000, "sm90/fp8", "skipped", ["NullMask"]]]))
     for tool in _verify.SANITIZER_TOOLS[:3]:
         _verify.write_record(tmp_path, f"sanitize-{tool}.json", dict(kind="sanitize", tool=tool, rc=0, errors=0,
                                                                     hazards=None, passed=44, failed=0,
@@ -264,10 +265,11 @@ def test_summary_counts_each_problem_once_and_prints_a_table_row(tmp_path):
     assert s["problems"] == 1000 and s["failed"] == 0 and s["skipped"] == 1 and s["ranges"] == {7: [[0, 999]]}
     text = _verify.format_summary(s)
     assert "fuzz: 1,000 problems (seed 7: 0-999), 0 mismatches" in text
+    assert "by mask: CausalMask 600, NullMask 400" in text and "covering: bf16 400, lse 600" in text
     assert "memcheck 0, racecheck 0, synccheck 0, initcheck not run" in text
     row = _verify.markdown_row(s)
     assert row == ("| abc1234 | NVIDIA H200 | 1,000 (seed 7: 0-999) | 0 | memcheck 0, racecheck 0, synccheck 0, "
-                   "initcheck not run | 10,000 calls: pool used +0.0 MiB, torch allocated +0.0 MiB, device free "
+                   "initcheck not run | 10,000 calls: pool used +0 B, torch allocated +0 B, device free "
                    "-2.0 MiB, compiled modules +0, plan records +0 | 8 threads x 140 runs: bitwise equal to serial |")
     assert row.count("|") == _verify.TABLE_HEADER.splitlines()[0].count("|")
     assert text.endswith(row)
