@@ -129,9 +129,11 @@ FUZZ=("$PY" benchmarks/fuzz.py --out "$OUT_DIR")
 VERIFY=("$PY" benchmarks/verify.py)
 STAMP() { date +%Y%m%d-%H%M%S; }
 
-# sanitize_tools TOOL...: the warm-up run, then each tool as one step; each tool's record for the summary.
+# sanitize_tools [TOOL...]: the warm-up run, then each tool (default: all four) as one step, and
+# each tool's record for the summary.
 sanitize_tools() {
   local SAN K t rc
+  [ $# -gt 0 ] || set -- memcheck racecheck synccheck initcheck
   SAN=$(find_tool compute-sanitizer "${SANITIZER:-}" SANITIZER) || return 1
   K=${SUBSET:-$SANITIZER_SUBSET}
   # One plain run first: it compiles every kernel of the subset into the on-disk cache, so the
@@ -163,10 +165,7 @@ case "$MODE" in
     [ $# -ge 1 ] || usage 2
     N=$1; shift
     step_shown "fuzz-$(STAMP)" "${FUZZ[@]}" --count "$N" --budget-s $((STEP_S - 90)) "$@" ;;
-  sanitize)
-    TOOLS=(memcheck racecheck synccheck initcheck)
-    [ $# -gt 0 ] && TOOLS=("$@")
-    sanitize_tools "${TOOLS[@]}" ;;
+  sanitize) sanitize_tools "$@" ;;
   bench)
     step bench "$PY" -m mla_cupy bench --json "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png" --reps 20 \
       --no-progress "$@"
@@ -198,10 +197,7 @@ case "$MODE" in
     SUB=${1:-all}; [ $# -gt 0 ] && shift
     case "$SUB" in
       fuzz) verify_fuzz "$@" ;;
-      sanitize)
-        TOOLS=(memcheck racecheck synccheck initcheck)
-        [ $# -gt 0 ] && TOOLS=("$@")
-        sanitize_tools "${TOOLS[@]}" ;;
+      sanitize) sanitize_tools "$@" ;;
       soak) step_shown soak "${VERIFY[@]}" soak --out "$OUT_DIR" "$@" ;;
       summary) "${VERIFY[@]}" summary "$OUT_DIR" | tee "$OUT_DIR/summary.txt" ;;
       all)
@@ -215,7 +211,7 @@ case "$MODE" in
           [ "$now" -lt "$left" ] || break  # no progress: do not loop
           left=$now
         done
-        sanitize_tools memcheck racecheck synccheck initcheck
+        sanitize_tools
         step_shown soak "${VERIFY[@]}" soak --out "$OUT_DIR"
         "${VERIFY[@]}" summary "$OUT_DIR" | tee "$OUT_DIR/summary.txt" ;;
       *) echo "gpu.sh: unknown verify step $SUB (fuzz, sanitize, soak, summary)" >&2; usage 2 ;;
