@@ -5,10 +5,11 @@
 #   bash benchmarks/gpu.sh [options] MODE [ARGS...]
 #
 # Modes:
-#   suite [PYTEST ARGS...]   the whole `pytest -m gpu` suite (its fuzz: MLA_FUZZ_EXAMPLES, default 16)
-#   fuzz N [--seed S]        N random problems against the float64 reference on every kernel this
-#                            GPU runs, and N/2 more through the fp8 variants (Hopper); S makes a run
-#                            repeatable (default: a random seed, printed)
+#   suite [PYTEST ARGS...]   the whole `pytest -m gpu` suite (its fuzz: MLA_FUZZ_EXAMPLES, default 20)
+#   fuzz N [--seed S]        N random problems against the float64 reference (benchmarks/fuzz.py:
+#                            every variant on every kernel this GPU runs), from where the records in
+#                            --out of seed S stop; S makes a run repeatable (default: the records'
+#                            seed, else a random one, printed)
 #   sanitize [TOOL...]       compute-sanitizer (default: memcheck racecheck synccheck initcheck) over a
 #                            small-shape subset with every kernel family in it (both 16-bit kernels at
 #                            every mask, paged aligned and gathered, epilogue merge, merge_states, NaN
@@ -20,6 +21,20 @@
 #   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
 #                            bench case (`mla-cupy bench --list`) or fp8 / bf16 / paged (1x8192, H = 128)
 #   compile                  `mla-cupy compile`: every kernel family into CuPy's on-disk cache
+#   verify STEP [ARGS...]    the reliability evidence, one step per GPU command (each within --timeout),
+#                            records in --out, then one summary:
+#     verify fuzz [TOTAL] [--seed S] [--start I] [--budget-s B]
+#                            problems up to index TOTAL (default 1000) of seed S, from I (default: the
+#                            first index the records lack), stopping before B seconds (default
+#                            --timeout - 90); prints progress and the command that resumes it
+#     verify sanitize [TOOL...]  the sanitize mode above, each tool's errors recorded
+#     verify soak [--calls N] [--threads T] [--iters I]
+#                            10,000 mixed calls (plan.run, one-shot, torch op) with memory sampled, then
+#                            T = 8 threads with their own streams and plans against the serial results
+#     verify summary         every record in --out: problems, mismatches, sanitizer errors, soak memory,
+#                            concurrency, and the markdown row for benchmarks/RESULTS.md (no GPU needed)
+#     verify                 all of the above in order, the fuzz in budgeted steps up to 1000 (for a
+#                            machine without a limit per command)
 #
 # Options:
 #   --out DIR        where logs and results go (default ./gpu-logs)
@@ -47,7 +62,7 @@ done
 [ $# -ge 1 ] || usage 2
 MODE=$1; shift
 case "$MODE" in
-  suite|fuzz|sanitize|bench|ab|ncu|compile) ;;
+  suite|fuzz|sanitize|bench|ab|ncu|compile|verify) ;;
   *) echo "gpu.sh: unknown mode $MODE" >&2; usage 2 ;;
 esac
 
@@ -84,13 +99,23 @@ step() {
   return $rc
 }
 
+# step_shown NAME CMD...: step, with the output also on the terminal as it comes.
+step_shown() {
+  local name=$1; shift
+  echo "== $name: $*"
+  timeout "$STEP_S" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] && echo "!! $name: stopped at the ${STEP_S}s limit"
+  return "$rc"
+}
+
 # Per-test limit when pytest-timeout is installed (a hung kernel then fails one test, not the run).
 PYTEST=("$PY" -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider)
 "$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout="${TEST_TIMEOUT:-300}")
 
 summary() { grep -h -E "$1" "$OUT_DIR/$2.log" | tail -"${3:-20}"; }
 
-{
+[ "$MODE $*" = "verify summary" ] || {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu \
     --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
   echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- kernels mla_cupy 2>/dev/null || echo ' (kernels/ or mla_cupy/ modified)')"
@@ -100,32 +125,47 @@ summary() { grep -h -E "$1" "$OUT_DIR/$2.log" | tail -"${3:-20}"; }
 SANITIZER_SUBSET='(every_mask_dtype_heads and (16-bf16 or 16-fp16-CausalMask)) or (paged_equals_plain and (16- or 64-)) or accumulate_merges or merge_states_exact or nan_in_one or (fp8_every_mask_heads_odd_lengths and 16-) or (fp8_paged_rope and 64) or (fp8_rope_plain and 16-) or (fp8_rope_paged and 64) or transpose_v_device or (device_quantizers and 16)'
 SANITIZER_FILES=(tests/test_gpu_prefill.py tests/test_gpu_paged_merge.py tests/test_gpu_fp8.py)
 
+FUZZ=("$PY" benchmarks/fuzz.py --out "$OUT_DIR")
+VERIFY=("$PY" benchmarks/verify.py)
+STAMP() { date +%Y%m%d-%H%M%S; }
+
+# sanitize_tools [TOOL...]: the warm-up run, then each tool (default: all four) as one step, and
+# each tool's record for the summary.
+sanitize_tools() {
+  local SAN K t rc
+  [ $# -gt 0 ] || set -- memcheck racecheck synccheck initcheck
+  SAN=$(find_tool compute-sanitizer "${SANITIZER:-}" SANITIZER) || return 1
+  K=${SUBSET:-$SANITIZER_SUBSET}
+  # One plain run first: it compiles every kernel of the subset into the on-disk cache, so the
+  # sanitized runs (much slower per instruction) spend their time in the kernels, not in NVRTC.
+  step sanitize-warmup "${PYTEST[@]}" "${SANITIZER_FILES[@]}" -k "$K"
+  summary "passed|failed|skipped" sanitize-warmup 2
+  # No -x: one failing test must not hide what the tool reports on the others.
+  for t in "$@"; do
+    step "sanitize-$t" "$SAN" --tool "$t" --target-processes all --print-limit 20 \
+      "${PYTEST[@]}" "${SANITIZER_FILES[@]}" -k "$K"
+    rc=$?
+    summary "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "sanitize-$t" 4
+    "${VERIFY[@]}" record-sanitizer "$t" "$OUT_DIR/sanitize-$t.log" "$rc" "$OUT_DIR"
+  done
+}
+
+# verify_fuzz [TOTAL] [FUZZ ARGS...]: one budgeted step of problems up to index TOTAL.
+verify_fuzz() {
+  local total=1000
+  case "${1:-}" in [0-9]*) total=$1; shift ;; esac
+  step_shown "fuzz-$(STAMP)" "${FUZZ[@]}" --total "$total" --budget-s $((STEP_S - 90)) "$@"
+}
+
 case "$MODE" in
   suite)
-    MLA_FUZZ_EXAMPLES=${MLA_FUZZ_EXAMPLES:-16} MLA_FUZZ_NO_SHRINK=1 step suite "${PYTEST[@]}" -s tests "$@"
-    summary "host overhead|fuzz:|accuracy|passed|failed|skipped|FAILED|ERROR|Error" suite 30 ;;
+    step suite "${PYTEST[@]}" -s tests "$@"
+    summary "host overhead|accuracy|passed|failed|skipped|FAILED|ERROR|Error" suite 30 ;;
   fuzz)
     [ $# -ge 1 ] || usage 2
-    N=$1; shift; SEED=$((RANDOM * 32768 + RANDOM))
-    [ "${1:-}" = "--seed" ] && SEED=$2
-    echo "fuzz: $N problems (+ $((N / 2)) fp8), seed $SEED"
-    MLA_FUZZ_EXAMPLES=$N MLA_FUZZ_NO_SHRINK=1 step fuzz "${PYTEST[@]}" --hypothesis-seed="$SEED" tests/test_gpu_fuzz.py
-    summary "fuzz:|passed|failed|skipped|FAILED|Falsifying|ERROR" fuzz ;;
-  sanitize)
-    SAN=$(find_tool compute-sanitizer "${SANITIZER:-}" SANITIZER) || exit 1
-    K=${SUBSET:-$SANITIZER_SUBSET}
-    # One plain run first: it compiles every kernel of the subset into the on-disk cache, so the
-    # sanitized runs (much slower per instruction) spend their time in the kernels, not in NVRTC.
-    step sanitize-warmup "${PYTEST[@]}" "${SANITIZER_FILES[@]}" -k "$K"
-    summary "passed|failed|skipped" sanitize-warmup 2
-    # No -x: one failing test must not hide what the tool reports on the others.
-    TOOLS=(memcheck racecheck synccheck initcheck)
-    [ $# -gt 0 ] && TOOLS=("$@")
-    for t in "${TOOLS[@]}"; do
-      step "sanitize-$t" "$SAN" --tool "$t" --target-processes all --print-limit 20 \
-        "${PYTEST[@]}" "${SANITIZER_FILES[@]}" -k "$K"
-      summary "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "sanitize-$t" 4
-    done ;;
+    N=$1; shift
+    step_shown "fuzz-$(STAMP)" "${FUZZ[@]}" --count "$N" --budget-s $((STEP_S - 90)) "$@" ;;
+  sanitize) sanitize_tools "$@" ;;
   bench)
     step bench "$PY" -m mla_cupy bench --json "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png" --reps 20 \
       --no-progress "$@"
@@ -153,5 +193,28 @@ case "$MODE" in
   compile)
     step compile "$PY" -m mla_cupy compile
     tail -5 "$OUT_DIR/compile.log" ;;
+  verify)
+    SUB=${1:-all}; [ $# -gt 0 ] && shift
+    case "$SUB" in
+      fuzz) verify_fuzz "$@" ;;
+      sanitize) sanitize_tools "$@" ;;
+      soak) step_shown soak "${VERIFY[@]}" soak --out "$OUT_DIR" "$@" ;;
+      summary) "${VERIFY[@]}" summary "$OUT_DIR" | tee "$OUT_DIR/summary.txt" ;;
+      all)
+        step compile "$PY" -m mla_cupy compile
+        tail -2 "$OUT_DIR/compile.log"
+        left=$("${FUZZ[@]}" --total 1000 --remaining)
+        while [ "$left" -gt 0 ]; do
+          verify_fuzz 1000
+          [ $? -eq 2 ] && break  # the CUDA context was lost: the summary says where
+          now=$("${FUZZ[@]}" --total 1000 --remaining)
+          [ "$now" -lt "$left" ] || break  # no progress: do not loop
+          left=$now
+        done
+        sanitize_tools
+        step_shown soak "${VERIFY[@]}" soak --out "$OUT_DIR"
+        "${VERIFY[@]}" summary "$OUT_DIR" | tee "$OUT_DIR/summary.txt" ;;
+      *) echo "gpu.sh: unknown verify step $SUB (fuzz, sanitize, soak, summary)" >&2; usage 2 ;;
+    esac ;;
 esac
 echo "logs: $OUT_DIR"

@@ -1,6 +1,7 @@
 """Random ragged MLA problems on the host, shared by the CPU and GPU tests."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -58,3 +59,51 @@ def per_slice_errors(out, ref, valid_length) -> List[float]:
             if r.size and np.linalg.norm(r) > 0:
                 errs.append(rel_err(out[vl[b]:vl[b + 1], h], r))
     return errs
+
+
+def build_paged(case, page_size, seed=0, shuffle=True, spare_blocks=3, dc=576, rope_offset=512):
+    """A paged cache holding the case's rope rows at their absolute positions, pages shuffled.
+    Latent columns get random data (never read)."""
+    rng = np.random.default_rng(seed)
+    cro = case.cache_row_offsets.astype(np.int64)
+    sk = np.diff(cro)
+    b_ = len(sk)
+    co = np.zeros(b_, np.int64) if case.cache_offsets is None else case.cache_offsets.astype(np.int64)
+    pages = [int((co[b] + sk[b] + page_size - 1) // page_size) for b in range(b_)]
+    nblocks = sum(pages) + spare_blocks
+    order = rng.permutation(nblocks) if shuffle else np.arange(nblocks)
+    blocks = rng.standard_normal((nblocks, page_size, 1, dc)).astype(case.k_rope.dtype)
+    lut = np.full((b_, max(pages + [1])), nblocks + 100, np.int32)  # unused entries out of range on purpose
+    used = 0
+    for b in range(b_):
+        for p in range(pages[b]):
+            lut[b, p] = order[used]
+            used += 1
+        for j in range(sk[b]):
+            t = co[b] + j
+            blocks[lut[b, t // page_size], t % page_size, 0, rope_offset:rope_offset + 64] = case.k_rope[cro[b] + j, 0]
+    return blocks, lut
+
+
+def build_paged_fp8_rope(case, page_size, seed=0):
+    """An fp8 paged cache of the case's rope (MAX's layout for an e4m3 rope): uint8 blocks with the
+    e4m3 bytes at columns 512..575 (random bytes elsewhere) and float32 scales ``[num_blocks,
+    page_size, 1, 9]`` holding the rope's scale at column 512 / 64 = 8.
+
+    Returns
+    -------
+    blocks8, lut, scales, r8, sc
+        The cache's arrays, and the plain fp8 rope with its scales
+        (:func:`mla_cupy.quant.quantize_rope_blocks` of ``case.k_rope``) that the cache holds.
+    """
+    from mla_cupy import quant
+
+    r8, sc = quant.quantize_rope_blocks(case.k_rope)
+    as_float = dataclasses.replace(case, k_rope=r8.view(np.uint8).astype(np.float32))
+    blocks, lut = build_paged(as_float, page_size, seed=seed)
+    blocks8 = np.random.default_rng(1).integers(0, 255, blocks.shape).astype(np.uint8)
+    blocks8[..., 512:576] = blocks[..., 512:576].astype(np.uint8)
+    sc_full = dataclasses.replace(case, k_rope=np.repeat(sc, 64, axis=2).astype(np.float32))
+    sblocks, _ = build_paged(sc_full, page_size, seed=seed)
+    scales = np.ascontiguousarray(sblocks[..., ::64]).astype(np.float32)
+    return blocks8, lut, scales, r8, sc

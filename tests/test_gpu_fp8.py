@@ -9,7 +9,7 @@ import mla_cupy
 from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, PagedKVCache, SlidingWindowCausalMask
 from mla_cupy import quant, reference
 
-from _cases import BF16, make_case, per_slice_errors
+from _cases import BF16, build_paged, build_paged_fp8_rope, make_case, per_slice_errors
 from gpu_util import KERNELS
 
 pytestmark = [pytest.mark.gpu,
@@ -97,8 +97,6 @@ def test_fp8_zero_and_tiny_q_scale(mask):
 def test_fp8_paged_rope(page_size, offsets):
     """The (scaled, bf16) rope from a paged cache equals the plain-array result bit for bit."""
     import cupy as cp
-
-    from test_gpu_paged_merge import build_paged
 
     co = [5, 0, 1000] if offsets == "unaligned" else [0, 512, 1024]
     c = make_case([65, 1, 130], [300, 17, 700], 16, BF16, seed=page_size, cache_offsets=co)
@@ -202,19 +200,9 @@ def test_fp8_rope_paged(page_size, offsets):
     plain fp8 rope's result bit for bit; prefix context, shuffled pages."""
     import cupy as cp
 
-    from test_gpu_paged_merge import build_paged
-
     co = [5, 0, 1000] if offsets == "unaligned" else [0, 512, 1024]
     c = make_case([65, 1, 130], [300, 17, 700], 16, BF16, seed=page_size, cache_offsets=co)
-    r8, sc = quant.quantize_rope_blocks(c.k_rope)
-    # the cache: bytes of the e4m3 rope at columns 512..575, its scale at column 512 / 64 = 8 of 9
-    as_float = dataclasses.replace(c, k_rope=r8.view(np.uint8).astype(np.float32))
-    blocks, lut = build_paged(as_float, page_size, seed=page_size)
-    blocks8 = np.random.default_rng(1).integers(0, 255, blocks.shape).astype(np.uint8)
-    blocks8[..., 512:576] = blocks[..., 512:576].astype(np.uint8)
-    sc_full = dataclasses.replace(c, k_rope=np.repeat(sc, 64, axis=2).astype(np.float32))
-    sblocks, _ = build_paged(sc_full, page_size, seed=page_size)
-    scales = np.ascontiguousarray(sblocks[..., ::64]).astype(np.float32)  # [nb, ps, 1, 9]: column 8 is the rope's
+    blocks8, lut, scales, r8, sc = build_paged_fp8_rope(c, page_size, seed=page_size)
     cache = PagedKVCache(cp.asarray(blocks8), cp.asarray(lut), page_size, scales=cp.asarray(scales))
     d = {n: None if getattr(c, n) is None else cp.asarray(getattr(c, n))
          for n in ("q", "k", "v", "valid_length", "cache_row_offsets", "cache_offsets")}

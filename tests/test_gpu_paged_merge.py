@@ -5,36 +5,12 @@ import pytest
 import mla_cupy
 from mla_cupy import NullMask, PagedKVCache, SlidingWindowCausalMask, reference
 
-from _cases import BF16, make_case
+from _cases import BF16, build_paged, make_case
 from gpu_util import KERNELS, run_and_check, upload
 
 kernels = pytest.mark.parametrize("kernel", KERNELS)
 
 pytestmark = pytest.mark.gpu
-
-
-def build_paged(case, page_size, seed=0, shuffle=True, spare_blocks=3, dc=576, rope_offset=512):
-    """A paged cache holding the case's rope rows at their absolute positions, pages shuffled.
-    Latent columns get random data (never read)."""
-    rng = np.random.default_rng(seed)
-    cro = case.cache_row_offsets.astype(np.int64)
-    sk = np.diff(cro)
-    b_ = len(sk)
-    co = np.zeros(b_, np.int64) if case.cache_offsets is None else case.cache_offsets.astype(np.int64)
-    pages = [int((co[b] + sk[b] + page_size - 1) // page_size) for b in range(b_)]
-    nblocks = sum(pages) + spare_blocks
-    order = rng.permutation(nblocks) if shuffle else np.arange(nblocks)
-    blocks = rng.standard_normal((nblocks, page_size, 1, dc)).astype(case.k_rope.dtype)
-    lut = np.full((b_, max(pages + [1])), nblocks + 100, np.int32)  # unused entries out of range on purpose
-    used = 0
-    for b in range(b_):
-        for p in range(pages[b]):
-            lut[b, p] = order[used]
-            used += 1
-        for j in range(sk[b]):
-            t = co[b] + j
-            blocks[lut[b, t // page_size], t % page_size, 0, rope_offset:rope_offset + 64] = case.k_rope[cro[b] + j, 0]
-    return blocks, lut
 
 
 @kernels

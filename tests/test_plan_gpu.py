@@ -10,9 +10,8 @@ import pytest
 import mla_cupy
 from mla_cupy import PagedKVCache, SlidingWindowCausalMask, quant
 
-from _cases import BF16, make_case
+from _cases import BF16, build_paged, make_case
 from gpu_util import KERNELS, upload
-from test_gpu_paged_merge import build_paged
 
 pytestmark = pytest.mark.gpu
 

@@ -1,0 +1,421 @@
+"""The reliability tooling on the CPU: the fuzz generator, shrinker, budget and resume logic
+(_fuzz.py), the soak's drift check (_soak.py), the sanitizer log parser and the summary
+(_verify.py), and ``gpu.sh verify summary``. The GPU checks themselves run in the GPU tests."""
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import _fuzz
+import _soak
+import _verify
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class FakeClock:
+    """A clock that only moves when told to."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_draw_is_a_function_of_seed_and_index():
+    forward = [_fuzz.draw(11, i) for i in range(30)]
+    backward = [_fuzz.draw(11, i) for i in reversed(range(30))][::-1]
+    assert forward == backward
+    assert forward != [_fuzz.draw(12, i) for i in range(30)]
+    for p in forward:
+        assert _fuzz.Problem.from_json(p.to_json()) == p
+
+
+def test_every_variant_kernel_and_mask_within_five_rounds():
+    n = len(_fuzz.SCHEDULE) * len(_fuzz.MASK_TYPES)
+    problems = [_fuzz.draw(5, i) for i in range(n)]
+    assert {(p.variant, p.kernel, p.mask[0]) for p in problems} == {
+        (v, k, m) for v, k in _fuzz.SCHEDULE for m in _fuzz.MASK_TYPES}
+    assert {"sm80", "sm90"} == {k for _, k in _fuzz.SCHEDULE}
+
+
+def test_problems_respect_their_variant():
+    for i in range(600):
+        p = _fuzz.draw(9, i)
+        v = _fuzz.VARIANTS[p.variant]
+        assert p.kernel in v.kernels and p.dtype in v.dtypes and len(p.sq) >= v.min_batch
+        assert len(p.sq) == len(p.sk) and min(p.sq + p.sk, default=0) >= 0
+        assert (p.page_size > 0) if v.paged == 1 else (p.page_size == 0) if v.paged == 0 else True
+        if p.page_size:
+            assert p.page_size in _fuzz.PAGE_SIZES and p.cache_offsets is not None
+            aligned = all(c % p.page_size == 0 for c in p.cache_offsets)
+            assert aligned == _fuzz.aligned(p)
+        if p.variant == "accumulate":
+            assert p.out_f32 and p.lse and all(0 <= s <= k for s, k in zip(p.split, p.sk))
+        if p.variant == "chunked":
+            assert p.chunk_size in _fuzz.CHUNK_SIZES
+        if p.variant.startswith("fp8"):
+            assert p.kernel == "sm90" and p.dtype == "bf16"
+    tags = set()
+    for i in range(600):
+        tags.update(_fuzz.tags(_fuzz.draw(9, i)))
+    for want in ("empty sequence", "cache_offsets", "q_start_pos", "ragged", "lse", "float32 out", "B=0",
+                 "paged 16 aligned", "paged 64 gathered", "paged 512 aligned", "paged 512 gathered"):
+        assert want in tags
+
+
+def test_split_keys_partitions_every_sequence():
+    p = _fuzz.Problem("accumulate", "sm80", (3, 0, 5), (4, 6, 0), 1, "bf16", ("CausalMask", 0),
+                      cache_offsets=(10, 0, 7), split=(1, 9, 0), data_seed=1)
+    case = p.case()
+    (rows_a, off_a, co_a), (rows_b, off_b, co_b) = _fuzz.split_keys(case, p.split)[0]
+    qs = _fuzz.split_keys(case, p.split)[1]
+    assert list(rows_a) == [0, 4, 5, 6, 7, 8, 9] and list(off_a) == [0, 1, 7, 7]
+    assert list(rows_b) == [1, 2, 3] and list(off_b) == [0, 3, 3, 3]
+    assert list(co_a) == [10, 0, 7] and list(co_b) == [11, 6, 7]
+    assert list(qs) == [10 + 4 - 3, 0 + 6 - 0, 7 + 0 - 5]  # the whole problem's end-aligned queries
+
+
+def _failing(p):
+    """A fake check: fails while the problem has 10+ queries and 16+ heads."""
+    return sum(p.sq) >= 10 and p.heads >= 16
+
+
+def test_shrink_finds_the_smallest_failing_problem():
+    p = _fuzz.Problem("paged", "sm90", (70, 0, 33, 129), (90, 5, 40, 129), 128, "bf16", ("ChunkedMask", 20),
+                      cache_offsets=(64, 0, 128, 64), q_start_pos=(3, 4, 5, 6), lse=True, page_size=64, data_seed=3)
+    small, checks = _fuzz.shrink(p, _failing, budget_s=60)
+    assert _failing(small) and checks > 0
+    assert small.heads == 16 and sum(small.sq) == 10 and set(small.sk) == {0} and 0 not in small.sq
+    assert small.cache_offsets is None and small.q_start_pos is None and not small.lse
+    assert small.page_size == 64  # the paged variant keeps its paged rope
+    for c in _fuzz.candidates(small):  # nothing smaller still fails
+        assert not _failing(c)
+
+
+def test_shrink_keeps_the_variants_batch_and_split_consistent():
+    p = _fuzz.draw(2, 6)  # an accumulate problem
+    assert p.variant == "accumulate"
+    for c in _fuzz.candidates(p):
+        assert len(c.sq) >= 1 and len(c.split) == len(c.sq) == len(c.sk)
+        assert all(s <= k for s, k in zip(c.split, c.sk)) and c.out_f32 and c.lse
+
+
+def test_shrink_stops_at_its_budget():
+    clock = FakeClock()
+
+    def fails(p):
+        clock.t += 1.0
+        return True  # everything fails: only the budget ends the search
+
+    p = _fuzz.draw(1, 0)
+    _, checks = _fuzz.shrink(p, fails, budget_s=5, clock=clock)
+    assert checks == 5
+
+
+def _run(seed, start, end, clock, fail=None, out=None, budget=10.0, skip=(), **kw):
+    log = []
+
+    def checker(p):
+        clock.t += 1.0
+        if fail is not None:
+            fail(p)
+        return 1e-3
+
+    rec = _fuzz.run_range(seed, start, end, budget_s=budget, out_dir=out, checker=checker, clock=clock,
+                          log=log.append, every=4, skip=skip, **kw)
+    return rec, "\n".join(log)
+
+
+def test_budget_stop_and_resume_cover_every_index_once(tmp_path):
+    clock = FakeClock()
+    rec, log = _run(4, 0, 20, clock, out=tmp_path)  # 1 s per problem, 10 s budget
+    assert rec["stopped"] == "budget" and rec["next_start"] == 9  # 9 + 2 * 1 s would pass 10 s
+    assert "verify fuzz 20 --seed 4 --start 9" in log and "fuzz seed 4 [0, 20): next 4" in log
+    records = _verify.load_records(tmp_path, "fuzz")
+    done = {i for (_, i) in _verify.fuzz_outcomes(records, 4)}
+    assert done == set(range(9)) and _verify.resume_start(done, 20) == 9
+    clock.t = 0.0
+    rec2, _ = _run(4, 9, 20, clock, out=tmp_path, budget=100)
+    assert rec2["stopped"] == "complete" and rec2["next_start"] == 20
+    records = _verify.load_records(tmp_path, "fuzz")
+    assert sorted(i for (_, i) in _verify.fuzz_outcomes(records, 4)) == list(range(20))
+    assert _verify.resume_start({0, 1, 3}, 5) == 2 and _verify.resume_start(range(5), 5) == 5
+
+
+def test_skipped_kernels_and_resume_skip_list():
+    clock = FakeClock()
+    rec, _ = _run(4, 0, 20, clock, kernels=("sm80",), skip={0, 2}, budget=1000)
+    statuses = {i: s for i, _, s, _ in rec["problems"]}
+    assert 0 not in statuses and 2 not in statuses
+    assert all(s == ("ok" if _fuzz.draw(4, i).kernel == "sm80" else "skipped") for i, s in statuses.items())
+
+
+def test_a_failure_is_reported_with_reproductions_and_shrunk(tmp_path):
+    clock = FakeClock()
+
+    def fail(p):
+        assert not _failing(p), "wrong answer"
+
+    rec, log = _run(8, 0, 10, clock, fail=fail, out=tmp_path, budget=1e6, shrink_s=1e5)
+    assert rec["failures"], "seed 8 has problems with 16+ heads and 10+ queries in its first 10"
+    f = rec["failures"][0]
+    assert f["repro"] == f"python benchmarks/fuzz.py --seed 8 --index {f['index']}"
+    assert _fuzz.draw(8, f["index"]) == _fuzz.Problem.from_json(f["problem"])
+    assert f["shrunk_repro"] == _fuzz.repro_problem(_fuzz.Problem.from_json(f["shrunk"]))
+    small = _fuzz.Problem.from_json(f["shrunk"])
+    assert _failing(small) and sum(small.sq) == 10
+    assert "!! FAILED problem" in log and "reproduce it: python benchmarks/fuzz.py --problem '" in log
+    assert len(rec["failures"]) == sum(1 for _, _, s, _ in rec["problems"] if s == "failed")
+    assert sum(1 for f in rec["failures"] if "shrunk" in f) == min(2, len(rec["failures"]))  # max_shrinks
+    summary = _verify.summarize(_verify.load_records(tmp_path))
+    assert summary["failed"] == len(rec["failures"]) and summary["problems"] == 10
+    assert f["shrunk_repro"] in _verify.format_summary(summary)
+
+
+def test_shrinking_stays_inside_the_budget():
+    clock = FakeClock()
+
+    def fail(p):
+        raise AssertionError("wrong answer")  # every problem fails, every shrink step too
+
+    rec, log = _run(8, 0, 100, clock, fail=fail, budget=12, shrink_s=1e5)  # 1 s per check
+    assert rec["stopped"] == "budget" and rec["next_start"] == 2 and clock.t <= 12
+    assert "shrunk" in rec["failures"][0]  # as far as 12 - 1 - 2 * 1 seconds took it
+    assert "shrunk" not in rec["failures"][1] and "not shrunk: no time left" in log
+
+
+def test_a_lost_cuda_context_ends_the_range():
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def fail(p):
+        raise CUDARuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+    rec, log = _run(1, 5, 20, FakeClock(), fail=fail, budget=1e6)
+    assert rec["stopped"] == "fatal" and rec["next_start"] == 6 and rec["fatal"].startswith("problem 5")
+    assert "shrunk" not in rec["failures"][0] and "--start 6" in log
+
+
+def test_fuzz_cli_show_and_remaining(tmp_path, capsys):
+    assert _fuzz.main(["--seed", "3", "--start", "7", "--count", "2", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"7: {_fuzz.describe(_fuzz.draw(3, 7))}\n8: ")
+    _run(3, 0, 6, FakeClock(), out=tmp_path, budget=1e6)
+    assert _fuzz.main(["--out", str(tmp_path), "--total", "10", "--remaining"]) == 0  # the records' seed
+    assert capsys.readouterr().out.strip() == "4"
+    assert _fuzz.main(["--problem", _fuzz.draw(3, 1).to_json(), "--show"]) == 0
+    assert _fuzz.draw(3, 1).to_json() in capsys.readouterr().out
+
+
+MEMCHECK_LOG = """========= COMPUTE-SANITIZER
+........                                                                 [100%]
+44 passed, 3 deselected in 210.12s (0:03:30)
+========= ERROR SUMMARY: 0 errors
+"""
+RACECHECK_LOG = """========= COMPUTE-SANITIZER
+1 failed, 43 passed in 400.00s
+========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)
+"""
+
+
+def test_sanitizer_logs():
+    assert _verify.parse_sanitizer_log(MEMCHECK_LOG) == dict(errors=0, hazards=None, passed=44, failed=0)
+    assert _verify.parse_sanitizer_log(RACECHECK_LOG) == dict(errors=1, hazards=2, passed=43, failed=1)
+    cut = _verify.parse_sanitizer_log("========= COMPUTE-SANITIZER\n....")  # stopped at the time limit
+    assert cut["errors"] is None
+
+
+def _soak_record(**drift):
+    d = dict(pool_used=0, torch_allocated=0, device_free=-2 * 2**20, compiled_modules=0, plan_records=0, **drift)
+    return dict(kind="soak", calls=10_000, drift=d, span={k: abs(v) for k, v in d.items()}, ok=True, failures=[],
+                concurrency=dict(threads=8, runs_per_thread=140, mismatches=0, errors=[], ok=True))
+
+
+def test_soak_drift_and_judgement():
+    samples = [dict(call=c, pool_used=u, pool_total=0, torch_allocated=None, device_free=f, compiled_modules=m,
+                    plan_records=3) for c, u, f, m in ((100, 5, 900, 1), (200, 9, 800, 7), (300, 9, 700, 7),
+                                                       (400, 8, 750, 7))]
+    dr, sp = _soak.drift(samples, warmup=200)
+    assert dr == dict(pool_used=-1, torch_allocated=None, device_free=-50, compiled_modules=0, plan_records=0)
+    assert sp == dict(pool_used=1, torch_allocated=None, device_free=100, compiled_modules=0, plan_records=0)
+    rec = dict(span=dict(sp, compiled_modules=1, pool_used=2 * 2**20), mismatched_elements=0, errors=[])
+    bad = _soak.judge(rec)
+    assert len(bad) == 2 and bad[0].startswith("pool_used moved by 2,097,152") and "compiled_modules" in bad[1]
+    assert _soak.judge(dict(span=sp, mismatched_elements=3, errors=["call 7: boom"])) == [
+        "3 result elements differ from the first result of their layout", "call 7: boom"]
+
+
+def test_summary_counts_each_problem_once_and_prints_a_table_row(tmp_path):
+    base = dict(kind="fuzz", commit="abc1234", device="NVIDIA H200", failures=[], fatal=None)
+    _verify.write_record(tmp_path, "fuzz-a.json", dict(base, seed=7, time=1, problems=[
+        [i, "sm80/plain", "ok", ["CausalMask", "lse"]] for i in range(0, 600)]))
+    _verify.write_record(tmp_path, "fuzz-b.json", dict(base, seed=7, time=2, problems=[
+        [i, "sm90/fp8", "ok", ["NullMask", "bf16"]] for i in range(550, 1000)]
+        + [[1000, "sm90/fp8", "skipped", ["NullMask"]]]))
+    for tool in _verify.SANITIZER_TOOLS[:3]:
+        _verify.write_record(tmp_path, f"sanitize-{tool}.json", dict(kind="sanitize", tool=tool, rc=0, errors=0,
+                                                                    hazards=None, passed=44, failed=0,
+                                                                    commit="abc1234", device="NVIDIA H200"))
+    _verify.write_record(tmp_path, "soak.json", dict(_soak_record(), commit="abc1234", device="NVIDIA H200"))
+    s = _verify.summarize(_verify.load_records(tmp_path))
+    assert s["problems"] == 1000 and s["failed"] == 0 and s["skipped"] == 1 and s["ranges"] == {7: [[0, 999]]}
+    text = _verify.format_summary(s)
+    assert "fuzz: 1,000 problems (seed 7: 0-999), 0 mismatches" in text
+    assert "by mask: CausalMask 600, NullMask 400" in text and "covering: bf16 400, lse 600" in text
+    assert "memcheck 0, racecheck 0, synccheck 0, initcheck not run" in text
+    row = _verify.markdown_row(s)
+    assert row == ("| abc1234 | NVIDIA H200 | 1,000 (seed 7: 0-999) | 0 | memcheck 0, racecheck 0, synccheck 0, "
+                   "initcheck not run | 10,000 calls: pool used +0 B, torch allocated +0 B, device free "
+                   "-2.0 MiB, compiled modules +0, plan records +0 | 8 threads x 140 runs: bitwise equal to serial |")
+    assert row.count("|") == _verify.TABLE_HEADER.splitlines()[0].count("|")
+    assert text.endswith(row)
+
+
+def test_gpu_sh_verify_summary_needs_no_gpu(tmp_path):
+    _verify.write_record(tmp_path, "sanitize-memcheck.json",
+                         dict(_verify.sanitizer_record("memcheck", tmp_path / "none.log", 124), commit="x", device="d"))
+    res = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--out", str(tmp_path), "verify", "summary"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "memcheck incomplete (time limit)" in res.stdout and "| commit | GPU |" in res.stdout
+    assert not (tmp_path / "env.txt").exists()  # a summary on another machine leaves the GPU's records alone
+    assert (tmp_path / "summary.txt").read_text() == res.stdout.split("logs: ")[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# The variants' runners end to end on the CPU: CuPy replaced by NumPy and the kernels by the float64
+# reference, so what is tested is the harness (inputs, positions, key splits, paged and fp8 caches,
+# outputs, checks), not the kernels.
+
+
+def _decoded_cache(cache):
+    """A float64 PagedKVCache of a cache's rope values (an fp8 cache's bytes decoded and scaled)."""
+    from mla_cupy import PagedKVCache
+    from mla_cupy._arrays import FP8_E4M3
+
+    ro = cache.rope_offset
+    part = cache.blocks[..., ro:ro + 64]
+    if cache.scales is not None:
+        part = part.view(FP8_E4M3).astype(np.float64) * cache.scales[..., ro // 64, None]
+    return PagedKVCache(np.asarray(part, np.float64), cache.lookup_table, cache.page_size, rope_offset=0)
+
+
+def _plain_rope(k_rope, vl, cro, co, tk):
+    """A paged rope as the plain ``[Tk, 1, 64]`` rows it stands for."""
+    from mla_cupy import PagedKVCache, reference
+
+    if not isinstance(k_rope, PagedKVCache):
+        return k_rope
+    cache, rows = _decoded_cache(k_rope), np.zeros((tk, 1, 64))
+    for b in range(len(cro) - 1):
+        sk = int(cro[b + 1] - cro[b])
+        rows[cro[b]:cro[b] + sk, 0] = reference.rope_rows(cache, b, int(cro[b]), 0 if co is None else int(co[b]), sk)[0]
+    return rows
+
+
+class ReferenceKernels:
+    """``mla_prefill``, ``mla_prefill_chunked`` and ``mla_prefill_fp8`` computed by the reference
+    (``ignore``: keyword arguments it drops, to make it wrong on purpose)."""
+
+    def __init__(self, ignore=()):
+        self.ignore = set(ignore)
+        self.calls = 0
+
+    def _finish(self, o, l, out, lse, out_dtype, return_lse, accumulate, q):
+        self.calls += 1
+        if accumulate:
+            m = np.maximum(lse, l)
+            m = np.where(np.isfinite(m), m, 0.0)
+            wa, wb = np.exp(lse - m), np.exp(l - m)
+            s = wa + wb
+            o = np.where(s[..., None] > 0, (wa[..., None] * out + wb[..., None] * o) / np.where(s > 0, s, 1)[..., None], 0)
+            l = np.where(s > 0, m + np.log(np.where(s > 0, s, 1)), -np.inf)
+        if out is None:
+            out = np.empty(o.shape, np.dtype(out_dtype) if out_dtype is not None else q.dtype)
+        out[...] = o
+        if lse is None and return_lse:
+            lse = np.empty(l.shape, np.float32)
+        if lse is not None:
+            lse[...] = l
+        return (out, lse) if return_lse else out
+
+    def _kw(self, kw):
+        return {n: kw.get(n) for n in ("mask", "cache_offsets", "q_start_pos") if n not in self.ignore}
+
+    def mla_prefill(self, q, k, v, k_rope, vl, cro, *, out=None, lse=None, out_dtype=None, return_lse=False,
+                    accumulate=False, k_rope_scales=None, **kw):
+        from mla_cupy import quant, reference
+        from mla_cupy._arrays import FP8_E4M3
+
+        rope = _plain_rope(k_rope, vl, cro, kw.get("cache_offsets"), k.shape[0])
+        if k_rope_scales is not None:
+            rope = quant.dequantize_rope_blocks(rope.view(FP8_E4M3), k_rope_scales)
+        f64 = [np.asarray(x, np.float64) for x in (q, k, v, rope)]
+        o, l = reference.mla_prefill(*f64, vl, cro, return_lse=True, **self._kw(kw))
+        return self._finish(o, l, out, lse, out_dtype, return_lse, accumulate, q)
+
+    def mla_prefill_chunked(self, q, k, v, k_rope, vl, cro, *, chunk_size, **kw):
+        assert chunk_size >= 1
+        return self.mla_prefill(q, k, v, k_rope, vl, cro, **kw)
+
+    def mla_prefill_fp8(self, q_nope, q_rope, q_scale, k, k_scales, v, k_rope, vl, cro, *, out=None, lse=None,
+                        out_dtype=None, return_lse=False, accumulate=False, **kw):
+        from mla_cupy import reference
+
+        rope = _plain_rope(k_rope, vl, cro, kw.get("cache_offsets"), k.shape[0])
+        o, l = reference.mla_prefill_fp8(q_nope, q_rope, q_scale, k, k_scales, v, rope, vl, cro, return_lse=True,
+                                         **self._kw(kw))
+        return self._finish(o, l, out, lse, out_dtype, return_lse, accumulate, q_rope)
+
+
+@pytest.fixture
+def on_the_cpu(monkeypatch):
+    """CuPy as NumPy; returns a function that installs reference kernels."""
+    import sys
+    import types
+
+    import mla_cupy
+
+    fake = types.ModuleType("cupy")
+    fake.__getattr__ = lambda name: getattr(np, name)  # cupy.full, cupy.float32, ... are NumPy's
+    fake.asnumpy = np.asarray
+    fake.get_array_module = lambda *arrays: np
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+    def install(kernels):
+        for name in ("mla_prefill", "mla_prefill_chunked", "mla_prefill_fp8"):
+            monkeypatch.setattr(mla_cupy, name, getattr(kernels, name))
+        return kernels
+    return install
+
+
+def _small(p):
+    """The problem with 1 head and at most 40 queries and keys per sequence (fast on the CPU)."""
+    sk = tuple(min(s, 40) for s in p.sk)
+    split = None if p.split is None else tuple(min(s, k) for s, k in zip(p.split, sk))
+    return dataclasses.replace(p, heads=1, sq=tuple(min(s, 40) for s in p.sq), sk=sk, split=split)
+
+
+def test_every_runner_passes_with_reference_kernels(on_the_cpu):
+    kernels = on_the_cpu(ReferenceKernels())
+    n = 2 * len(_fuzz.SCHEDULE)
+    for i in range(n):
+        p = _small(_fuzz.draw(21, i))
+        assert _fuzz.check(p) < 1e-2, _fuzz.describe(p)
+    assert kernels.calls >= n  # the accumulate variant calls twice
+
+
+def test_a_wrong_kernel_fails_through_the_runners(on_the_cpu):
+    """Kernels that drop cache_offsets (keys at the wrong positions) fail in every variant."""
+    on_the_cpu(ReferenceKernels(ignore=("cache_offsets",)))
+    for variant, kernel in _fuzz.SCHEDULE:
+        i = _fuzz.SCHEDULE.index((variant, kernel))
+        p = dataclasses.replace(_fuzz.draw(21, i), heads=1, sq=(20, 30), sk=(35, 40), cache_offsets=(50, 70),
+                                q_start_pos=(65, 80), mask=("CausalMask", 0),
+                                split=(10, 20) if variant == "accumulate" else None)
+        with pytest.raises(AssertionError):
+            _fuzz.check(p)
