@@ -122,6 +122,8 @@ class NvmlSampler:
 # cases and inputs
 # ---------------------------------------------------------------------------------------------
 def parse_case(name: str) -> BenchCase:
+    """A case of ``mla-cupy bench --list``, or ``BxN`` (B causal sequences of N), ``1xN``,
+    ``H16-1xN`` (16 heads) or ``ragged-A+B+C`` (causal sequences of those lengths)."""
     if name in DEFAULT_CASES:
         return DEFAULT_CASES[name]
     heads = 128
@@ -129,10 +131,14 @@ def parse_case(name: str) -> BenchCase:
     if name.startswith("H") and "-" in name:
         head, body = name.split("-", 1)
         heads = int(head[1:])
-    if body.startswith("1x"):
-        n = int(body[2:])
-        return BenchCase(name, (n,), (n,), heads, True)
-    raise SystemExit(f"unknown case {name!r}: one of {sorted(DEFAULT_CASES)} or 1xN / H16-1xN")
+    if body.startswith("ragged-"):
+        lens = tuple(int(x) for x in body[len("ragged-"):].split("+"))
+        return BenchCase(name, lens, lens, heads, True)
+    b, _, n = body.partition("x")
+    if b.isdigit() and n.isdigit():
+        lens = (int(n),) * int(b)
+        return BenchCase(name, lens, lens, heads, True)
+    raise SystemExit(f"unknown case {name!r}: one of {sorted(DEFAULT_CASES)}, BxN, H16-1xN or ragged-A+B+C")
 
 
 def n_input_sets(case: BenchCase) -> int:
@@ -437,49 +443,61 @@ def parse_impl(spec: str) -> Tuple[str, Dict[str, str]]:
 # ---------------------------------------------------------------------------------------------
 # the A/B loop
 # ---------------------------------------------------------------------------------------------
-def rel_err(case: BenchCase, x, out, heads=(0, -1)) -> float:
-    import cupy as cp
-
+def reference_of(case: BenchCase, x, heads=(0, -1)):
+    """The float64 reference of inputs ``x`` on ``heads`` (computed once per case)."""
     from mla_cupy import reference
 
     hs = sorted({h % case.heads for h in heads})
     ref = reference.mla_prefill(x["q"][:, hs], x["k"][:, hs], x["v"][:, hs], x["k_rope"], x["valid_length"],
                                 x["cache_row_offsets"], mask=case.mask)
+    return hs, ref
+
+
+def rel_err(ref, out) -> float:
+    import cupy as cp
+
+    hs, want = ref
     got = out[:, hs].astype(cp.float64)
     if not bool(cp.isfinite(got).all()):
         return float("inf")
-    return float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+    return float(cp.linalg.norm(got - want) / cp.linalg.norm(want))
 
 
 def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler: NvmlSampler,
              max_err: float) -> dict:
+    """Times ``specs`` on ``case`` in interleaved rounds. An implementation whose output misses the
+    reference (or that raises) is reported and left out of the timing, not the whole run."""
     import cupy as cp
 
     n = n_input_sets(case)
     sets = [bench._inputs(case, seed) for seed in range(n)]
     impls = {}
     errors = {}
+    failed = {}
+    ref = None
     for spec in specs:
         base, opts = parse_impl(spec)
         try:
             call, output = FACTORIES[base](case, sets, opts)
-        except LeftOut as exc:
-            if spec == specs[0]:
-                raise SystemExit(f"{case.name} / {spec} (the base): {exc}") from None
-            print(f"{case.name} / {spec}: left out ({exc})", file=sys.stderr, flush=True)
+            # Poison, run once, check against the float64 reference.
+            if output is not None and base in ("ours", "ours-fp8"):
+                output(0).view(cp.uint16)[...] = 0x7FC0  # bf16 NaN
+            call(0)
+            cp.cuda.Device().synchronize()
+            if output is not None:
+                ref = ref if ref is not None else reference_of(case, sets[0])
+                errors[spec] = rel_err(ref, output(0))
+                limit = max_err * (3 if "fp8" in base else 1)
+                if not errors[spec] <= limit:
+                    raise RuntimeError(f"relative error {errors[spec]:.3e} > {limit:.1e}")
+        except Exception as exc:
+            failed[spec] = f"{type(exc).__name__}: {exc}"
+            print(f"!! {case.name} / {spec}: {failed[spec]}", file=sys.stderr, flush=True)
             continue
-        # Poison, run once, check against the float64 reference.
-        if output is not None and base in ("ours", "ours-fp8"):
-            output(0).view(cp.uint16)[...] = 0x7FC0  # bf16 NaN
-        call(0)
-        cp.cuda.Device().synchronize()
-        if output is not None:
-            errors[spec] = rel_err(case, sets[0], output(0))
-            limit = max_err * (3 if "fp8" in base else 1)
-            if not errors[spec] <= limit:
-                raise SystemExit(f"{case.name} / {spec}: relative error {errors[spec]:.3e} > {limit:.1e}")
         impls[spec] = call
     specs = [s for s in specs if s in impls]
+    if not specs:
+        return {"case": case.name, "failed": failed, "impls": {}, "clock": {"n": 0}}
     times: Dict[str, List[float]] = {s: [] for s in specs}
     mark = sampler.mark()
     for r in range(rounds):
@@ -490,7 +508,7 @@ def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler:
     base = specs[0]
     ratios = {s: [t / b for t, b in zip(times[s], times[base])] for s in specs}
     flops = case.flops()
-    res = {"case": case.name, "flops": flops, "n_sets": n, "clock": clock, "impls": {}}
+    res = {"case": case.name, "flops": flops, "n_sets": n, "clock": clock, "impls": {}, "failed": failed}
     for s in specs:
         med = statistics.median(times[s])
         rr = ratios[s]
@@ -517,6 +535,8 @@ def format_case(res: dict, base: str) -> List[str]:
         err = "" if d["rel_err"] is None else f"{d['rel_err']:.1e}"
         lines.append(f"| {res['case']} | {s} | {d['ms_median']:.3f} | {d['tflops']:.0f} | "
                      f"{d['ratio_median']:.3f} ({d['ratio_min']:.3f}-{d['ratio_max']:.3f}) | {err} | {clk} |")
+    for s, why in res.get("failed", {}).items():
+        lines.append(f"| {res['case']} | {s} | FAILED: {why[:200]} | | | | |")
     return lines
 
 

@@ -14,8 +14,9 @@ FAMILIES = reg.all_families()
 
 
 def _compile(job):
-    """(cubin size, error or "", shared-memory table in the cubin, functions that use local
-    memory as "name: N bytes stack frame, ...", ptxas' serialized-wgmma lines) of one family."""
+    """(cubin size, error or "", every exported table of the family in the cubin, functions that
+    use local memory as "name: N bytes stack frame, ...", ptxas' serialized-wgmma lines) of one
+    family."""
     arch, (filename, names) = job
     try:
         build = jit.compile_offline_with_log(filename, names, arch)
@@ -24,7 +25,8 @@ def _compile(job):
     spills = [f"{f.name}: {f.stack_frame} bytes stack frame, {f.spill_stores} bytes spill stores, "
               f"{f.spill_loads} bytes spill loads" for f in build.functions().values() if f.spills]
     cubin = build.binary
-    return len(cubin), "", b"kSmemBytesOf" in cubin, spills, build.serialized_wgmma()
+    tables = [n.rsplit("::", 1)[-1].encode() for n in names if n.rsplit("::", 1)[-1].startswith(("kParam", "kGeometry"))]
+    return len(cubin), "", all(t in cubin for t in tables), spills, build.serialized_wgmma()
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +42,13 @@ FAMILY_IDS = [f"{a}-{family_label(f)}" for a, f in FAMILIES]
 @pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(FAMILIES)), ids=FAMILY_IDS)
 def test_family_compiles(compiled, i):
-    size, err, has_smem_table, _, _ = compiled[i]
+    size, err, has_tables, _, _ = compiled[i]
     assert not err, err
     assert size > 1000  # a real cubin came back
-    if FAMILIES[i][1][0] == reg.PREFILL_SM90[0]:  # the launch code reads its shared-memory size from the module
-        assert reg.SM90_SMEM_TABLE in FAMILIES[i][1][1] and has_smem_table
+    filename, names = FAMILIES[i][1]
+    exports = {reg.PREFILL_SM90[0]: reg.SM90_EXPORTS, reg.PREFILL_SM80[0]: reg.SM80_EXPORTS}.get(filename, ())
+    # the launch code reads the parameter struct and the geometry from the module
+    assert set(exports) <= set(names) and has_tables
 
 
 @pytest.mark.slow
@@ -60,20 +64,22 @@ def test_family_has_no_spills_nor_serialized_wgmma(compiled, i):
 
 
 def test_matrix_covers_every_dtype_mask_and_arch():
+    from mla_cupy._arrays import BF16, FP16, FP32
     from mla_cupy.masks import MASKS
 
-    for f, ns, want_archs in (("mla_prefill_sm80.cu", "sm80", {"sm_80", "sm_90a"}), ("mla_prefill_sm90.cu", "sm90", {"sm_90a"})):
-        names = [n for a, (ff, nn) in FAMILIES if ff == f for n in nn]
+    for f, want_archs in (("mla_prefill_sm80.cu", {"sm_80", "sm_90a"}), ("mla_prefill_sm90.cu", {"sm_90a"})):
         assert {a for a, (ff, _) in FAMILIES if ff == f} == want_archs
-        for m in MASKS:
-            for t in ("__nv_bfloat16", "__half"):
-                for o in (t, "float"):
-                    for paged in ("false", "true"):
-                        sfx = ", 0>" if ns == "sm90" else ">"
-                        assert f"mla::{ns}::mla_prefill_kernel<{t}, {o}, {m.cpp_name}, {paged}{sfx}" in names
-                        if ns == "sm90" and t == "__nv_bfloat16":  # the fp8 per-token and fp8-rope variants
-                            for variant in (1, 2):
-                                assert f"mla::sm90::mla_prefill_kernel<{t}, {o}, {m.cpp_name}, {paged}, {variant}>" in names
+    names = {n for _, (ff, nn) in FAMILIES for n in nn}
+    for m in MASKS:
+        for t in (BF16, FP16):
+            for o in (t, FP32):
+                for paged in (False, True):
+                    assert reg.prefill_sm80_name(t, o, m, paged) in names
+                    assert reg.prefill_sm90_name(t, o, m, paged) in names
+                    if t == BF16:  # the fp8 per-token and fp8-rope variants
+                        for variant in ("fp8", "fp8_rope"):
+                            assert reg.prefill_sm90_name(t, o, m, paged, variant) in names
+    assert "mla::sm90::mla_prefill_kernel<mla::sm90::Variant16<__half>, float, mla::CausalMask, true>" in names
 
 
 def test_sm90a_features_are_enabled():
