@@ -190,9 +190,11 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
 
     if len(case.sq) > 1 and "paged" in opts:
         raise SystemExit("ours:paged=P takes one-sequence cases")
+    mask = case.mask
     if "pkg" in opts:
         mla_cupy = _package(opts["pkg"])
         workspace = importlib.import_module(mla_cupy.__name__ + ".workspace")
+        mask = _mask_of(mla_cupy, mask)
     n = len(sets)
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
     vl, cro = case.offsets()
@@ -205,7 +207,7 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
     kw = {}
     if "paged" in opts:
         kw = dict(page_table=ropes[0].lookup_table, page_size=ropes[0].page_size)
-    pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=case.mask, q_max_seq_len=max(case.sq),
+    pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=mask, q_max_seq_len=max(case.sq),
                        cache_offsets=cache_offsets, **kw)
     dynamic = opts.get("sched", "dynamic") == "dynamic"
 
@@ -251,6 +253,13 @@ def _first_call_under_variant(call, opts: Dict[str, str]):
     return call
 
 
+def _mask_of(package, mask):
+    """``mask`` as the mask class of the same name of another copy of the package."""
+    import dataclasses
+
+    return getattr(package, type(mask).__name__)(**{f.name: getattr(mask, f.name) for f in dataclasses.fields(mask)})
+
+
 def _package(directory: str):
     """The package copy in ``directory`` (a folder holding one renamed copy of mla_cupy/ and the
     kernels/ it compiles), imported under its own name beside the current one."""
@@ -271,14 +280,15 @@ def _ours_fp8(case: BenchCase, sets, opts) -> Impl:
     from mla_cupy import quant
     from mla_cupy._arrays import BF16
 
+    mask = case.mask
     if "pkg" in opts:
         mla_cupy = _package(opts["pkg"])
+        mask = _mask_of(mla_cupy, mask)
     n = len(sets)
     fs = [quant.quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"]) for x in sets]
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
     vl, cro = case.offsets()
-    pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=case.mask, q_max_seq_len=max(case.sq),
-                       fp8=True)
+    pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=mask, q_max_seq_len=max(case.sq), fp8=True)
 
     def call(i):
         f = fs[i]

@@ -55,12 +55,14 @@ def sm90_variant(fp8: bool, rope8: bool) -> str:
     return "fp8" if fp8 else "fp8_rope" if rope8 else "bf16"
 
 
-def _exports(fam, names: Tuple[str, ...], what: str) -> Tuple[ArgPack, np.ndarray]:
-    """The parameter struct and the geometry table a module exports (names: the layout, the field
-    names and the geometry table)."""
-    layout = get_global(*fam, names[0], np.int32)
-    param_names = get_global(*fam, names[1], np.uint8)
-    return ArgPack.from_export(layout, param_names.tobytes(), what), get_global(*fam, names[2], np.int32)
+def _exports(fam, names: Tuple[str, ...], geometry_size: int, what: str) -> Tuple[ArgPack, np.ndarray]:
+    """The parameter struct and the geometry table (``geometry_size`` ints) a module exports
+    (names: the layout, the field names and the geometry table). The layout's header says how long
+    it and the names are (kernels/params_abi.cuh)."""
+    size, count, nchars = (int(x) for x in get_global(*fam, names[0], np.int32, 3))
+    layout = get_global(*fam, names[0], np.int32, 3 + 3 * count)
+    param_names = get_global(*fam, names[1], np.uint8, nchars)
+    return ArgPack.from_export(layout, param_names.tobytes(), what), get_global(*fam, names[2], np.int32, geometry_size)
 
 
 def prefill_kernel(kernel: str, dtype: np.dtype, out_dtype: np.dtype, mask, paged: bool, fp8: bool, rope8: bool,
@@ -77,13 +79,14 @@ def prefill_kernel(kernel: str, dtype: np.dtype, out_dtype: np.dtype, mask, page
         variant = sm90_variant(fp8, rope8)
         fam = reg.prefill_sm90(dtype, mask, variant)
         fn = get_function(*fam, reg.prefill_sm90_name(dtype, out_dtype, mask, paged, variant))
-        params, table = _exports(fam, reg.SM90_EXPORTS, "the Hopper prefill kernel")
+        params, table = _exports(fam, reg.SM90_EXPORTS, len(SM90_GEOMETRY) * len(reg.SM90_VARIANTS),
+                                 "the Hopper prefill kernel")
         row = table.reshape(-1, len(SM90_GEOMETRY))[reg.SM90_VARIANTS[variant][1]]
         geometry = dict(zip(SM90_GEOMETRY, (int(x) for x in row)))
     else:
         fam = reg.prefill_sm80(dtype, mask)
         fn = get_function(*fam, reg.prefill_sm80_name(dtype, out_dtype, mask, paged))
-        params, table = _exports(fam, reg.SM80_EXPORTS, "the portable prefill kernel")
+        params, table = _exports(fam, reg.SM80_EXPORTS, len(SM80_GEOMETRY), "the portable prefill kernel")
         geometry = dict(zip(SM80_GEOMETRY, (int(x) for x in table)))
     return _compiled(key, fn, geometry["smem"], params, geometry)
 
@@ -96,5 +99,5 @@ def transpose_v_kernel(device_id: int) -> CompiledKernel:
     if ck is not None:
         return ck
     fam = reg.transpose_v_family()
-    params, table = _exports(fam, fam[1][1:], "the V^T pre-pass")
+    params, table = _exports(fam, fam[1][1:], len(VT_GEOMETRY), "the V^T pre-pass")
     return _compiled(key, get_function(*fam, fam[1][0]), 0, params, dict(zip(VT_GEOMETRY, (int(x) for x in table))))

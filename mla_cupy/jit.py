@@ -162,22 +162,20 @@ def get_function(filename: str, name_expressions: Sequence[str], name: str, arch
         return _functions.setdefault((key, name), fn)  # one kernel object per instantiation, kept
 
 
-def get_global(filename: str, name_expressions: Sequence[str], name: str, dtype, count: Optional[int] = None,
+def get_global(filename: str, name_expressions: Sequence[str], name: str, dtype, count: int,
                arch: Optional[str] = None) -> np.ndarray:
-    """The value of the ``__device__`` array ``name`` (one of the family's name expressions, e.g.
-    ``"mla::sm90::kGeometry"``) of the family's module on the current device: ``count`` elements of
-    ``dtype`` (the whole array when ``count`` is None), copied to the host once and kept."""
+    """The first ``count`` elements of ``dtype`` of the ``__device__`` array ``name`` (one of the
+    family's name expressions, e.g. ``"mla::sm90::kGeometry"``) of the family's module on the
+    current device, copied to the host once (per count) and kept."""
     import cupy
 
     key, module = _module(filename, name_expressions, name, arch)
-    cache_key = (key, name, cupy.cuda.runtime.getDevice())
+    dtype = np.dtype(dtype)
+    cache_key = (key, name, cupy.cuda.runtime.getDevice(), dtype, int(count))
     got = _globals.get(cache_key)
     if got is None:
         mangled = module.module.mapping.get(name, name)  # NVRTC's lowered name of the expression
         ptr = module.get_global(mangled)
-        dtype = np.dtype(dtype)
-        if count is None:
-            count = int(ptr.mem.size) // dtype.itemsize  # the symbol's size, from cuModuleGetGlobal
         got = np.zeros(int(count), dtype)
         cupy.cuda.runtime.memcpy(got.ctypes.data, ptr.ptr, got.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
         got.flags.writeable = False

@@ -117,3 +117,23 @@ def test_struct_launch_passes_one_pointer_to_the_whole_buffer():
     pl = PreparedLaunch(pack, _NoKernel(), (1, 1, 1), 32, 0, dict(a=0xABC0, b=-3))
     assert len(pl._ptrs) == 1 and int(pl._ptrs[0]) == pl._buf.ctypes.data
     assert int(np.frombuffer(ctypes.string_at(int(pl._ptrs[0]) + 8, 4), np.int32)[0]) == -3
+
+
+def test_launch_code_reads_the_exports_as_a_module_serves_them(monkeypatch):
+    """mla_cupy._geometry._exports through jit.get_global's contract (the first ``count`` elements
+    of a global), served here from the PTX: the struct and geometry it returns are those above."""
+    fam = reg.prefill_sm90(BF16, CausalMask(), "fp8")
+    g = _ptx_globals(fam, reg.SM90_EXPORTS)
+
+    def get_global(filename, names, name, dtype, count, arch=None):
+        assert filename == fam[0] and name in names
+        data = np.frombuffer(g[name], dtype)
+        assert count <= data.size, (name, count, data.size)  # never past the end of the symbol
+        return data[:count]
+
+    monkeypatch.setattr(_geometry, "get_global", get_global)
+    n = len(_geometry.SM90_GEOMETRY) * len(reg.SM90_VARIANTS)
+    pack, table = _geometry._exports(fam, reg.SM90_EXPORTS, n, "test")
+    want, want_table, _ = _pack_of(fam, reg.SM90_EXPORTS)
+    assert pack.dtype == want.dtype and pack.names == want.names
+    assert table.tolist() == want_table.tolist()
