@@ -53,8 +53,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(const __grid_c
     return TileHandout{p.tile_counter, p.num_m_blocks * p.batch * p.num_heads, sm.work_bars(), sm.s.work};
   };
 
-  if (threadIdx.x == 0) {
-    const Smem<V> sm = storage();
+  if (threadIdx.x == 0) {  // one thread: no warp-wide shuffle in shared_storage
+    const Smem<V> sm = shared_storage<V, false>(smem_raw);
     mbar_init(sm.q_full(), 1);
     mbar_init(sm.q_empty(), kConsumerArrivals);
     for (int s = 0; s < V::kStages; ++s) {

@@ -64,13 +64,15 @@ struct Smem {
   __device__ __forceinline__ u32 work_bars() const { return at(s.work_bars); }
 };
 
-// The shared storage of this CTA: the dynamic shared memory's base rounded up to 1 KiB.
-template <class V>
+// The shared storage of this CTA: the dynamic shared memory's base rounded up to 1 KiB. With
+// kWholeWarp (every lane of the warp calling), the base goes through a shuffle so that ptxas knows
+// it is warp-uniform and keeps addresses and wgmma descriptors derived from it in uniform
+// registers; a single thread (the barrier initialization) must not shuffle.
+template <class V, bool kWholeWarp = true>
 __device__ __forceinline__ Smem<V> shared_storage(unsigned char* smem_raw) {
   const u32 raw = smem_addr(smem_raw);
-  // warp-uniform through a shuffle: addresses and wgmma descriptors derived from it stay in
-  // uniform registers
-  const u32 base = __shfl_sync(0xffffffffu, (raw + 1023u) & ~1023u, 0);
+  u32 base = (raw + 1023u) & ~1023u;
+  if constexpr (kWholeWarp) base = __shfl_sync(0xffffffffu, base, 0);
   return Smem<V>{*reinterpret_cast<SharedStorage<V>*>(smem_raw + (base - raw)), base};
 }
 
