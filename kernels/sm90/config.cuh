@@ -109,7 +109,7 @@ template <class V, bool kPaged> constexpr bool kRopeWarp = kPaged || V::kRope8;
 #endif
 // Stage releases (mbarrier arrives) from one elected lane per consumer warp instead of all lanes.
 #ifndef MLA_SM90_ELECTED_ARRIVE
-#define MLA_SM90_ELECTED_ARRIVE 1
+#define MLA_SM90_ELECTED_ARRIVE 0
 #endif
 // The epilogue's normalization and lse with MUFU reciprocal and log2 instead of IEEE division and logf.
 #ifndef MLA_SM90_FAST_EPILOGUE
