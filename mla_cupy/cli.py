@@ -12,11 +12,10 @@ import numpy as np
 
 from . import _registry as reg
 from . import bench as B
+from ._arrays import INSTALL_GPU
 from ._registry import family_label
 
 Job = Tuple[str, reg.Family, bool]  # (arch, family, compile through this GPU's driver)
-
-_INSTALL_HINT = "pip install 'mla_cupy[cuda13]' (CUDA 13 driver) or 'mla_cupy[cuda12]' (CUDA 12 driver)"
 
 
 def _gpu_available() -> bool:
@@ -40,12 +39,12 @@ def require_cupy_and_nvrtc():
         import cupy
     except Exception as exc:  # ImportError, or a CuPy built for another CUDA
         raise click.ClickException(f"CuPy is not importable ({type(exc).__name__}: {exc}); "
-                                   f"kernels need it: {_INSTALL_HINT}") from None
+                                   f"kernels need it: {INSTALL_GPU}") from None
     try:
         nvrtc = tuple(cupy.cuda.nvrtc.getVersion())
     except Exception as exc:
         raise click.ClickException(f"NVRTC (libnvrtc) is not found by CuPy {cupy.__version__} ({type(exc).__name__}); "
-                                   f"kernels compile through it: {_INSTALL_HINT}") from None
+                                   f"kernels compile through it: {INSTALL_GPU}") from None
     return cupy, nvrtc
 
 

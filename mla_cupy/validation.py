@@ -250,11 +250,13 @@ def rope_arrays(k_rope, k_rope_scales) -> Sequence[Tuple[str, Any]]:
     return [("k_rope", k_rope), ("k_rope_scales", k_rope_scales)]
 
 
-def require_devices(named: Sequence[Tuple[str, Any]]) -> None:
-    """Step 2: every (name, array) with an array is device memory, in the given order."""
+def require_devices(named: Sequence[Tuple[str, Any]], api: Optional[str] = None) -> None:
+    """Step 2: every (name, array) with an array is device memory, in the given order. With
+    ``api`` (the function called), host data on a machine without a GPU hears that ``api`` needs
+    one (:func:`mla_cupy._arrays.require_gpu`) rather than how to move the data."""
     for name, x in named:
         if x is not None:
-            require_device(x, name)
+            require_device(x, name, api)
 
 
 def check_rope_layout(k_rope) -> None:
@@ -290,12 +292,14 @@ def check_inputs(
     q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets, q_start_pos,
     out, out_dtype, validate: bool, device: bool, read_offsets: bool, fp8: Optional[tuple] = None,
     k_rope_scales: Any = None, lse: Any = None, accumulate: Any = False, kernel: Optional[str] = None,
+    api: Optional[str] = None,
 ) -> Problem:
-    """Check every argument of ``mla_prefill`` / ``mla_prefill_fp8`` (device) or of the reference
-    (``device=False``), in the three steps of this module. ``fp8 = (q_rope, q_scale, k_scales)``:
-    the per-token fp8 variant (device only), where q, k, v are the e4m3 (uint8) nope parts; the
-    problem's ``dtype`` is then that of the rope parts; ``kernel`` (device calls) is the kernel
-    argument. Offsets are read to the host when ``validate`` or ``read_offsets``."""
+    """Check every argument of ``mla_prefill`` / ``mla_prefill_fp8`` (device) or of their
+    references (``device=False``), in the three steps of this module. ``fp8 = (q_rope, q_scale,
+    k_scales)``: the per-token fp8 variant, where q, k, v are the e4m3 (uint8) nope parts; the
+    problem's ``dtype`` is then that of the rope parts; ``kernel`` is the kernel argument; ``api``
+    names the function called, for the message of host data on a machine without a GPU. Offsets
+    are read to the host when ``validate`` or ``read_offsets``."""
     if fp8 is not None:
         tq, heads, tk = check_fp8_arrays(q, fp8[0], fp8[1], k, fp8[2], v)
         dtype = BF16
@@ -336,7 +340,7 @@ def check_inputs(
     named += [("v", v)] + list(rope_arrays(k_rope, k_rope_scales))
     named += [("valid_length", valid_length), ("cache_row_offsets", cache_row_offsets), ("cache_offsets", cache_offsets),
               ("q_start_pos", q_start_pos), ("out", out), ("lse", lse)]
-    require_devices(named)
+    require_devices(named, api)
 
     if fp8 is not None:
         check_fp8_layout(q, fp8[0], k, fp8[2], v)

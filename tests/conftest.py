@@ -26,3 +26,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def as_if_gpu(monkeypatch):
+    """The device checks behave as on a machine with a GPU (host data is told how to move)."""
+    import mla_cupy._arrays
+
+    monkeypatch.setattr(mla_cupy._arrays, "gpu_missing", lambda: None)
+
+
+@pytest.fixture
+def as_if_no_gpu(monkeypatch):
+    """The device checks behave as on a machine without a GPU."""
+    import mla_cupy._arrays
+
+    monkeypatch.setattr(mla_cupy._arrays, "gpu_missing", lambda: "CuPy sees no CUDA device")

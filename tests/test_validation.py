@@ -81,7 +81,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("over,exc,words", BAD, ids=[f"{i}-{'-'.join(b[0])}" for i, b in enumerate(BAD)])
-def test_bad_input_is_named(over, exc, words):
+def test_bad_input_is_named(over, exc, words, as_if_gpu):
     with pytest.raises(exc) as info:
         call(**over)
     msg = str(info.value)
