@@ -35,9 +35,12 @@ import contextlib
 from typing import Any, Optional, Tuple
 
 import numpy as np
-import torch
 
-from . import reference
+from ._optional import require
+
+torch = require("torch", "mla_cupy.torch_ops")
+
+from . import reference  # noqa: E402
 from ._arrays import checkable
 from .masks import CausalMask, ChunkedCausalMask, ChunkedMask, Mask, NullMask, SlidingWindowCausalMask
 from .paged import PagedKVCache

@@ -167,12 +167,57 @@ def test_format_table_shows_the_fp8_error_columns():
     assert "2.00e-02" in line and "3.00e-02" in line and "0.90" in line
 
 
-def test_bench_plot(tmp_path):
+def test_bench_plot(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    res = bench.run_cpu(list(bench.CPU_CASES.values()))
+    res = bench.run_cpu(list(bench.CPU_CASES.values()), reps=2)
     p = tmp_path / "p.png"
+    titles = []
+    import matplotlib.axes
+
+    real = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda ax, t, *a, **k: titles.append(t) or real(ax, t, *a, **k))
     bench.plot(res, str(p))
     assert p.stat().st_size > 1000
+    assert titles == ["MLA prefill, float64 reference, cpu (no GPU: reference only)"]
+
+
+def test_bench_cpu_is_warmed_and_takes_the_median_of_reps():
+    res = invoke("bench", "--cpu", "--reps", "3", "--no-progress")
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.output.splitlines() if "reference-cpu" in ln)
+    rate = float(line.split("|")[4])
+    assert 0 < rate < 1  # TFLOP/s of float64 NumPy, printed with its digits
+    data = bench.run_cpu(list(bench.CPU_CASES.values()), reps=3)
+    assert data["rows"][0]["note"] == "float64 NumPy, median of 3 after a warm-up call"
+    assert data["rows"][0]["tflops"] > 0
+
+
+def test_a_missing_optional_package_is_named_with_its_install_command(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.modules['torch'] = None\n"
+            "from mla_cupy.cli import main\n"
+            "main(sys.argv[1:])\n")
+    for args, want in ((["bench", "--cpu", "--reps", "1", "--plot", str(tmp_path / "p.png")],
+                        "mla-cupy bench --plot needs matplotlib, which is not installed: pip install 'mla_cupy[bench]'"),
+                       (["bench", "--cp", "1", "--cpu"],
+                        "mla-cupy bench --cp needs torch, which is not installed: pip install 'mla_cupy[distributed]'")):
+        res = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 1 and f"Error: {want}" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "try:\n"
+            "    import mla_cupy.torch_ops\n"
+            "except ModuleNotFoundError as e:\n"
+            "    print(e)\n"
+            "sys.modules['torch'] = __import__('types').ModuleType('torch'); sys.modules['transformers'] = None\n"
+            "from mla_cupy._optional import require\n"
+            "try:\n"
+            "    require('transformers', 'mla_cupy.integrations.transformers.register')\n"
+            "except ModuleNotFoundError as e:\n"
+            "    print(e)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.stdout.splitlines() == [
+        "mla_cupy.torch_ops needs torch, which is not installed: pip install 'mla_cupy[torch]'",
+        "mla_cupy.integrations.transformers.register needs transformers, which is not installed: "
+        "pip install 'mla_cupy[transformers]'"], res.stderr
 
 
 def test_python_m_mla_cupy():
@@ -231,6 +276,7 @@ def test_bench_cp_several_ranks_execs_torchrun(monkeypatch):
         raise SystemExit(7)
 
     monkeypatch.setattr(cli.os, "execvp", fake_execvp)
+    monkeypatch.setattr(cli, "require", lambda *a, **k: None)  # as if torch were installed
     res = invoke("bench", "--cp", "4", "--seq", "131072", "--heads", "128", "--json", "cp4.json", "--cpu")
     assert res.exit_code == 7, res.output
     assert seen["file"] == sys.executable
