@@ -231,6 +231,15 @@ def _matmul_ieee(xp, a, b):
     return c
 
 
+def _masked(xp, s, vis):
+    """Scores ``s[g, rows, keys]`` with the pairs ``vis[rows, keys]`` leaves out set to ``-inf``
+    (in place on the host)."""
+    if xp is np:
+        s[:, ~vis] = -np.inf
+        return s
+    return xp.where(vis[None], s, -np.inf)
+
+
 def _nanless_max(xp, s):
     """Row maxima ignoring NaN (CUDA's fmaxf): -inf for rows of -inf, NaN only for all-NaN rows."""
     if xp is np:
@@ -290,8 +299,8 @@ def _v_reach(xp, st: _Softmax, p, p_col0: int, v_bad, bad_cols, rows: Tuple[int,
         if not len(cols):
             continue
         pr = xp.zeros((g, r1 - r0, len(cols)))
-        inside = (cols >= p_col0) & (cols < p_col0 + (p.shape[-1] if p is not None else 0))
-        if inside.any():
+        inside = np.flatnonzero((cols >= p_col0) & (cols < p_col0 + (p.shape[-1] if p is not None else 0)))
+        if len(inside):
             pr[:, :, xp.asarray(inside)] = p[:, r0 - rows[0]:r1 - rows[0]][:, :, xp.asarray(cols[inside] - p_col0)]
         per = max(1, _STEP_ELEMS // max(1, g * (r1 - r0) * DV))
         cols_x = xp.asarray(cols)
@@ -432,8 +441,8 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
                             vis &= readable[None, c0 - j0:c1 - j0]
                             s = _matmul_ieee(xp, src.q(q0 + r0, q0 + r1, hs), keys[..., c0 - j0:c1 - j0])
                             s *= p.scale
-                            if not bool(vis.all()):
-                                s[:, ~vis] = -np.inf  # replaced, not multiplied: a masked NaN is gone
+                            if not bool(vis.all()):  # replaced, not multiplied: a masked NaN is gone
+                                s = _masked(xp, s, vis)
                             p_step = st.update(slice(r0 - s0, r1 - s0), s, v_fin[:, c0 - j0:c1 - j0])
                         if len(bad_cols):
                             _v_reach(xp, st, p_step, c0 - j0, v_bad, bad_cols, (r0, r1), s0, spans, j0)
@@ -445,9 +454,9 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
                 if accumulate:
                     o, lse_new = _merge(xp, res[rows, hs].astype(np.float64).transpose(1, 0, 2),
                                         res_lse[rows, hs].astype(np.float64).T, o, lse_new)
-                res[rows, hs] = o.transpose(1, 0, 2)
+                res[rows, hs] = o.transpose(1, 0, 2).astype(res.dtype, copy=False)
                 if res_lse is not None:
-                    res_lse[rows, hs] = lse_new.T
+                    res_lse[rows, hs] = lse_new.T.astype(res_lse.dtype, copy=False)
 
 
 def _run(p: Problem, src: _Inputs, lay: _Layout, out, lse, return_lse: bool, accumulate: bool, key_align: int,

@@ -306,3 +306,33 @@ def test_auto_picks_the_hopper_kernel_on_hopper():
     assert choose_kernel("auto", paged=True) == want
     with pytest.raises(ValueError, match="kernel: expected one of"):
         choose_kernel("fast", paged=False)
+
+
+def test_reference_runs_on_cupy_arrays_as_on_numpy():
+    """The float64 reference given CuPy arrays (what the fuzz, reliability and bench checks use)
+    computes on the GPU what it computes on the host, NaN included; a paged rope too."""
+    import cupy as cp
+
+    c = nan_case()
+    c.v[200, 3, 5] = np.nan
+    c.k[150, 2, 3] = np.nan
+    c.q[170, 0, 9] = np.inf
+    mask = SlidingWindowCausalMask(37)
+    kw = dict(mask=mask, return_lse=True)
+    want, want_lse = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets,
+                                           cache_offsets=c.cache_offsets, q_start_pos=c.q_start_pos, **kw)
+    d = upload(c)
+    got, got_lse = reference.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"],
+                                         d["cache_row_offsets"], cache_offsets=d["cache_offsets"],
+                                         q_start_pos=d["q_start_pos"], **kw)
+    assert isinstance(got, cp.ndarray) and isinstance(got_lse, cp.ndarray)
+    got, got_lse = cp.asnumpy(got), cp.asnumpy(got_lse)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isnan(got_lse), np.isnan(want_lse))
+    fin = ~np.isnan(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-10, atol=1e-12)
+    out16 = cp.empty(want.shape, BF16)
+    assert reference.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                                 cache_offsets=d["cache_offsets"], q_start_pos=d["q_start_pos"], mask=mask,
+                                 out=out16) is out16
+    np.testing.assert_array_equal(np.isnan(cp.asnumpy(out16).astype(np.float64)), np.isnan(want))
