@@ -93,8 +93,10 @@ def mla_prefill(
 
     Every argument is checked before anything runs, in argument order: shapes, dtypes and values
     first (also for NumPy data, so a CPU caller hears about the real problem), then that the arrays
-    are on the device, then their layout. This is a one-shot wrapper of :func:`mla_cupy.plan`:
-    to run many layers of one batch layout, build the plan once and call its ``run``.
+    are on the device, then their layout. Valid host arrays on a machine without a GPU (or without
+    CuPy) raise ``RuntimeError`` naming :func:`mla_cupy.reference.mla_prefill`, which takes these
+    same arguments on the CPU. This is a one-shot wrapper of :func:`mla_cupy.plan`: to run many
+    layers of one batch layout, build the plan once and call its ``run``.
     """
 
     return _one_shot(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
