@@ -19,8 +19,8 @@ except ImportError:  # pragma: no cover - ml_dtypes is a base dependency
 FP16 = np.dtype(np.float16)
 FP32 = np.dtype(np.float32)
 
-__all__ = ["BF16", "FP16", "FP32", "FP8_E4M3", "cupy_or_none", "as_device", "checkable", "is_device", "require_device",
-           "is_torch", "result_wrapper", "to_host"]
+__all__ = ["BF16", "FP16", "FP32", "FP8_E4M3", "INSTALL_GPU", "cupy_or_none", "gpu_missing", "require_gpu", "as_device",
+           "checkable", "is_device", "require_device", "is_torch", "result_wrapper", "to_host"]
 
 
 _CUPY = []  # memo: [module or None]
@@ -80,15 +80,44 @@ def checkable(x: Any, name: str):
     return as_device(x, name)
 
 
+#: How to install CuPy with the NVRTC the kernels compile with.
+INSTALL_GPU = "pip install 'mla_cupy[cuda13]' (CUDA 13 driver) or 'mla_cupy[cuda12]' (CUDA 12 driver)"
+
+
+def gpu_missing() -> Optional[str]:
+    """Why no CUDA GPU can run a kernel here (CuPy not installed, no driver, no device), or
+    ``None`` when one can."""
+    cp = cupy_or_none()
+    if cp is None:
+        return f"CuPy is not installed: {INSTALL_GPU}"
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, or a driver too old for this CuPy
+        return f"CuPy cannot use a CUDA driver: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    return None if count > 0 else "CuPy sees no CUDA device"
+
+
+def require_gpu(api: str, cpu_alternative: str = "mla_cupy.reference.mla_prefill") -> None:
+    """Raise ``RuntimeError`` saying that ``api`` needs a CUDA GPU and what runs on the CPU, when
+    :func:`gpu_missing` finds none."""
+    why = gpu_missing()
+    if why is not None:
+        raise RuntimeError(f"{api} needs a CUDA GPU: none found ({why}); use {cpu_alternative} on the CPU")
+
+
 def is_device(x: Any) -> bool:
     """True unless ``x`` is host memory (a NumPy array or the view of a torch CPU tensor)."""
     return not isinstance(x, np.ndarray) or hasattr(x, "__cuda_array_interface__")
 
 
-def require_device(x: Any, name: str) -> None:
-    """Raise ``TypeError`` naming ``name``, and how to move the data, when ``x`` is host memory."""
+def require_device(x: Any, name: str, api: Optional[str] = None) -> None:
+    """Raise ``TypeError`` naming ``name``, and how to move the data, when ``x`` is host memory.
+    With ``api`` (the function called) and no GPU on this machine, the ``RuntimeError`` of
+    :func:`require_gpu` instead: moving the data would not help."""
     if is_device(x):
         return
+    if api is not None:
+        require_gpu(api, f"mla_cupy.reference.{api}")
     what = "a torch tensor on the CPU" if isinstance(x, HostTensorView) else "a NumPy array"
     hint = getattr(type(x), "move_hint", "cupy.asarray({name})").format(name=name)
     raise TypeError(
@@ -116,7 +145,7 @@ def as_device(x: Any, name: str):
     if is_torch(x) and hasattr(x, "is_cuda") and not x.is_cuda:
         raise TypeError(f"{name}: expected a CUDA tensor, got a torch tensor on {x.device}; move it with {name}.cuda()")
     if cp is None and (hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__")):
-        raise TypeError(f"{name}: CuPy is not installed, so device arrays cannot be used (pip install mla_cupy[cuda12] or [cuda13])")
+        raise TypeError(f"{name}: CuPy is not installed, so device arrays cannot be used ({INSTALL_GPU})")
     if hasattr(x, "__dlpack__"):
         return cp.from_dlpack(x)
     if hasattr(x, "__cuda_array_interface__"):

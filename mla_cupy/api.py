@@ -93,8 +93,10 @@ def mla_prefill(
 
     Every argument is checked before anything runs, in argument order: shapes, dtypes and values
     first (also for NumPy data, so a CPU caller hears about the real problem), then that the arrays
-    are on the device, then their layout. This is a one-shot wrapper of :func:`mla_cupy.plan`:
-    to run many layers of one batch layout, build the plan once and call its ``run``.
+    are on the device, then their layout. Valid host arrays on a machine without a GPU (or without
+    CuPy) raise ``RuntimeError`` naming :func:`mla_cupy.reference.mla_prefill`, which takes these
+    same arguments on the CPU. This is a one-shot wrapper of :func:`mla_cupy.plan`: to run many
+    layers of one batch layout, build the plan once and call its ``run``.
     """
 
     return _one_shot(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
@@ -194,8 +196,6 @@ def _one_shot(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, 
               k_rope_scales=None, workspace=None):
     """The body of :func:`mla_prefill` and :func:`mla_prefill_fp8` (``fp8 = (q_rope, q_scale,
     k_scales)``, with q / k / v the e4m3 nope parts): checks, results, the plan of the call, the launch."""
-    import cupy
-
     like = q if is_torch(q) else None  # torch callers get results from torch's allocator
     torch_in = like is not None
     wrap = result_wrapper(q)
@@ -205,7 +205,7 @@ def _one_shot(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, 
     p = check_inputs(q, k, v, k_rope, vl, cro, scale=scale, mask=mask, q_max_seq_len=q_max_seq_len, cache_offsets=co,
                      q_start_pos=qs, out=out, out_dtype=out_dtype, validate=validate, device=True,
                      read_offsets=q_max_seq_len is None, fp8=fp8, k_rope_scales=k_rope_scales, lse=lse,
-                     accumulate=accumulate, kernel=kernel)
+                     accumulate=accumulate, kernel=kernel, api="mla_prefill_fp8" if fp8 is not None else "mla_prefill")
     sp = _stream_ptr(stream, torch_in)
     if out is None:
         out = empty_result((p.tq, p.heads, DV), p.out_dtype, like)
@@ -213,6 +213,8 @@ def _one_shot(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, 
         lse = empty_result((p.tq, p.heads), FP32, like, "lse")
     qs64 = qs
     if qs is not None and np.dtype(qs.dtype) != np.int64:
+        import cupy
+
         with cupy.cuda.ExternalStream(sp):
             qs64 = _q_start_i64(qs)
     cro_ptr = device_pointer(cro)

@@ -819,8 +819,9 @@ def run(cases: Sequence[BenchCase], *, peers: bool = True, fp8: bool = False, re
     return info
 
 
-def run_cpu(cases: Sequence[BenchCase]) -> dict:
-    """No GPU: time the float64 reference on tiny cases (no peers), so the command still works."""
+def run_cpu(cases: Sequence[BenchCase], reps: int = 20) -> dict:
+    """No GPU: time the float64 reference on tiny cases (no peers), so the command still works.
+    Each case: one warm-up call, then ``reps`` timed calls; the median is reported."""
     from . import reference
 
     rows = []
@@ -830,12 +831,21 @@ def run_cpu(cases: Sequence[BenchCase]) -> dict:
         q, k, v = rng.standard_normal((tq, h, DQK)), rng.standard_normal((tk, h, DV)), rng.standard_normal((tk, h, DV))
         kr = rng.standard_normal((tk, 1, DR))
         vl, cro = case.offsets()
-        t0 = time.perf_counter()
-        reference.mla_prefill(q, k, v, kr, vl, cro, mask=case.mask)
-        ms = (time.perf_counter() - t0) * 1e3
-        rows.append(asdict(Row(case.name, "reference-cpu", ms, case.flops() / ms / 1e9, None, None, note="float64 NumPy")))
-    return {"device": "cpu (no GPU: reference only)", "compute_capability": None,
+        times = []
+        for _ in range(1 + max(1, reps)):
+            t0 = time.perf_counter()
+            reference.mla_prefill(q, k, v, kr, vl, cro, mask=case.mask, progress=False)
+            times.append(time.perf_counter() - t0)
+        ms = statistics.median(times[1:]) * 1e3
+        rows.append(asdict(Row(case.name, "reference-cpu", ms, case.flops() / ms / 1e9, None, None,
+                               note=f"float64 NumPy, median of {len(times) - 1} after a warm-up call")))
+    return {"device": "cpu (no GPU: reference only)", "compute_capability": None, "dtype": "float64 reference",
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "matmul_tflops": None, "rows": rows}
+
+
+def _rate(tflops: float) -> str:
+    """TFLOP/s for a table: one decimal, or three significant digits below 1 (the CPU reference)."""
+    return "" if tflops != tflops else (f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.3g}")
 
 
 def format_table(result: dict) -> str:
@@ -843,11 +853,11 @@ def format_table(result: dict) -> str:
     fp8 = any(r.get("err_vs_16bit") is not None for r in result["rows"])
     head = (["case", "impl", "ms", "TFLOP/s", "rel_err"] + (["err vs 16-bit"] if fp8 else [])
             + ["extra MB", "host us", "roof%"] + [f"x {p}" for p in peers])
-    lines = [f"device: {result['device']}  bf16 matmul: "
+    lines = [f"device: {result['device']}" + (f"  dtype: {result['dtype']}" if result.get("dtype") else "") + "  bf16 matmul: "
              + (f"{result['matmul_tflops']:.0f} TFLOP/s" if result.get("matmul_tflops") else "n/a")]
     body = []
     for r in result["rows"]:
-        cells = [r["case"], r["impl"], f"{r['ms']:.3f}", "" if r["tflops"] != r["tflops"] else f"{r['tflops']:.1f}",
+        cells = [r["case"], r["impl"], f"{r['ms']:.3f}", _rate(r["tflops"]),
                  "" if r["rel_err"] is None else f"{r['rel_err']:.2e}"]
         if fp8:
             cells.append("" if r.get("err_vs_16bit") is None else f"{r['err_vs_16bit']:.2e}")
@@ -864,7 +874,10 @@ def format_table(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    """TFLOP/s per case and implementation as a bar chart (PNG), titled with the dtype measured."""
+    from ._optional import require
+
+    matplotlib = require("matplotlib", "mla-cupy bench --plot")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -881,7 +894,7 @@ def plot(result: dict, path: str) -> None:
         ax.axhline(result["matmul_tflops"], color="k", ls="--", lw=1, label="bf16 matmul")
     ax.set_xticks(np.arange(len(cases)) + 0.4 - w / 2, cases, rotation=30, ha="right")
     ax.set_ylabel("TFLOP/s (visible pairs)")
-    ax.set_title(f"MLA prefill, bf16, {result['device']}")
+    ax.set_title(f"MLA prefill, {result.get('dtype', 'bf16')}, {result['device']}")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

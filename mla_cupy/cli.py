@@ -1,6 +1,7 @@
 """``mla-cupy`` (also ``python -m mla_cupy``): the command line of mla_cupy (info, smoke, compile, bench)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -12,11 +13,11 @@ import numpy as np
 
 from . import _registry as reg
 from . import bench as B
+from ._arrays import INSTALL_GPU
+from ._optional import MissingDependency, require
 from ._registry import family_label
 
 Job = Tuple[str, reg.Family, bool]  # (arch, family, compile through this GPU's driver)
-
-_INSTALL_HINT = "pip install 'mla_cupy[cuda13]' (CUDA 13 driver) or 'mla_cupy[cuda12]' (CUDA 12 driver)"
 
 
 def _gpu_available() -> bool:
@@ -40,12 +41,12 @@ def require_cupy_and_nvrtc():
         import cupy
     except Exception as exc:  # ImportError, or a CuPy built for another CUDA
         raise click.ClickException(f"CuPy is not importable ({type(exc).__name__}: {exc}); "
-                                   f"kernels need it: {_INSTALL_HINT}") from None
+                                   f"kernels need it: {INSTALL_GPU}") from None
     try:
         nvrtc = tuple(cupy.cuda.nvrtc.getVersion())
     except Exception as exc:
         raise click.ClickException(f"NVRTC (libnvrtc) is not found by CuPy {cupy.__version__} ({type(exc).__name__}); "
-                                   f"kernels compile through it: {_INSTALL_HINT}") from None
+                                   f"kernels compile through it: {INSTALL_GPU}") from None
     return cupy, nvrtc
 
 
@@ -264,10 +265,21 @@ def cp_command(world_size: int, args: Sequence[str]) -> List[str]:
             "-m", "mla_cupy.distributed.bench", *args]
 
 
+@contextlib.contextmanager
+def _missing_as_click_error():
+    """A missing optional package ends the command with its install line, no traceback."""
+    try:
+        yield
+    except MissingDependency as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def run_cp(world_size: int, args: Sequence[str]) -> int:
     """``mla-cupy bench --cp W``: one rank in this process (returns the runner's exit status), or
     W ranks in place of this process (``os.execvp``, never returns) with NVLink multicast off in
     the environment the ranks inherit."""
+    with _missing_as_click_error():
+        require("torch", "mla-cupy bench --cp", extra="distributed")
     from .distributed import bench as cp_bench
 
     if world_size == 1:
@@ -317,7 +329,7 @@ def bench(ctx, cp_ranks, cases, list_cases, json_path, csv_path, plot_path, no_p
         raise click.BadParameter(str(exc), param_hint="--cases") from None
     if not gpu:
         click.echo("no GPU: timing the float64 reference on tiny cases (no peers)", err=True)
-        result = B.run_cpu(chosen)
+        result = B.run_cpu(chosen, reps=reps)
     else:
         result = B.run(chosen, peers=not no_peers, fp8=fp8, reps=reps, progress=not no_progress, checkpoint=json_path)
     click.echo(B.format_table(result))
@@ -327,7 +339,8 @@ def bench(ctx, cp_ranks, cases, list_cases, json_path, csv_path, plot_path, no_p
     if csv_path:
         B.write_csv(result, csv_path)
     if plot_path:
-        B.plot(result, plot_path)
+        with _missing_as_click_error():
+            B.plot(result, plot_path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 from typing import Optional, Tuple, Union
 
-import torch
+from ._optional import require
 
-from . import torch_ops
+torch = require("torch", "mla_cupy.flash_attn")
+
+from . import torch_ops  # noqa: E402
 from .masks import CausalMask, Mask, NullMask, SlidingWindowCausalMask
 from .validation import DQK, DR, DV
 

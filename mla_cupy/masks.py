@@ -2,7 +2,9 @@
 or chunk size is a run-time argument, so changing it never recompiles.
 
 A mask is a predicate on absolute positions ``(q_pos, k_pos)``; ``True`` means visible. ``//`` is
-floor division (toward minus infinity, also for negative positions).
+floor division (toward minus infinity, also for negative positions). From one query, every mask
+sees one interval of key positions; :meth:`Mask.key_range` gives it (``key_range`` of
+``kernels/mask.cuh``), which is how a kernel bounds the keys a block of queries reads.
 """
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ from typing import ClassVar
 
 import numpy as np
 
-__all__ = ["Mask", "NullMask", "CausalMask", "SlidingWindowCausalMask", "ChunkedMask", "ChunkedCausalMask", "MASKS"]
+__all__ = ["Mask", "NullMask", "CausalMask", "SlidingWindowCausalMask", "ChunkedMask", "ChunkedCausalMask", "MASKS",
+           "POS_MIN", "POS_MAX"]
+
+#: Key positions that stand for "no bound" in :meth:`Mask.key_range` (kPosMin / kPosMax of kernels/common.cuh).
+POS_MIN, POS_MAX = -(1 << 62), 1 << 62
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,13 @@ class Mask:
         return 0
 
     def visible(self, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def key_range(self, q_lo, q_hi):  # pragma: no cover - abstract
+        """Half-open key positions ``[k_lo, k_hi)`` holding every key that a query in ``[q_lo, q_hi]``
+        sees (int64 arrays, or :data:`POS_MIN` / :data:`POS_MAX` for no bound). For one query
+        (``q_lo == q_hi``) exactly its visible keys; for a block of queries the kernels read
+        nothing outside it."""
         raise NotImplementedError
 
     def _check_positive(self, name: str, value: int) -> None:
@@ -44,6 +57,9 @@ class NullMask(Mask):
     def visible(self, q_pos, k_pos):
         return np.ones(np.broadcast_shapes(np.shape(q_pos), np.shape(k_pos)), dtype=bool)
 
+    def key_range(self, q_lo, q_hi):
+        return np.full(np.shape(q_lo), POS_MIN, np.int64), np.full(np.shape(q_hi), POS_MAX, np.int64)
+
 
 @dataclass(frozen=True)
 class CausalMask(Mask):
@@ -53,6 +69,9 @@ class CausalMask(Mask):
 
     def visible(self, q_pos, k_pos):
         return k_pos <= q_pos
+
+    def key_range(self, q_lo, q_hi):
+        return np.full(np.shape(q_lo), POS_MIN, np.int64), np.asarray(q_hi, np.int64) + 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,9 @@ class SlidingWindowCausalMask(Mask):
 
     def visible(self, q_pos, k_pos):
         return (k_pos <= q_pos) & (q_pos - k_pos < self.window)
+
+    def key_range(self, q_lo, q_hi):
+        return np.asarray(q_lo, np.int64) - self.window + 1, np.asarray(q_hi, np.int64) + 1
 
 
 @dataclass(frozen=True)
@@ -98,6 +120,10 @@ class ChunkedMask(_ChunkMask):
     def visible(self, q_pos, k_pos):
         return self._same_chunk(q_pos, k_pos)
 
+    def key_range(self, q_lo, q_hi):
+        c = self.chunk
+        return np.floor_divide(np.asarray(q_lo, np.int64), c) * c, (np.floor_divide(np.asarray(q_hi, np.int64), c) + 1) * c
+
 
 @dataclass(frozen=True)
 class ChunkedCausalMask(_ChunkMask):
@@ -107,6 +133,9 @@ class ChunkedCausalMask(_ChunkMask):
 
     def visible(self, q_pos, k_pos):
         return (k_pos <= q_pos) & self._same_chunk(q_pos, k_pos)
+
+    def key_range(self, q_lo, q_hi):
+        return np.floor_divide(np.asarray(q_lo, np.int64), self.chunk) * self.chunk, np.asarray(q_hi, np.int64) + 1
 
 
 #: One representative instance of every mask kind (the compile matrix and the tests iterate it).

@@ -6,14 +6,15 @@ from typing import Optional
 import numpy as np
 
 from . import _registry as reg
-from ._arrays import BF16, FP16, FP32, as_device, device_pointer, is_torch, result_wrapper, stream_of
-from ._checks import check_array, check_layout, check_shape
+from . import reference
+from ._arrays import FP32, as_device, device_pointer, is_device, is_torch, result_wrapper, stream_of
 from .api import checkable_args, launch_call
 from .dims import DV
 from .jit import get_function
 from .masks import Mask
 from .prefill_plan import offsets_of
-from .validation import check_inputs
+from .reference import check_chunk_size
+from .validation import check_inputs, check_merge_inputs, check_merge_outputs
 from .workspace import empty_result
 
 __all__ = ["merge_states", "mla_prefill_chunked"]
@@ -27,6 +28,9 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=N
     outputs in float32 when they will be merged). A side with ``lse = -inf`` (it saw no key)
     contributes nothing, even if its output holds NaN; two empty sides give 0 and ``-inf``.
 
+    NumPy inputs run the float64 merge of :func:`mla_cupy.reference.merge_states` on the host
+    (float64 results unless ``out`` / ``lse_out`` are given).
+
     Parameters
     ----------
     out_a, out_b : ``[T, H, Dv]`` float32, bfloat16 or float16 device arrays (same dtype)
@@ -38,39 +42,23 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=N
     -------
     (out, lse_out)
     """
+    if _on_host(out_a):
+        return reference.merge_states(out_a, lse_a, out_b, lse_b, out=out, lse_out=lse_out, stream=stream)
     torch_in = out_a if is_torch(out_a) else None
     wrap = result_wrapper(out_a)
     a, b = as_device(out_a, "out_a"), as_device(out_b, "out_b")
     la, lb = as_device(lse_a, "lse_a"), as_device(lse_b, "lse_b")
-    dtypes = (FP32, BF16, FP16)
-    check_array(a, "out_a", 3, dtypes)
-    check_layout(a, "out_a")
+    check_merge_inputs(a, la, b, lb, device=True)
     t, h, dv = (int(n) for n in a.shape)
-    if dv % 4:
-        raise ValueError(f"out_a: the last dimension must be a multiple of 4, got {dv}")
-    check_array(b, "out_b", 3, (np.dtype(a.dtype),))
-    check_layout(b, "out_b")
-    check_shape(b, "out_b", (t, h, dv), "the shape of out_a")
-    for name, x in (("lse_a", la), ("lse_b", lb)):
-        check_array(x, name, 2, (FP32,))
-        check_shape(x, name, (t, h), "[T, H] matching out_a")
-        if x.size and int(x.strides[1]) != 4:
-            raise ValueError(f"{name}: the last dimension must be contiguous, got strides {tuple(x.strides)}")
     s = stream_of(stream, torch_in is not None)
     with s:
+        out = None if out is None else as_device(out, "out")
+        lse_out = None if lse_out is None else as_device(lse_out, "lse_out")
+        check_merge_outputs(out, lse_out, (t, h, dv), device=True)
         if out is None:
             out = empty_result((t, h, dv), a.dtype, torch_in)
-        else:
-            out = as_device(out, "out")
-            check_array(out, "out", 3, dtypes)
-            check_layout(out, "out")
-            check_shape(out, "out", (t, h, dv), "the shape of out_a")
         if lse_out is None:
             lse_out = empty_result((t, h), FP32, torch_in, "lse_out")
-        else:
-            lse_out = as_device(lse_out, "lse_out")
-            check_array(lse_out, "lse_out", 2, (FP32,))
-            check_shape(lse_out, "lse_out", (t, h), "[T, H]")
     if t * h:
         fn = get_function(*reg.merge_family(), reg.merge_name(a.dtype, out.dtype))
         ia, io = np.dtype(a.dtype).itemsize, np.dtype(out.dtype).itemsize
@@ -84,6 +72,11 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=N
         with s:
             fn(((t * h + rows - 1) // rows,), (rows * 32,), args)
     return wrap(out), wrap(lse_out)
+
+
+def _on_host(x) -> bool:
+    """A NumPy array (not a device array dressed as one): the float64 reference runs."""
+    return isinstance(x, np.ndarray) and not is_device(x)
 
 
 def mla_prefill_chunked(
@@ -101,18 +94,23 @@ def mla_prefill_chunked(
     and its ``[Tq, H]`` lse, whatever the number of keys.
 
     Takes the same arguments as :func:`mla_prefill`, plus ``chunk_size`` (keys per chunk, >= 1).
+    NumPy inputs run :func:`mla_cupy.reference.mla_prefill_chunked` (float64, on the host).
     """
+    check_chunk_size(chunk_size)
+    if _on_host(q):
+        return reference.mla_prefill_chunked(q, k, v, k_rope, valid_length, cache_row_offsets, chunk_size=chunk_size,
+                                             scale=scale, mask=mask, cache_offsets=cache_offsets,
+                                             q_start_pos=q_start_pos, out=out, out_dtype=out_dtype,
+                                             return_lse=return_lse, stream=stream, validate=validate, kernel=kernel)
     import cupy as cp
 
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     torch_q = q if is_torch(q) else None
     wrap = result_wrapper(q)
     q, k, v, k_rope, vl, cro, co, qs, out, _, _, _ = checkable_args(q, k, v, k_rope, valid_length, cache_row_offsets,
                                                                     cache_offsets, q_start_pos, out)
     p = check_inputs(q, k, v, k_rope, vl, cro, scale=scale, mask=mask, q_max_seq_len=None, cache_offsets=co,
                      q_start_pos=qs, out=out, out_dtype=out_dtype, validate=validate, device=True, read_offsets=True,
-                     kernel=kernel)
+                     kernel=kernel, api="mla_prefill_chunked")
     s = stream_of(stream, torch_q is not None)
     with s:
         vl64, cro64 = cp.asarray(vl).astype(cp.int64), cp.asarray(cro).astype(cp.int64)

@@ -1,61 +1,98 @@
-"""Float64 reference of MLA prefill: the SPEC to the letter, written for clarity, not speed.
+"""Float64 reference of MLA prefill: docs/contract.md to the letter, NaN and Inf included.
 
-It is the oracle of every test and the CLI's fallback without a GPU. It takes NumPy arrays (any
-float dtype, ``ml_dtypes.bfloat16`` included) and also CuPy arrays, in which case the same code
-runs on the GPU in float64 (useful for large checks).
+It is the oracle of every test and what runs without a GPU. It takes NumPy arrays (any float
+dtype for the 16-bit variant, ``ml_dtypes.bfloat16`` included) and also CuPy arrays, in which
+case the same code runs on the GPU in float64 (useful for large checks). The arguments are those
+of the kernels' API (:func:`mla_cupy.mla_prefill`, :func:`mla_cupy.mla_prefill_fp8`,
+:func:`mla_cupy.merge_states`, :func:`mla_cupy.mla_prefill_chunked`), checked by the same functions
+with the same messages.
+
+How the computation runs: each sequence's keys in blocks of :data:`KEY_BLOCK` with an online
+softmax in float64, a few heads and query rows at a time, so the working memory stays bounded
+(:data:`WORK_BYTES` beside the inputs and the result) whatever the number of keys; keys that no
+query of a step sees are skipped. Only IEEE arithmetic decides where NaN and Inf go, never a BLAS shortcut:
+rows and columns with a non-finite value are multiplied out element by element.
+
+Non-finite inputs (the contract's rule, which the kernels follow):
+
+* a score is masked by replacing it with ``-inf``, so a NaN in ``q`` row i reaches row i only (of
+  that head), and a NaN in a key's ``k`` (one head) or rope (every head) reaches exactly the rows
+  that see that key;
+* ``P V`` runs over every key of a query block's span: a NaN (or Inf) in key j's ``v`` reaches
+  every row of each :data:`~mla_cupy.dims.QUERY_BLOCK`-row block of the sequence whose visible key
+  span holds key j (``0 * NaN``), rows that see no key included; the fp8 per-token variant starts
+  the span on a multiple of 16 keys;
+* a row whose visible scores are all ``-inf`` (or that sees no key) gives 0 and lse ``-inf``; a row
+  with a NaN score gives NaN, and its lse is NaN.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple, Union
 
 import numpy as np
 
-from ._arrays import to_host
+from ._arrays import FP8_E4M3, to_host
+from ._progress import Progress
+from .dims import DR, DV, QUERY_BLOCK
+from .fp8 import VT_ALIGN, fp8_bytes
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
-from .validation import DR, DV, check_inputs
+from .validation import Problem, check_inputs, check_merge_inputs, check_merge_outputs
 
-__all__ = ["mla_prefill", "mla_prefill_fp8", "mla_prefill_fp8_rope", "rope_rows", "visible_pairs"]
+__all__ = ["mla_prefill", "mla_prefill_fp8", "mla_prefill_fp8_rope", "mla_prefill_chunked", "merge_states",
+           "rope_rows", "positions", "visible_pairs", "KEY_BLOCK", "WORK_BYTES"]
 
-#: Scores materialized at once per head group (float64 elements) before the loop splits heads.
-_BLOCK_ELEMS = 1 << 25
+#: Keys per step of the online softmax.
+KEY_BLOCK = 2048
+#: Scores (query rows x heads x keys) computed in one step.
+_STEP_ELEMS = 1 << 21
+#: Elements of the running output kept for the rows and heads in flight.
+_STATE_ELEMS = 1 << 21
+#: Bytes of working memory a call needs beside its inputs and its result: 65-115 MiB measured with
+#: tracemalloc from 2k to 16k keys and 1 to 128 heads (tests/test_reference.py::test_working_memory_is_bounded).
+WORK_BYTES = 160 << 20
+#: Estimated seconds per (query row, head, key) pair of float64 work (about 35-40 ns on one busy
+#: core); a call whose estimate passes _PROGRESS_AFTER_S reports its progress.
+_SECONDS_PER_PAIR = 40e-9
+_PROGRESS_AFTER_S = 5.0
 
 
 def _xp(x):
-    try:
-        import cupy
-
-        return cupy.get_array_module(x)
-    except ImportError:
+    """The array module of ``x``: NumPy for host arrays, CuPy for CuPy arrays."""
+    if isinstance(x, np.ndarray):
         return np
+    import cupy
+
+    return cupy.get_array_module(x)
 
 
-def rope_rows(k_rope: Union[Any, PagedKVCache], b: int, kv_row0: int, k_pos0: int, sk: int):
-    """The rope vectors of sequence ``b``'s ``sk`` keys as float64 ``[sk, Dr]``, and a boolean
-    ``[sk]`` that is False for keys whose paged-cache page is unreadable (treated as masked)."""
-    if not isinstance(k_rope, PagedKVCache):
-        xp = _xp(k_rope)
-        return k_rope[kv_row0:kv_row0 + sk, 0, :].astype(np.float64), xp.ones(sk, dtype=bool)
-    blocks = k_rope.blocks
-    xp = _xp(blocks)
-    lut = to_host(k_rope.lookup_table).astype(np.int64)
-    t = k_pos0 + np.arange(sk, dtype=np.int64)
-    page_idx = t // k_rope.page_size
-    ok = page_idx < lut.shape[1]
-    ids = np.where(ok, lut[b, np.minimum(page_idx, lut.shape[1] - 1)], 0)
-    ok &= (ids >= 0) & (ids < blocks.shape[0])
-    ids = np.where(ok, ids, 0)
-    ro = k_rope.rope_offset
-    rows = blocks[xp.asarray(ids), xp.asarray(t % k_rope.page_size), 0, ro:ro + DR].astype(np.float64)
-    ok_x = xp.asarray(ok)
-    return xp.where(ok_x[:, None], rows, 0.0), ok_x
+# ---------------------------------------------------------------------------------------------
+# positions, visible keys and the key span of each query block
 
 
 def positions(b: int, sq: int, sk: int, cache_offsets, q_start_pos) -> Tuple[np.ndarray, np.ndarray]:
-    """Absolute query and key positions of sequence ``b`` (int64), per the SPEC."""
+    """Absolute query and key positions of sequence ``b`` (int64), per the contract."""
     k_pos0 = 0 if cache_offsets is None else int(cache_offsets[b])
     q_pos0 = k_pos0 + sk - sq if q_start_pos is None else int(q_start_pos[b])
     return q_pos0 + np.arange(sq, dtype=np.int64), k_pos0 + np.arange(sk, dtype=np.int64)
+
+
+def _clamped_range(mask: Mask, q_lo, q_hi, k_pos0: int, sk: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``mask.key_range(q_lo, q_hi)`` as key indices of the sequence, clamped to ``[0, Sk]`` with
+    ``hi >= lo`` (``visible_key_span`` of kernels/tile_scheduler.cuh)."""
+    k_lo, k_hi = mask.key_range(q_lo, q_hi)
+    lo = np.clip(np.asarray(k_lo, np.int64) - k_pos0, 0, sk)
+    return lo, np.clip(np.asarray(k_hi, np.int64) - k_pos0, lo, sk)
+
+
+def _block_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, key_align: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``[begin, end)`` key indices that each ``QUERY_BLOCK``-row block of a sequence computes: the
+    span of keys its rows may see, its start rounded down to ``key_align`` keys."""
+    first = q_pos[::QUERY_BLOCK]
+    last = q_pos[np.minimum(np.arange(len(first)) * QUERY_BLOCK + QUERY_BLOCK, len(q_pos)) - 1]
+    lo, hi = _clamped_range(mask, first, last, k_pos0, sk)
+    return lo - lo % key_align, hi
 
 
 def visible_pairs(valid_length, cache_row_offsets, mask: Optional[Mask] = None, cache_offsets=None, q_start_pos=None) -> int:
@@ -68,128 +105,529 @@ def visible_pairs(valid_length, cache_row_offsets, mask: Optional[Mask] = None, 
     for b in range(len(vl) - 1):
         sq, sk = int(vl[b + 1] - vl[b]), int(cro[b + 1] - cro[b])
         qp, kp = positions(b, sq, sk, co, qs)
-        for i0 in range(0, sq, 1024):  # rows in blocks: bounded memory for long sequences
-            total += int(mask.visible(qp[i0:i0 + 1024, None], kp[None, :]).sum())
+        lo, hi = _clamped_range(mask, qp, qp, int(kp[0]) if sk else 0, sk)
+        total += int((hi - lo).sum())
     return total
 
 
-def mla_prefill(
-    q, k, v, k_rope, valid_length, cache_row_offsets, *, scale: Optional[float] = None, mask: Optional[Mask] = None,
-    q_max_seq_len: Optional[int] = None, cache_offsets=None, q_start_pos=None, out=None, out_dtype=None,
-    return_lse: bool = False, stream=None, validate: bool = True,
-):
-    """Reference MLA prefill in float64; same signature and semantics as :func:`mla_cupy.mla_prefill`.
+# ---------------------------------------------------------------------------------------------
+# the inputs, read in float64 a block at a time
 
-    Differences: inputs are NumPy (or CuPy) arrays of any float dtype; the output is float64
-    unless ``out_dtype`` or ``out`` say otherwise; ``stream`` and ``q_max_seq_len`` are accepted
-    and ignored (``q_max_seq_len`` is still checked when ``validate``).
+
+def _e4m3(x) -> np.ndarray:
+    """e4m3 data (``ml_dtypes.float8_e4m3fn``, or its uint8 bytes) as float64."""
+    x = to_host(x)
+    return (x.view(FP8_E4M3) if x.dtype == np.uint8 else x).astype(np.float64)
+
+
+def rope_rows(k_rope: Union[Any, PagedKVCache], b: int, kv_row0: int, k_pos0: int, sk: int, k_rope_scales=None):
+    """The rope vectors of ``sk`` keys of sequence ``b`` (from row ``kv_row0`` of a plain
+    ``k_rope``, or from position ``k_pos0`` of a paged cache) as float64 ``[sk, Dr]``, and a
+    boolean ``[sk]`` that is False for keys whose paged-cache page is unreadable (a block id
+    outside the cache, possible with ``validate=False``: such keys are masked). An fp8 rope
+    (uint8 or e4m3 data) is dequantized with ``k_rope_scales`` (plain) or the cache's ``scales``."""
+    from .quant import dequantize_rope_blocks
+
+    if not isinstance(k_rope, PagedKVCache):
+        rows = k_rope[kv_row0:kv_row0 + sk, 0, :]
+        xp = _xp(rows)
+        if k_rope_scales is None:
+            return rows.astype(np.float64), xp.ones(sk, dtype=bool)
+        sc = to_host(k_rope_scales)[kv_row0:kv_row0 + sk]
+        return xp.asarray(dequantize_rope_blocks(_e4m3(rows)[:, None, :], sc)[:, 0, :]), xp.ones(sk, dtype=bool)
+    blocks = k_rope.blocks
+    xp = _xp(blocks)
+    lut = to_host(k_rope.lookup_table).astype(np.int64)
+    t = k_pos0 + np.arange(sk, dtype=np.int64)
+    page_idx = t // k_rope.page_size
+    ok = page_idx < lut.shape[1]
+    ids = np.where(ok, lut[b, np.minimum(page_idx, lut.shape[1] - 1)], 0)
+    ok &= (ids >= 0) & (ids < blocks.shape[0])
+    ids = np.where(ok, ids, 0)
+    ro, slot = k_rope.rope_offset, t % k_rope.page_size
+    if k_rope.scales is None:
+        rows = blocks[xp.asarray(ids), xp.asarray(slot), 0, ro:ro + DR].astype(np.float64)
+    else:
+        raw = _e4m3(to_host(blocks)[ids, slot, 0, ro:ro + DR])
+        sc = to_host(k_rope.scales)[ids, slot, 0, ro // DR]
+        rows = xp.asarray(dequantize_rope_blocks(raw[:, None, :], sc[:, None, None])[:, 0, :])
+    ok_x = xp.asarray(ok)
+    return xp.where(ok_x[:, None], rows, 0.0), ok_x
+
+
+@dataclass
+class _Inputs:
+    """Where the float64 blocks of one call come from: ``q(r0, r1, hs)`` -> ``[h, rows, 192]``,
+    ``k`` / ``v(j0, j1, hs)`` -> ``[h, keys, 128]`` (rows of k / v), ``rope(b, j0, pos0, n)`` ->
+    ``([n, 64], readable[n])``."""
+
+    xp: Any
+    q: Callable
+    k: Callable
+    v: Callable
+    rope: Callable
+
+
+def _plain_inputs(q, k, v, k_rope, k_rope_scales) -> _Inputs:
+    xp = _xp(q)
+
+    def rows(a):
+        return lambda r0, r1, hs: a[r0:r1, hs].astype(np.float64).transpose(1, 0, 2)
+
+    return _Inputs(xp, rows(q), rows(k), rows(v),
+                   lambda b, j0, pos0, n: rope_rows(k_rope, b, j0, pos0, n, k_rope_scales))
+
+
+def _fp8_inputs(q_nope, q_rope, q_scale, k, k_scales, v, k_rope) -> _Inputs:
+    """The per-token variant: true query ``q_scale[i] * concat(q_nope, q_rope)``, true key
+    ``k_scales[j] * concat(k, rope_j)``, V as stored (e4m3 decoded on the host)."""
+    qn, qr, qsc, kn, ksc, vv = (to_host(x) for x in (q_nope, q_rope, q_scale, k, k_scales, v))
+    paged = isinstance(k_rope, PagedKVCache)
+    rope = (PagedKVCache(to_host(k_rope.blocks), to_host(k_rope.lookup_table), k_rope.page_size, k_rope.rope_offset)
+            if paged else to_host(k_rope))
+
+    def q_rows(r0, r1, hs):
+        full = np.concatenate([_e4m3(qn[r0:r1, hs]), qr[r0:r1, hs].astype(np.float64)], axis=-1)
+        return (qsc[r0:r1, :, None].astype(np.float64) * full).transpose(1, 0, 2)
+
+    def k_rows(j0, j1, hs):
+        return (ksc[j0:j1, :, None].astype(np.float64) * _e4m3(kn[j0:j1, hs])).transpose(1, 0, 2)
+
+    def rope_of(b, j0, pos0, n):
+        r, ok = rope_rows(rope, b, j0, pos0, n)
+        return ksc[j0:j0 + n].astype(np.float64) * r, ok
+
+    return _Inputs(np, q_rows, k_rows, lambda j0, j1, hs: _e4m3(vv[j0:j1, hs]).transpose(1, 0, 2), rope_of)
+
+
+# ---------------------------------------------------------------------------------------------
+# the arithmetic
+
+
+def _matmul_ieee(xp, a, b):
+    """``a @ b`` (``[G, m, k] @ [G or 1, k, n]``) where every product with a NaN or Inf follows IEEE
+    (``0 * NaN = NaN``): the finite parts through BLAS, the rows of ``a`` and the columns of ``b``
+    holding a non-finite value recomputed element by element."""
+    fa, fb = xp.isfinite(a), xp.isfinite(b)
+    rows_ok, cols_ok = fa.all(axis=-1), fb.all(axis=-2)
+    if bool(rows_ok.all()) and bool(cols_ok.all()):
+        return xp.matmul(a, b)
+    c = xp.matmul(xp.where(fa, a, 0.0), xp.where(fb, b, 0.0))
+    kk, n, g_count = a.shape[-1], b.shape[-1], a.shape[0]
+    g, r = xp.nonzero(~rows_ok)
+    per = max(1, _STEP_ELEMS // max(1, kk * n))
+    for i in range(0, len(g), per):
+        gi, ri = g[i:i + per], r[i:i + per]
+        bb = b[gi] if b.shape[0] > 1 else b[:1]
+        c[gi, ri] = (a[gi, ri][:, :, None] * bb).sum(axis=1)
+    gb, j = xp.nonzero(~cols_ok)
+    if b.shape[0] == 1 and len(j):  # a column shared by every group of a
+        gb, j = xp.repeat(xp.arange(g_count), len(j)), xp.tile(j, g_count)
+    per = max(1, _STEP_ELEMS // max(1, kk * a.shape[1]))
+    for i in range(0, len(j), per):
+        gi, ji = gb[i:i + per], j[i:i + per]
+        col = b[gi if b.shape[0] > 1 else xp.zeros_like(gi), :, ji]  # [p, k]
+        c[gi, :, ji] = (a[gi] * col[:, None, :]).sum(axis=-1)
+    return c
+
+
+def _masked(xp, s, vis):
+    """Scores ``s[g, rows, keys]`` with the pairs ``vis[rows, keys]`` leaves out set to ``-inf``
+    (in place on the host)."""
+    if xp is np:
+        s[:, ~vis] = -np.inf
+        return s
+    return xp.where(vis[None], s, -np.inf)
+
+
+def _nanless_max(xp, s):
+    """Row maxima ignoring NaN (CUDA's fmaxf): -inf for rows of -inf, NaN only for all-NaN rows."""
+    if xp is np:
+        return np.fmax.reduce(s, axis=-1)
+    return xp.where(xp.isnan(s), -np.inf, s).max(axis=-1)
+
+
+class _Softmax:
+    """Online softmax state of ``rows`` query rows of ``g`` heads, as the kernels keep it: the
+    running maximum ignores NaN; a row with nothing visible yet uses 0 as its reference."""
+
+    def __init__(self, xp, g: int, rows: int):
+        self.xp = xp
+        self.m = xp.full((g, rows), -np.inf)
+        self.l = xp.zeros((g, rows))
+        self.acc = xp.zeros((g, rows, DV))
+
+    def update(self, rs: slice, s, v_finite):
+        """Fold the masked, scaled scores ``s[g, rows, keys]`` of rows ``rs`` in; returns the
+        probabilities (``s``, overwritten)."""
+        xp = self.xp
+        m_old = self.m[:, rs]
+        m_new = xp.fmax(m_old, _nanless_max(xp, s))
+        ref = xp.where(m_new == -np.inf, 0.0, m_new)
+        corr = xp.exp(m_old - ref)
+        s -= ref[..., None]
+        p = xp.exp(s, out=s)
+        self.l[:, rs] = self.l[:, rs] * corr + p.sum(axis=-1)
+        self.acc[:, rs] = self.acc[:, rs] * corr[..., None] + _matmul_ieee(xp, p, v_finite)
+        self.m[:, rs] = m_new
+        return p
+
+    def finish(self):
+        """``(out[g, rows, Dv], lse[g, rows])`` (``out`` is the accumulator, normalized in place):
+        ``acc * (1 / l)``, or ``acc * 0`` where ``l`` is 0 or NaN (0, or NaN where P V met a NaN or
+        Inf), as the kernels' epilogue; lse ``-inf`` for ``l = 0`` and NaN for ``l = NaN``."""
+        xp = self.xp
+        pos = self.l > 0
+        safe = xp.where(pos, self.l, 1.0)
+        self.acc *= xp.where(pos, 1.0 / safe, 0.0)[..., None]
+        lse = xp.where(pos, self.m + xp.log(safe), xp.where(xp.isnan(self.l), np.nan, -np.inf))
+        return self.acc, lse
+
+
+def _v_reach(xp, st: _Softmax, p, p_col0: int, v_bad, bad_cols, rows: Tuple[int, int], state_row0: int, spans,
+             j0: int) -> None:
+    """P V over the non-finite values of ``v`` (``v_bad``: those values, 0 elsewhere) at the keys
+    ``j0 + bad_cols`` of a key block, for the sequence rows ``rows``: each row takes the keys in its
+    block's span, its probability times the value (``0 * NaN`` is NaN). ``p`` holds the rows'
+    probabilities of the block's keys ``p_col0 ...`` (None: the rows saw none of the block)."""
+    begin, end = spans
+    g = st.acc.shape[0]
+    for blk in range(rows[0] // QUERY_BLOCK, (rows[1] - 1) // QUERY_BLOCK + 1):
+        r0, r1 = max(rows[0], blk * QUERY_BLOCK), min(rows[1], (blk + 1) * QUERY_BLOCK)
+        keys = j0 + bad_cols
+        cols = bad_cols[(keys >= begin[blk]) & (keys < end[blk])]
+        if not len(cols):
+            continue
+        pr = xp.zeros((g, r1 - r0, len(cols)))
+        inside = np.flatnonzero((cols >= p_col0) & (cols < p_col0 + (p.shape[-1] if p is not None else 0)))
+        if len(inside):
+            pr[:, :, xp.asarray(inside)] = p[:, r0 - rows[0]:r1 - rows[0]][:, :, xp.asarray(cols[inside] - p_col0)]
+        per = max(1, _STEP_ELEMS // max(1, g * (r1 - r0) * DV))
+        cols_x = xp.asarray(cols)
+        for c0 in range(0, len(cols), per):
+            vals = v_bad[:, cols_x[c0:c0 + per]]  # [g, c, Dv]
+            st.acc[:, r0 - state_row0:r1 - state_row0] += (pr[:, :, c0:c0 + per, None] * vals[:, None]).sum(axis=2)
+
+
+def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=None):
+    """Float64 :func:`mla_cupy.merge_states` (the contract's formula) on NumPy (or CuPy) arrays.
+
+    ``out = (e^(lse_a - m) out_a + e^(lse_b - m) out_b) / (e^(lse_a - m) + e^(lse_b - m))`` with
+    ``m = max(lse_a, lse_b)``, ``lse = m + log(...)``. A side with ``lse = -inf`` contributes nothing
+    (even if its output holds NaN); two empty sides give 0 and ``-inf``; a NaN lse gives NaN.
+
+    Parameters
+    ----------
+    out_a, out_b : ``[T, H, Dv]`` arrays of any float dtype (the same shape)
+    lse_a, lse_b : ``[T, H]`` float32 or float64, natural-log lse
+    out, lse_out : optional arrays to write the result into (``out=out_a`` folds in place)
+    stream : accepted for the kernel's signature; no meaning on the CPU
 
     Returns
     -------
-    out : ``[Tq, H, Dv]``
-    lse : ``[Tq, H]`` float64, natural-log log-sum-exp of the scaled scores (only with ``return_lse``)
+    (out, lse_out) : float64 unless ``out`` / ``lse_out`` are given
     """
+    check_merge_inputs(out_a, lse_a, out_b, lse_b, device=False)
+    t, h, dv = (int(n) for n in out_a.shape)
+    check_merge_outputs(out, lse_out, (t, h, dv), device=False)
+    xp = _xp(out_a)
+    o, lse = _merge(xp, *(x.astype(np.float64) for x in (out_a, lse_a, out_b, lse_b)))
+    if out is None:
+        out = o
+    else:
+        out[...] = o
+    if lse_out is None:
+        lse_out = lse
+    else:
+        lse_out[...] = lse
+    return out, lse_out
+
+
+def _merge(xp, oa, la, ob, lb):
+    """The merge of :func:`merge_states` in float64."""
+    m = xp.maximum(la, lb)  # NaN propagates
+    empty = (la == -np.inf) & (lb == -np.inf)
+    ms = xp.where(empty, 0.0, m)
+    wa, wb = xp.exp(la - ms), xp.exp(lb - ms)
+    tot = wa + wb
+    num = (xp.where((la == -np.inf)[..., None], 0.0, wa[..., None] * oa)
+           + xp.where((lb == -np.inf)[..., None], 0.0, wb[..., None] * ob))
+    out = xp.where(empty[..., None], 0.0, num / xp.where(empty, 1.0, tot)[..., None])
+    return out, xp.where(empty, -np.inf, ms + xp.log(xp.where(empty, 1.0, tot)))
+
+
+# ---------------------------------------------------------------------------------------------
+# one call
+
+
+@dataclass
+class _Layout:
+    """Per sequence (host int64): query rows, key rows, and the positions of the first query and key."""
+
+    q_row0: np.ndarray
+    sq: np.ndarray
+    kv_row0: np.ndarray
+    sk: np.ndarray
+    q_pos0: np.ndarray
+    k_pos0: np.ndarray
+
+
+def _layout(p: Problem, valid_length, cache_row_offsets, cache_offsets, q_start_pos) -> _Layout:
+    vl, cro = to_host(valid_length).astype(np.int64), to_host(cache_row_offsets).astype(np.int64)
+    sq, sk = np.diff(vl)[:p.batch], np.diff(cro)[:p.batch]
+    k_pos0 = np.zeros(p.batch, np.int64) if cache_offsets is None else to_host(cache_offsets).astype(np.int64)
+    q_pos0 = k_pos0 + sk - sq if q_start_pos is None else to_host(q_start_pos).astype(np.int64)
+    return _Layout(vl[:-1], sq, cro[:-1], sk, q_pos0, k_pos0)
+
+
+def _work(p: Problem, lay: _Layout, key_align: int) -> float:
+    """(query row, head, key) pairs the call computes: the work a progress report counts."""
+    total = 0
+    for b in range(p.batch):
+        q_pos = lay.q_pos0[b] + np.arange(lay.sq[b], dtype=np.int64)
+        begin, end = _block_spans(p.mask, q_pos, int(lay.k_pos0[b]), int(lay.sk[b]), key_align)
+        rows = np.minimum(QUERY_BLOCK, lay.sq[b] - np.arange(len(begin)) * QUERY_BLOCK)
+        total += int((rows * (end - begin)).sum())
+    return float(total * p.heads)
+
+
+def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bool, key_align: int,
+            bar: Progress) -> None:
+    """The attention of every sequence, written into ``res`` (and ``res_lse``), merged into what
+    they hold when ``accumulate``."""
+    xp, H = src.xp, p.heads
+    for b in range(p.batch):
+        q0, sq, kv0, sk = int(lay.q_row0[b]), int(lay.sq[b]), int(lay.kv_row0[b]), int(lay.sk[b])
+        if sq == 0:
+            continue
+        k_pos0 = int(lay.k_pos0[b])
+        q_pos = lay.q_pos0[b] + np.arange(sq, dtype=np.int64)
+        k_pos = k_pos0 + np.arange(sk, dtype=np.int64)
+        lo, hi = _clamped_range(p.mask, q_pos, q_pos, k_pos0, sk)
+        spans = _block_spans(p.mask, q_pos, k_pos0, sk, key_align)
+        kb = max(1, min(KEY_BLOCK, sk))
+        hg = max(1, min(H, _STEP_ELEMS // (QUERY_BLOCK * kb)))
+        state_rows = max(QUERY_BLOCK, _STATE_ELEMS // (hg * DV) // QUERY_BLOCK * QUERY_BLOCK)
+        step_rows = max(QUERY_BLOCK, _STEP_ELEMS // (hg * kb) // QUERY_BLOCK * QUERY_BLOCK)
+        for h0 in range(0, H, hg):
+            hs = slice(h0, min(H, h0 + hg))
+            g = hs.stop - hs.start
+            for s0 in range(0, sq, state_rows):
+                s1 = min(sq, s0 + state_rows)
+                blocks = slice(s0 // QUERY_BLOCK, (s1 - 1) // QUERY_BLOCK + 1)
+                b_begin, b_end = spans[0][blocks], spans[1][blocks]
+                live = b_end > b_begin
+                k_begin, k_end = (int(b_begin[live].min()), int(b_end[live].max())) if live.any() else (0, 0)
+                rows_in = np.minimum(QUERY_BLOCK, s1 - np.arange(blocks.start, blocks.stop) * QUERY_BLOCK)
+                st = _Softmax(xp, g, s1 - s0)
+                for j0 in range(k_begin, k_end, kb):
+                    j1 = min(k_end, j0 + kb)
+                    rope, readable = src.rope(b, kv0 + j0, k_pos0 + j0, j1 - j0)
+                    keys = xp.concatenate([src.k(kv0 + j0, kv0 + j1, hs), xp.broadcast_to(rope[None], (g, j1 - j0, DR))],
+                                          axis=-1).transpose(0, 2, 1)  # [g, Dqk, keys]: concat(k, rope) per head
+                    vv = src.v(kv0 + j0, kv0 + j1, hs)                    # [g, keys, Dv]
+                    v_ok = xp.isfinite(vv)
+                    bad_cols = np.flatnonzero(to_host(~v_ok.all(axis=(0, 2))) if xp is not np else ~v_ok.all(axis=(0, 2)))
+                    v_fin = vv if not len(bad_cols) else xp.where(v_ok, vv, 0.0)
+                    v_bad = None if not len(bad_cols) else xp.where(v_ok, 0.0, vv)
+                    for r0 in range(s0, s1, step_rows):
+                        r1 = min(s1, r0 + step_rows)
+                        live = hi[r0:r1] > lo[r0:r1]  # the keys these rows see: [c0, c1) of this block
+                        c0 = max(j0, int(lo[r0:r1][live].min())) if live.any() else j1
+                        c1 = min(j1, int(hi[r0:r1][live].max())) if live.any() else j0
+                        p_step = None
+                        if c1 > c0:
+                            vis = xp.asarray(p.mask.visible(q_pos[r0:r1, None], k_pos[None, c0:c1]))
+                            vis &= readable[None, c0 - j0:c1 - j0]
+                            s = _matmul_ieee(xp, src.q(q0 + r0, q0 + r1, hs), keys[..., c0 - j0:c1 - j0])
+                            s *= p.scale
+                            if not bool(vis.all()):  # replaced, not multiplied: a masked NaN is gone
+                                s = _masked(xp, s, vis)
+                            p_step = st.update(slice(r0 - s0, r1 - s0), s, v_fin[:, c0 - j0:c1 - j0])
+                        if len(bad_cols):
+                            _v_reach(xp, st, p_step, c0 - j0, v_bad, bad_cols, (r0, r1), s0, spans, j0)
+                    del keys, vv, v_ok, v_fin, v_bad  # before the next block's arrays exist
+                    done = np.clip(np.minimum(b_end, j1) - np.maximum(b_begin, j0), 0, None)
+                    bar.update(float((rows_in * done).sum()) * g)
+                o, lse_new = st.finish()
+                rows = slice(q0 + s0, q0 + s1)
+                if accumulate:
+                    o, lse_new = _merge(xp, res[rows, hs].astype(np.float64).transpose(1, 0, 2),
+                                        res_lse[rows, hs].astype(np.float64).T, o, lse_new)
+                res[rows, hs] = o.transpose(1, 0, 2).astype(res.dtype, copy=False)
+                if res_lse is not None:
+                    res_lse[rows, hs] = lse_new.T.astype(res_lse.dtype, copy=False)
+
+
+def _run(p: Problem, src: _Inputs, lay: _Layout, out, lse, return_lse: bool, accumulate: bool, key_align: int,
+         progress: Optional[bool], desc: str):
+    xp = src.xp
+    res = out if out is not None else xp.zeros((p.tq, p.heads, DV), p.out_dtype)
+    res_lse = lse if lse is not None else (xp.full((p.tq, p.heads), -np.inf) if return_lse else None)
+    work = _work(p, lay, key_align)
+    show = work * _SECONDS_PER_PAIR > _PROGRESS_AFTER_S if progress is None else bool(progress)
+    with np.errstate(invalid="ignore", over="ignore"), Progress(work, desc, show) as bar:
+        _attend(p, src, lay, res, res_lse, accumulate, key_align, bar)
+    return (res, res_lse) if return_lse else res
+
+
+def _check_progress(progress) -> None:
+    if progress is not None and not isinstance(progress, (bool, np.bool_)):
+        raise TypeError(f"progress: expected None, True or False, got {progress!r}")
+
+
+def mla_prefill(
+    q, k, v, k_rope: Union[Any, PagedKVCache], valid_length, cache_row_offsets, *, scale: Optional[float] = None,
+    mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None, cache_offsets=None, q_start_pos=None, out=None,
+    out_dtype=None, return_lse: bool = False, lse=None, accumulate: bool = False, stream=None, validate: bool = True,
+    kernel: str = "auto", k_rope_scales=None, progress: Optional[bool] = None,
+):
+    """Reference MLA prefill in float64: the arguments and the result of :func:`mla_cupy.mla_prefill`.
+
+    Parameters
+    ----------
+    q, k, v, k_rope, valid_length, cache_row_offsets
+        As in :func:`mla_cupy.mla_prefill`, as NumPy (or CuPy) arrays of any float dtype
+        (``ml_dtypes.bfloat16`` included), any strides; ``k_rope`` plain or a :class:`PagedKVCache`.
+    scale, mask, cache_offsets, q_start_pos
+        As in :func:`mla_cupy.mla_prefill`.
+    q_max_seq_len, validate
+        Checked as the kernels check them (``validate=True``: offset values, block ids,
+        ``q_max_seq_len`` against the longest sequence); no other meaning here. With
+        ``validate=False`` a block id outside the cache masks its keys, as on the GPU.
+    out, out_dtype
+        The result is float64 unless ``out_dtype`` (any float dtype) or ``out`` (written in place
+        and returned) say otherwise.
+    return_lse, lse
+        Also return the natural-log lse ``[Tq, H]`` (float64, or written into ``lse=``, float32 or
+        float64). A row that sees no key gets output 0 and lse ``-inf``.
+    accumulate
+        ``out`` and ``lse`` (float32 or float64) hold a partial result of these queries over other
+        keys: this call's result is merged into them as :func:`merge_states` merges.
+    k_rope_scales
+        With an fp8 ``k_rope`` (uint8 bytes or ``ml_dtypes.float8_e4m3fn``, ``[Tk, 1, 64]``): its
+        float32 scales ``[Tk, 1, 1]``; the rope of key j is ``k_rope[j] * k_rope_scales[j]``. A paged
+        fp8 cache carries its scales in :class:`PagedKVCache` ``scales``.
+    stream, kernel
+        Accepted (``kernel`` is checked) so that a call written for the kernels runs here
+        unchanged; no meaning on the CPU: one reference stands for every kernel.
+    progress : bool, optional
+        Report progress on stderr (tqdm's bar when installed). Default: when the call is estimated
+        to take more than a few seconds.
+
+    Returns
+    -------
+    out : ``[Tq, H, 128]``
+    lse : ``[Tq, H]``, with ``return_lse=True``
+
+    Notes
+    -----
+    Working memory: at most :data:`WORK_BYTES` (160 MiB; 65-115 MiB measured) beside the inputs and
+    the result, whatever the number of keys (keys in blocks of :data:`KEY_BLOCK`). A causal
+    sequence of 8192 queries and keys with 128 heads (4.3e9 visible pairs, 2.8 TFLOP) took 73 s on
+    two CPU cores with 116 MiB of working memory, beside 0.9 GiB of bf16 inputs and its result
+    (1 GiB in float64; ``out_dtype=numpy.float32``: half). NaN and Inf reach exactly what the
+    contract says (the module's docstring).
+    """
+    _check_progress(progress)
     p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                      q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
-                     out_dtype=out_dtype, validate=validate, device=False, read_offsets=True)
-    xp = _xp(q)
-    vl, cro = to_host(valid_length).astype(np.int64), to_host(cache_row_offsets).astype(np.int64)
-    co = None if cache_offsets is None else to_host(cache_offsets).astype(np.int64)
-    qs = None if q_start_pos is None else to_host(q_start_pos).astype(np.int64)
-    H = p.heads
-    o64 = xp.zeros((p.tq, H, DV), dtype=np.float64)
-    lse = xp.full((p.tq, H), -np.inf, dtype=np.float64)
-    for b in range(p.batch):
-        q0, sq = int(vl[b]), int(vl[b + 1] - vl[b])
-        kv0, sk = int(cro[b]), int(cro[b + 1] - cro[b])
-        if sq == 0 or sk == 0:
-            continue
-        qp, kp = positions(b, sq, sk, co, qs)
-        rope, readable = rope_rows(k_rope, b, kv0, int(kp[0]), sk)
-        vis = xp.asarray(p.mask.visible(qp[:, None], kp[None, :])) & readable[None, :]
-        qb = q[q0:q0 + sq].astype(np.float64)
-        kb = k[kv0:kv0 + sk].astype(np.float64)
-        vb = v[kv0:kv0 + sk].astype(np.float64)
-        kt = kb.transpose(1, 2, 0)                      # [H, Dv, Sk]
-        vt = vb.transpose(1, 0, 2)                      # [H, Sk, Dv]
-        hstep = max(1, _BLOCK_ELEMS // max(1, sq * sk))
-        qstep = max(1, _BLOCK_ELEMS // max(1, sk * min(H, hstep)))
-        for h0 in range(0, H, hstep):
-            hs = slice(h0, min(H, h0 + hstep))
-            for i0 in range(0, sq, qstep):
-                rs = slice(i0, min(sq, i0 + qstep))
-                qh = qb[rs, hs].transpose(1, 0, 2)      # [h, rows, Dqk]
-                s = xp.matmul(qh[..., :DV], kt[hs])     # per-head part
-                s += xp.matmul(qh[..., DV:], rope.T)    # the rope part, shared by all heads
-                s = xp.where(vis[None, rs], s * p.scale, -np.inf)
-                m = s.max(axis=-1)
-                m_safe = xp.where(xp.isfinite(m), m, 0.0)
-                e = xp.exp(s - m_safe[..., None])
-                l = e.sum(axis=-1)
-                o = xp.matmul(e, vt[hs])                # [h, rows, Dv]
-                l_ = l[..., None]
-                o = xp.where(l_ > 0, o / xp.where(l_ > 0, l_, 1.0), 0.0)
-                o64[q0 + rs.start:q0 + rs.stop, hs] = o.transpose(1, 0, 2)
-                lse[q0 + rs.start:q0 + rs.stop, hs] = xp.where(l > 0, m_safe + xp.log(xp.where(l > 0, l, 1.0)), -np.inf).T
-    result = o64.astype(p.out_dtype) if p.out_dtype != np.float64 else o64
-    if out is not None:
-        out[...] = result
-        result = out
-    return (result, lse) if return_lse else result
+                     out_dtype=out_dtype, validate=validate, device=False, read_offsets=True,
+                     k_rope_scales=k_rope_scales, lse=lse, accumulate=accumulate, kernel=kernel)
+    src = _plain_inputs(q, k, v, k_rope, k_rope_scales)
+    lay = _layout(p, valid_length, cache_row_offsets, cache_offsets, q_start_pos)
+    return _run(p, src, lay, out, lse, return_lse, accumulate, 1, progress, "mla_cupy.reference.mla_prefill")
 
 
-def _fp8_host(x, name: str) -> np.ndarray:
-    """fp8 data as float64: ml_dtypes.float8_e4m3fn arrays, or their uint8 bytes."""
-    from ._arrays import FP8_E4M3
+def mla_prefill_fp8(
+    q_nope, q_rope, q_scale, k, k_scales, v, k_rope: Union[Any, PagedKVCache], valid_length, cache_row_offsets, *,
+    scale: Optional[float] = None, mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
+    cache_offsets=None, q_start_pos=None, out=None, out_dtype=None, return_lse: bool = False, lse=None,
+    accumulate: bool = False, stream=None, validate: bool = True, kernel: str = "auto", workspace=None,
+    progress: Optional[bool] = None,
+):
+    """Reference of the fp8 per-token variant: the arguments and checks of
+    :func:`mla_cupy.mla_prefill_fp8`, computed in float64 from the dequantized inputs.
 
-    x = to_host(x)
-    if x.dtype == np.uint8:
-        x = x.view(FP8_E4M3)
-    if x.dtype != FP8_E4M3:
-        raise TypeError(f"{name}: expected float8_e4m3fn data (or its uint8 bytes), got {x.dtype.name}")
-    return x.astype(np.float64)
+    The true query is ``q_scale[i] * concat(q_nope[i], q_rope[i])``, the true key
+    ``k_scales[j] * concat(k[j], rope_j)``, V is used as stored.
 
+    Parameters
+    ----------
+    q_nope, k, v : ``[T, H, 128]`` e4m3 data: ``ml_dtypes.float8_e4m3fn`` arrays or their uint8 bytes
+    q_rope : ``[Tq, H, 64]`` bfloat16
+    q_scale : ``[Tq, 1]`` float32, non-negative (checked with ``validate=True``, as on the GPU)
+    k_scales : ``[Tk, 1]`` float32
+    k_rope : ``[Tk, 1, 64]`` bfloat16 array or bfloat16 :class:`PagedKVCache`
+    valid_length, cache_row_offsets, and the keywords
+        As in :func:`mla_prefill`; ``workspace`` (the GPU's V^T buffer) is accepted and unused.
 
-def _rope_host(x, name: str) -> np.ndarray:
-    """A rope part as float64: 16-bit or wider values as they are; e4m3 data (or its uint8 bytes)
-    decoded, never read as integers."""
-    from ._arrays import FP8_E4M3
+    Returns
+    -------
+    out : ``[Tq, H, 128]`` float64 (or ``out_dtype`` / ``out``), and ``lse`` with ``return_lse``.
 
-    h = to_host(x)
-    if h.dtype == np.uint8 or (FP8_E4M3 is not None and h.dtype == FP8_E4M3):
-        return _fp8_host(h, name)
-    return h.astype(np.float64)
-
-
-def _scales_host(x, name: str, shape) -> np.ndarray:
-    if x is None:
-        raise ValueError(f"{name}: fp8 data needs its float32 scales")
-    x = to_host(x)
-    if x.dtype != np.float32 or tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected float32 of shape {list(shape)}, got {x.dtype.name} {list(x.shape)}")
-    return x.astype(np.float64)
-
-
-def mla_prefill_fp8(q_nope, q_rope, q_scale, k, k_scales, v, k_rope, valid_length, cache_row_offsets, **kw):
-    """Reference of the fp8 per-token variant (SPEC "Data types"): the true query is
-    ``q_scale[i] * concat(q_nope, q_rope)``, the true key ``k_scales[j] * concat(k, rope_j)``, V is
-    used as stored; then :func:`mla_prefill` in float64. ``q_nope``, ``k``, ``v``: e4m3 (or uint8
-    bytes); scales float32 ``[T, 1]``. ``q_rope``, ``k_rope``: 16-bit or wider (MAX's semantics), or
-    e4m3 / uint8 bytes too (all of Q K^T in e4m3: the same per-token scales then cover all 192
-    values). Plain k_rope only."""
-    qn, kn, vv = _fp8_host(q_nope, "q_nope"), _fp8_host(k, "k"), _fp8_host(v, "v")
-    qs = _scales_host(q_scale, "q_scale", (qn.shape[0], 1))
-    ks = _scales_host(k_scales, "k_scales", (kn.shape[0], 1))
-    qt = qs[:, :, None] * np.concatenate([qn, _rope_host(q_rope, "q_rope")], axis=-1)
-    rope = ks[:, :, None] * _rope_host(k_rope, "k_rope")
-    return mla_prefill(qt, ks[:, :, None] * kn, vv, rope, valid_length, cache_row_offsets, **kw)
+    Notes
+    -----
+    The kernel's key spans start on multiples of 16 keys (V^T's layout), so a NaN in the ``v`` of a
+    key also reaches query blocks whose visible keys start up to 15 keys after it; the reference
+    does the same.
+    """
+    _check_progress(progress)
+    q_nope, k, v = fp8_bytes(q_nope, "q_nope"), fp8_bytes(k, "k"), fp8_bytes(v, "v")
+    p = check_inputs(q_nope, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
+                     q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
+                     out_dtype=out_dtype, validate=validate, device=False, read_offsets=True,
+                     fp8=(q_rope, q_scale, k_scales), lse=lse, accumulate=accumulate, kernel=kernel)
+    for x, name in ((out, "out"), (lse, "lse")):
+        if x is not None and not isinstance(x, np.ndarray):
+            raise TypeError(f"{name}: the fp8 reference computes on the host; expected a NumPy array, got "
+                            f"{type(x).__name__}")
+    src = _fp8_inputs(q_nope, q_rope, q_scale, k, k_scales, v, k_rope)
+    lay = _layout(p, valid_length, cache_row_offsets, cache_offsets, q_start_pos)
+    return _run(p, src, lay, out, lse, return_lse, accumulate, VT_ALIGN, progress, "mla_cupy.reference.mla_prefill_fp8")
 
 
 def mla_prefill_fp8_rope(q, k, v, k_rope, k_rope_scales, valid_length, cache_row_offsets, **kw):
-    """Reference of the fp8-rope variant: ``k_rope`` e4m3 (or uint8 bytes) ``[Tk, 1, 64]`` with
-    float32 ``k_rope_scales[Tk, 1, 1]`` (one per 64 values), dequantized, then :func:`mla_prefill`."""
-    from .quant import dequantize_rope_blocks
+    """Reference of the fp8-rope variant: :func:`mla_prefill` with ``k_rope`` e4m3 ``[Tk, 1, 64]``
+    (uint8 bytes or ``ml_dtypes.float8_e4m3fn``) and its float32 ``k_rope_scales[Tk, 1, 1]``."""
+    return mla_prefill(q, k, v, k_rope, valid_length, cache_row_offsets, k_rope_scales=k_rope_scales, **kw)
 
-    r = _fp8_host(k_rope, "k_rope")
-    sc = _scales_host(k_rope_scales, "k_rope_scales", (r.shape[0], 1, r.shape[-1] // 64))
-    return mla_prefill(q, k, v, dequantize_rope_blocks(r, sc.astype(np.float32)), valid_length, cache_row_offsets, **kw)
+
+def mla_prefill_chunked(
+    q, k, v, k_rope, valid_length, cache_row_offsets, *, chunk_size: int, scale: Optional[float] = None,
+    mask: Optional[Mask] = None, cache_offsets=None, q_start_pos=None, out=None, out_dtype=None,
+    return_lse: bool = False, stream=None, validate: bool = True, kernel: str = "auto", progress: Optional[bool] = None,
+):
+    """Float64 :func:`mla_cupy.mla_prefill_chunked`: each sequence's keys in chunks of
+    ``chunk_size``, each attended with the true query and key positions and merged into a float64
+    accumulator as :func:`merge_states` merges. Equal to :func:`mla_prefill` within float64
+    rounding; the arguments are those of :func:`mla_prefill` plus ``chunk_size`` (keys per chunk)."""
+    check_chunk_size(chunk_size)
+    _check_progress(progress)
+    p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask, q_max_seq_len=None,
+                     cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out, out_dtype=out_dtype,
+                     validate=validate, device=False, read_offsets=True, kernel=kernel)
+    src = _plain_inputs(q, k, v, k_rope, None)
+    full = _layout(p, valid_length, cache_row_offsets, cache_offsets, q_start_pos)
+    acc = src.xp.zeros((p.tq, p.heads, DV))
+    acc_lse = src.xp.full((p.tq, p.heads), -np.inf)
+    chunks = range(0, max(int(full.sk.max()) if p.batch else 0, 1), chunk_size)
+    work = _work(p, full, 1)
+    show = work * _SECONDS_PER_PAIR > _PROGRESS_AFTER_S if progress is None else bool(progress)
+    with np.errstate(invalid="ignore", over="ignore"), Progress(work, "mla_cupy.reference.mla_prefill_chunked", show) as bar:
+        for c0 in chunks:
+            start = np.minimum(full.sk, c0)
+            part = _Layout(full.q_row0, full.sq, full.kv_row0 + start, np.minimum(full.sk, c0 + chunk_size) - start,
+                           full.q_pos0, full.k_pos0 + start)
+            _attend(p, src, part, acc, acc_lse, True, 1, bar)
+    res = acc.astype(p.out_dtype) if out is None else out
+    if out is not None:
+        out[...] = acc
+    return (res, acc_lse) if return_lse else res
+
+
+def check_chunk_size(chunk_size) -> None:
+    """``chunk_size``: a positive int (keys per chunk)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+

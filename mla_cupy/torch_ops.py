@@ -35,9 +35,13 @@ import contextlib
 from typing import Any, Optional, Tuple
 
 import numpy as np
-import torch
 
-from . import reference
+from ._optional import require
+
+torch = require("torch", "mla_cupy.torch_ops")
+
+from . import reference  # noqa: E402
+from ._arrays import checkable
 from .masks import CausalMask, ChunkedCausalMask, ChunkedMask, Mask, NullMask, SlidingWindowCausalMask
 from .paged import PagedKVCache
 from .validation import DV
@@ -172,31 +176,9 @@ def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], 
 
 
 def _np(x: Optional[Tensor]) -> Optional[np.ndarray]:
-    """A CPU tensor as NumPy: 16-bit floats as float64 (exact), float8 as its bytes, the rest as
-    they are."""
-    if x is None:
-        return None
-    x = x.detach()
-    if x.dtype == torch.float8_e4m3fn:
-        return x.view(torch.uint8).numpy()
-    return x.double().numpy() if x.dtype in (torch.bfloat16, torch.float16) else x.numpy()
-
-
-def _merge_np(oa: np.ndarray, la: np.ndarray, ob: np.ndarray, lb: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """:func:`mla_cupy.merge_states` in float64: a side with lse = -inf contributes nothing."""
-    m = np.maximum(la, lb)
-    m = np.where(np.isfinite(m), m, 0.0)
-    wa = np.where(np.isneginf(la), 0.0, np.exp(la - m))
-    wb = np.where(np.isneginf(lb), 0.0, np.exp(lb - m))
-    s = wa + wb
-    num = np.where(wa[..., None] > 0, oa, 0.0) * wa[..., None] + np.where(wb[..., None] > 0, ob, 0.0) * wb[..., None]
-    pos = s > 0
-    out = np.where(pos[..., None], num / np.where(pos, s, 1.0)[..., None], 0.0)
-    return out, np.where(pos, m + np.log(np.where(pos, s, 1.0)), -np.inf)
-
-
-def _write(dst: Tensor, src: np.ndarray) -> None:
-    dst.copy_(torch.from_numpy(np.ascontiguousarray(src)))
+    """A CPU tensor as a NumPy view of its memory (bfloat16 and float8 through ml_dtypes), so the
+    reference reads the inputs as they are and writes the results in place."""
+    return None if x is None else checkable(x, "tensor")
 
 
 def _prefill_cpu(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], cache_offsets, q_start_pos,
@@ -205,23 +187,14 @@ def _prefill_cpu(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], c
     ps, ro = kw.pop("page_size"), kw.pop("rope_offset")
     kw.pop("kernel_choice")  # one reference for every kernel
     args = _api_kwargs(_np(cache_offsets), _np(q_start_pos), **kw)
-    scales = _np(k_rope_scales)
-    if lookup_table is not None and (fp8 or scales is not None):
-        raise NotImplementedError("k_rope: the CPU reference reads a 16-bit paged cache only")
-    rope, plain_scales = _rope_source(k_rope, _np(lookup_table), ps, ro, scales)
+    rope, plain_scales = _rope_source(k_rope, _np(lookup_table), ps, ro, _np(k_rope_scales))
     if accumulate and (lse is None or out.dtype != torch.float32):
         raise ValueError("accumulate: needs a float32 out and an lse holding the partial result to merge into")
+    call = dict(out=_np(out), lse=_np(lse), accumulate=accumulate, **args)
     if fp8:
-        o, l = reference.mla_prefill_fp8(*head, rope, vl, cro, return_lse=True, **args)
-    elif plain_scales is not None:
-        o, l = reference.mla_prefill_fp8_rope(*head, rope, plain_scales, vl, cro, return_lse=True, **args)
+        reference.mla_prefill_fp8(*head, rope, vl, cro, **call)
     else:
-        o, l = reference.mla_prefill(*head, rope, vl, cro, return_lse=True, **args)
-    if accumulate:
-        o, l = _merge_np(_np(out), _np(lse), o, l)
-    _write(out, o)
-    if lse is not None:
-        _write(lse, l)
+        reference.mla_prefill(*head, rope, vl, cro, k_rope_scales=plain_scales, **call)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,9 +254,7 @@ _define_prefill("mla_prefill_fp8", _FP8_IN, fp8=True)
 
 def _merge_into(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out: Tensor, lse_out: Tensor) -> None:
     if out_a.device.type == "cpu":
-        o, l = _merge_np(_np(out_a), _np(lse_a), _np(out_b), _np(lse_b))
-        _write(out, o)
-        _write(lse_out, l)
+        reference.merge_states(_np(out_a), _np(lse_a), _np(out_b), _np(lse_b), out=_np(out), lse_out=_np(lse_out))
         return
     import mla_cupy
 

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._arrays import BF16, FP16, FP32, require_device, to_host
+from ._arrays import BF16, FP16, FP32, FP8_E4M3, require_device, to_host
 from ._checks import (OFFSET_DTYPES, QSTART_DTYPES, U8, check_array, check_layout, check_offsets_array,
                       check_offsets_layout, check_offsets_values, check_shape, dtype_of)
 from .dims import DQK, DR, DV  # noqa: F401  (DQK, DR, DV: also read from here by older callers)
@@ -30,7 +30,8 @@ from .masks import CausalMask, Mask
 from .paged import PagedKVCache
 
 __all__ = ["Problem", "check_inputs", "check_lse_and_accumulate", "check_scalars", "check_offsets",
-           "check_offset_values", "check_paged_table", "check_same_device", "DEVICE_DTYPES", "OFFSET_DTYPES"]
+           "check_offset_values", "check_paged_table", "check_same_device", "check_merge_inputs", "check_merge_outputs",
+           "DEVICE_DTYPES", "OFFSET_DTYPES"]
 
 DEVICE_DTYPES = tuple(d for d in (BF16, FP16) if d is not None)
 _MAX_I32 = 2**31 - 1
@@ -80,16 +81,23 @@ def check_qkv(q, k, v, *, device: bool) -> Tuple[int, int, int, np.dtype]:
     return tq, heads, tk, dtype
 
 
+def _is_fp8(x, device: bool) -> bool:
+    """e4m3 data: uint8 bytes, or (host, for the reference) an ``ml_dtypes.float8_e4m3fn`` array."""
+    return dtype_of(x) == U8 or (not device and FP8_E4M3 is not None and dtype_of(x) == FP8_E4M3)
+
+
 def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, device: bool, fp8: bool) -> bool:
     """A ``[Tk, 1, 64]`` k_rope (``tk=None``: any number of rows) or a :class:`PagedKVCache`, in
-    q's dtype or (device, bfloat16 q, 16-bit variant) e4m3 bytes with float32 scales. Returns
-    whether the rope is fp8."""
-    rope_dtypes = (DEVICE_DTYPES + ((U8,) if dtype == BF16 and not fp8 else ())) if device else None
+    q's dtype or (bfloat16 q, 16-bit variant) e4m3 bytes with float32 scales. The reference
+    (``device=False``) takes any float dtype for a 16-bit rope; the fp8 per-token variant's rope is
+    bfloat16 everywhere. Returns whether the rope is fp8."""
+    strict = device or fp8
+    rope_dtypes = (DEVICE_DTYPES + ((U8,) if dtype == BF16 and not fp8 else ())) if strict else None
     if isinstance(k_rope, PagedKVCache):
         blocks = k_rope.blocks
         check_array(blocks, "k_rope.blocks", 4, rope_dtypes)
-        rope8 = device and dtype_of(blocks) == U8
-        if device and dtype_of(blocks) not in (dtype, U8):
+        rope8 = _is_fp8(blocks, device)
+        if strict and dtype_of(blocks) not in (dtype, U8):
             raise TypeError(f"k_rope.blocks: expected dtype {dtype.name} (the dtype of q), got {dtype_of(blocks).name}")
         check_shape(blocks, "k_rope.blocks", (None, k_rope.page_size, 1, None),
                     f"[num_blocks, page_size, 1, Dc] with page_size = {k_rope.page_size}")
@@ -106,8 +114,8 @@ def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, dev
             raise ValueError(f"k_rope.scales: only an fp8 (uint8) cache has scales, these blocks are {dtype_of(blocks).name}")
     else:
         check_array(k_rope, "k_rope", 3, rope_dtypes)
-        rope8 = device and dtype_of(k_rope) == U8
-        if device and dtype_of(k_rope) not in (dtype, U8):
+        rope8 = _is_fp8(k_rope, device)
+        if strict and dtype_of(k_rope) not in (dtype, U8):
             raise TypeError(f"k_rope: expected dtype {dtype.name} (the dtype of q), got {dtype_of(k_rope).name}")
         check_shape(k_rope, "k_rope", (tk, 1, DR), f"[Tk, 1, Dr] with Tk = {tk} from k and Dr = {DR}")
         if rope8:
@@ -171,18 +179,21 @@ def check_out(out, out_dtype: np.dtype, tq: Optional[int], heads: int) -> None:
         check_shape(out, "out", (tq, heads, DV), "[Tq, H, Dv]")
 
 
-def check_lse_and_accumulate(p: Problem, out: Any, lse: Any, accumulate: Any) -> None:
-    """The ``lse=`` buffer (float32 [Tq, H]) and ``accumulate`` (needs float32 ``out`` and ``lse``
-    holding an earlier partial result)."""
+def check_lse_and_accumulate(p: Problem, out: Any, lse: Any, accumulate: Any,
+                             merge_dtypes: Sequence[np.dtype] = (FP32,)) -> None:
+    """The ``lse=`` buffer (``[Tq, H]`` of ``merge_dtypes``) and ``accumulate`` (needs an ``out``
+    of ``merge_dtypes`` and ``lse`` holding an earlier partial result). The kernels merge in
+    float32; the reference also in float64."""
     check_accumulate(accumulate)
     if lse is not None:
-        check_array(lse, "lse", 2, (FP32,))
+        check_array(lse, "lse", 2, merge_dtypes)
         check_shape(lse, "lse", (p.tq, p.heads), "[Tq, H]")
     if accumulate:
         if out is None or lse is None:
             raise ValueError("accumulate: needs out= and lse= holding the partial result to merge into")
-        if p.out_dtype != FP32:
-            raise TypeError(f"accumulate: out must be float32 (partial results are merged in float32), got {p.out_dtype.name}")
+        if p.out_dtype not in merge_dtypes:
+            names = " or ".join(np.dtype(d).name for d in merge_dtypes)
+            raise TypeError(f"accumulate: out must be {names} (partial results are merged in {names}), got {p.out_dtype.name}")
 
 
 def check_accumulate(accumulate: Any) -> None:
@@ -238,6 +249,44 @@ def check_grid(max_sq: int, batch: int, heads: int) -> None:
         raise ValueError(f"q_max_seq_len: grid of {nmb} x {batch} x {heads} blocks exceeds 2^31 - 1")
 
 
+def check_merge_inputs(out_a, lse_a, out_b, lse_b, *, device: bool) -> None:
+    """The partial results of ``merge_states``: ``out_a`` / ``out_b`` ``[T, H, Dv]`` of one dtype
+    (float32, bfloat16 or float16 on the device; any float dtype for the reference), ``lse_a`` /
+    ``lse_b`` ``[T, H]`` float32 (the reference: also float64). ``device``: also the kernel's layout."""
+    dtypes = (FP32,) + DEVICE_DTYPES if device else None
+    lse_dtypes = (FP32,) if device else (FP32, np.dtype(np.float64))
+    check_array(out_a, "out_a", 3, dtypes)
+    if device:
+        check_layout(out_a, "out_a")
+    t, h, dv = (int(n) for n in out_a.shape)
+    if device and dv % 4:
+        raise ValueError(f"out_a: the last dimension must be a multiple of 4, got {dv}")
+    check_array(out_b, "out_b", 3, (dtype_of(out_a),) if device else None)
+    if device:
+        check_layout(out_b, "out_b")
+    check_shape(out_b, "out_b", (t, h, dv), "the shape of out_a")
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        check_array(x, name, 2, lse_dtypes)
+        check_shape(x, name, (t, h), "[T, H] matching out_a")
+        if device and x.size and int(x.strides[1]) != 4:
+            raise ValueError(f"{name}: the last dimension must be contiguous, got strides {tuple(x.strides)}")
+
+
+def check_merge_outputs(out, lse_out, shape: Tuple[int, int, int], *, device: bool) -> None:
+    """The optional results of ``merge_states``: ``out`` ``[T, H, Dv]`` (float32 or a 16-bit dtype
+    on the device; any float dtype for the reference) and ``lse_out`` ``[T, H]`` float32 (the
+    reference: also float64)."""
+    t, h, dv = shape
+    if out is not None:
+        check_array(out, "out", 3, (FP32,) + DEVICE_DTYPES if device else None)
+        if device:
+            check_layout(out, "out")
+        check_shape(out, "out", (t, h, dv), "the shape of out_a")
+    if lse_out is not None:
+        check_array(lse_out, "lse_out", 2, (FP32,) if device else (FP32, np.dtype(np.float64)))
+        check_shape(lse_out, "lse_out", (t, h), "[T, H]")
+
+
 # ---------------------------------------------------------------------------------------------
 # steps 2 and 3: on the device, laid out for the kernels
 
@@ -250,11 +299,13 @@ def rope_arrays(k_rope, k_rope_scales) -> Sequence[Tuple[str, Any]]:
     return [("k_rope", k_rope), ("k_rope_scales", k_rope_scales)]
 
 
-def require_devices(named: Sequence[Tuple[str, Any]]) -> None:
-    """Step 2: every (name, array) with an array is device memory, in the given order."""
+def require_devices(named: Sequence[Tuple[str, Any]], api: Optional[str] = None) -> None:
+    """Step 2: every (name, array) with an array is device memory, in the given order. With
+    ``api`` (the function called), host data on a machine without a GPU hears that ``api`` needs
+    one (:func:`mla_cupy._arrays.require_gpu`) rather than how to move the data."""
     for name, x in named:
         if x is not None:
-            require_device(x, name)
+            require_device(x, name, api)
 
 
 def check_rope_layout(k_rope) -> None:
@@ -290,12 +341,14 @@ def check_inputs(
     q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets, q_start_pos,
     out, out_dtype, validate: bool, device: bool, read_offsets: bool, fp8: Optional[tuple] = None,
     k_rope_scales: Any = None, lse: Any = None, accumulate: Any = False, kernel: Optional[str] = None,
+    api: Optional[str] = None,
 ) -> Problem:
-    """Check every argument of ``mla_prefill`` / ``mla_prefill_fp8`` (device) or of the reference
-    (``device=False``), in the three steps of this module. ``fp8 = (q_rope, q_scale, k_scales)``:
-    the per-token fp8 variant (device only), where q, k, v are the e4m3 (uint8) nope parts; the
-    problem's ``dtype`` is then that of the rope parts; ``kernel`` (device calls) is the kernel
-    argument. Offsets are read to the host when ``validate`` or ``read_offsets``."""
+    """Check every argument of ``mla_prefill`` / ``mla_prefill_fp8`` (device) or of their
+    references (``device=False``), in the three steps of this module. ``fp8 = (q_rope, q_scale,
+    k_scales)``: the per-token fp8 variant, where q, k, v are the e4m3 (uint8) nope parts; the
+    problem's ``dtype`` is then that of the rope parts; ``kernel`` is the kernel argument; ``api``
+    names the function called, for the message of host data on a machine without a GPU. Offsets
+    are read to the host when ``validate`` or ``read_offsets``."""
     if fp8 is not None:
         tq, heads, tk = check_fp8_arrays(q, fp8[0], fp8[1], k, fp8[2], v)
         dtype = BF16
@@ -312,8 +365,7 @@ def check_inputs(
     check_out(out, out_dtype, tq, heads)
     max_sq = None if q_max_seq_len is None else int(q_max_seq_len)
     p = Problem(batch, heads, tq, tk, dtype, out_dtype, mask, scale, max_sq, paged, fp8 is not None, rope8)
-    if device:
-        check_lse_and_accumulate(p, out, lse, accumulate)
+    check_lse_and_accumulate(p, out, lse, accumulate, (FP32,) if device else (FP32, np.dtype(np.float64)))
     if kernel is not None:
         check_kernel_name(kernel)
 
@@ -336,7 +388,7 @@ def check_inputs(
     named += [("v", v)] + list(rope_arrays(k_rope, k_rope_scales))
     named += [("valid_length", valid_length), ("cache_row_offsets", cache_row_offsets), ("cache_offsets", cache_offsets),
               ("q_start_pos", q_start_pos), ("out", out), ("lse", lse)]
-    require_devices(named)
+    require_devices(named, api)
 
     if fp8 is not None:
         check_fp8_layout(q, fp8[0], k, fp8[2], v)

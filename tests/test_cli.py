@@ -167,12 +167,57 @@ def test_format_table_shows_the_fp8_error_columns():
     assert "2.00e-02" in line and "3.00e-02" in line and "0.90" in line
 
 
-def test_bench_plot(tmp_path):
+def test_bench_plot(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    res = bench.run_cpu(list(bench.CPU_CASES.values()))
+    res = bench.run_cpu(list(bench.CPU_CASES.values()), reps=2)
     p = tmp_path / "p.png"
+    titles = []
+    import matplotlib.axes
+
+    real = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda ax, t, *a, **k: titles.append(t) or real(ax, t, *a, **k))
     bench.plot(res, str(p))
     assert p.stat().st_size > 1000
+    assert titles == ["MLA prefill, float64 reference, cpu (no GPU: reference only)"]
+
+
+def test_bench_cpu_is_warmed_and_takes_the_median_of_reps():
+    res = invoke("bench", "--cpu", "--reps", "3", "--no-progress")
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.output.splitlines() if "reference-cpu" in ln)
+    rate = float(line.split("|")[4])
+    assert 0 < rate < 1  # TFLOP/s of float64 NumPy, printed with its digits
+    data = bench.run_cpu(list(bench.CPU_CASES.values()), reps=3)
+    assert data["rows"][0]["note"] == "float64 NumPy, median of 3 after a warm-up call"
+    assert data["rows"][0]["tflops"] > 0
+
+
+def test_a_missing_optional_package_is_named_with_its_install_command(tmp_path, monkeypatch):
+    """As if matplotlib, torch and transformers were not installed (None in sys.modules stops
+    their import): each feature names the extra to install; the command line says it without a
+    traceback."""
+    import importlib
+
+    for name in ("matplotlib", "matplotlib.pyplot", "torch", "transformers"):
+        monkeypatch.setitem(sys.modules, name, None)
+    res = invoke("bench", "--cpu", "--reps", "1", "--plot", str(tmp_path / "p.png"))
+    assert res.exit_code == 1 and res.output.endswith(
+        "Error: mla-cupy bench --plot needs matplotlib, which is not installed: pip install 'mla_cupy[bench]'\n")
+    res = invoke("bench", "--cp", "1", "--cpu")
+    assert res.exit_code == 1 and res.output.endswith(
+        "Error: mla-cupy bench --cp needs torch, which is not installed: pip install 'mla_cupy[distributed]'\n")
+    monkeypatch.delitem(sys.modules, "mla_cupy.torch_ops", raising=False)
+    with pytest.raises(ModuleNotFoundError, match=r"^mla_cupy.torch_ops needs torch, which is not installed: "
+                                                  r"pip install 'mla_cupy\[torch\]'$"):
+        importlib.import_module("mla_cupy.torch_ops")
+    monkeypatch.delitem(sys.modules, "mla_cupy.integrations.transformers", raising=False)
+    with pytest.raises(ModuleNotFoundError, match=r"transformers needs torch, .*pip install 'mla_cupy\[transformers\]'$"):
+        importlib.import_module("mla_cupy.integrations.transformers")
+    from mla_cupy._optional import require
+
+    with pytest.raises(ModuleNotFoundError, match=r"^register needs transformers, which is not installed: "
+                                                  r"pip install 'mla_cupy\[transformers\]'$"):
+        require("transformers", "register")
 
 
 def test_python_m_mla_cupy():
@@ -231,6 +276,7 @@ def test_bench_cp_several_ranks_execs_torchrun(monkeypatch):
         raise SystemExit(7)
 
     monkeypatch.setattr(cli.os, "execvp", fake_execvp)
+    monkeypatch.setattr(cli, "require", lambda *a, **k: None)  # as if torch were installed
     res = invoke("bench", "--cp", "4", "--seq", "131072", "--heads", "128", "--json", "cp4.json", "--cpu")
     assert res.exit_code == 7, res.output
     assert seen["file"] == sys.executable

@@ -282,6 +282,7 @@ def _gloo_worker(rank, world, init_file):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # three process groups of 2, 3 and 4 processes
 def test_gloo_processes_w2_w3_w4_match_one_process():
     import torch.multiprocessing as mp
 
@@ -289,6 +290,7 @@ def test_gloo_processes_w2_w3_w4_match_one_process():
         mp.spawn(_gloo_worker, args=(4, os.path.join(d, "init")), nprocs=4, join=True)
 
 
+@pytest.mark.slow  # torchrun starts two processes that import torch
 def test_runner_under_torchrun_on_cpu(tmp_path):
     out = tmp_path / "cp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mla_cupy.distributed.bench",

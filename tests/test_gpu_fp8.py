@@ -10,7 +10,7 @@ from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, Paged
 from mla_cupy import quant, reference
 
 from _cases import BF16, build_paged, build_paged_fp8_rope, make_case, per_slice_errors
-from gpu_util import KERNELS
+from gpu_util import KERNELS, assert_like_reference
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif("sm90" not in KERNELS, reason="the fp8 per-token kernel needs a Hopper GPU")]
@@ -302,18 +302,44 @@ def test_transpose_v_device_equals_host(sk):
 def test_fp8_nan_in_one_sequence_stays_there():
     """NaN bytes (0x7f) in the middle sequence's k and v never reach its neighbours: the V^T columns
     past a tile's keys are zeroed, the window mask's tiles rounded down to 16 keys stay inside the
-    sequence. Checked against the reference on the neighbours' rows."""
-    import cupy as cp
-
+    sequence. NaN positions and values as the reference's."""
     mask = SlidingWindowCausalMask(37)
     c = make_case([300, 100, 70], [300, 130, 70], 16, BF16, seed=41)
     fq = quantized(c)
     for n in ("k", "v"):
         fq[n].view(np.uint8)[300:430] = 0x7F
-    got, _ = run_fp8(c, fq, mask=mask)
-    ref = reference.mla_prefill_fp8(fq["q_nope"], fq["q_rope"], fq["q_scale"], fq["k"], fq["k_scales"], fq["v"],
-                                    fq["k_rope"], c.valid_length, c.cache_row_offsets, mask=mask)
-    for rows in (slice(0, 300), slice(400, 470)):
-        assert np.isfinite(got[rows]).all()
-        assert np.linalg.norm(got[rows] - ref[rows]) / np.linalg.norm(ref[rows]) < TOL
-    assert np.isnan(got[300:400]).any()
+    got, lse = run_fp8(c, fq, mask=mask)
+    ref, ref_lse = _ref_fp8(c, fq, mask)
+    assert np.isfinite(got[:300]).all() and np.isfinite(got[400:]).all() and np.isnan(got[300:400]).any()
+    assert_like_reference(got, ref, c.valid_length, tol=2 * TOL, got_lse=lse, ref_lse=ref_lse)
+
+
+def _ref_fp8(c, fq, mask):
+    return reference.mla_prefill_fp8(fq["q_nope"], fq["q_rope"], fq["q_scale"], fq["k"], fq["k_scales"], fq["v"],
+                                     fq["k_rope"], c.valid_length, c.cache_row_offsets, mask=mask,
+                                     cache_offsets=c.cache_offsets, q_start_pos=c.q_start_pos, return_lse=True)
+
+
+@pytest.mark.parametrize("where", ["q_nope", "k", "k_scales", "k_rope", "v"])
+def test_fp8_nan_reaches_what_the_reference_says(where):
+    """One NaN in sequence 0's inputs: the kernel's NaN at the reference's places. For v, a key
+    that only block 1's span rounded down to 16 keys holds (V^T's layout)."""
+    mask = SlidingWindowCausalMask(37)
+    c = make_case([300, 40], [420, 40], 16, BF16, seed=43, cache_offsets=[5, 0], q_start_pos=[-35, 0])
+    fq = quantized(c)
+    qp, kp = reference.positions(0, 300, 420, c.cache_offsets, c.q_start_pos)
+    first = int(np.flatnonzero(mask.visible(qp[128:256, None], kp[None, :]).any(axis=0))[0])
+    assert first % 16, "the span of block 1 must not start on a multiple of 16 keys"
+    j, h, d = (first - 1, 3, 5) if where == "v" else (200, 3, 5)
+    if where == "q_nope":
+        fq["q_nope"].view(np.uint8)[170, h, d] = 0x7F
+    elif where in ("k", "v"):
+        fq[where].view(np.uint8)[j, h, d] = 0x7F
+    elif where == "k_scales":
+        fq["k_scales"][j, 0] = np.nan
+    else:
+        fq["k_rope"][j, 0, d] = np.nan
+    got, lse = run_fp8(c, fq, mask=mask)
+    ref, ref_lse = _ref_fp8(c, fq, mask)
+    assert np.isnan(ref).any()
+    assert_like_reference(got, ref, c.valid_length, tol=2 * TOL, got_lse=lse, ref_lse=ref_lse)

@@ -8,7 +8,7 @@ import mla_cupy
 from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, SlidingWindowCausalMask, reference
 
 from _cases import BF16, FP16, make_case
-from gpu_util import KERNELS, run_and_check, upload
+from gpu_util import KERNELS, assert_like_reference, run_and_check, upload
 
 pytestmark = pytest.mark.gpu
 
@@ -195,39 +195,105 @@ def test_threads_compile_once():
     assert jit.compile_count() - before <= 1
 
 
+def _run_nan(c, mask, kernel, **kw):
+    """(kernel out, kernel lse, reference out, reference lse) of a case on the host."""
+    import cupy as cp
+
+    d = upload(c)
+    out, lse = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                                    mask=mask, cache_offsets=d["cache_offsets"], q_start_pos=d["q_start_pos"],
+                                    return_lse=True, kernel=kernel, **kw)
+    ref, ref_lse = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets, mask=mask,
+                                         cache_offsets=c.cache_offsets, q_start_pos=c.q_start_pos, return_lse=True)
+    return cp.asnumpy(out).astype(np.float64), cp.asnumpy(lse), ref, ref_lse
+
+
+def nan_case():
+    """Sequence 0: 420 keys from position 5 and 300 queries from position -35 (rows 0..39 see no
+    key under causal masks); sequence 1: 40 and 40. 16 heads, bf16."""
+    return make_case([300, 40], [420, 40], 16, BF16, seed=42, cache_offsets=[5, 0], q_start_pos=[-35, 0])
+
+
+POISON = {  # where one NaN goes: (array, index)
+    "q_nope": ("q", (170, 3, 5)), "q_rope": ("q", (170, 3, 128 + 5)), "k": ("k", (200, 3, 5)),
+    "k_rope": ("k_rope", (200, 0, 5)), "v": ("v", (200, 3, 5)),
+}
+
+
+def _v_reach_differs_on_sm80(request, kernel, mask):
+    """The contract's reach of a NaN (or Inf) in v is every row of a 128-row block whose key span
+    holds the key; the portable kernel reaches only the 16-row warps whose own span meets the
+    64-key tile of the key (fewer rows): an expected failure there, until kernel or contract change."""
+    if kernel == "sm80" and not isinstance(mask, NullMask):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "the portable kernel's 16-row warps skip the key tiles outside their own span, so a non-finite v "
+            "reaches fewer rows than the contract's 128-row block")))
+
+
+@pytest.mark.parametrize("where", list(POISON))
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
 @kernels
-def test_nan_in_one_sequence_stays_there(kernel):
-    """NaN in sequence 0's q, k and v never reaches sequence 1 (tiles past a sequence's end are
-    masked and their V rows zeroed, never mixed in)."""
+def test_nan_reaches_what_the_reference_says(kernel, mask, where, request):
+    """One NaN in q, k, the rope or v of sequence 0: the kernel's NaN at exactly the reference's
+    places (the contract's rule), every other value as the reference's."""
+    if where == "v":
+        _v_reach_differs_on_sm80(request, kernel, mask)
+    c = nan_case()
+    name, idx = POISON[where]
+    getattr(c, name)[idx] = np.nan
+    got, lse, ref, ref_lse = _run_nan(c, mask, kernel)
+    assert np.isnan(ref).any()
+    assert_like_reference(got, ref, c.valid_length, got_lse=lse, ref_lse=ref_lse)
+
+
+@kernels
+def test_nan_in_v_stays_inside_the_contract(kernel):
+    """Every kernel, the portable one included: a NaN in v reaches every row that sees the key, and
+    no row outside the contract's reach."""
+    c = nan_case()
+    c.v[200, 3, 5] = np.nan
+    qp, kp = reference.positions(0, 300, 420, c.cache_offsets, c.q_start_pos)
+    for mask in MASKS:
+        got, _, ref, _ = _run_nan(c, mask, kernel)
+        assert not (np.isnan(got) & ~np.isnan(ref)).any(), type(mask).__name__
+        sees = mask.visible(qp, kp[200])
+        assert sees.any() and np.isnan(got[:300, 3, 5][sees]).all(), type(mask).__name__
+
+
+@kernels
+def test_nan_row_lse_is_nan(kernel, request):
+    """The contract's lse of a row with a NaN score is NaN (the log-sum-exp of its scores)."""
+    request.applymarker(pytest.mark.xfail(strict=True, reason=(
+        "store_rows writes lse = -inf when the row sum is not > 0, NaN included (softmax.cuh)")))
+    c = nan_case()
+    c.k[200, 3, 5] = np.nan
+    _, lse, _, ref_lse = _run_nan(c, CausalMask(), kernel)
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+
+
+@kernels
+def test_nan_and_inf_in_one_sequence_stay_there(kernel):
+    """NaN in sequence 0's q, k and v (and an Inf in its rope) never reaches sequence 1: tiles past
+    a sequence's end are masked and their V rows zeroed; inside sequence 0 the kernel's NaN and Inf
+    are the reference's."""
     c = make_case([100, 70], [130, 70], 16, BF16, seed=40)
     for a in (c.q, c.k, c.v):
         a[:40] = np.nan
-    d = upload(c)
-    out = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
-                               mask=NullMask(), kernel=kernel).get().astype(np.float64)
-    c1 = make_case([70], [70], 16, BF16, seed=0)
-    c1.q, c1.k, c1.v, c1.k_rope = c.q[100:], c.k[130:], c.v[130:], c.k_rope[130:]
-    ref = reference.mla_prefill(c1.q, c1.k, c1.v, c1.k_rope, c1.valid_length, c1.cache_row_offsets, mask=NullMask())
-    assert np.isfinite(out[100:]).all()
-    assert np.linalg.norm(out[100:] - ref) / np.linalg.norm(ref) < 1e-2
-    assert np.isnan(out[:100]).any()  # within sequence 0, NaN keys reach every row (documented)
+    c.k_rope[60, 0, 3] = np.inf
+    got, lse, ref, ref_lse = _run_nan(c, NullMask(), kernel)
+    assert np.isfinite(got[100:]).all() and np.isnan(ref[:100]).any()
+    assert_like_reference(got, ref, c.valid_length, got_lse=lse, ref_lse=ref_lse)
 
 
+@pytest.mark.parametrize("mask", [NullMask(), SlidingWindowCausalMask(37)], ids=lambda m: type(m).__name__)
 @kernels
-def test_nan_within_a_sequence_reaches_documented_rows(kernel):
-    """Inside one causal sequence (300 queries and keys), a NaN in key 150's k reaches exactly the
-    rows that see key 150 (a masked score is replaced, not multiplied); a NaN in its v reaches every
-    row of each 128-row query block whose key span holds key 150 (0 * NaN in P V): rows 128-299."""
-    for name, first in (("k", 150), ("v", 128)):
-        c = make_case([300], [300], 16, BF16, seed=42)
-        getattr(c, name)[150, 3] = np.nan
-        d = upload(c)
-        out = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
-                                   mask=CausalMask(), kernel=kernel).get().astype(np.float64)
-        bad = np.isnan(out).any(axis=2)  # [row, head]
-        assert not bad[:first].any(), (name, int(np.argmax(bad.any(axis=1))))
-        assert bad[first:, 3].all(), name
-        assert not bad[:, [h for h in range(16) if h != 3]].any(), name  # heads do not mix
+def test_inf_in_v_is_inf_where_seen_nan_where_multiplied_by_zero(kernel, mask, request):
+    _v_reach_differs_on_sm80(request, kernel, mask)
+    c = nan_case()
+    c.v[200, 3, 5] = -np.inf
+    got, lse, ref, ref_lse = _run_nan(c, mask, kernel)
+    assert np.isneginf(ref).any()
+    assert_like_reference(got, ref, c.valid_length, got_lse=lse, ref_lse=ref_lse)
 
 
 def test_auto_picks_the_hopper_kernel_on_hopper():
@@ -240,3 +306,33 @@ def test_auto_picks_the_hopper_kernel_on_hopper():
     assert choose_kernel("auto", paged=True) == want
     with pytest.raises(ValueError, match="kernel: expected one of"):
         choose_kernel("fast", paged=False)
+
+
+def test_reference_runs_on_cupy_arrays_as_on_numpy():
+    """The float64 reference given CuPy arrays (what the fuzz, reliability and bench checks use)
+    computes on the GPU what it computes on the host, NaN included; a paged rope too."""
+    import cupy as cp
+
+    c = nan_case()
+    c.v[200, 3, 5] = np.nan
+    c.k[150, 2, 3] = np.nan
+    c.q[170, 0, 9] = np.inf
+    mask = SlidingWindowCausalMask(37)
+    kw = dict(mask=mask, return_lse=True)
+    want, want_lse = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets,
+                                           cache_offsets=c.cache_offsets, q_start_pos=c.q_start_pos, **kw)
+    d = upload(c)
+    got, got_lse = reference.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"],
+                                         d["cache_row_offsets"], cache_offsets=d["cache_offsets"],
+                                         q_start_pos=d["q_start_pos"], **kw)
+    assert isinstance(got, cp.ndarray) and isinstance(got_lse, cp.ndarray)
+    got, got_lse = cp.asnumpy(got), cp.asnumpy(got_lse)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isnan(got_lse), np.isnan(want_lse))
+    fin = ~np.isnan(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-10, atol=1e-12)
+    out16 = cp.empty(want.shape, BF16)
+    assert reference.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                                 cache_offsets=d["cache_offsets"], q_start_pos=d["q_start_pos"], mask=mask,
+                                 out=out16) is out16
+    np.testing.assert_array_equal(np.isnan(cp.asnumpy(out16).astype(np.float64)), np.isnan(want))

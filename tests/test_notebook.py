@@ -20,6 +20,7 @@ CPU_CHECKS = (
     + tuple(f"reference vs dense: {m}" for m in MASK_NAMES)
     + ("prefix context: causal result unchanged by cache_offsets", "q_start_pos: out vs dense",
        "paged cache vs dense", "chunked merge (24 keys per chunk) vs one-shot: out",
+       "merge_states on NumPy vs the merge written here", "mla_prefill_chunked on NumPy (chunk_size=24) vs one-shot",
        "fp8 per token: reference vs dense of the dequantized inputs", "fp8 rope: reference vs dense of the dequantized rope")
 )
 #: ... with torch installed.
@@ -27,19 +28,24 @@ TORCH_CHECKS = ("torch CPU tensors through the reference",)
 #: ... on a CUDA GPU.
 GPU_CHECKS = (
     ("kernel: batch out", "kernel: cache_offsets and q_start_pos", "kernel: paged cache",
-     "kernel: merge_states of two halves", "kernel: mla_prefill_chunked (chunk_size=24)")
+     "kernel: merge_states of two halves", "kernel: mla_prefill_chunked (chunk_size=24)",
+     "kernel sm80: 1 x 1024 against the reference")
     + tuple(f"kernel: {m}" for m in MASK_NAMES)
     + tuple(f"kernel: plan.run, layer {i}" for i in range(3))
 )
 #: ... on a Hopper GPU (the fp8 variants).
-HOPPER_CHECKS = ("kernel: fp8 per token", "kernel: fp8 rope")
+HOPPER_CHECKS = ("kernel: fp8 per token", "kernel: fp8 rope", "kernel sm90: 1 x 1024 against the reference")
 #: ... with torch seeing a CUDA device.
 TORCH_CUDA_CHECKS = ("kernel: torch CUDA tensors",)
 #: ... with transformers installed and torch seeing a CUDA device.
 TRANSFORMERS_CUDA_CHECKS = ("kernel: transformers DeepseekV3 logits vs eager",)
-#: Cells that run only on a GPU print one such line each without one (the transformers cell too,
-#: when transformers and torch are installed).
-GPU_SECTIONS = 7
+#: Sections with a GPU part print one ``[no GPU]`` line each without a GPU: the batch, speed,
+#: accuracy, masks, positions, paged cache, chunked prefill, fp8 and plan sections, the torch
+#: section when torch is installed, the transformers one when transformers and torch are.
+GPU_SECTIONS = 9
+#: Figures a run shows: speed (measured, or the stored H200 numbers), accuracy by position, the
+#: mask patterns, the fp8 error distribution.
+FIGURES = 4
 
 
 def _installed(name: str) -> bool:
@@ -102,14 +108,15 @@ def _check_run(checks: set, out: str) -> None:
     with_hf = _installed("torch") and _installed("transformers")
     missing = _expected(gpu, hopper, _installed("torch"), torch_cuda, with_hf) - checks
     assert not missing, f"the notebook did not print these checks: {sorted(missing)}"
-    skips = out.count("SKIPPED (no CUDA GPU)")
-    assert skips == (0 if gpu else GPU_SECTIONS + with_hf), f"{skips} cells said they skipped for want of a GPU"
-    assert "Traceback" not in out
+    notes = [line for line in out.splitlines() if line.startswith("[no GPU]")]
+    want = 0 if gpu else GPU_SECTIONS + _installed("torch") + with_hf
+    assert len(notes) == want, f"{len(notes)} sections said they have no GPU, not {want}: {notes}"
+    assert "SKIPPED" not in out and "Traceback" not in out
 
 
 def test_quickstart_runs_and_its_checks_hold(executed):
     _check_run(_checks(executed), _stdout(executed))
-    assert _images(executed) == 1, "the mask plot is shown inline"
+    assert _images(executed) == FIGURES, "every figure is shown inline"
 
 
 def test_quickstart_code_runs_without_jupyter():
@@ -130,4 +137,4 @@ def test_stored_notebook_has_the_outputs_of_a_run():
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
     missing = _expected(False, False, True, False, True) - _checks(nb)
     assert not missing, f"the stored outputs lack these checks: {sorted(missing)}"
-    assert _images(nb) == 1, "the stored notebook shows its plot"
+    assert _images(nb) == FIGURES, "the stored notebook shows its figures"

@@ -1,5 +1,6 @@
 """The wheel carries the kernel sources; installed into a fresh venv, it compiles a kernel from
 its own copy (NVRTC, no GPU needed) and exposes the mla-cupy command."""
+import os
 import subprocess
 import sys
 import zipfile
@@ -31,15 +32,25 @@ def test_wheel_contents(wheel):
     assert not any(n.startswith("tests/") for n in names)
 
 
-def test_installed_wheel_compiles_from_its_own_kernels(wheel, tmp_path):
-    """Install the wheel with its cuda13 extra into a fresh venv (pip's cache makes this quick after
-    the CI install), run from a directory outside the checkout, and compile a kernel from the
-    installed sources; the mla-cupy command works there too."""
-    pytest.importorskip("cupy")
+def _venv_with(wheel, tmp_path, extra: str = ""):
+    """A fresh venv with the wheel installed (``extra``: e.g. ``"[cuda13]"``; pip's cache makes this
+    quick after the CI install); returns (its python, its bin directory, an environment without
+    this checkout on PYTHONPATH)."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", f"{wheel}[cuda13]"], check=True, timeout=900)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([str(py), "-m", "pip", "install", "-q", f"{wheel}{extra}"], check=True, timeout=900, env=env)
+    return py, venv / "bin", env
+
+
+@pytest.mark.slow
+def test_installed_wheel_compiles_from_its_own_kernels(wheel, tmp_path):
+    """Install the wheel with its cuda13 extra into a fresh venv, run from a directory outside the
+    checkout, and compile a kernel from the installed sources; the mla-cupy command works there too."""
+    pytest.importorskip("cupy")
+    py, bindir, env = _venv_with(wheel, tmp_path, "[cuda13]")
+    venv = bindir.parent
     script = (
         "import mla_cupy, mla_cupy.jit as j, mla_cupy._registry as r\n"
         "from mla_cupy.masks import CausalMask\n"
@@ -48,10 +59,37 @@ def test_installed_wheel_compiles_from_its_own_kernels(wheel, tmp_path):
         "f, names = r.prefill_sm80(BF16, CausalMask())\n"
         "print(len(j.compile_offline(f, names[:1], 'sm_90a')), j.KERNEL_DIR)\n"
     )
-    res = subprocess.run([str(py), "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    res = subprocess.run([str(py), "-c", script], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
     size, kdir = res.stdout.split()
     assert int(size) > 1000 and kdir.endswith("mla_cupy/kernels")
-    res = subprocess.run([str(venv / "bin" / "mla-cupy"), "smoke", "--cpu"], cwd=tmp_path, capture_output=True, text=True)
+    res = subprocess.run([str(bindir / "mla-cupy"), "smoke", "--cpu"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "no GPU: ran the float64 reference only" in res.stdout
+
+
+@pytest.mark.slow
+def test_plain_install_runs_the_reference_without_cupy(wheel, tmp_path):
+    """``pip install .`` without an extra (NumPy, ml_dtypes, click): the reference, ``mla-cupy
+    smoke`` and the GPU API's own message, with no CuPy in the venv."""
+    py, bindir, env = _venv_with(wheel, tmp_path)
+    script = (
+        "import importlib.util, numpy as np, ml_dtypes, mla_cupy\n"
+        "assert importlib.util.find_spec('cupy') is None\n"
+        "bf = ml_dtypes.bfloat16\n"
+        "q, k, r = np.ones((4, 2, 192), bf), np.ones((4, 2, 128), bf), np.ones((4, 1, 64), bf)\n"
+        "o = np.array([0, 4], np.uint32)\n"
+        "print(mla_cupy.reference.mla_prefill(q, k, k, r, o, o).shape)\n"
+        "try:\n"
+        "    mla_cupy.mla_prefill(q, k, k, r, o, o)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    res = subprocess.run([str(py), "-c", script], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    shape, message = res.stdout.splitlines()
+    assert shape == "(4, 2, 128)"
+    assert message.startswith("mla_prefill needs a CUDA GPU: none found (CuPy is not installed: pip install")
+    res = subprocess.run([str(bindir / "mla-cupy"), "smoke"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
     assert "no GPU: ran the float64 reference only" in res.stdout

@@ -62,22 +62,66 @@ def test_numpy_inputs_hear_the_real_problem(over, kw, exc, words):
         assert w in msg, f"{w!r} not in {msg!r}"
 
 
-def test_valid_numpy_inputs_are_told_how_to_move():
-    """The device check comes last; it names the first host array (q) and says what to do."""
+def test_valid_numpy_inputs_are_told_how_to_move(as_if_gpu):
+    """The device check comes last; on a GPU machine it names the first host array (q) and says what to do."""
     with pytest.raises(TypeError) as info:
         call(H)
     msg = str(info.value)
     assert msg.startswith("q:") and "NumPy" in msg and "cupy.asarray(q)" in msg and "mla_cupy.reference" in msg
 
 
-def test_device_check_names_the_first_host_array():
+def test_device_check_names_the_first_host_array(as_if_gpu):
     """Device q, k, v and a host k_rope: the rope is the argument named."""
     a = dict(H, q=dev(H["q"]), k=dev(H["k"]), v=dev(H["v"]))
     with pytest.raises(TypeError, match=r"^k_rope: .*NumPy.*cupy\.asarray\(k_rope\)"):
         call(a)
 
 
-def test_torch_cpu_tensors_are_checked_like_numpy():
+def test_without_a_gpu_valid_host_inputs_hear_that_the_call_needs_one(as_if_no_gpu):
+    """After every argument check, a machine without a GPU gets the package's own message and
+    the CPU function to call, not CuPy's driver traceback."""
+    from mla_cupy import quant
+
+    with pytest.raises(RuntimeError, match=r"^mla_prefill needs a CUDA GPU: none found \(CuPy sees no CUDA device\); "
+                                           r"use mla_cupy\.reference\.mla_prefill on the CPU$"):
+        call(H)
+    with pytest.raises(ValueError, match="q: expected head size Dqk = 192"):  # the arguments still come first
+        call(dict(H, q=np.ones((8, 4, 128), BF16)))
+    c = make_case([5, 3], [6, 3], heads=4, dtype=BF16, seed=3)
+    f = quant.quantize_per_token(c.q, c.k, c.v, c.k_rope)
+    with pytest.raises(RuntimeError, match=r"^mla_prefill_fp8 needs a CUDA GPU: .*mla_cupy\.reference\.mla_prefill_fp8 on"):
+        mla_cupy.mla_prefill_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"], f["v"], f["k_rope"],
+                                 c.valid_length, c.cache_row_offsets)
+
+
+def test_this_machine_without_a_gpu_gets_the_message():
+    """No monkeypatching: what a CPU machine's user sees from the GPU API."""
+    from conftest import gpu_count
+
+    if gpu_count():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match=r"^mla_prefill needs a CUDA GPU: none found \(.+\); use mla_cupy\.reference"):
+        call(H)
+
+
+def test_without_cupy_the_gpu_api_says_how_to_install_it():
+    code = ("import sys; sys.modules['cupy'] = None\n"
+            "import numpy as np, ml_dtypes, mla_cupy\n"
+            "bf = ml_dtypes.bfloat16\n"
+            "q, k = np.ones((4, 2, 192), bf), np.ones((4, 2, 128), bf)\n"
+            "o = np.array([0, 4], np.uint32)\n"
+            "try:\n"
+            "    mla_cupy.mla_prefill(q, k, k, np.ones((4, 1, 64), bf), o, o)\n"
+            "except RuntimeError as e:\n"
+            "    print(e)\n"
+            "print(mla_cupy.reference.mla_prefill(q, k, k, np.ones((4, 1, 64), bf), o, o).shape)\n")
+    assert run_python(code).splitlines() == [
+        "mla_prefill needs a CUDA GPU: none found (CuPy is not installed: pip install 'mla_cupy[cuda13]' (CUDA 13 "
+        "driver) or 'mla_cupy[cuda12]' (CUDA 12 driver)); use mla_cupy.reference.mla_prefill on the CPU",
+        "(4, 2, 128)"]
+
+
+def test_torch_cpu_tensors_are_checked_like_numpy(as_if_gpu):
     torch = pytest.importorskip("torch")
     t = {n: torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16) if x.dtype == BF16 else torch.from_numpy(x)
          for n, x in H.items()}
@@ -88,7 +132,7 @@ def test_torch_cpu_tensors_are_checked_like_numpy():
     assert "torch" in sys.modules  # (imported by this test, never by the package: see below)
 
 
-def test_fp8_numpy_inputs_hear_the_real_problem():
+def test_fp8_numpy_inputs_hear_the_real_problem(as_if_gpu):
     from mla_cupy import quant
 
     c = make_case([5, 3], [6, 3], heads=4, dtype=BF16, seed=3)
@@ -322,6 +366,11 @@ def test_import_needs_no_torch_no_cupy_and_compiles_nothing():
             "assert 'cupy' not in sys.modules, 'cupy'\n"
             "assert jit.compile_count() == 0\n"
             "print(mla_cupy.plan.__module__)\n")
+    assert run_python(code).strip() == "mla_cupy.prefill_plan"
+
+
+def run_python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter next to the package; its stdout (it must succeed)."""
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "mla_cupy.prefill_plan"
+    return res.stdout

@@ -71,11 +71,11 @@ def test_fp8_rope_reference():
 def test_fp8_without_scales_or_with_wrong_dtype_is_refused():
     c = make_case([4], [4], 2, BF16, seed=7)
     r8, rs = quant.quantize_rope_blocks(c.k_rope)
-    with pytest.raises(ValueError, match="k_rope_scales: fp8 data needs its float32 scales"):
+    with pytest.raises(ValueError, match=r"k_rope_scales: an fp8 \(uint8\) k_rope needs its float32 scales"):
         reference.mla_prefill_fp8_rope(c.q, c.k, c.v, r8, None, c.valid_length, c.cache_row_offsets)
-    with pytest.raises(ValueError, match="k_rope_scales: expected float32"):
+    with pytest.raises(TypeError, match="k_rope_scales: expected dtype float32, got float64"):
         reference.mla_prefill_fp8_rope(c.q, c.k, c.v, r8, rs.astype(np.float64), c.valid_length, c.cache_row_offsets)
-    with pytest.raises(TypeError, match="k_rope: expected float8_e4m3fn"):
+    with pytest.raises(ValueError, match=r"k_rope_scales: only an fp8 \(uint8\) k_rope has scales"):
         reference.mla_prefill_fp8_rope(c.q, c.k, c.v, c.k_rope, rs, c.valid_length, c.cache_row_offsets)
 
 

@@ -4,6 +4,7 @@ tracing, and results against the float64 reference (the ops' CPU kernel) and pla
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -173,14 +174,24 @@ def test_fp8_op_on_cpu_matches_the_reference():
     from mla_cupy import quant
 
     c = _case(6)
-    d = quant.quantize_per_token(*(c[n].numpy() for n in ("q", "k", "v", "k_rope")))
-    t = {n: torch.from_numpy(np.asarray(x).view(np.uint8)).view(torch.float8_e4m3fn) if np.asarray(x).dtype.itemsize == 1
-         and n in ("q_nope", "k", "v") else torch.from_numpy(np.asarray(x, np.float32)) for n, x in d.items()}
+    d = quant.quantize_per_token(*(c[n].numpy().astype(ml_dtypes.bfloat16) for n in ("q", "k", "v", "k_rope")))
+
+    def tensor(n, x):  # e4m3 data as float8_e4m3fn, the rope parts as bfloat16 (as the GPU op takes them)
+        x = np.asarray(x)
+        if n in ("q_nope", "k", "v"):
+            return torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn)
+        t = torch.from_numpy(x.astype(np.float32))
+        return t.to(torch.bfloat16) if n in ("q_rope", "k_rope") else t
+
+    t = {n: tensor(n, x) for n, x in d.items()}
     o = ops.mla_prefill_fp8(t["q_nope"], t["q_rope"], t["q_scale"], t["k"], t["k_scales"], t["v"], t["k_rope"],
                             c["valid_length"], c["cache_row_offsets"])
     ro = reference.mla_prefill_fp8(d["q_nope"], d["q_rope"], d["q_scale"], d["k"], d["k_scales"], d["v"], d["k_rope"],
                                    c["valid_length"].numpy(), c["cache_row_offsets"].numpy())
-    np.testing.assert_allclose(o.numpy(), ro, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(o.float().numpy(), ro, rtol=1e-2, atol=1e-2)  # a bfloat16 result
+    o32 = ops.mla_prefill_fp8(t["q_nope"], t["q_rope"], t["q_scale"], t["k"], t["k_scales"], t["v"], t["k_rope"],
+                              c["valid_length"], c["cache_row_offsets"], out_dtype=torch.float32)
+    np.testing.assert_allclose(o32.numpy(), ro, rtol=1e-5, atol=1e-5)
 
 
 def test_compile_fullgraph_traces_the_ops():

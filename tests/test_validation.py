@@ -81,7 +81,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("over,exc,words", BAD, ids=[f"{i}-{'-'.join(b[0])}" for i, b in enumerate(BAD)])
-def test_bad_input_is_named(over, exc, words):
+def test_bad_input_is_named(over, exc, words, as_if_gpu):
     with pytest.raises(exc) as info:
         call(**over)
     msg = str(info.value)
@@ -132,38 +132,58 @@ def test_paged_cache_errors():
         mla_cupy.mla_prefill(k_rope=PagedKVCache(dev(blocks.view(np.uint8)[..., :576]), lut, 16, scales=sc[:, :, :, :3]), **kw)
 
 
-def test_fp8_argument_errors():
-    """fp8 data without scales, wrong dtypes and shapes: errors name the argument."""
-    a = base_args()
+def _host(x):
+    """The host array under a fake device array (what a reference caller passes)."""
+    return x.view(np.ndarray) if isinstance(x, np.ndarray) else x
+
+
+def _on(api, x):
+    return x if api == "kernel" else _host(x)
+
+
+@pytest.mark.parametrize("api", ["kernel", "reference"])
+def test_fp8_argument_errors(api):
+    """fp8 data without scales, wrong dtypes and shapes: errors name the argument, with the same
+    messages from the kernels' API and from the float64 references."""
+    prefill = mla_cupy.mla_prefill if api == "kernel" else mla_cupy.reference.mla_prefill
+    prefill_fp8 = mla_cupy.mla_prefill_fp8 if api == "kernel" else mla_cupy.reference.mla_prefill_fp8
+    a = {n: _on(api, x) for n, x in base_args().items()}
     tq, h = a["q"].shape[:2]
     tk = a["k"].shape[0]
     kw = dict(valid_length=a["valid_length"], cache_row_offsets=a["cache_row_offsets"])
-    r8 = dev(np.zeros((tk, 1, 64), np.uint8))
+    r8 = _on(api, dev(np.zeros((tk, 1, 64), np.uint8)))
     with pytest.raises(ValueError, match="k_rope_scales: an fp8"):
-        mla_cupy.mla_prefill(a["q"], a["k"], a["v"], r8, **kw)
+        prefill(a["q"], a["k"], a["v"], r8, **kw)
     with pytest.raises(ValueError, match="k_rope_scales: only an fp8"):
-        mla_cupy.mla_prefill(a["q"], a["k"], a["v"], a["k_rope"], k_rope_scales=dev(np.ones((tk, 1, 1), np.float32)), **kw)
+        prefill(a["q"], a["k"], a["v"], a["k_rope"], k_rope_scales=_on(api, dev(np.ones((tk, 1, 1), np.float32))), **kw)
     with pytest.raises(ValueError, match=r"k_rope_scales: expected shape"):
-        mla_cupy.mla_prefill(a["q"], a["k"], a["v"], r8, k_rope_scales=dev(np.ones((tk, 1, 2), np.float32)), **kw)
+        prefill(a["q"], a["k"], a["v"], r8, k_rope_scales=_on(api, dev(np.ones((tk, 1, 2), np.float32))), **kw)
+    with pytest.raises(TypeError, match=r"k_rope_scales: expected dtype float32, got float64"):
+        prefill(a["q"], a["k"], a["v"], r8, k_rope_scales=_on(api, dev(np.ones((tk, 1, 1), np.float64))), **kw)
     f8 = dict(q_nope=dev(np.zeros((tq, h, 128), np.uint8)), q_rope=dev(np.ones((tq, h, 64), BF16)),
               q_scale=dev(np.ones((tq, 1), np.float32)), k=dev(np.zeros((tk, h, 128), np.uint8)),
-              k_scales=dev(np.ones((tk, 1), np.float32)), v=dev(np.zeros((tk, h, 128), np.uint8)), k_rope=a["k_rope"])
+              k_scales=dev(np.ones((tk, 1), np.float32)), v=dev(np.zeros((tk, h, 128), np.uint8)), k_rope=dev(a["k_rope"]))
     for name, bad, exc, words in [
         ("q_nope", dev(np.ones((tq, h, 128), BF16)), TypeError, "q_nope: expected dtype uint8"),
+        ("q_nope", dev(np.zeros((tq, h, 256), np.uint8)), ValueError, r"q_nope: expected shape \[\*, \*, 128\]"),
         ("k", dev(np.zeros((tk, h, 64), np.uint8)), ValueError, "k: expected shape"),
         ("v", dev(np.zeros((tk + 1, h, 128), np.uint8)), ValueError, "v: expected shape"),
         ("q_rope", dev(np.ones((tq, h, 64), np.float16)), TypeError, "q_rope: expected dtype bfloat16"),
+        ("q_rope", dev(np.ones((tq + 1, h, 64), BF16)), ValueError, r"q_rope: expected shape \[8, 4, 64\]"),
         ("q_scale", dev(np.ones((tq,), np.float32)), ValueError, "q_scale: expected a 2-D array"),
         ("k_scales", dev(np.ones((tk, 1), np.float64)), TypeError, "k_scales: expected dtype float32"),
+        ("k_scales", dev(np.ones((tk + 2, 1), np.float32)), ValueError, r"k_scales: expected shape \[9, 1\]"),
         ("k_rope", dev(np.ones((tk, 1, 64), np.float16)), TypeError, "k_rope: expected dtype bfloat16"),
+        ("k_rope", dev(np.zeros((tk, 1, 64), np.uint8)), TypeError, "k_rope: expected dtype bfloat16 or float16, got uint8"),
         # q_scale folds into each row's softmax scale: negative or NaN scales are refused
         ("q_scale", dev(np.full((tq, 1), -1, np.float32)), ValueError, r"q_scale: expected non-negative scales, got q_scale\[0\] = -1"),
-        ("q_scale", dev(np.array([[1]] * (tq - 1) + [[np.nan]], np.float32)), ValueError, "q_scale: expected non-negative"),
+        ("q_scale", dev(np.array([[1]] * (tq - 1) + [[np.nan]], np.float32)), ValueError,
+         r"q_scale: expected non-negative scales, got q_scale\[7\] = nan"),
     ]:
-        args = dict(f8, **{name: bad})
+        args = {n: _on(api, x) for n, x in dict(f8, **{name: bad}).items()}
         with pytest.raises(exc, match=words):
-            mla_cupy.mla_prefill_fp8(args["q_nope"], args["q_rope"], args["q_scale"], args["k"], args["k_scales"],
-                                     args["v"], args["k_rope"], **kw)
+            prefill_fp8(args["q_nope"], args["q_rope"], args["q_scale"], args["k"], args["k_scales"],
+                        args["v"], args["k_rope"], **kw)
 
 
 def test_reference_validates_too():

@@ -22,9 +22,12 @@ import weakref
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
-import torch
 
-from .. import torch_ops
+from .._optional import require
+
+torch = require("torch", "mla_cupy.integrations.transformers", extra="transformers")
+
+from .. import torch_ops  # noqa: E402
 from ..masks import CausalMask, NullMask
 from ..validation import DQK, DR, DV
 
@@ -39,6 +42,7 @@ def register(name: str = NAME) -> None:
     (``AttentionMaskInterface``: the 2-D padding mask, or None without padding) under ``name``,
     so that ``model.set_attn_implementation(name)`` or ``from_pretrained(...,
     attn_implementation=name)`` uses them."""
+    require("transformers", "mla_cupy.integrations.transformers.register")
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
