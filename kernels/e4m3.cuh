@@ -1,5 +1,5 @@
 // float8_e4m3fn conversions (sm_89+): round to nearest even with saturation to +-448 on the way
-// in, exact on the way out. Shared by the fp8 prefill variants (fp8.cuh) and the quantizers
+// in, exact on the way out. Shared by the fp8 prefill variants (sm90/fp8.cuh) and the quantizers
 // (quantize.cu).
 #pragma once
 #include "common.cuh"

@@ -10,7 +10,7 @@
 //   * then sequences, then the heads of the section (fastest).
 // Sequences shorter than the grid's q_max_seq_len leave indices that decode to nothing.
 // The portable kernel launches one CTA per index; the Hopper kernel is persistent and takes the
-// indices in this order from a counter as its CTAs free up (sm90_scheduler.cuh), so longest-first
+// indices in this order from a counter as its CTAs free up (sm90/scheduler.cuh), so longest-first
 // holds across CTAs and indices that decode to nothing cost a CTA almost nothing.
 #pragma once
 #include "common.cuh"

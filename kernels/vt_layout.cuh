@@ -10,7 +10,7 @@
 //   * The kernel starts each key tile at a multiple of kVtAlign keys of its sequence, so a tile's
 //     first column is 16-byte aligned (TMA's innermost coordinate must be) and the key order below
 //     is the same relative to every tile.
-//   * Key order inside each aligned group of 16 columns (why: fp8.cuh, pack_p_e4m3): an e4m3 A
+//   * Key order inside each aligned group of 16 columns (why: sm90/fp8.cuh, pack_p_e4m3): an e4m3 A
 //     fragment holds k positions 4t .. 4t + 3 of a row in one register, while S = Q K^T leaves a
 //     thread keys {2t, 2t + 1, 2t + 8, 2t + 9} of each 16; so column 4t + m of a group holds key
 //         sigma(4t + m) = 2t + (m & 1) + 8 (m >> 1)

@@ -67,7 +67,7 @@ def check_workspace(workspace: Any, shape: Tuple[int, ...]):
     return ws
 
 
-#: The Hopper kernel hands out work tiles dynamically, from a counter (kernels/sm90_scheduler.cuh);
+#: The Hopper kernel hands out work tiles dynamically, from a counter (kernels/sm90/scheduler.cuh);
 #: False makes it stride over them in round robin (a measurement switch for benchmarks/ab.py).
 DYNAMIC_SCHEDULE = True
 _COUNTER_BLOCK = 256  # counters allocated together

@@ -101,13 +101,15 @@ template <class V, bool kPaged> constexpr bool kRopeWarp = kPaged || V::kRope8;
 
 // ---------------------------------------------------------------------------------------------
 // Switches: alternative code paths kept for same-process A/B measurements (benchmarks/ab.py,
-// `ours:def=NAME=0`); the defaults are the measured choices (benchmarks/NOTES.md).
+// `ours:def=NAME:0`); the defaults are the measured choices (benchmarks/NOTES.md, v7), except
+// MLA_SM90_SMEM_EPILOGUE, not measured yet and off.
 // ---------------------------------------------------------------------------------------------
 // Fully visible key tiles run in a loop without mask code; tiles on a mask's edge in their own.
 #ifndef MLA_SM90_SPLIT_MASKED
 #define MLA_SM90_SPLIT_MASKED 1
 #endif
-// Stage releases (mbarrier arrives) from one elected lane per consumer warp instead of all lanes.
+// Stage releases (mbarrier arrives) from one elected lane per consumer warp instead of every thread
+// (measured 0.7-1.4% slower than every thread: off).
 #ifndef MLA_SM90_ELECTED_ARRIVE
 #define MLA_SM90_ELECTED_ARRIVE 0
 #endif

@@ -38,7 +38,8 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 
 // ---------------------------------------------------------------------------------------------
 // TMA: tiled bulk tensor copies global -> shared, completing on an mbarrier. The tensor map is a
-// __grid_constant__ kernel parameter (built on the host with cuTensorMapEncodeTiled).
+// field of the kernel's __grid_constant__ parameter struct (built on the host with
+// cuTensorMapEncodeTiled); a parameter struct field of this kind is exported as kParamMap.
 // ---------------------------------------------------------------------------------------------
 struct alignas(64) TensorMap { unsigned long long opaque[16]; };
 }  // namespace sm90
