@@ -13,14 +13,14 @@ Importing this module registers, in the namespace ``mla_cupy``:
 
 Each has a fake (meta) implementation, so ``torch.compile(..., fullgraph=True)`` traces through
 it, and declares the tensors it writes (``mutates_args``), so functionalization and CUDA graphs
-see them. The schemas take what the Python API takes: the mask as ``mask_kind`` (see
-:data:`MASK_KINDS`) and ``mask_arg`` (window or chunk size), positions as optional tensors, a paged
-cache as its tensors (``k_rope`` holds the blocks, ``lookup_table``, ``page_size``,
-``rope_offset``, the fp8 scales in ``k_rope_scales``), ``out_dtype``, ``q_max_seq_len``,
-``scale``, ``validate`` and ``kernel_choice`` (the API's ``kernel``: inductor's fallback
-lowering reserves the name ``kernel``). The functions of this module (:func:`mla_prefill`,
-:func:`mla_prefill_fp8`, :func:`merge_states`, :func:`merge_states_`) take the Python API's
-arguments (mask objects, :class:`~mla_cupy.PagedKVCache`) and call the ops.
+see them. The schemas take what the Python API takes: the mask as ``mask_kind`` (its index in
+:data:`mla_cupy.masks.MASK_KINDS`, also reached as ``MASK_KINDS`` here) and ``mask_arg`` (window
+or chunk size), positions as optional tensors, a paged cache as its tensors (``k_rope`` holds the
+blocks, ``lookup_table``, ``page_size``, ``rope_offset``, the fp8 scales in ``k_rope_scales``),
+``out_dtype``, ``q_max_seq_len``, ``scale``, ``validate`` and ``kernel_choice`` (the API's
+``kernel``: inductor's fallback lowering reserves the name ``kernel``). The functions of this
+module (:func:`mla_prefill`, :func:`mla_prefill_fp8`, :func:`merge_states`, :func:`merge_states_`)
+take the Python API's arguments (mask objects, :class:`~mla_cupy.PagedKVCache`) and call the ops.
 
 On CUDA tensors the ops run the kernels on torch's current stream; every device buffer they need
 (outputs, the fp8 V^T workspace, a widened ``q_start_pos``) comes from torch's caching
@@ -42,15 +42,12 @@ torch = require("torch", "mla_cupy.torch_ops")
 
 from . import reference  # noqa: E402
 from ._arrays import checkable
-from .masks import CausalMask, ChunkedCausalMask, ChunkedMask, Mask, NullMask, SlidingWindowCausalMask
+from .masks import MASK_KINDS, CausalMask, Mask
 from .paged import PagedKVCache
 from .validation import DV
 
 __all__ = ["MASK_KINDS", "mask_args", "mask_from_args", "mla_prefill", "mla_prefill_fp8", "merge_states",
            "merge_states_"]
-
-#: ``mask_kind`` of the op schemas: index in this tuple. ``mask_arg`` is the window or chunk size.
-MASK_KINDS = (NullMask, CausalMask, SlidingWindowCausalMask, ChunkedMask, ChunkedCausalMask)
 
 Tensor = torch.Tensor
 
@@ -68,8 +65,7 @@ def mask_from_args(mask_kind: int, mask_arg: int) -> Mask:
     """The mask object of an op's ``(mask_kind, mask_arg)``."""
     if not 0 <= mask_kind < len(MASK_KINDS):
         raise ValueError(f"mask_kind: expected 0..{len(MASK_KINDS) - 1} (mla_cupy.torch_ops.MASK_KINDS), got {mask_kind}")
-    cls = MASK_KINDS[mask_kind]
-    return cls(int(mask_arg)) if cls in (SlidingWindowCausalMask, ChunkedMask, ChunkedCausalMask) else cls()
+    return MASK_KINDS[mask_kind].from_arg(mask_arg)
 
 
 # ---------------------------------------------------------------------------------------------

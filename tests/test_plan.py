@@ -331,6 +331,26 @@ def _imports(path: Path):
     return out
 
 
+def test_one_stream_resolver():
+    """Every entry point reads ``stream=`` through mla_cupy._arrays.stream_ptr: a raw int, an object
+    with an int ``ptr`` (CuPy streams), one with ``cuda_stream`` (torch streams); anything else
+    (a bool too) is a TypeError naming the argument."""
+    from mla_cupy import _arrays, api, prefill_plan
+
+    class CupyLike:
+        ptr = 0x1234
+
+    class TorchLike:
+        cuda_stream = 0x5678
+
+    assert _arrays.stream_ptr(7, False) == 7 and _arrays.stream_ptr(CupyLike(), True) == 0x1234
+    assert _arrays.stream_ptr(TorchLike(), False) == 0x5678
+    for bad in (True, "0", 1.0):
+        with pytest.raises(TypeError, match=r"^stream: expected a cupy.cuda.Stream, a torch.cuda.Stream or a raw "):
+            _arrays.stream_ptr(bad, False)
+    assert api.stream_ptr is prefill_plan.stream_ptr is _arrays.stream_ptr
+
+
 def test_import_graph_is_acyclic():
     mods = {p.stem: p for p in PKG.glob("*.py")}
     graph = {m: {d for d in _imports(p) if d in mods and d != m} for m, p in mods.items() if m != "__init__"}
