@@ -20,8 +20,9 @@ import numpy as np
 from ._arrays import (FP32, as_device, checkable, cupy_or_none, device_pointer, is_device, is_torch, optional_ptr,
                       result_wrapper, stream_ptr)
 from ._checks import check_offsets_layout, dtype_of
-from ._packing import LSE, OUT, Q, SLOTS, WS, Offsets, Record, Target, launch_record, pack
+from ._packing import Record, launch_record, pack
 from ._plan_checks import RunBounds, check_plan_args, check_run
+from ._run_args import LSE, OUT, Q, SLOTS, WS, Offsets, Target
 from ._select import choose_kernel
 from .dims import DV
 from .masks import Mask

@@ -145,7 +145,7 @@ def _api_kwargs(cache_offsets, q_start_pos, scale, mask_kind, mask_arg, q_max_se
 
 def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], cache_offsets, q_start_pos,
                   lookup_table, k_rope_scales, accumulate: bool, **kw) -> None:
-    import mla_cupy
+    from . import api
 
     *head, k_rope, vl, cro = inputs
     rope, plain_scales = _rope_source(k_rope, lookup_table, kw.pop("page_size"), kw.pop("rope_offset"), k_rope_scales)
@@ -162,9 +162,9 @@ def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], 
             rope = _cupy(rope)
         call = dict(out=_cupy(out), lse=_cupy(lse), accumulate=accumulate, kernel=kernel, **args)
         if fp8:
-            mla_cupy.mla_prefill_fp8(*head, rope, _cupy(vl), _cupy(cro), **call)
+            api.mla_prefill_fp8(*head, rope, _cupy(vl), _cupy(cro), **call)
         else:
-            mla_cupy.mla_prefill(*head, rope, _cupy(vl), _cupy(cro), k_rope_scales=_cupy(plain_scales), **call)
+            api.mla_prefill(*head, rope, _cupy(vl), _cupy(cro), k_rope_scales=_cupy(plain_scales), **call)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,10 +252,10 @@ def _merge_into(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out:
     if out_a.device.type == "cpu":
         reference.merge_states(_np(out_a), _np(lse_a), _np(out_b), _np(lse_b), out=_np(out), lse_out=_np(lse_out))
         return
-    import mla_cupy
+    from . import merge
 
     with _torch_context(out_a.device):
-        mla_cupy.merge_states(*(_cupy(x) for x in (out_a, lse_a, out_b, lse_b)), out=_cupy(out), lse_out=_cupy(lse_out))
+        merge.merge_states(*(_cupy(x) for x in (out_a, lse_a, out_b, lse_b)), out=_cupy(out), lse_out=_cupy(lse_out))
 
 
 @torch.library.custom_op("mla_cupy::merge_states", mutates_args=(), device_types=("cuda", "cpu"),

@@ -235,7 +235,7 @@ def test_a_valid_layout_needs_a_gpu_last():
 
 def cpu_plan(fp8=False, paged=False, kernel="sm90", kv_total=9, tq=8, accumulate=False, return_lse=False):
     """A plan over fake device offsets, built without a GPU (its runs must fail before launching)."""
-    from mla_cupy._packing import Target
+    from mla_cupy._run_args import Target
     from mla_cupy._plan_checks import RunBounds
     from mla_cupy.prefill_plan import PrefillPlan, offsets_of
     from mla_cupy.validation import Problem

@@ -13,7 +13,8 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from .. import mla_prefill, reference
+from .. import reference
+from ..api import mla_prefill
 from ..masks import Mask
 from .schedule import AttentionCall
 
