@@ -1,8 +1,11 @@
 """``mla-cupy bench --host`` without a GPU: the interleaved timing with a fake clock, the table and
-the JSON, and the command line's options (the GPU run itself: tests/test_gpu_bench.py)."""
+the JSON, the command line's options, and its mode of benchmarks/gpu.sh (the GPU run itself:
+tests/test_gpu_bench.py)."""
 import itertools
 import json
 import math
+import subprocess
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -120,3 +123,14 @@ def test_bench_host_refusals(monkeypatch):
     monkeypatch.setattr(cli, "_gpu_available", lambda: False)
     res = invoke("--host")
     assert res.exit_code == 1 and "Error: --host times calls on a GPU, and none is in use here" in res.output
+
+
+def test_gpu_sh_runs_the_host_and_e2e_benchmarks():
+    """``bash benchmarks/gpu.sh host`` and ``e2e`` are modes of the GPU runner, documented in its help."""
+    gpu_sh = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.sh"
+    res = subprocess.run(["bash", str(gpu_sh), "--help"], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0
+    modes = {line.split()[0] for line in res.stdout.splitlines() if line.startswith("  ") and line.split()}
+    assert {"host", "e2e", "bench", "suite"} <= modes
+    text = gpu_sh.read_text()
+    assert 'bench --host --json "$OUT_DIR/host.json"' in text and 'transformers_e2e.py --json "$OUT_DIR/e2e.json"' in text
