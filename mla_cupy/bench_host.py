@@ -66,10 +66,29 @@ class HostRow:
 
 def time_calls(calls: Sequence[HostCall], *, reps: int, n: int, sync: Callable[[], object],
                clock: Callable[[], float] = time.perf_counter, warmup: int = 3) -> List[HostRow]:
-    """Host time of each call (:class:`HostRow`, in the order of ``calls``): ``warmup`` calls each,
-    then ``reps`` interleaved rounds of one sample per call (``n`` calls back to back from an idle
-    device, :func:`mla_cupy.bench.per_call_us`), in the order of ``calls`` in even rounds and
-    reversed in odd ones. A call that raises is timed no further; its row says why."""
+    """Host time of each call: ``warmup`` calls each, then ``reps`` interleaved rounds of one sample
+    per call, in the order of ``calls`` in even rounds and reversed in odd ones.
+
+    Parameters
+    ----------
+    calls : sequence of HostCall
+    reps : int
+        Rounds; each gives one sample per call.
+    n : int
+        Calls back to back in one sample (:func:`mla_cupy.bench.per_call_us`).
+    sync : callable
+        Waits until the device is idle.
+    clock : callable
+        Seconds, for the wall time of a sample.
+    warmup : int
+        Untimed calls of each call before the rounds.
+
+    Returns
+    -------
+    list of HostRow
+        In the order of ``calls``: the median, smallest and largest sample. A call that raised is
+        timed no further; its row has NaN times and says why in ``note``.
+    """
     calls = list(calls)
     failed = {}
     samples = {c.impl: [] for c in calls}
@@ -117,8 +136,21 @@ def _takes_out(fn) -> bool:
 
 
 def host_calls(case: BenchCase = HOST_CASE, *, peers: bool = True) -> Tuple[List[HostCall], List[str]]:
-    """The calls of :func:`run` on the current GPU for ``case``, and one line for each row left out
-    (torch missing, a peer that does not import)."""
+    """The calls of :func:`run` on the current GPU.
+
+    Parameters
+    ----------
+    case : BenchCase
+        The problem (default :data:`HOST_CASE`); its input set 0, with ``out=`` buffers made once.
+    peers : bool
+        Add FlashAttention-3's and cuDNN's calls, where they import.
+
+    Returns
+    -------
+    calls : list of HostCall
+    left_out : list of str
+        One line for each row left out (torch missing, a peer that does not import).
+    """
     import cupy as cp
 
     from . import api, prefill_plan
@@ -191,8 +223,25 @@ def host_calls(case: BenchCase = HOST_CASE, *, peers: bool = True) -> Tuple[List
 
 
 def run(*, calls: int = 300, reps: int = 20, peers: bool = True, case: BenchCase = HOST_CASE) -> dict:
-    """Time the calls of :func:`host_calls` on the current GPU (:func:`time_calls`); returns the
-    device, the case, ``calls``, ``reps``, ``rows`` (:class:`HostRow` as dicts) and ``left_out``."""
+    """Time the calls of :func:`host_calls` on the current GPU (:func:`time_calls`).
+
+    Parameters
+    ----------
+    calls : int
+        Calls back to back in one sample.
+    reps : int
+        Interleaved rounds (samples per call).
+    peers : bool
+        Time the peers' calls too.
+    case : BenchCase
+        The problem (default :data:`HOST_CASE`).
+
+    Returns
+    -------
+    dict
+        ``device``, ``compute_capability``, ``date``, ``case``, ``problem``, ``calls``, ``reps``,
+        ``rows`` (each :class:`HostRow` as a dict) and ``left_out`` (lines).
+    """
     import cupy as cp
 
     todo, left_out = host_calls(case, peers=peers)
