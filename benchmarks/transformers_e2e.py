@@ -38,8 +38,8 @@ IMPLS = ("mla_cupy", "sdpa", "eager")
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The command line (see ``--help``); ``--tokens`` and ``--impls`` become lists."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1024,4096,16384", help="comma-separated prompt lengths (default: %(default)s)")
     ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated attention backends, of "
                     f"{', '.join(IMPLS)} (default: %(default)s)")

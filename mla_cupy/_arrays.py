@@ -20,7 +20,8 @@ FP16 = np.dtype(np.float16)
 FP32 = np.dtype(np.float32)
 
 __all__ = ["BF16", "FP16", "FP32", "FP8_E4M3", "INSTALL_GPU", "cupy_or_none", "gpu_missing", "require_gpu", "as_device",
-           "checkable", "is_device", "require_device", "is_torch", "result_wrapper", "to_host", "stream_ptr", "stream_of"]
+           "checkable", "is_device", "require_device", "is_torch", "result_wrapper", "to_host", "stream_ptr",
+           "stream_of"]
 
 
 _CUPY = []  # memo: [module or None]

@@ -47,9 +47,9 @@ class Record:
 
 
 def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Record:
-    """Pack the kernel arguments of layout ``p`` with the arrays ``d`` (device arrays in :data:`~mla_cupy._run_args.SLOTS`
-    order) of its first run on stream ``sp``. ``workspace_for(given, shape, sp)`` gives the fp8
-    variant's V^T workspace."""
+    """Pack the kernel arguments of layout ``p`` with the arrays ``d`` (device arrays in
+    :data:`~mla_cupy._run_args.SLOTS` order) of its first run on stream ``sp``.
+    ``workspace_for(given, shape, sp)`` gives the fp8 variant's V^T workspace."""
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
         return Record(None, (), ())
     dev = t.device_id

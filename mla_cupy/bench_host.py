@@ -216,9 +216,9 @@ def host_calls(case: BenchCase = HOST_CASE, *, peers: bool = True) -> Tuple[List
             left_out.append(f"cuDNN row left out: {exc}")
         else:
             cudnn_kw = {"out": tout} if _takes_out(sdpa) else {}
+            note = f"cudnn.sdpa_torch with cu_seqlens; out= {'given' if cudnn_kw else 'not taken'}"
             calls.append(HostCall("cuDNN sdpa_torch (ragged, K at 192)", "peer",
-                                  lambda i: attn(tq_, k192, tv_, **cudnn_kw),
-                                  note=f"cudnn.sdpa_torch with cu_seqlens; out= {'given' if cudnn_kw else 'not taken'}"))
+                                  lambda i: attn(tq_, k192, tv_, **cudnn_kw), note=note))
     return calls, left_out
 
 

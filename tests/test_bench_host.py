@@ -115,7 +115,8 @@ def test_bench_host_refusals(monkeypatch):
 
     monkeypatch.setattr(cli, "_gpu_available", lambda: True)
     res = invoke("--host", "--cases", "1x8192", "--fp8")
-    assert res.exit_code == 2 and "--host times calls on one small problem; it does not take --cases, --fp8" in res.output
+    assert res.exit_code == 2
+    assert "--host times calls on one small problem; it does not take --cases, --fp8" in res.output
     res = invoke("--calls", "10", "--cpu")
     assert res.exit_code == 2 and "--calls: only with --host" in res.output
     res = invoke("--cp", "1", "--host")
@@ -133,4 +134,5 @@ def test_gpu_sh_runs_the_host_and_e2e_benchmarks():
     modes = {line.split()[0] for line in res.stdout.splitlines() if line.startswith("  ") and line.split()}
     assert {"host", "e2e", "bench", "suite"} <= modes
     text = gpu_sh.read_text()
-    assert 'bench --host --json "$OUT_DIR/host.json"' in text and 'transformers_e2e.py --json "$OUT_DIR/e2e.json"' in text
+    assert 'bench --host --json "$OUT_DIR/host.json"' in text
+    assert 'transformers_e2e.py --json "$OUT_DIR/e2e.json"' in text

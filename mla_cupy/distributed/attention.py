@@ -118,9 +118,9 @@ class ReferenceAttention(LocalAttention):
     def attend(self, call, prepared, q, k, v, k_rope, out, lse, *, mask, scale):
         import torch
 
-        o, l = reference.mla_prefill(_host64(q), _host64(k), _host64(v), _host64(k_rope), call.q_offsets.astype(np.int32),
-                                     call.k_offsets.astype(np.int32), scale=scale, mask=mask,
-                                     cache_offsets=call.k_pos0.astype(np.uint32), q_start_pos=call.q_pos0,
+        o, l = reference.mla_prefill(_host64(q), _host64(k), _host64(v), _host64(k_rope),
+                                     call.q_offsets.astype(np.int32), call.k_offsets.astype(np.int32), scale=scale,
+                                     mask=mask, cache_offsets=call.k_pos0.astype(np.uint32), q_start_pos=call.q_pos0,
                                      return_lse=True)
         merge_into(out, lse, torch.from_numpy(o), torch.from_numpy(l))
 
