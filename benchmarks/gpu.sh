@@ -17,6 +17,11 @@
 #                            quantizers); SUBSET='<pytest -k expression>' replaces the subset
 #   bench [BENCH ARGS...]    `mla-cupy bench` over the default matrix (JSON and plot into --out), then
 #                            the paged-rope and merge timings
+#   host [BENCH ARGS...]     `mla-cupy bench --host`: host time per call of every entry point (CuPy and
+#                            torch) beside the peers' calls (JSON into --out)
+#   e2e [ARGS...]            benchmarks/transformers_e2e.py: a DeepSeek-V3-shaped transformers model's
+#                            prefill at 1k, 4k and 16k tokens, mla_cupy against sdpa and eager (JSON
+#                            into --out)
 #   ab [ARGS...]             benchmarks/ab.py ARGS (implementations timed in one process)
 #   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
 #                            bench case (`mla-cupy bench --list`) or fp8 / bf16 / paged (1x8192, H = 128)
@@ -62,7 +67,7 @@ done
 [ $# -ge 1 ] || usage 2
 MODE=$1; shift
 case "$MODE" in
-  suite|fuzz|sanitize|bench|ab|ncu|compile|verify) ;;
+  suite|fuzz|sanitize|bench|host|e2e|ab|ncu|compile|verify) ;;
   *) echo "gpu.sh: unknown mode $MODE" >&2; usage 2 ;;
 esac
 
@@ -172,6 +177,10 @@ case "$MODE" in
     summary "device|matmul|mla_cupy|fa3|Error" bench 40
     step paged_merge "$PY" benchmarks/paged_merge_bench.py
     cat "$OUT_DIR/paged_merge.log" ;;
+  host)
+    step_shown host "$PY" -m mla_cupy bench --host --json "$OUT_DIR/host.json" "$@" ;;
+  e2e)
+    step_shown e2e "$PY" benchmarks/transformers_e2e.py --json "$OUT_DIR/e2e.json" "$@" ;;
   ab)
     step ab "$PY" benchmarks/ab.py "$@"
     cat "$OUT_DIR/ab.log" ;;

@@ -20,7 +20,8 @@ FP16 = np.dtype(np.float16)
 FP32 = np.dtype(np.float32)
 
 __all__ = ["BF16", "FP16", "FP32", "FP8_E4M3", "INSTALL_GPU", "cupy_or_none", "gpu_missing", "require_gpu", "as_device",
-           "checkable", "is_device", "require_device", "is_torch", "result_wrapper", "to_host"]
+           "checkable", "is_device", "require_device", "is_torch", "result_wrapper", "to_host", "stream_ptr",
+           "stream_of"]
 
 
 _CUPY = []  # memo: [module or None]
@@ -181,23 +182,40 @@ def result_wrapper(like: Any) -> Callable[[Any], Any]:
     return lambda a: a
 
 
-def stream_of(stream: Any, torch_input: bool):
-    """Resolve the ``stream=`` argument to a CuPy stream object."""
-    import cupy
-
+def stream_ptr(stream: Any, torch_input: bool) -> int:
+    """The raw ``cudaStream_t`` of a ``stream=`` argument: a CuPy stream, a torch stream, or a raw
+    int; ``None`` is CuPy's current stream, or torch's current stream for torch inputs
+    (``torch_input``). Raises ``TypeError`` naming ``stream`` for anything else."""
     if stream is None:
         if torch_input:
             import torch
 
-            return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        return cupy.cuda.get_current_stream()
+            return int(torch.cuda.current_stream().cuda_stream)
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    ptr = getattr(stream, "ptr", None)
+    if isinstance(ptr, int):
+        return ptr
+    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        return int(stream.cuda_stream)
+    raise TypeError(f"stream: expected a cupy.cuda.Stream, a torch.cuda.Stream or a raw cudaStream_t int, got "
+                    f"{type(stream).__name__}")
+
+
+def stream_of(stream: Any, torch_input: bool):
+    """A ``stream=`` argument as a CuPy stream object (to run CuPy work under ``with``): a CuPy
+    stream as it is, CuPy's current stream by default for CuPy inputs, otherwise an
+    ``ExternalStream`` over :func:`stream_ptr`'s pointer."""
+    import cupy
+
     if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
         return stream
-    if isinstance(stream, int):
-        return cupy.cuda.ExternalStream(stream)
-    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
-        return cupy.cuda.ExternalStream(int(stream.cuda_stream))
-    raise TypeError(f"stream: expected a cupy.cuda.Stream, a torch.cuda.Stream or a raw cudaStream_t int, got {type(stream).__name__}")
+    if stream is None and not torch_input:
+        return cupy.cuda.get_current_stream()
+    return cupy.cuda.ExternalStream(stream_ptr(stream, torch_input))
 
 
 def optional_ptr(x: Optional[Any]) -> int:

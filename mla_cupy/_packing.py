@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from ._arrays import device_pointer, optional_ptr
 from ._checks import check_aligned, dtype_of
 from ._geometry import prefill_kernel
 from ._launch import TENSOR_MAP_DTYPE, ArgPack, PreparedLaunch
+from ._run_args import KS, LSE, OUT, QR, QS, ROPE, RSC, SLOTS, WS, K, Q, Target, V
 from ._select import heads_per_section, sm_count
 from .dims import DV
 from .fp8 import vt_launch, vt_shape
@@ -20,27 +20,11 @@ from .validation import Problem
 from . import workspace
 from .workspace import tile_counter
 
-__all__ = ["SLOTS", "Offsets", "Target", "Record", "pack", "launch_record"]
+__all__ = ["Record", "pack", "launch_record"]
 
 LOG2E = 1.4426950408889634
 _U64 = struct.Struct("<Q")
 _MAPS_MAX = 1024  # pointer sets whose tensor maps are remembered per layout
-
-#: Argument slots of a run, in this order: the pointers of a run are a list over them.
-SLOTS = ("q", "k", "v", "k_rope", "out", "lse", "k_rope_scales", "q_rope", "q_scale", "k_scales", "workspace")
-Q, K, V, ROPE, OUT, LSE, RSC, QR, QS, KS, WS = range(len(SLOTS))
-
-
-@dataclass(frozen=True)
-class Offsets:
-    """Device pointers of the offset arrays a launch reads, and the arrays they belong to."""
-
-    keep: tuple
-    q_offsets: int
-    kv_begin: int
-    kv_end: int
-    cache_offsets: int
-    q_start: int
 
 
 class Record:
@@ -62,24 +46,10 @@ class Record:
         # schedule of the counter): a run that changes neither skips rewriting them
 
 
-@dataclass(frozen=True)
-class Target:
-    """What a plan fixes besides its :class:`~mla_cupy.validation.Problem`: the kernel and device,
-    the offsets, ``accumulate``, and a paged rope's table and geometry."""
-
-    kernel: str
-    device_id: int
-    offsets: Offsets
-    accumulate: bool
-    page_table: Any = None
-    page_size: int = 0
-    rope_offset: int = 0
-
-
 def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Record:
-    """Pack the kernel arguments of layout ``p`` with the arrays ``d`` (device arrays in :data:`SLOTS`
-    order) of its first run on stream ``sp``. ``workspace_for(given, shape, sp)`` gives the fp8
-    variant's V^T workspace."""
+    """Pack the kernel arguments of layout ``p`` with the arrays ``d`` (device arrays in
+    :data:`~mla_cupy._run_args.SLOTS` order) of its first run on stream ``sp``.
+    ``workspace_for(given, shape, sp)`` gives the fp8 variant's V^T workspace."""
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
         return Record(None, (), ())
     dev = t.device_id

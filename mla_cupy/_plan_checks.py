@@ -11,7 +11,7 @@ import numpy as np
 
 from ._arrays import BF16, FP32, checkable, to_host
 from ._checks import OFFSET_DTYPES, check_array, check_layout, check_shape, dtype_of
-from ._packing import KS, LSE, OUT, Q, QR, QS, ROPE, RSC, SLOTS, V, WS, K, Target
+from ._run_args import KS, LSE, OUT, Q, QR, QS, ROPE, RSC, SLOTS, V, WS, K, Target
 from ._select import check_kernel_name
 from .fp8 import check_fp8_arrays, check_fp8_layout
 from .paged import PagedKVCache, check_page_geometry
@@ -107,7 +107,7 @@ def check_plan_args(valid_length, cache_row_offsets, *, num_heads, dtype, mask, 
 
 
 def check_run(p: Problem, t: Target, bounds: RunBounds, d: list) -> Problem:
-    """The arrays ``d`` of a run (in :data:`~mla_cupy._packing.SLOTS` order, as
+    """The arrays ``d`` of a run (in :data:`~mla_cupy._run_args.SLOTS` order, as
     :func:`~mla_cupy._arrays.checkable` gives them) against the plan's problem ``p``, in argument
     order, then on the device. Returns the problem of the run (its Tq and Tk)."""
     if p.fp8:

@@ -6,13 +6,13 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ._arrays import FP32, checkable, device_pointer, is_torch, result_wrapper
+from ._arrays import FP32, checkable, device_pointer, is_torch, result_wrapper, stream_ptr
 from ._select import choose_kernel, heads_per_section  # noqa: F401  (also reached through this module)
 from .dims import DV
 from .fp8 import fp8_bytes
 from .masks import Mask
 from .paged import PagedKVCache
-from .prefill_plan import _q_start_i64, _stream_ptr, offsets_of, plan_for_call, run_checked
+from .prefill_plan import _q_start_i64, offsets_of, plan_for_call, run_checked
 from .validation import Problem, check_inputs  # noqa: F401  (check_inputs: also reached through this module)
 from .workspace import empty_result
 
@@ -206,7 +206,7 @@ def _one_shot(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask, 
                      q_start_pos=qs, out=out, out_dtype=out_dtype, validate=validate, device=True,
                      read_offsets=q_max_seq_len is None, fp8=fp8, k_rope_scales=k_rope_scales, lse=lse,
                      accumulate=accumulate, kernel=kernel, api="mla_prefill_fp8" if fp8 is not None else "mla_prefill")
-    sp = _stream_ptr(stream, torch_in)
+    sp = stream_ptr(stream, torch_in)
     if out is None:
         out = empty_result((p.tq, p.heads, DV), p.out_dtype, like)
     if lse is None and return_lse:

@@ -34,7 +34,8 @@ from .validation import DQK, DR, DV
 
 __all__ = ["BenchCase", "DEFAULT_CASES", "EXTRA_CASES", "CPU_CASES", "ALL_CASES", "resolve_cases", "CaseRun",
            "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "fa3_function", "cudnn_sdpa_function", "cudnn_ragged_args",
-           "cudnn_ragged_fn", "run", "run_cpu", "format_table", "write_csv", "plot"]
+           "cudnn_ragged_fn", "per_call_us", "host_us", "device_info", "run", "run_cpu", "format_table", "write_csv",
+           "plot"]
 
 L2_DEFEAT_BYTES = 256 << 20  # rotate input sets until their total passes this (H100/H200 L2: 50-60 MB)
 
@@ -205,19 +206,28 @@ def time_ms(fn: Callable[[int], object], n_sets: int, warmup: int = 3, reps: int
     return statistics.median(times)
 
 
+def per_call_us(fn: Callable[[int], object], n_sets: int, calls: int, sync: Callable[[], object],
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Host time per call in microseconds: from an idle device (``sync()`` waits for it), the wall
+    time (``clock``) of ``calls`` calls ``fn(i % n_sets)`` back to back, divided by ``calls``; the
+    device is synchronized again once the clock has stopped."""
+    sync()
+    t0 = clock()
+    for i in range(calls):
+        fn(i % n_sets)
+    dt = clock() - t0
+    sync()
+    return dt / calls * 1e6
+
+
 def host_us(fn: Callable[[int], object], n_sets: int, reps: int = 200) -> float:
     """Host time per call in microseconds: the wall time to enqueue ``reps`` calls, divided by
-    ``reps`` (few enough that the launch queue never fills, so the host never waits for the GPU)."""
+    ``reps`` (few enough that the launch queue never fills, so the host never waits for the GPU),
+    after one call that is not timed."""
     import cupy as cp
 
     fn(0)
-    cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for i in range(reps):
-        fn(i % n_sets)
-    dt = time.perf_counter() - t0
-    cp.cuda.Device().synchronize()
-    return dt / reps * 1e6
+    return per_call_us(fn, n_sets, reps, cp.cuda.Device().synchronize)
 
 
 def matmul_tflops(n: int = 8192, reps: int = 20) -> Optional[float]:
@@ -648,10 +658,10 @@ def cudnn_ragged_args(case: BenchCase) -> dict:
 
 
 def cudnn_ragged_fn(case: BenchCase, fn, device):
-    """``attn(q, k192, v) -> out``: one call of cuDNN's ragged (THD) SDPA ``fn``
+    """``attn(q, k192, v, **extra) -> out``: one call of cuDNN's ragged (THD) SDPA ``fn``
     (:func:`cudnn_sdpa_function`) over the whole batch of ``case``: torch tensors ``[T, H, D]``, the
     offsets (``cu_seqlens``) built once on ``device``, the other keywords :func:`cudnn_ragged_args`'s
-    (which raises ValueError for a mask cuDNN cannot express)."""
+    (which raises ValueError for a mask cuDNN cannot express) and ``extra``."""
     kw = cudnn_ragged_args(case)
     import torch
 
@@ -659,8 +669,8 @@ def cudnn_ragged_fn(case: BenchCase, fn, device):
     kw.update(cu_seqlens_q=torch.tensor(vl.astype(np.int32), device=device),
               cu_seqlens_kv=torch.tensor(cro.astype(np.int32), device=device))
 
-    def attn(q, k192, v):
-        return fn(q, k192, v, **kw)
+    def attn(q, k192, v, **extra):
+        return fn(q, k192, v, **kw, **extra)
 
     return attn
 
@@ -780,6 +790,16 @@ def _set_ratios(rows: List[Row], roofline: Optional[float]) -> None:
                 ours.ratios[r.impl] = r.ms / ours.ms  # > 1: we are faster
 
 
+def device_info() -> dict:
+    """The current GPU's name and compute capability, and the date, as the results record them."""
+    import cupy as cp
+
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    return {"device": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
+            "compute_capability": dev.compute_capability, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
 def run(cases: Sequence[BenchCase], *, peers: bool = True, fp8: bool = False, reps: int = 20, progress: bool = True,
         checkpoint: Optional[str] = None) -> dict:
     """Run the matrix on the current GPU; returns {"device", "matmul_tflops", "rows", ...}.
@@ -789,10 +809,7 @@ def run(cases: Sequence[BenchCase], *, peers: bool = True, fp8: bool = False, re
     every case."""
     import cupy as cp
 
-    dev = cp.cuda.Device()
-    props = cp.cuda.runtime.getDeviceProperties(dev.id)
-    info = {"device": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
-            "compute_capability": dev.compute_capability, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    info = device_info()
     info["matmul_tflops"] = matmul_tflops()
     builders = (PEER_ROWS if peers else []) + ((FP8_ROWS + (FP8_PEER_ROWS if peers else [])) if fp8 else [])
     rows: List[Row] = []

@@ -255,7 +255,14 @@ _CP_HELP = ("Context-parallel run on W ranks (mla_cupy.distributed.bench): equal
             "W processes through torch.distributed.run (NCCL's NVLink multicast off). The arguments after "
             "the options go to that runner (--seq, --heads, --check-seq, --page-size, --iters, --warmup, "
             "--device, --skip-scaling); --json and --cpu (as --device cpu) are passed on too.")
-_CP_CONFLICTS = ("cases", "list_cases", "csv_path", "plot_path", "no_peers", "fp8", "reps")
+_CP_CONFLICTS = ("cases", "list_cases", "csv_path", "plot_path", "no_peers", "fp8", "reps", "host", "calls")
+
+_HOST_HELP = ("Host time per call instead of GPU time (mla_cupy.bench_host): plan.run, the one-shot mla_prefill "
+              "(with q_max_seq_len= and validate=False, and with default arguments), the torch op and "
+              "flash_attn_varlen_func, CuPy and torch, beside FA3's and cuDNN's calls when they import; each "
+              "--calls times back to back on a small problem, median of --reps interleaved rounds. Takes --reps, "
+              "--calls, --no-peers and --json.")
+_HOST_CONFLICTS = ("cases", "list_cases", "csv_path", "plot_path", "fp8", "cpu")
 
 
 def cp_command(world_size: int, args: Sequence[str]) -> List[str]:
@@ -290,8 +297,29 @@ def run_cp(world_size: int, args: Sequence[str]) -> int:
     raise AssertionError("os.execvp returned")  # only a replaced execvp (tests) gets here
 
 
+def _options_given(ctx: click.Context, names: Sequence[str]) -> List[str]:
+    """The flags (``--cases``, ...) of the parameters ``names`` that the command line set."""
+    flags = {p.name: p.opts[0] for p in ctx.command.params}
+    return [flags[name] for name in names if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+
+
+def run_host(json_path: Optional[str], **kw) -> None:
+    """``mla-cupy bench --host``: :func:`mla_cupy.bench_host.run` with ``kw``, its table, and the
+    result as JSON in ``json_path``."""
+    from . import bench_host
+
+    result = bench_host.run(**kw)
+    click.echo(bench_host.format_table(result))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1, default=float)
+
+
 @cli.command(help=_BENCH_HELP, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--cp", "cp_ranks", type=click.IntRange(min=1), default=None, metavar="W", help=_CP_HELP)
+@click.option("--host", is_flag=True, help=_HOST_HELP)
+@click.option("--calls", type=click.IntRange(min=1), default=300, show_default=True,
+              help="With --host: calls back to back in each timed round.")
 @click.option("--cases", default=None, help="Comma-separated case names (default: this machine's matrix; see --list).")
 @click.option("--list", "list_cases", is_flag=True, help="List every case, marking those that need a GPU, and exit.")
 @click.option("--json", "json_path", default=None, help="Write the rows to this JSON file.")
@@ -304,17 +332,27 @@ def run_cp(world_size: int, args: Sequence[str]) -> int:
 @click.option("--cpu", is_flag=True, help="No GPU: time the reference on tiny cases (what CI runs).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @click.pass_context
-def bench(ctx, cp_ranks, cases, list_cases, json_path, csv_path, plot_path, no_peers, fp8, reps, cpu, no_progress):
+def bench(ctx, cp_ranks, host, calls, cases, list_cases, json_path, csv_path, plot_path, no_peers, fp8, reps, cpu,
+          no_progress):
     if cp_ranks is not None:
-        flags = {p.name: p.opts[0] for p in ctx.command.params}
-        given = [flags[name] for name in _CP_CONFLICTS
-                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        given = _options_given(ctx, _CP_CONFLICTS)
         if given:
             raise click.UsageError(f"--cp runs the context-parallel runner; it does not take {', '.join(given)}")
         args = list(ctx.args) + (["--json", json_path] if json_path else []) + (["--device", "cpu"] if cpu else [])
         ctx.exit(run_cp(cp_ranks, args))
     if ctx.args:
         raise click.UsageError(f"unexpected arguments {' '.join(ctx.args)} (only --cp passes arguments on)")
+    if host:
+        given = _options_given(ctx, _HOST_CONFLICTS)
+        if given:
+            raise click.UsageError(f"--host times calls on one small problem; it does not take {', '.join(given)}")
+        if not _gpu_available():
+            raise click.ClickException("--host times calls on a GPU, and none is in use here (no CUDA device, or no "
+                                       f"CuPy: {INSTALL_GPU})")
+        run_host(json_path, calls=calls, reps=reps, peers=not no_peers)
+        return
+    if _options_given(ctx, ("calls",)):
+        raise click.UsageError("--calls: only with --host")
     gpu = not cpu and _gpu_available()
     if list_cases:
         defaults = {c.name for c in B.resolve_cases(None, gpu)}

@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import numpy as np
 
-__all__ = ["Mask", "NullMask", "CausalMask", "SlidingWindowCausalMask", "ChunkedMask", "ChunkedCausalMask", "MASKS",
-           "POS_MIN", "POS_MAX"]
+__all__ = ["Mask", "NullMask", "CausalMask", "SlidingWindowCausalMask", "ChunkedMask", "ChunkedCausalMask",
+           "MASK_KINDS", "MASKS", "POS_MIN", "POS_MAX"]
 
 #: Key positions that stand for "no bound" in :meth:`Mask.key_range` (kPosMin / kPosMax of kernels/common.cuh).
 POS_MIN, POS_MAX = -(1 << 62), 1 << 62
@@ -30,6 +30,12 @@ class Mask:
     def arg(self) -> int:
         """The run-time argument passed to the kernel (window or chunk size; 0 if none)."""
         return 0
+
+    @classmethod
+    def from_arg(cls, arg: int) -> "Mask":
+        """The mask of this kind whose run-time argument is ``arg`` (ignored by a mask without a
+        size): ``type(m).from_arg(m.arg) == m``."""
+        return cls()
 
     def visible(self, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -75,19 +81,32 @@ class CausalMask(Mask):
 
 
 @dataclass(frozen=True)
-class SlidingWindowCausalMask(Mask):
+class _SizedMask(Mask):
+    """A mask with one size, its run-time argument: a positive int in the field that
+    ``size_field`` names."""
+
+    size_field: ClassVar[str] = ""
+
+    def __post_init__(self):
+        self._check_positive(self.size_field, getattr(self, self.size_field))
+
+    @property
+    def arg(self) -> int:
+        return int(getattr(self, self.size_field))
+
+    @classmethod
+    def from_arg(cls, arg: int) -> "Mask":
+        return cls(int(arg))
+
+
+@dataclass(frozen=True)
+class SlidingWindowCausalMask(_SizedMask):
     """``k_pos <= q_pos`` and ``q_pos - k_pos < window``: ``window`` keys, the diagonal included
     (FlashAttention's ``window_left = window - 1``)."""
 
     window: int
     cpp_name: ClassVar[str] = "mla::SlidingWindowCausalMask"
-
-    def __post_init__(self):
-        self._check_positive("window", self.window)
-
-    @property
-    def arg(self) -> int:
-        return int(self.window)
+    size_field: ClassVar[str] = "window"
 
     def visible(self, q_pos, k_pos):
         return (k_pos <= q_pos) & (q_pos - k_pos < self.window)
@@ -97,15 +116,9 @@ class SlidingWindowCausalMask(Mask):
 
 
 @dataclass(frozen=True)
-class _ChunkMask(Mask):
+class _ChunkMask(_SizedMask):
     chunk: int
-
-    def __post_init__(self):
-        self._check_positive("chunk", self.chunk)
-
-    @property
-    def arg(self) -> int:
-        return int(self.chunk)
+    size_field: ClassVar[str] = "chunk"
 
     def _same_chunk(self, q_pos, k_pos):
         return np.floor_divide(q_pos, self.chunk) == np.floor_divide(k_pos, self.chunk)
@@ -138,5 +151,10 @@ class ChunkedCausalMask(_ChunkMask):
         return np.floor_divide(np.asarray(q_lo, np.int64), self.chunk) * self.chunk, np.asarray(q_hi, np.int64) + 1
 
 
-#: One representative instance of every mask kind (the compile matrix and the tests iterate it).
-MASKS = (NullMask(), CausalMask(), SlidingWindowCausalMask(64), ChunkedMask(128), ChunkedCausalMask(128))
+#: Every kind of mask, in one order: the ``mask_kind`` of the torch ops (:mod:`mla_cupy.torch_ops`) is
+#: an index into this tuple.
+MASK_KINDS = (NullMask, CausalMask, SlidingWindowCausalMask, ChunkedMask, ChunkedCausalMask)
+
+#: One representative instance of every mask kind, in :data:`MASK_KINDS` order (a window of 64 keys,
+#: chunks of 128): the compile matrix and the tests iterate it.
+MASKS = tuple(kind.from_arg(64 if kind is SlidingWindowCausalMask else 128) for kind in MASK_KINDS)

@@ -18,10 +18,11 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ._arrays import (FP32, as_device, checkable, cupy_or_none, device_pointer, is_device, is_torch, optional_ptr,
-                      result_wrapper)
+                      result_wrapper, stream_ptr)
 from ._checks import check_offsets_layout, dtype_of
-from ._packing import LSE, OUT, Q, SLOTS, WS, Offsets, Record, Target, launch_record, pack
+from ._packing import Record, launch_record, pack
 from ._plan_checks import RunBounds, check_plan_args, check_run
+from ._run_args import LSE, OUT, Q, SLOTS, WS, Offsets, Target
 from ._select import choose_kernel
 from .dims import DV
 from .masks import Mask
@@ -48,28 +49,6 @@ def _pointer_or_zero(x) -> int:
         return device_pointer(x) if x is not None and is_device(x) else 0
     except (AttributeError, TypeError, ValueError, RuntimeError):
         return 0
-
-
-def _stream_ptr(stream, torch_in: bool) -> int:
-    """The raw cudaStream_t of the ``stream=`` argument (default: CuPy's current stream, or
-    torch's for torch inputs)."""
-    if stream is None:
-        if torch_in:
-            import torch
-
-            return int(torch.cuda.current_stream().cuda_stream)
-        import cupy
-
-        return cupy.cuda.get_current_stream().ptr
-    if isinstance(stream, int) and not isinstance(stream, bool):
-        return stream
-    ptr = getattr(stream, "ptr", None)
-    if isinstance(ptr, int):
-        return ptr
-    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
-        return int(stream.cuda_stream)
-    raise TypeError(f"stream: expected a cupy.cuda.Stream, a torch.cuda.Stream or a raw cudaStream_t int, got "
-                    f"{type(stream).__name__}")
 
 
 def _q_start_i64(q_start_pos):
@@ -265,12 +244,12 @@ class PrefillPlan:
         if rec is None:
             d = [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)]
             run_p = check_run(self._p, self._t, self._bounds, d)  # device arrays from here on
-            sp = _stream_ptr(stream, torch_in)
+            sp = stream_ptr(stream, torch_in)
             rec = self._remember(key, self._record(run_p, d, sp))
         elif stream is None and not torch_in:
             sp = self._current_stream().ptr
         else:
-            sp = _stream_ptr(stream, torch_in)
+            sp = stream_ptr(stream, torch_in)
         if self._p.fp8 and a[WS] is None:
             ptrs[WS] = self._workspace.data.ptr if self._workspace is not None else 0
         self._launch(rec, ptrs, sp)

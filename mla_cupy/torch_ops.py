@@ -13,14 +13,14 @@ Importing this module registers, in the namespace ``mla_cupy``:
 
 Each has a fake (meta) implementation, so ``torch.compile(..., fullgraph=True)`` traces through
 it, and declares the tensors it writes (``mutates_args``), so functionalization and CUDA graphs
-see them. The schemas take what the Python API takes: the mask as ``mask_kind`` (see
-:data:`MASK_KINDS`) and ``mask_arg`` (window or chunk size), positions as optional tensors, a paged
-cache as its tensors (``k_rope`` holds the blocks, ``lookup_table``, ``page_size``,
-``rope_offset``, the fp8 scales in ``k_rope_scales``), ``out_dtype``, ``q_max_seq_len``,
-``scale``, ``validate`` and ``kernel_choice`` (the API's ``kernel``: inductor's fallback
-lowering reserves the name ``kernel``). The functions of this module (:func:`mla_prefill`,
-:func:`mla_prefill_fp8`, :func:`merge_states`, :func:`merge_states_`) take the Python API's
-arguments (mask objects, :class:`~mla_cupy.PagedKVCache`) and call the ops.
+see them. The schemas take what the Python API takes: the mask as ``mask_kind`` (its index in
+:data:`mla_cupy.masks.MASK_KINDS`, also reached as ``MASK_KINDS`` here) and ``mask_arg`` (window
+or chunk size), positions as optional tensors, a paged cache as its tensors (``k_rope`` holds the
+blocks, ``lookup_table``, ``page_size``, ``rope_offset``, the fp8 scales in ``k_rope_scales``),
+``out_dtype``, ``q_max_seq_len``, ``scale``, ``validate`` and ``kernel_choice`` (the API's
+``kernel``: inductor's fallback lowering reserves the name ``kernel``). The functions of this
+module (:func:`mla_prefill`, :func:`mla_prefill_fp8`, :func:`merge_states`, :func:`merge_states_`)
+take the Python API's arguments (mask objects, :class:`~mla_cupy.PagedKVCache`) and call the ops.
 
 On CUDA tensors the ops run the kernels on torch's current stream; every device buffer they need
 (outputs, the fp8 V^T workspace, a widened ``q_start_pos``) comes from torch's caching
@@ -42,15 +42,12 @@ torch = require("torch", "mla_cupy.torch_ops")
 
 from . import reference  # noqa: E402
 from ._arrays import checkable
-from .masks import CausalMask, ChunkedCausalMask, ChunkedMask, Mask, NullMask, SlidingWindowCausalMask
+from .masks import MASK_KINDS, CausalMask, Mask
 from .paged import PagedKVCache
 from .validation import DV
 
 __all__ = ["MASK_KINDS", "mask_args", "mask_from_args", "mla_prefill", "mla_prefill_fp8", "merge_states",
            "merge_states_"]
-
-#: ``mask_kind`` of the op schemas: index in this tuple. ``mask_arg`` is the window or chunk size.
-MASK_KINDS = (NullMask, CausalMask, SlidingWindowCausalMask, ChunkedMask, ChunkedCausalMask)
 
 Tensor = torch.Tensor
 
@@ -68,8 +65,7 @@ def mask_from_args(mask_kind: int, mask_arg: int) -> Mask:
     """The mask object of an op's ``(mask_kind, mask_arg)``."""
     if not 0 <= mask_kind < len(MASK_KINDS):
         raise ValueError(f"mask_kind: expected 0..{len(MASK_KINDS) - 1} (mla_cupy.torch_ops.MASK_KINDS), got {mask_kind}")
-    cls = MASK_KINDS[mask_kind]
-    return cls(int(mask_arg)) if cls in (SlidingWindowCausalMask, ChunkedMask, ChunkedCausalMask) else cls()
+    return MASK_KINDS[mask_kind].from_arg(mask_arg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,7 +145,7 @@ def _api_kwargs(cache_offsets, q_start_pos, scale, mask_kind, mask_arg, q_max_se
 
 def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], cache_offsets, q_start_pos,
                   lookup_table, k_rope_scales, accumulate: bool, **kw) -> None:
-    import mla_cupy
+    from . import api
 
     *head, k_rope, vl, cro = inputs
     rope, plain_scales = _rope_source(k_rope, lookup_table, kw.pop("page_size"), kw.pop("rope_offset"), k_rope_scales)
@@ -166,9 +162,9 @@ def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], 
             rope = _cupy(rope)
         call = dict(out=_cupy(out), lse=_cupy(lse), accumulate=accumulate, kernel=kernel, **args)
         if fp8:
-            mla_cupy.mla_prefill_fp8(*head, rope, _cupy(vl), _cupy(cro), **call)
+            api.mla_prefill_fp8(*head, rope, _cupy(vl), _cupy(cro), **call)
         else:
-            mla_cupy.mla_prefill(*head, rope, _cupy(vl), _cupy(cro), k_rope_scales=_cupy(plain_scales), **call)
+            api.mla_prefill(*head, rope, _cupy(vl), _cupy(cro), k_rope_scales=_cupy(plain_scales), **call)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,10 +252,10 @@ def _merge_into(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out:
     if out_a.device.type == "cpu":
         reference.merge_states(_np(out_a), _np(lse_a), _np(out_b), _np(lse_b), out=_np(out), lse_out=_np(lse_out))
         return
-    import mla_cupy
+    from . import merge
 
     with _torch_context(out_a.device):
-        mla_cupy.merge_states(*(_cupy(x) for x in (out_a, lse_a, out_b, lse_b)), out=_cupy(out), lse_out=_cupy(lse_out))
+        merge.merge_states(*(_cupy(x) for x in (out_a, lse_a, out_b, lse_b)), out=_cupy(out), lse_out=_cupy(lse_out))
 
 
 @torch.library.custom_op("mla_cupy::merge_states", mutates_args=(), device_types=("cuda", "cpu"),

@@ -1,6 +1,8 @@
 """The command line on the CPU path (CI): info, smoke, compile, bench, and ``python -m mla_cupy``."""
 import json
+import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import mla_cupy
 from mla_cupy import _registry as reg
 from mla_cupy import bench, cli
 
@@ -225,6 +228,27 @@ def test_python_m_mla_cupy():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "1x8192" in res.stdout and "tiny-2x48" in res.stdout
+
+
+def test_root_cli_runs_the_command_line_from_the_checkout(tmp_path):
+    """``python cli.py ...`` from anywhere runs this checkout's command line (its kernel sources),
+    with nothing installed as a top-level ``cli`` module (the wheel leaves cli.py out:
+    tests/test_packaging.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, str(ROOT / "cli.py"), "info"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"mla_cupy {mla_cupy.__version__}, kernel sources in {ROOT / 'kernels'}\n")
+
+
+def test_root_cli_smoke(monkeypatch, capsys):
+    """``python cli.py smoke`` (here: ``smoke --cpu``, run as __main__ in this process)."""
+    monkeypatch.setattr(sys, "argv", ["cli.py", "smoke", "--cpu"])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # cli.py puts the checkout first
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(ROOT / "cli.py"), run_name="__main__")
+    assert exc.value.code == 0
+    assert "no GPU: ran the float64 reference only" in capsys.readouterr().out
 
 
 def test_package_never_imports_the_command_line():

@@ -308,3 +308,20 @@ def test_runner_under_torchrun_on_cpu(tmp_path):
     assert all(r["rel_err"] < 1e-12 for r in checks)
     scaling = next(r for r in res["results"] if r["check"] == "scaling")
     assert scaling["world_size"] == 2 and scaling["t_ring_s"] > 0 and scaling["efficiency_ring"] > 0
+
+
+def test_merge_into_is_the_reference_merge():
+    """The host merge of the reference backend is mla_cupy.reference.merge_states, empty sides included."""
+    from mla_cupy.distributed.attention import merge_into
+
+    rng = np.random.default_rng(3)
+    out, part = (torch.from_numpy(rng.standard_normal((6, 2, 128))) for _ in range(2))
+    lse, part_lse = (torch.from_numpy(rng.standard_normal((6, 2))) for _ in range(2))
+    lse[0], part_lse[1] = -np.inf, -np.inf  # one empty side each
+    lse[2], part_lse[2] = -np.inf, -np.inf  # both empty
+    want_out, want_lse = reference.merge_states(out.numpy(), lse.numpy(), part.numpy(), part_lse.numpy())
+    before = out.clone()
+    merge_into(out, lse, part, part_lse)
+    assert np.array_equal(out.numpy(), want_out) and np.array_equal(lse.numpy(), want_lse)
+    assert torch.equal(out[0], part[0]) and torch.equal(out[1], before[1])  # an empty side adds nothing
+    assert (out[2] == 0).all() and (lse[2] == -np.inf).all()

@@ -1,4 +1,6 @@
-"""The benchmark on a real GPU: one small case, our kernel and the peers, fp8 rows (pytest -m gpu)."""
+"""The benchmark on a real GPU: one small case, our kernel and the peers, fp8 rows, host time per call
+(pytest -m gpu)."""
+import importlib.util
 import math
 
 import pytest
@@ -129,3 +131,33 @@ def test_e4m3_decode_matches_ml_dtypes():
     vals = np.array([0.0, 1.0, -2.5, 448.0, 0.015625, -0.001953125], np.float32).astype(FP8_E4M3)
     got = cp.asnumpy(bench.e4m3_to_f64(cp.asarray(vals.view(np.uint8))))
     np.testing.assert_array_equal(got, vals.astype(np.float64))
+
+
+def test_bench_host_rows():
+    """``mla-cupy bench --host`` on this GPU: every call of ours is timed (the torch rows when torch
+    imports), each peer is timed or said to be left out, and a plan's run costs the host less than
+    a one-shot call that reads the offsets back."""
+    from mla_cupy import bench_host
+
+    res = bench_host.run(calls=20, reps=3, peers=True)
+    rows = {r["impl"]: r for r in res["rows"]}
+    ours = ["plan.run (CuPy)", "mla_prefill, q_max_seq_len= validate=False (CuPy)",
+            "mla_prefill, default arguments (CuPy)"]
+    has_torch = importlib.util.find_spec("torch") is not None
+    if has_torch:
+        ours += ["plan.run (torch)", "mla_prefill, q_max_seq_len= validate=False (torch)",
+                 "mla_prefill, default arguments (torch)", "torch_ops.mla_prefill, q_max_seq_len= validate=False",
+                 "flash_attn.flash_attn_varlen_func, k_rope="]
+    else:
+        assert any(line.startswith("torch rows left out") for line in res["left_out"])
+    for name in ours:
+        r = rows[name]
+        assert r["group"] == "ours" and len(r["samples"]) == 3 and 0 < r["us_min"] <= r["us"] <= r["us_max"], r
+    for r in rows.values():
+        assert r["us"] > 0 or r["note"].startswith("failed"), r
+    peers = [r for r in rows.values() if r["group"] == "peer"]
+    said = sum(line.startswith(("FA3", "cuDNN")) for line in res["left_out"])
+    assert len(peers) + said == (2 if has_torch else 0), res["left_out"]  # each peer: a row or a line
+    assert rows["plan.run (CuPy)"]["us"] < rows["mla_prefill, default arguments (CuPy)"]["us"]
+    text = bench_host.format_table(res)
+    assert text.splitlines()[0].startswith(f"device: {res['device']}  host time per call: Sq=1x64 Sk=1x64 H=16")

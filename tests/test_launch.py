@@ -3,6 +3,7 @@ structs and geometry the kernel modules export (kernels/params_abi.cuh), read he
 exactly as the launch code reads them from a loaded module, so a kernel edit that the launch code
 does not follow fails CI."""
 import ctypes
+import functools
 import re
 
 import numpy as np
@@ -45,11 +46,17 @@ def test_prepared_launch_needs_every_value():
         PreparedLaunch(ArgPack([("a", I32), ("n", I64)]), _NoKernel(), (1, 1, 1), 32, 0, dict(a=1))
 
 
+@functools.lru_cache(maxsize=None)
+def _ptx(fam, arch: str) -> str:
+    """The PTX of a family for ``arch``, compiled once per test session (NVRTC takes seconds)."""
+    ptx = jit.compile_offline(fam[0], fam[1], arch, method="ptx")
+    return ptx if isinstance(ptx, str) else ptx.decode()
+
+
 def _ptx_globals(fam, names, arch="sm_90a"):
     """name expression -> bytes of the exported globals ``names`` of the family's module, from its PTX."""
     pytest.importorskip("cupy")
-    ptx = jit.compile_offline(fam[0], fam[1], arch, method="ptx")
-    text = ptx if isinstance(ptx, str) else ptx.decode()
+    text = _ptx(fam, arch)
     out = {}
     for name in names:
         leaf = name.rsplit("::", 1)[-1]

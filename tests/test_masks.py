@@ -36,3 +36,28 @@ def test_the_check_can_fail():
 
     with pytest.raises(AssertionError, match="after"):
         test_first_and_last_visible_key_never_decrease(Shrinking())
+
+
+
+def test_one_table_of_mask_kinds():
+    """MASK_KINDS is the one order of the mask kinds (the torch ops' mask_kind); the package's
+    MASKS holds one of each in that order, and every mask is rebuilt from its kind and its
+    run-time argument."""
+    from mla_cupy import masks
+
+    assert tuple(type(m) for m in masks.MASKS) == masks.MASK_KINDS
+    kernel_masks = {c for c in _subclasses(masks.Mask) if c.cpp_name}
+    assert set(masks.MASK_KINDS) == kernel_masks and len(masks.MASK_KINDS) == len(kernel_masks)
+    assert [m.arg for m in masks.MASKS] == [0, 0, 64, 128, 128]
+    for m in masks.MASKS + tuple(MASKS):
+        assert type(m).from_arg(m.arg) == m
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        SlidingWindowCausalMask.from_arg(0)
+    with pytest.raises(TypeError, match="chunk must be an int"):
+        ChunkedMask(2.0)
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)

@@ -235,7 +235,7 @@ def test_a_valid_layout_needs_a_gpu_last():
 
 def cpu_plan(fp8=False, paged=False, kernel="sm90", kv_total=9, tq=8, accumulate=False, return_lse=False):
     """A plan over fake device offsets, built without a GPU (its runs must fail before launching)."""
-    from mla_cupy._packing import Target
+    from mla_cupy._run_args import Target
     from mla_cupy._plan_checks import RunBounds
     from mla_cupy.prefill_plan import PrefillPlan, offsets_of
     from mla_cupy.validation import Problem
@@ -329,6 +329,26 @@ def _imports(path: Path):
             else:
                 out.update(a.name for a in node.names)
     return out
+
+
+def test_one_stream_resolver():
+    """Every entry point reads ``stream=`` through mla_cupy._arrays.stream_ptr: a raw int, an object
+    with an int ``ptr`` (CuPy streams), one with ``cuda_stream`` (torch streams); anything else
+    (a bool too) is a TypeError naming the argument."""
+    from mla_cupy import _arrays, api, prefill_plan
+
+    class CupyLike:
+        ptr = 0x1234
+
+    class TorchLike:
+        cuda_stream = 0x5678
+
+    assert _arrays.stream_ptr(7, False) == 7 and _arrays.stream_ptr(CupyLike(), True) == 0x1234
+    assert _arrays.stream_ptr(TorchLike(), False) == 0x5678
+    for bad in (True, "0", 1.0):
+        with pytest.raises(TypeError, match=r"^stream: expected a cupy.cuda.Stream, a torch.cuda.Stream or a raw "):
+            _arrays.stream_ptr(bad, False)
+    assert api.stream_ptr is prefill_plan.stream_ptr is _arrays.stream_ptr
 
 
 def test_import_graph_is_acyclic():

@@ -13,7 +13,8 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from .. import mla_prefill, reference
+from .. import reference
+from ..api import mla_prefill
 from ..masks import Mask
 from .schedule import AttentionCall
 
@@ -88,22 +89,24 @@ class KernelAttention(LocalAttention):
                     validate=False, kernel=self.kernel, stream=torch.cuda.current_stream(q.device))
 
 
-def merge_into(out, lse, part_out, part_lse) -> None:
-    """Fold a partial result over other keys into ``out`` / ``lse`` in place (torch tensors), exactly:
-    ``out = (e^(lse - m) out + e^(part_lse - m) part_out) / (e^(lse - m) + e^(part_lse - m))``.
-    A side with lse ``-inf`` contributes nothing; two empty sides give 0 and ``-inf``."""
+def _host64(x) -> np.ndarray:
+    """A torch tensor as a float64 NumPy array on the host (a view when it is one already)."""
     import torch
 
-    m = torch.maximum(lse, part_lse)
-    seen = torch.isfinite(m)
-    m = torch.where(seen, m, torch.zeros_like(m))
-    wa, wb = torch.exp(lse - m), torch.exp(part_lse - m)  # exp(-inf) = 0: an empty side weighs 0
-    total = torch.where(seen, wa + wb, torch.ones_like(m))
-    zero = torch.zeros_like(out)
-    merged = (torch.where(wa[..., None] > 0, wa[..., None] * out, zero)
-              + torch.where(wb[..., None] > 0, wb[..., None] * part_out, zero)) / total[..., None]
-    out.copy_(merged)
-    lse.copy_(torch.where(seen, m + torch.log(total), lse.new_full((), -np.inf)))
+    return x.detach().to("cpu", torch.float64).numpy()
+
+
+def merge_into(out, lse, part_out, part_lse) -> None:
+    """Fold a partial result over other keys into ``out`` / ``lse`` in place (torch tensors), exactly:
+    :func:`mla_cupy.reference.merge_states` in float64 on the host (``out = (e^(lse - m) out +
+    e^(part_lse - m) part_out) / (e^(lse - m) + e^(part_lse - m))``; a side with lse ``-inf``
+    contributes nothing, two empty sides give 0 and ``-inf``), written back in ``out``'s and
+    ``lse``'s dtypes and devices."""
+    import torch
+
+    o, l = reference.merge_states(_host64(out), _host64(lse), _host64(part_out), _host64(part_lse))
+    out.copy_(torch.from_numpy(o))
+    lse.copy_(torch.from_numpy(l))
 
 
 class ReferenceAttention(LocalAttention):
@@ -115,14 +118,11 @@ class ReferenceAttention(LocalAttention):
     def attend(self, call, prepared, q, k, v, k_rope, out, lse, *, mask, scale):
         import torch
 
-        def host(x):
-            return x.detach().to("cpu", torch.float64).numpy()
-
-        o, l = reference.mla_prefill(host(q), host(k), host(v), host(k_rope), call.q_offsets.astype(np.int32),
-                                     call.k_offsets.astype(np.int32), scale=scale, mask=mask,
-                                     cache_offsets=call.k_pos0.astype(np.uint32), q_start_pos=call.q_pos0,
+        o, l = reference.mla_prefill(_host64(q), _host64(k), _host64(v), _host64(k_rope),
+                                     call.q_offsets.astype(np.int32), call.k_offsets.astype(np.int32), scale=scale,
+                                     mask=mask, cache_offsets=call.k_pos0.astype(np.uint32), q_start_pos=call.q_pos0,
                                      return_lse=True)
-        merge_into(out, lse, torch.from_numpy(o).to(out.device), torch.from_numpy(l).to(lse.device))
+        merge_into(out, lse, torch.from_numpy(o), torch.from_numpy(l))
 
 
 class NoAttention(LocalAttention):

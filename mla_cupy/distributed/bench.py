@@ -169,8 +169,8 @@ def check_equality(args, device, dtype) -> List[Dict[str, Any]]:
     prefix = n // 4
     sk = [n, n // 3 + 17 + prefix, 5]
     p = make_problem(sq, sk, args.heads, device, dtype, seed=1, cache_offsets=[0, 3, 2 * n])
-    mask_list = [masks.NullMask(), masks.CausalMask(), masks.SlidingWindowCausalMask(max(1, n // 5)),
-                 masks.ChunkedMask(max(1, n // 3)), masks.ChunkedCausalMask(max(1, n // 3))]
+    mask_list = [kind.from_arg(max(1, n // 5) if kind is masks.SlidingWindowCausalMask else max(1, n // 3))
+                 for kind in masks.MASK_KINDS]  # windows of n // 5 keys, chunks of n // 3
     rows = []
     args_in = (p["q"], p["k"], p["v"], p["k_rope"], p["valid_length"], p["cache_row_offsets"])
     sh = shard(*args_in, cache_offsets=p["cache_offsets"])
