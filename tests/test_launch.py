@@ -48,7 +48,7 @@ def test_prepared_launch_needs_every_value():
 
 @functools.lru_cache(maxsize=None)
 def _ptx(fam, arch: str) -> str:
-    """The PTX of a family for ``arch``, compiled once per test session (NVRTC takes seconds)."""
+    """The PTX of a family for ``arch``, compiled once per pytest run (NVRTC takes seconds)."""
     ptx = jit.compile_offline(fam[0], fam[1], arch, method="ptx")
     return ptx if isinstance(ptx, str) else ptx.decode()
 

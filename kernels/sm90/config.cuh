@@ -86,7 +86,6 @@ struct VariantFp8Rope {
 };
 
 constexpr int kNumVariants = 3;
-constexpr int kMaxStages = 3;
 
 // Bytes of one tile in shared memory:
 //   Q: the nope block(s), then the rope block (q's last 64 values; q_rope in the fp8 variant);

@@ -239,7 +239,7 @@ struct Mainloop {
     mbar_wait(sm.v_full(last), x.prev_parity);
     const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBlockN);
     if (valid < kBlockN) {
-      const int tid = thread_index_here() - 128;  // (ctid, not kept live across the loop above)
+      const int tid = thread_index_here() - 128;  // 0 .. 255 across both consumers
       if constexpr (V::kFp8) {
         zero_vt_keys_from(sm.v(last), valid, tid, kConsumerThreads);  // V^T: key columns
       } else {
