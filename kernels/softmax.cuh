@@ -141,7 +141,8 @@ template <bool kFast>
 __device__ __forceinline__ MergeWeights row_weights(const OnlineSoftmax& sm, int r, bool accumulate, float lse_old) {
   constexpr float kLn2 = 0.6931471805599453f;
   const float l = quad_sum(sm.row_sum[r]);
-  const float lse_new = l > 0.f ? sm.row_max[r] * kLn2 + (kFast ? __logf(l) : logf(l)) : neg_inf();
+  // no visible key: -inf; a NaN score made the sum NaN: the lse is NaN too (the contract's rule)
+  const float lse_new = l > 0.f ? sm.row_max[r] * kLn2 + (kFast ? __logf(l) : logf(l)) : (isnan(l) ? l : neg_inf());
   MergeWeights mw{0.f, l > 0.f ? 1.f : 0.f, lse_new};  // side a: what out / lse hold; side b: this result
   if (accumulate) mw = merge_weights(lse_old, lse_new);
   mw.wb = l > 0.f ? (kFast ? __fdividef(mw.wb, l) : mw.wb / l) : 0.f;

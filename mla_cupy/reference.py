@@ -21,7 +21,9 @@ Non-finite inputs (the contract's rule, which the kernels follow):
 * ``P V`` runs over every key of a query block's span: a NaN (or Inf) in key j's ``v`` reaches
   every row of each :data:`~mla_cupy.dims.QUERY_BLOCK`-row block of the sequence whose visible key
   span holds key j (``0 * NaN``), rows that see no key included; the fp8 per-token variant starts
-  the span on a multiple of 16 keys;
+  the span on a multiple of 16 keys. This is the upper bound of the contract's reach, which the
+  Hopper kernel meets exactly; the portable kernel reaches the rows that see the key and part of
+  the rest;
 * a row whose visible scores are all ``-inf`` (or that sees no key) gives 0 and lse ``-inf``; a row
   with a NaN score gives NaN, and its lse is NaN.
 """

@@ -95,9 +95,8 @@ def check_result(case, got, lse, ref, ref_lse, tol=1e-2, lse_tol=2e-2) -> float:
 
 def assert_like_reference(got, ref, valid_length, tol=1e-2, got_lse=None, ref_lse=None):
     """A kernel result with NaN or Inf inputs against the reference's: NaN and +-Inf at exactly the
-    same places, the finite values within ``tol`` per (sequence, head) slice, and the lse with the
-    same -inf entries and close finite values where the reference's lse is not NaN (the kernels
-    write -inf for a row whose output is NaN: see test_gpu_prefill.test_nan_row_lse_is_nan)."""
+    same places, the finite values within ``tol`` per (sequence, head) slice, and the lse with NaN
+    and -inf at the same places and close finite values."""
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg="NaN positions differ")
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(ref), err_msg="+Inf positions differ")
@@ -106,7 +105,8 @@ def assert_like_reference(got, ref, valid_length, tol=1e-2, got_lse=None, ref_ls
     errs = per_slice_errors(np.where(fin, got, 0.0), np.where(fin, ref, 0.0), valid_length)
     assert max(errs, default=0.0) < tol, f"worst per-slice relative error {max(errs):.3g} >= {tol}"
     if got_lse is not None:
-        got_lse, known = np.asarray(got_lse, np.float64), ~np.isnan(ref_lse)
-        np.testing.assert_array_equal(np.isneginf(got_lse[known]), np.isneginf(ref_lse[known]))
-        fin = known & np.isfinite(ref_lse)
+        got_lse = np.asarray(got_lse, np.float64)
+        np.testing.assert_array_equal(np.isnan(got_lse), np.isnan(ref_lse), err_msg="lse NaN positions differ")
+        np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(ref_lse), err_msg="lse -inf positions differ")
+        fin = np.isfinite(ref_lse)
         np.testing.assert_allclose(got_lse[fin], ref_lse[fin], rtol=2e-2, atol=2e-2)

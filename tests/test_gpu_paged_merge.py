@@ -96,6 +96,29 @@ def test_merge_states_exact_and_empty_sides():
     np.testing.assert_allclose(lse[3:], want_lse[3:], rtol=1e-5, atol=1e-6)
 
 
+def test_merge_states_nan_lse_makes_the_row_nan():
+    """A NaN lse on either side (a row whose scores held a NaN) makes the merged row and its lse
+    NaN, as the float64 reference's merge; the other rows are untouched by it."""
+    import cupy as cp
+
+    rng = np.random.default_rng(1)
+    t, h = 9, 4
+    oa, ob = (rng.standard_normal((t, h, 128)).astype(np.float32) for _ in range(2))
+    la, lb = (rng.standard_normal((t, h)).astype(np.float32) for _ in range(2))
+    la[2, 1] = np.nan
+    lb[4, 3] = np.nan
+    lb[6, 0] = -np.inf
+    la[6, 0] = np.nan  # NaN beside an empty side
+    out, lse = mla_cupy.merge_states(cp.asarray(oa), cp.asarray(la), cp.asarray(ob), cp.asarray(lb))
+    out, lse = out.get(), lse.get()
+    want, want_lse = reference.merge_states(oa, la, ob, lb)
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(want_lse))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert np.isnan(out[[2, 4, 6], [1, 3, 0]]).all() and np.isnan(out).sum() == 3 * 128
+    fin = ~np.isnan(want)
+    np.testing.assert_allclose(out[fin], want[fin], rtol=1e-5, atol=1e-6)
+
+
 def test_merge_of_two_key_halves_equals_one_shot():
     """Attention over keys [0, s) and [s, Sk) merged == attention over all keys."""
     import cupy as cp
