@@ -18,7 +18,9 @@ sequence (right padding during ``generate``), 4-D masks, and mask patterns other
 from __future__ import annotations
 
 import math
+import threading
 import weakref
+from collections import OrderedDict
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -92,6 +94,32 @@ def sequence_ranges(attention_mask: Optional[torch.Tensor], batch: int, kv_lengt
     return ranges
 
 
+_OFFSETS: "OrderedDict[tuple, Tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
+_OFFSETS_MAX = 16
+_OFFSETS_LOCK = threading.Lock()
+
+
+def _device_offsets(ranges: List[Tuple[int, int]], sq: int, span: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's ``[0, sq, 0, keys]`` (int32) and its first query's position (int64) on
+    ``device``, kept for the next call with the same layout: every layer of a forward pass has the
+    same one, and a copy from host memory per layer would make the host wait for the device each
+    time (a pageable copy synchronizes), so that it could no longer queue work ahead. The tensors
+    are only read."""
+    key = (str(device), sq, span, tuple(ranges))
+    with _OFFSETS_LOCK:
+        hit = _OFFSETS.get(key)
+        if hit is not None:
+            _OFFSETS.move_to_end(key)
+            return hit
+    offsets = torch.tensor([[0, sq, 0, end - first] for first, end in ranges], dtype=torch.int32).to(device)
+    q_start = torch.tensor([span - sq - first for first, _ in ranges], dtype=torch.int64).to(device)
+    with _OFFSETS_LOCK:
+        _OFFSETS[key] = (offsets, q_start)
+        if len(_OFFSETS) > _OFFSETS_MAX:
+            _OFFSETS.popitem(last=False)
+    return offsets, q_start
+
+
 def _check(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,
            kwargs: dict) -> torch.Tensor:
     """Refuse what the kernel cannot do; returns the 128 values of ``value`` (a view)."""
@@ -143,8 +171,7 @@ def mla_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, v
     mask = CausalMask() if causal else NullMask()
     scale = 1.0 / math.sqrt(DQK) if scaling is None else float(scaling)
     out = query.new_empty((batch, sq, heads, DV))
-    offsets = torch.tensor([[0, sq, 0, end - first] for first, end in ranges], dtype=torch.int32).to(query.device)
-    q_start = torch.tensor([span - sq - first for first, _ in ranges], dtype=torch.int64).to(query.device)
+    offsets, q_start = _device_offsets(ranges, sq, span, query.device)
     for b, (first, end) in enumerate(ranges):
         keys = key[b, :, first:end]  # [H, Lk, 192]
         torch_ops.mla_prefill(query[b].transpose(0, 1), keys[..., :DV].transpose(0, 1),
