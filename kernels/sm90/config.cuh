@@ -100,8 +100,7 @@ template <class V, bool kPaged> constexpr bool kRopeWarp = kPaged || V::kRope8;
 
 // ---------------------------------------------------------------------------------------------
 // Switches: alternative code paths kept for same-process A/B measurements (benchmarks/ab.py,
-// `ours:def=NAME:0`); the defaults are the measured choices (benchmarks/NOTES.md, v7), except
-// MLA_SM90_TMA_HINTS, not measured yet and off.
+// `ours:def=NAME:0`); the defaults are the measured choices (benchmarks/NOTES.md).
 // ---------------------------------------------------------------------------------------------
 // Fully visible key tiles run in a loop without mask code; tiles on a mask's edge in their own.
 #ifndef MLA_SM90_SPLIT_MASKED
@@ -121,11 +120,6 @@ template <class V, bool kPaged> constexpr bool kRopeWarp = kPaged || V::kRope8;
 // the next work tile's loads: off).
 #ifndef MLA_SM90_SMEM_EPILOGUE
 #define MLA_SM90_SMEM_EPILOGUE 0
-#endif
-
-// TMA loads with L2 eviction priorities: K, V and the rope kept (evict_last), Q evicted first.
-#ifndef MLA_SM90_TMA_HINTS
-#define MLA_SM90_TMA_HINTS 0
 #endif
 
 // Arrivals each consumer-released barrier expects: one per consumer warp, or one per thread.

@@ -20,18 +20,6 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
   constexpr bool kRW = kRopeWarp<V, kPaged>;
   // K stage bytes that arrive by TMA: the nope block(s), the rope when plain, the key scales (fp8)
   constexpr int kKTxBytes = (V::kNopeBlocks + (kRW ? 0 : 1)) * kBlk + (V::kFp8 ? kScaleBox * 4 : 0);
-  // L2 policies (MLA_SM90_TMA_HINTS): keys, values and rope are read by every query block of a
-  // head (the rope by every head), Q once.
-  constexpr bool kHint = MLA_SM90_TMA_HINTS;
-  unsigned long long keep = 0, once = 0;
-  if constexpr (kHint) {
-    keep = l2_evict_last();
-    once = l2_evict_first();
-  }
-  auto load3 = [&](u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2, unsigned long long policy) {
-    if constexpr (kHint) tma_load_3d(dst, map, bar, c0, c1, c2, policy);
-    else tma_load_3d(dst, map, bar, c0, c1, c2);
-  };
   int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
   int nq = 0;  // Q tiles loaded so far
   int idx = blockIdx.x;
@@ -46,11 +34,11 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
       mbar_expect_tx(sm.q_full(), kQBytes<V>);
       const int qrow = static_cast<int>(w.q_row0 + k.m0);
       if constexpr (V::kFp8) {
-        load3(sm.q(), &p.tm_q, sm.q_full(), 0, w.h, qrow, once);                // 128 e4m3 nope values
-        load3(sm.q() + kBlk, &p.tm_q_rope, sm.q_full(), 0, w.h, qrow, once);  // 64 rope values
+        tma_load_3d(sm.q(), &p.tm_q, sm.q_full(), 0, w.h, qrow);                // 128 e4m3 nope values
+        tma_load_3d(sm.q() + kBlk, &p.tm_q_rope, sm.q_full(), 0, w.h, qrow);    // 64 rope values
       } else {
         for (int c = 0; c < kDqk / kColBlock; ++c)
-          load3(sm.q() + c * kBlk, &p.tm_q, sm.q_full(), c * kColBlock, w.h, qrow, once);
+          tma_load_3d(sm.q() + c * kBlk, &p.tm_q, sm.q_full(), c * kColBlock, w.h, qrow);
       }
       ++nq;
       // fp8: the sequence's first column in V^T (vt_layout.cuh)
@@ -62,18 +50,15 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
         mbar_wait(sm.k_empty(s), empty_parity);
         mbar_expect_tx(sm.k_full(s), kKTxBytes);
         for (int c = 0; c < V::kNopeBlocks; ++c)
-          load3(sm.k(s) + c * kBlk, &p.tm_k, sm.k_full(s), c * kColBlock, w.h, row, keep);
-        if constexpr (!kRW) {
-          if constexpr (kHint) tma_load_2d(sm.rope(s), &p.tm_rope, sm.k_full(s), 0, row, keep);
-          else tma_load_2d(sm.rope(s), &p.tm_rope, sm.k_full(s), 0, row);
-        }
+          tma_load_3d(sm.k(s) + c * kBlk, &p.tm_k, sm.k_full(s), c * kColBlock, w.h, row);
+        if (!kRW) tma_load_2d(sm.rope(s), &p.tm_rope, sm.k_full(s), 0, row);
         if (V::kFp8) tma_load_1d(sm.k_scales(s), &p.tm_k_scales, sm.k_full(s), row & ~3);  // 16-byte aligned start
         mbar_wait(sm.v_empty(s), empty_parity);
         mbar_expect_tx(sm.v_full(s), kVBytes<V>);
         if constexpr (V::kFp8) {  // V^T: 128 values x 128 key columns (16-byte aligned: the tile starts on a group)
-          load3(sm.v(s), &p.tm_v, sm.v_full(s), static_cast<int>(vt_col + t * kBlockN), 0, w.h, keep);
+          tma_load_3d(sm.v(s), &p.tm_v, sm.v_full(s), static_cast<int>(vt_col + t * kBlockN), 0, w.h);
         } else {
-          for (int c = 0; c < 2; ++c) load3(sm.v(s) + c * kBlk, &p.tm_v, sm.v_full(s), c * kColBlock, w.h, row, keep);
+          for (int c = 0; c < 2; ++c) tma_load_3d(sm.v(s) + c * kBlk, &p.tm_v, sm.v_full(s), c * kColBlock, w.h, row);
         }
       }
     }

@@ -62,36 +62,6 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 b
       ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2) : "memory");
 }
 
-// The same loads with an L2 eviction priority for the lines they bring in (a policy from
-// createpolicy below): K, V and the rope are read again by the CTAs of the other query blocks and
-// heads, Q by one CTA once.
-__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1,
-                                            unsigned long long policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%3, %4}], [%2], %5;\n"
-      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "l"(policy) : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap* map, u32 bar, int c0, int c1, int c2,
-                                            unsigned long long policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%3, %4, %5}], [%2], %6;\n"
-      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
-      : "memory");
-}
-// L2 policies for all of an access's lines: evicted after the others, or first.
-__device__ __forceinline__ unsigned long long l2_evict_last() {
-  unsigned long long p;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
-  return p;
-}
-__device__ __forceinline__ unsigned long long l2_evict_first() {
-  unsigned long long p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
-  return p;
-}
-
 // threadIdx.x read where it is used: the compiler can neither hoist this read nor values derived
 // from it, so per-thread addresses of rarely run code (e.g. a partial tile's clean-up) are not
 // kept live in registers across a whole loop.
