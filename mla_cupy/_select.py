@@ -7,6 +7,7 @@ import os
 from typing import Optional, Tuple
 
 from .dims import DV
+from .masks import NullMask
 
 __all__ = ["KERNELS", "choose_kernel", "heads_per_section", "sm_count", "device_id"]
 
@@ -67,13 +68,17 @@ def choose_kernel(kernel: str, paged: bool, device_id: Optional[int] = None) -> 
 
 
 def heads_per_section(p, device_id: int) -> int:
-    """Heads whose keys and values together fill about half the L2 for one sequence, a quarter for
-    a batch (see kernels/tile_scheduler.cuh): the tiles of one section run together, so each head's
-    K/V is read from DRAM about once. One causal sequence's tiles in flight read nested prefixes of
-    its keys (the short ones stay hot); a batch's read every sequence's keys whole, and smaller
-    sections measured faster there (16 x 512: 7%), larger ones for one sequence (H = 16, 1 x 8192:
-    6%). ``p`` is the checked :class:`~mla_cupy.validation.Problem`."""
+    """Heads whose keys and values together fill part of the L2 (see kernels/tile_scheduler.cuh):
+    the tiles of one section run together, so each head's K/V is read from DRAM about once. Half
+    the L2 for one causal sequence (its tiles in flight read nested prefixes of its keys: the short
+    ones stay hot; larger sections measured faster there, H = 16, 1 x 8192: 6%), a quarter for a
+    batch (whose tiles read every sequence's keys whole: 16 x 512 7% faster than with a half), an
+    eighth without a mask (every tile reads its head's keys whole: sections of 2 heads measured 3%
+    faster than 12 at 1 x 4096). The section size is a divisor of the heads, so that every section
+    is equal (H = 16 at 16384 keys: sections of 2 or 4 heads 3% faster than 3). ``p`` is the checked
+    :class:`~mla_cupy.validation.Problem`."""
     kv_bytes_per_head = max(1, p.tk) * 2 * DV * (1 if p.fp8 else p.dtype.itemsize)
-    budget = _sm_count_and_l2(device_id)[1] // (2 if p.batch == 1 else 4)
+    l2 = _sm_count_and_l2(device_id)[1]
+    budget = l2 // 8 if isinstance(p.mask, NullMask) else l2 // (2 if p.batch == 1 else 4)
     g = max(1, min(p.heads, budget // kv_bytes_per_head))
-    return -(-p.heads // -(-p.heads // g))  # the same number of heads in every section, or one fewer
+    return max(d for d in range(1, g + 1) if p.heads % d == 0)
