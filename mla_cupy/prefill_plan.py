@@ -362,26 +362,21 @@ def _kernel_for(p: Problem, kernel: str, dev: int) -> str:
     return chosen
 
 
-def plan_for_call(p: Problem, offsets: Offsets, kernel: str, *, accumulate: bool, return_lse: bool,
-                  page_table=None, page_size: int = 0, rope_offset: int = 0) -> PrefillPlan:
-    """The plan of one checked call (:func:`mla_cupy.mla_prefill`, the chunks of
-    :func:`mla_cupy.mla_prefill_chunked`): its layout is ``p``, already checked with its arrays."""
+def call_record(p: Problem, offsets: Offsets, kernel: str, arrays: tuple, stream_ptr: int, *, accumulate: bool,
+                page_table=None, page_size: int = 0, rope_offset: int = 0, maps_max: Optional[int] = None) -> Record:
+    """The launch record of one checked call (:func:`mla_cupy.mla_prefill`, the chunks of
+    :func:`mla_cupy.mla_prefill_chunked`) on the current device: its layout is ``p``, already
+    checked with its device arrays ``arrays`` (in :data:`SLOTS` order; the fp8 variant's with its
+    workspace). The record keeps no reference to an array; ``maps_max`` bounds the tensor maps it
+    remembers."""
     from ._select import device_id
 
     dev = device_id()
     target = Target(_kernel_for(p, kernel, dev), dev, offsets, bool(accumulate), page_table, page_size, rope_offset)
-    return PrefillPlan(p, target, return_lse=return_lse)
-
-
-def run_checked(pl: PrefillPlan, p: Problem, arrays: tuple, stream_ptr: int) -> None:
-    """Launch ``pl`` on device arrays already checked against ``p`` (in :data:`SLOTS` order)."""
-    d = list(arrays)
-    rec = pl._record(p, d, stream_ptr)
-    ptrs = [optional_ptr(x) for x in d]
-    if p.fp8 and d[WS] is None and pl.workspace is not None:
-        ptrs[WS] = device_pointer(pl.workspace)
-    with pl._lock:
-        launch_record(rec, ptrs, stream_ptr)
+    rec = pack(target, p, list(arrays), stream_ptr, lambda given, shape, sp: check_workspace(given, shape))
+    if maps_max is not None:
+        rec.maps_max = maps_max
+    return rec
 
 
 def offsets_of(valid_length, kv_begin_ptr: int, kv_end_ptr: int, cache_offsets, q_start_pos, keep: tuple = ()) -> Offsets:

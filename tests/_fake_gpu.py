@@ -2,7 +2,9 @@
 tensor-map encoder, the tile counters and the launch itself stubbed, so that a call goes through
 every host step (checks, plan, packing, the launch record) and stops where the driver would be
 called. CuPy arrays over host memory (:func:`host_cupy`) stand in for device arrays: CuPy builds
-them without touching a device, and nothing dereferences them.
+them without touching a device, and nothing dereferences them; what reads or allocates device
+memory (the offsets' values, the one-shot calls' results, fp8 workspaces and widened
+``q_start_pos``) reads or allocates host memory instead.
 
 Used by the CPU tests of the plan cache and by ``benchmarks/host_cpu_proxy.py`` (the host time of
 the call paths, as a proxy of the GPU numbers)."""
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import time
 from types import SimpleNamespace
 from typing import List
 
@@ -57,14 +60,15 @@ class FakeGpu:
     """What the stubs saw: ``launches`` (prepared launch, stream, a copy of its argument buffer)
     when ``record`` (the launch itself is stubbed), else only ``count`` (the driver's launch is
     stubbed); ``encodes``, the tensor maps encoded; ``packs``, the kernels looked up to pack a
-    launch."""
+    launch. A launch sleeps ``pause`` seconds before it is recorded."""
 
-    def __init__(self, record: bool):
-        self.record = record
+    def __init__(self, record: bool, capability: str):
+        self.record, self.capability = record, capability
         self.launches: List[tuple] = []
         self.count = 0
         self.encodes = 0
         self.packs = 0
+        self.pause = 0.0
 
     def values(self, i: int = -1) -> dict:
         """The named argument values of launch ``i`` (prefill launches only)."""
@@ -82,6 +86,7 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
     import cupy
 
     import mla_cupy._arrays as arrays
+    import mla_cupy.api as api
     import mla_cupy._plan_checks as plan_checks
     import mla_cupy.fp8 as fp8
     import mla_cupy.prefill_plan as prefill_plan
@@ -92,19 +97,28 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
     import mla_cupy.tma as tma
     import mla_cupy.validation as validation
 
-    gpu = FakeGpu(record)
+    gpu = FakeGpu(record, capability)
     sm90, sm80, vt = _kernels()
 
     def prefill_kernel(kernel, *a, **kw):
         gpu.packs += 1
         return sm90 if kernel == "sm90" else sm80
 
-    def encode(buf_ptr, *a):
+    def encode(buf, dtype_code, rank, ptr, dims, strides, box, elem, *flags):
+        """Writes what a map encodes (pointer, dtype, dims, strides, box) in its first words."""
         gpu.encodes += 1
+        words = (ctypes.c_uint64 * 16).from_address(buf)
+        words[0], words[1] = ptr.value or 0, dtype_code
+        for i in range(rank):
+            words[2 + i], words[10 + i] = dims[i], box[i]
+        for i in range(rank - 1):
+            words[6 + i] = strides[i]
         return 0
 
     def launched(self, stream_ptr):
         gpu.count += 1
+        if gpu.pause:  # let another thread run between the packing and the launch
+            time.sleep(gpu.pause)
         if gpu.record:
             gpu.launches.append((self, stream_ptr, bytes(self._mem)))
 
@@ -138,6 +152,10 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
         mp.setattr(fp8, "to_host", to_host)
         mp.setattr(plan_checks, "to_host", to_host)
         mp.setattr(prefill_plan, "_require_gpu", lambda: None)
+        # device memory the one-shot calls allocate: host memory here
+        mp.setattr(api, "empty_result", lambda shape, dtype, like, name="out": host_cupy(np.zeros(shape, dtype)))
+        mp.setattr(api, "workspace_on", lambda shape, sp: host_cupy(np.zeros(max(int(np.prod(shape)), 1), np.uint8)))
+        mp.setattr(api, "_widened", lambda q_start_pos, sp: host_cupy(host_array(q_start_pos).astype(np.int64)))
         tma._encode_cached.cache_clear()
         try:
             yield gpu
@@ -160,6 +178,12 @@ def host_cupy(a) -> "cupy.ndarray":
 
 def host_array(x) -> np.ndarray:
     """The host memory under a CuPy array made by :func:`host_cupy` (or a view of one), as NumPy."""
-    nbytes = max(1, max((s - 1) * abs(st) for s, st in zip(x.shape, x.strides)) + x.itemsize) if x.size else 1
+    nbytes = sum((s - 1) * abs(st) for s, st in zip(x.shape, x.strides)) + x.itemsize if x.size else 1
     raw = (ctypes.c_char * nbytes).from_address(x.data.ptr)
     return np.ndarray(x.shape, x.dtype, buffer=raw, strides=x.strides).copy()
+
+
+def write_host(x, values) -> None:
+    """Overwrite the host memory under a contiguous CuPy array made by :func:`host_cupy`."""
+    a = np.ascontiguousarray(np.asarray(values, x.dtype).reshape(x.shape))
+    ctypes.memmove(x.data.ptr, a.ctypes.data, a.nbytes)
