@@ -287,21 +287,29 @@ def plan_cache():
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bound", [True, False], ids=["q_max_seq_len", "offsets-read"])
-def test_plan_cache_offsets_freed_and_reallocated_at_the_same_address(kernel, bound, plan_cache):
+@pytest.mark.parametrize("batch", [2, 3], ids=["same-batch", "other-batch"])
+def test_plan_cache_offsets_freed_and_reallocated_at_the_same_address(kernel, bound, batch, plan_cache):
     """The offsets of a cached call freed, and new ones of another batch layout (other sequence
-    lengths and key positions, the same Tq, Tk and B) allocated where they were: the call with
-    them launches the cached record (``q_max_seq_len`` given: the same key) or repacks it (the
-    largest query count read from the new offsets differs), and its result is the reference's for
-    the new layout (output poisoned with NaN first)."""
+    lengths and key positions, the same Tq and Tk; the same or another batch size) allocated where
+    they were: the call with them launches the cached record (the same batch size and
+    ``q_max_seq_len`` given: the same key), or packs its own (the largest query count read from
+    the new offsets differs; another batch size is another key), and its result is the
+    reference's for the new layout (output poisoned with NaN first)."""
     import cupy as cp
 
     from gpu_util import check_result, reference_result
 
     mask = SlidingWindowCausalMask(90)
     a = make_case([100, 60], [120, 300], 16, BF16, seed=1, cache_offsets=[3, 0])
-    b = make_case([30, 130], [300, 120], 16, BF16, seed=2, cache_offsets=[0, 40])
+    b = make_case([30, 130], [300, 120], 16, BF16, seed=2, cache_offsets=[0, 40]) if batch == 2 else \
+        make_case([50, 50, 60], [140, 140, 140], 16, BF16, seed=2, cache_offsets=[0, 10, 40])
     kw = dict(mask=mask, kernel=kernel, validate=False, q_max_seq_len=130 if bound else None, return_lse=True)
-    da, db = upload(a), upload(b)
+    offsets = ("valid_length", "cache_row_offsets", "cache_offsets")
+    pool = cp.cuda.MemoryPool()  # the offsets' own pool: a block freed there is the one the next request gets
+    with cp.cuda.using_allocator(pool.malloc):
+        da = {n: cp.asarray(getattr(a, n)) for n in offsets}
+    da.update({n: cp.asarray(getattr(a, n)) for n in ("q", "k", "v", "k_rope")})
+    db = {n: cp.asarray(getattr(b, n)) for n in ("q", "k", "v", "k_rope")}
 
     def call(case, d):
         out = cp.full((160, 16, 128), np.nan, BF16)
@@ -313,17 +321,19 @@ def test_plan_cache_offsets_freed_and_reallocated_at_the_same_address(kernel, bo
     call(a, da)
     before = mla_cupy.plan_cache_info()
     assert (before.misses, before.currsize) == (1, 1)
-    for name in ("valid_length", "cache_row_offsets", "cache_offsets"):
+    for name in offsets:
         ptr = da[name].data.ptr
-        del da[name]  # back to CuPy's pool: the cache keeps no array alive
-        db[name] = cp.asarray(getattr(b, name))  # the same byte size: the pool hands the block back
+        with cp.cuda.using_allocator(pool.malloc):
+            del da[name]  # back to the pool: the cache keeps no array alive
+            db[name] = cp.asarray(getattr(b, name))  # the same byte size: the pool hands the block back
         if db[name].data.ptr != ptr:
-            pytest.skip(f"CuPy's memory pool gave the new {name} another address ({db[name].data.ptr:#x}, the freed "
-                        f"one was {ptr:#x}): nothing to test here")
+            pytest.skip(f"the memory pool gave the new {name} another address ({db[name].data.ptr:#x}, the freed "
+                        f"one was {ptr:#x}): no reused address to test")
     call(b, db)
     after = mla_cupy.plan_cache_info()
-    assert after.currsize == 1
-    assert (after.hits - before.hits, after.misses - before.misses) == ((1, 0) if bound else (0, 1))
+    hit = bound and batch == 2
+    assert (after.hits - before.hits, after.misses - before.misses) == ((1, 0) if hit else (0, 1))
+    assert after.currsize == (1 if batch == 2 else 2)
 
 
 def _cache_layers(c, d, paged):
