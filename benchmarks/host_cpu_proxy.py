@@ -1,6 +1,6 @@
 """The host time of the call paths without a GPU, as a proxy of ``mla-cupy bench --host``.
 
-    PYTHONPATH=. python3 benchmarks/host_cpu_proxy.py [--calls N] [--reps R] [--profile ROW]
+    PYTHONPATH=. python3 benchmarks/host_cpu_proxy.py [--calls N] [--reps R] [--profile ROW] [--plan-cache-size N]
 
 The problem is that of the host benchmark (one causal sequence of 64 queries and keys, 16 heads,
 ``out=`` given), on CuPy arrays over host memory, with the device stubbed (``tests/_fake_gpu.py``:
@@ -52,7 +52,11 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=2000, help="calls back to back in one sample")
     ap.add_argument("--reps", type=int, default=7, help="interleaved rounds (samples per row)")
     ap.add_argument("--profile", type=int, default=None, help="cProfile row ROW (0-based) instead of timing")
+    ap.add_argument("--plan-cache-size", type=int, default=None,
+                    help="bound the one-shot calls' plan cache (0: off, every call checks and packs)")
     a = ap.parse_args(argv)
+    if a.plan_cache_size is not None:
+        mla_cupy.set_plan_cache_size(a.plan_cache_size)
     with fake_gpu(record=False) as gpu:
         rows = calls()
         for _, fn in rows:

@@ -4,7 +4,7 @@ its packing and only rewrites its data pointers and launches, as :meth:`PrefillP
 <mla_cupy.prefill_plan.PrefillPlan.run>` does.
 
 What the key holds, and why an entry can never launch stale arguments, is told where the keys are
-built (:mod:`mla_cupy.api`) and in the README ("The one-shot call's plan cache"). This module holds
+built (:mod:`mla_cupy.api`) and in the README ("The one-shot calls' plan cache"). This module holds
 the store: its bound, its counts, and the entries (a record with the lock its launches take).
 """
 from __future__ import annotations
