@@ -10,6 +10,7 @@ from .jit import KernelCompileError
 from .merge import merge_states, mla_prefill_chunked
 from .masks import CausalMask, ChunkedCausalMask, ChunkedMask, Mask, NullMask, SlidingWindowCausalMask
 from .paged import PagedKVCache
+from ._plan_cache import PlanCacheInfo, plan_cache_clear, plan_cache_info, set_plan_cache_size
 from .prefill_plan import PrefillPlan, plan
 
 __version__ = "0.1.0"
@@ -19,6 +20,10 @@ __all__ = [
     "mla_prefill_fp8",
     "plan",
     "PrefillPlan",
+    "plan_cache_info",
+    "plan_cache_clear",
+    "set_plan_cache_size",
+    "PlanCacheInfo",
     "mla_prefill_chunked",
     "merge_states",
     "reference",

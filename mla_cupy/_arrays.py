@@ -3,7 +3,7 @@
 device array is needed, with a message that says how to move them."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
@@ -21,7 +21,7 @@ FP32 = np.dtype(np.float32)
 
 __all__ = ["BF16", "FP16", "FP32", "FP8_E4M3", "INSTALL_GPU", "cupy_or_none", "gpu_missing", "require_gpu", "as_device",
            "checkable", "is_device", "require_device", "is_torch", "result_wrapper", "to_host", "stream_ptr",
-           "stream_of"]
+           "stream_of", "pointers_and_layouts"]
 
 
 _CUPY = []  # memo: [module or None]
@@ -39,7 +39,9 @@ def cupy_or_none():
 
 
 def is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
+    """``x`` is a torch object (a tensor, a stream...)."""
+    t = type(x)
+    return (_KINDS.get(t) or _kind(t)) == _TORCH
 
 
 class HostTensorView(np.ndarray):
@@ -155,19 +157,90 @@ def as_device(x: Any, name: str):
 
 
 def to_host(x: Any) -> np.ndarray:
-    """Copy a (small) device array to a NumPy array."""
+    """Copy a (small) device array to a NumPy array (a torch tensor through torch, on its current
+    stream)."""
     if isinstance(x, np.ndarray):
         return x
     if hasattr(x, "copy_to_host"):  # Numba-style device arrays
         return np.asarray(x.copy_to_host())
+    if is_torch(x):
+        return np.asarray(_torch_host_view(x.detach().cpu()))
     return x.get()
 
 
 def device_pointer(x: Any) -> int:
-    cp = cupy_or_none()
-    if cp is not None and isinstance(x, cp.ndarray):
-        return int(x.data.ptr)
+    """The data pointer of a device array: CuPy's ``.data.ptr``, torch's ``data_ptr()``, else
+    ``__cuda_array_interface__``."""
+    t = type(x)
+    kind = _KINDS.get(t) or _kind(t)
+    if kind == _CUPY_ARRAY:
+        return x.data.ptr
+    if kind == _TORCH:
+        return x.data_ptr()
     return int(x.__cuda_array_interface__["data"][0])
+
+
+# ---------------------------------------------------------------------------------------------
+# What a launch reads of its arrays, without converting them
+
+_CUPY_ARRAY, _TORCH, _OTHER = 1, 2, 3  # CuPy arrays, torch objects (tensors), anything else
+_KINDS: dict = {}  # type -> its kind
+
+
+def _kind(t: type) -> int:
+    kind = _KINDS.get(t)
+    if kind is None:
+        cp = cupy_or_none()
+        kind = _CUPY_ARRAY if cp is not None and t is cp.ndarray else \
+            _TORCH if t.__module__.startswith("torch") else _OTHER
+        _KINDS[t] = kind
+    return kind
+
+
+def _layout_key(x: Any) -> tuple:
+    """The layout of an array of another kind (a Numba device array, a NumPy array...)."""
+    return type(x), tuple(int(n) for n in x.shape), tuple(int(n) for n in getattr(x, "strides", None) or ()), \
+        str(x.dtype)
+
+
+def _other_pointer(x: Any) -> int:
+    """The data pointer of an array of another kind, from ``__cuda_array_interface__``; 0 for host
+    arrays (the checks refuse them)."""
+    if not is_device(x):
+        return 0
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None:
+        raise TypeError(f"{type(x).__name__} has no __cuda_array_interface__: read it through its CuPy view")
+    return int(cai["data"][0])
+
+
+def pointers_and_layouts(arrays) -> Tuple[list, list]:
+    """``(pointers, layouts)`` of ``arrays`` (``None`` entries give 0 and ``None``), read straight
+    from CuPy arrays (``.data.ptr``, shape, strides, dtype, device) and torch tensors
+    (``data_ptr()``, shape, ``stride()``, dtype, device, type), without converting them; other
+    arrays through ``__cuda_array_interface__`` (host arrays: pointer 0). Equal layouts are arrays
+    of one kind, shape, strides, dtype and device. Raises ``TypeError`` for an object that is
+    neither a host array nor has a pointer to read this way (a DLPack-only array, not an array)."""
+    ptrs, layouts = [], []
+    kinds = _KINDS
+    for x in arrays:
+        if x is None:
+            ptrs.append(0)
+            layouts.append(None)
+            continue
+        t = type(x)
+        kind = kinds.get(t) or _kind(t)
+        if kind == _CUPY_ARRAY:
+            d = x.data
+            ptrs.append(d.ptr)
+            layouts.append((x.shape, x.strides, x.dtype, d.device_id))
+        elif kind == _TORCH:
+            ptrs.append(x.data_ptr())
+            layouts.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
+        else:
+            ptrs.append(_other_pointer(x))
+            layouts.append(_layout_key(x))
+    return ptrs, layouts
 
 
 def result_wrapper(like: Any) -> Callable[[Any], Any]:
@@ -188,9 +261,7 @@ def stream_ptr(stream: Any, torch_input: bool) -> int:
     (``torch_input``). Raises ``TypeError`` naming ``stream`` for anything else."""
     if stream is None:
         if torch_input:
-            import torch
-
-            return int(torch.cuda.current_stream().cuda_stream)
+            return (_TORCH_STREAM[0] if _TORCH_STREAM else _torch_stream())()
         import cupy
 
         return cupy.cuda.get_current_stream().ptr
@@ -203,6 +274,27 @@ def stream_ptr(stream: Any, torch_input: bool) -> int:
         return int(stream.cuda_stream)
     raise TypeError(f"stream: expected a cupy.cuda.Stream, a torch.cuda.Stream or a raw cudaStream_t int, got "
                     f"{type(stream).__name__}")
+
+
+_TORCH_STREAM: list = []  # memo: [the function giving torch's current raw stream]
+
+
+def _torch_stream() -> Callable[[], int]:
+    """A function giving ``torch.cuda.current_stream().cuda_stream`` (the current device's), through
+    torch's raw accessors where it has them (no stream object per call)."""
+    import torch
+
+    raw, current = (getattr(torch._C, n, None) for n in ("_cuda_getCurrentRawStream", "_cuda_getDevice"))
+    if raw is not None and current is not None:
+        torch.cuda.init()  # what torch.cuda.current_stream() does first
+
+        def fn() -> int:
+            return raw(current())
+    else:  # pragma: no cover - a torch without them
+        def fn() -> int:
+            return int(torch.cuda.current_stream().cuda_stream)
+    _TORCH_STREAM.append(fn)
+    return fn
 
 
 def stream_of(stream: Any, torch_input: bool):

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["ArgPack", "PreparedLaunch", "PTR", "I32", "U32", "I64", "F32", "TENSOR_MAP_DTYPE"]
+__all__ = ["ArgPack", "PreparedLaunch", "PTR", "I32", "U32", "I64", "F32", "TENSOR_MAP_DTYPE", "environ_get"]
 
 PTR = np.dtype(np.uint64)  # any device pointer
 I32, U32, I64, F32 = np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.int64), np.dtype(np.float32)
@@ -97,7 +97,24 @@ class ArgPack:
 
 
 def _through_cupy() -> bool:
-    return os.environ.get("MLA_CUPY_LAUNCH") == "cupy"
+    return environ_get("MLA_CUPY_LAUNCH") == "cupy"
+
+
+_ENCODED: Dict[str, bytes] = {}  # names as os.environ's mapping holds them
+
+
+def environ_get(name: str) -> Optional[str]:
+    """``os.environ.get(name)``, for the switches read at every launch: on POSIX one lookup in the
+    mapping that ``os.environ`` keeps, without encoding the name again each time."""
+    env = os.environ
+    data = getattr(env, "_data", None) if os.name == "posix" else None
+    if type(data) is not dict:
+        return env.get(name)
+    key = _ENCODED.get(name)
+    if key is None:
+        key = _ENCODED[name] = os.fsencode(name)
+    value = data.get(key)
+    return None if value is None else os.fsdecode(value)
 
 
 class PreparedLaunch:
@@ -159,7 +176,16 @@ class PreparedLaunch:
             self.pack.launch_through_cupy(self.kernel, self.grid, self.block, self.smem,
                                           cupy.cuda.ExternalStream(stream_ptr), self.values())
             return
-        from cupy.cuda import driver
-
         g = self.grid
+        driver = _DRIVER[0] if _DRIVER else _driver()
         driver.launchKernel(self.func_ptr, g[0], g[1], g[2], self.block, 1, 1, self.smem, stream_ptr, self._pptr, 0)
+
+
+_DRIVER: list = []  # memo: [cupy.cuda.driver]
+
+
+def _driver():
+    from cupy.cuda import driver
+
+    _DRIVER.append(driver)
+    return driver

@@ -30,18 +30,20 @@ _MAPS_MAX = 1024  # pointer sets whose tensor maps are remembered per layout
 class Record:
     """One array layout of a plan: the prepared launches, and what a run rewrites in them (pointer
     fields as (byte offset, slot, addend); the slots whose pointers key the tensor maps; the slots
-    that must be 16-byte aligned)."""
+    that must be 16-byte aligned; the byte offset of the ``q_start_pos`` pointer, for a launch that
+    passes its own)."""
 
-    __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "vt", "vt_fields", "align", "counter",
-                 "map_field", "last_maps", "last_stream")
+    __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "maps_max", "vt", "vt_fields", "align",
+                 "counter", "map_field", "q_start_field", "last_maps", "last_stream")
 
     def __init__(self, launch: Optional[PreparedLaunch], ptr_fields, align, map_slots=None, make_maps=None, vt=None,
-                 vt_fields=(), counter=None, map_field=None):
+                 vt_fields=(), counter=None, map_field=None, q_start_field=None):
         self.launch, self.ptr_fields, self.align = launch, ptr_fields, align
-        self.map_slots, self.make_maps, self.maps = map_slots, make_maps, {}
+        self.map_slots, self.make_maps, self.maps, self.maps_max = map_slots, make_maps, {}, _MAPS_MAX
         self.vt, self.vt_fields = vt, vt_fields
         self.counter = counter  # Hopper: (byte offset of tile_counter, device), set per stream at launch
         self.map_field = map_field  # Hopper: the first of the consecutive tensor-map fields
+        self.q_start_field = q_start_field
         self.last_maps = self.last_stream = None  # what the buffer holds now (map pointers; stream and
         # schedule of the counter): a run that changes neither skips rewriting them
 
@@ -77,7 +79,8 @@ def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Re
                       k_sh=k.strides[1] // item, v_st=v.strides[0] // item, v_sh=v.strides[1] // item)
         launch = PreparedLaunch(ck.params, ck.fn, (nmb * p.batch * p.heads, 1, 1), ck.threads, ck.smem, values)
         fields += [("q", Q, 0), ("k", K, 0), ("v", V, 0)]
-        return Record(launch, _offsets_of(ck.params, fields), tuple(align))
+        return Record(launch, _offsets_of(ck.params, fields), tuple(align),
+                      q_start_field=ck.params.offsets["q_start_pos"])
     return _sm90_record(t, p, d, ck, values, fields, align, nmb, sp, workspace_for)
 
 
@@ -171,7 +174,8 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
     launch = PreparedLaunch(pack, ck.fn, (grid, 1, 1), ck.threads, ck.smem, values)
     return Record(launch, _offsets_of(pack, fields), tuple(align),
                    map_slots=(Q, K, v_slot, ROPE, OUT, QR, KS), make_maps=make_maps, vt=vt, vt_fields=vt_fields,
-                   counter=(pack.offsets["tile_counter"], t.device_id), map_field=maps[0])
+                   counter=(pack.offsets["tile_counter"], t.device_id), map_field=maps[0],
+                   q_start_field=pack.offsets["q_start_pos"])
 
 
 #: The Hopper kernel's tensor maps in the order tma.prefill_maps returns them.
@@ -193,9 +197,10 @@ def _offsets_of(pack, fields) -> tuple:
     return tuple((pack.offsets[name], slot, add) for name, slot, add in fields)
 
 
-def launch_record(rec: Record, ptrs: List[int], sp: int) -> None:
+def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] = None) -> None:
     """Check the pointers' alignment, rewrite them (and the tensor maps they key) into the record's
-    launches, and launch on stream ``sp``. One thread at a time per record."""
+    launches, and launch on stream ``sp``; ``q_start``: the ``q_start_pos`` pointer of this launch
+    (a widened copy made per call) instead of the packed one. One thread at a time per record."""
     acc = 0
     for i in rec.align:
         acc |= ptrs[i]
@@ -208,6 +213,8 @@ def launch_record(rec: Record, ptrs: List[int], sp: int) -> None:
     mem = launch._mem
     for off, i, add in rec.ptr_fields:
         _U64.pack_into(mem, off, ptrs[i] + add)
+    if q_start is not None:
+        _U64.pack_into(mem, rec.q_start_field, q_start)
     if rec.map_slots is not None:
         mk = tuple([ptrs[i] for i in rec.map_slots])
         if mk != rec.last_maps:
@@ -232,7 +239,7 @@ def launch_record(rec: Record, ptrs: List[int], sp: int) -> None:
 def _new_maps(rec: Record, mk: tuple) -> bytes:
     maps, box_rows = rec.make_maps(mk)
     data = b"".join(m.tobytes() for m in maps)
-    if len(rec.maps) >= _MAPS_MAX:
+    if len(rec.maps) >= rec.maps_max:
         rec.maps.clear()
     rec.maps[mk] = data
     rec.launch._buf[0]["rope_box_rows"] = box_rows

@@ -3,13 +3,13 @@ heads (``heads_per_section``)."""
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional, Tuple
 
+from ._launch import environ_get
 from .dims import DV
 from .masks import NullMask
 
-__all__ = ["KERNELS", "choose_kernel", "heads_per_section", "sm_count", "device_id"]
+__all__ = ["KERNELS", "choose_kernel", "sm90_disabled", "heads_per_section", "sm_count", "device_id"]
 
 KERNELS = ("auto", "sm80", "sm90")
 
@@ -64,7 +64,13 @@ def choose_kernel(kernel: str, paged: bool, device_id: Optional[int] = None) -> 
         return "sm90"
     if kernel == "sm80":
         return "sm80"
-    return "sm90" if hopper and not os.environ.get("MLA_CUPY_DISABLE_SM90") else "sm80"
+    return "sm90" if hopper and not sm90_disabled() else "sm80"
+
+
+def sm90_disabled() -> bool:
+    """The environment variable ``MLA_CUPY_DISABLE_SM90`` is set (non-empty): ``"auto"`` picks the
+    portable kernel."""
+    return bool(environ_get("MLA_CUPY_DISABLE_SM90"))
 
 
 def heads_per_section(p, device_id: int) -> int:

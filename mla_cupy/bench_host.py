@@ -14,7 +14,9 @@ The rows (``group`` "ours" or "peer"):
 * ``plan.run``: a plan built once (:func:`mla_cupy.plan`), run on CuPy arrays and on torch tensors;
 * ``mla_prefill``: the one-shot call with ``q_max_seq_len=`` and ``validate=False``, and with the
   default arguments (``out=`` and the case's mask given, ``q_max_seq_len`` and ``validate`` left at
-  their defaults), on CuPy arrays and on torch tensors;
+  their defaults), on CuPy arrays and on torch tensors: calls seen before, launched from the plan
+  cache; and the first form with the plan cache not looked up (the call checks its arguments and
+  packs its launch, as the first call of a key does), on CuPy arrays;
 * ``torch_ops.mla_prefill``: the ``torch.ops`` route, ``q_max_seq_len=`` and ``validate=False``;
 * ``flash_attn.flash_attn_varlen_func``: the FlashAttention-style call with ``k_rope=``;
 * the peers, when they import: FlashAttention-3's ``flash_attn_varlen_func`` and cuDNN frontend's
@@ -155,6 +157,7 @@ def host_calls(case: BenchCase = HOST_CASE, *, peers: bool = True) -> Tuple[List
 
     from . import api, prefill_plan
     from ._arrays import BF16
+    from ._plan_cache import CACHE
 
     x = _inputs(case, 0)
     tq, heads, max_q = sum(case.sq), case.heads, max(case.sq)
@@ -163,12 +166,20 @@ def host_calls(case: BenchCase = HOST_CASE, *, peers: bool = True) -> Tuple[List
     out = cp.empty((tq, heads, DV), BF16)
     pl = prefill_plan.plan(vl, cro, num_heads=heads, dtype=BF16, mask=mask, q_max_seq_len=max_q)
     fast = dict(mask=mask, q_max_seq_len=max_q, validate=False)
+    def uncached(i):
+        size, CACHE.maxsize = CACHE.maxsize, 0  # not looked up (nothing dropped)
+        try:
+            api.mla_prefill(q, k, v, kr, vl, cro, out=out, **fast)
+        finally:
+            CACHE.maxsize = size
+
     calls = [
         HostCall("plan.run (CuPy)", "ours", lambda i: pl.run(q, k, v, kr, out=out)),
         HostCall("mla_prefill, q_max_seq_len= validate=False (CuPy)", "ours",
                  lambda i: api.mla_prefill(q, k, v, kr, vl, cro, out=out, **fast)),
         HostCall("mla_prefill, default arguments (CuPy)", "ours",
                  lambda i: api.mla_prefill(q, k, v, kr, vl, cro, mask=mask, out=out)),
+        HostCall("mla_prefill, q_max_seq_len= validate=False, plan cache off (CuPy)", "ours", uncached),
     ]
     left_out: List[str] = []
     try:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import numpy as np
 
-from ._arrays import (FP32, as_device, checkable, cupy_or_none, device_pointer, is_device, is_torch, optional_ptr,
-                      result_wrapper, stream_ptr)
+from ._arrays import (FP32, as_device, checkable, cupy_or_none, device_pointer, is_torch, optional_ptr,
+                      pointers_and_layouts, result_wrapper, stream_ptr)
 from ._checks import check_offsets_layout, dtype_of
 from ._packing import Record, launch_record, pack
 from ._plan_checks import RunBounds, check_plan_args, check_run
@@ -33,22 +33,6 @@ from .workspace import allocate_workspace, check_workspace, empty_result
 __all__ = ["plan", "PrefillPlan"]
 
 _RECORDS_MAX = 256  # array layouts remembered per plan
-
-
-def _layout_key(x) -> Optional[tuple]:
-    """The layout key of any array (what a run reads of CuPy arrays and torch tensors directly)."""
-    if x is None or not hasattr(x, "shape"):
-        return None if x is None else (type(x), id(x))
-    return type(x), tuple(int(n) for n in x.shape), tuple(int(n) for n in getattr(x, "strides", ())), str(x.dtype)
-
-
-def _pointer_or_zero(x) -> int:
-    """The device pointer of a device array; 0 for None and host arrays (their run is refused by
-    the checks of its first use)."""
-    try:
-        return device_pointer(x) if x is not None and is_device(x) else 0
-    except (AttributeError, TypeError, ValueError, RuntimeError):
-        return 0
 
 
 def _q_start_i64(q_start_pos):
@@ -125,7 +109,6 @@ class PrefillPlan:
         self._lock = threading.Lock()
         self._workspace = None
         cp = cupy_or_none()
-        self._cp_nd = cp.ndarray if cp is not None else None
         self._current_stream = cp.cuda.get_current_stream if cp is not None else None
 
     # -- what the plan is -----------------------------------------------------------------------
@@ -219,27 +202,11 @@ class PrefillPlan:
         if out is None or (lse is None and self.return_lse):
             check_run(self._p, self._t, self._bounds, [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)])
             a, out, lse = self._allocate(a, torch_in)
-        # (data pointer, layout key) of every argument, read without converting it
-        cp_nd = self._cp_nd
-        ptrs, keys = [], []
-        for x in a:
-            if x is None:
-                ptrs.append(0)
-                keys.append(None)
-                continue
-            t = type(x)
-            if t is cp_nd:
-                d = x.data
-                ptrs.append(d.ptr)
-                keys.append((x.shape, x.strides, x.dtype, d.device_id))
-            elif t.__module__.startswith("torch"):
-                ptrs.append(x.data_ptr())
-                keys.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
-            else:  # another kind of array (e.g. a Numba device array)
-                ptrs = [_pointer_or_zero(y) for y in a]
-                keys = [_layout_key(y) for y in a]
-                break
-        key = tuple(keys)
+        try:
+            ptrs, layouts = pointers_and_layouts(a)  # read without converting the arrays
+        except (TypeError, AttributeError):  # read through DLPack, or not an array: the CuPy views (or the error)
+            ptrs, layouts = pointers_and_layouts([None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)])
+        key = tuple(layouts)
         rec = self._records.get(key)
         if rec is None:
             d = [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)]
@@ -252,7 +219,8 @@ class PrefillPlan:
             sp = stream_ptr(stream, torch_in)
         if self._p.fp8 and a[WS] is None:
             ptrs[WS] = self._workspace.data.ptr if self._workspace is not None else 0
-        self._launch(rec, ptrs, sp)
+        with self._lock:
+            launch_record(rec, ptrs, sp)
         return (out, lse) if self.return_lse else out
 
     def _allocate(self, a: tuple, torch_in: bool):
@@ -268,10 +236,6 @@ class PrefillPlan:
             lse = wrap(empty_result((tq, p.heads), FP32, like, "lse"))
         a = a[:OUT] + (out, lse) + a[LSE + 1:]
         return a, out, lse
-
-    def _launch(self, rec: Record, ptrs: List[int], sp: int) -> None:
-        with self._lock:
-            launch_record(rec, ptrs, sp)
 
     # -- the first run of a layout: checks and packing --------------------------------------------
     def _record(self, p: Problem, d: list, sp: int) -> Record:
@@ -289,13 +253,17 @@ class PrefillPlan:
         (allocated on the run's stream)."""
         if given is not None:
             return check_workspace(given, shape)
-        need = math.prod(shape)
-        if self._workspace is None or self._workspace.size < need:
-            import cupy
-
-            with cupy.cuda.ExternalStream(sp):
-                self._workspace = allocate_workspace((max(need, 1),))
+        if self._workspace is None or self._workspace.size < math.prod(shape):
+            self._workspace = workspace_on(shape, sp)
         return self._workspace
+
+
+def workspace_on(shape, sp: int):
+    """A new V^T workspace of ``prod(shape)`` bytes (at least one), from CuPy's pool on stream ``sp``."""
+    import cupy
+
+    with cupy.cuda.ExternalStream(sp):
+        return allocate_workspace((max(math.prod(shape), 1),))
 
 
 def plan(
@@ -394,25 +362,21 @@ def _kernel_for(p: Problem, kernel: str, dev: int) -> str:
     return chosen
 
 
-def plan_for_call(p: Problem, offsets: Offsets, kernel: str, *, accumulate: bool, return_lse: bool,
-                  page_table=None, page_size: int = 0, rope_offset: int = 0) -> PrefillPlan:
-    """The plan of one checked call (:func:`mla_cupy.mla_prefill`, the chunks of
-    :func:`mla_cupy.mla_prefill_chunked`): its layout is ``p``, already checked with its arrays."""
+def call_record(p: Problem, offsets: Offsets, kernel: str, arrays: tuple, stream_ptr: int, *, accumulate: bool,
+                page_table=None, page_size: int = 0, rope_offset: int = 0, maps_max: Optional[int] = None) -> Record:
+    """The launch record of one checked call (:func:`mla_cupy.mla_prefill`, the chunks of
+    :func:`mla_cupy.mla_prefill_chunked`) on the current device: its layout is ``p``, already
+    checked with its device arrays ``arrays`` (in :data:`SLOTS` order; the fp8 variant's with its
+    workspace). The record keeps no reference to an array; ``maps_max`` bounds the tensor maps it
+    remembers."""
     from ._select import device_id
 
     dev = device_id()
     target = Target(_kernel_for(p, kernel, dev), dev, offsets, bool(accumulate), page_table, page_size, rope_offset)
-    return PrefillPlan(p, target, return_lse=return_lse)
-
-
-def run_checked(pl: PrefillPlan, p: Problem, arrays: tuple, stream_ptr: int) -> None:
-    """Launch ``pl`` on device arrays already checked against ``p`` (in :data:`SLOTS` order)."""
-    d = list(arrays)
-    rec = pl._record(p, d, stream_ptr)
-    ptrs = [optional_ptr(x) for x in d]
-    if p.fp8 and d[WS] is None and pl.workspace is not None:
-        ptrs[WS] = device_pointer(pl.workspace)
-    pl._launch(rec, ptrs, stream_ptr)
+    rec = pack(target, p, list(arrays), stream_ptr, lambda given, shape, sp: check_workspace(given, shape))
+    if maps_max is not None:
+        rec.maps_max = maps_max
+    return rec
 
 
 def offsets_of(valid_length, kv_begin_ptr: int, kv_end_ptr: int, cache_offsets, q_start_pos, keep: tuple = ()) -> Offsets:

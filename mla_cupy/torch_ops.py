@@ -24,7 +24,9 @@ take the Python API's arguments (mask objects, :class:`~mla_cupy.PagedKVCache`) 
 
 On CUDA tensors the ops run the kernels on torch's current stream; every device buffer they need
 (outputs, the fp8 V^T workspace, a widened ``q_start_pos``) comes from torch's caching
-allocator, so a call captured in a ``torch.cuda.CUDAGraph`` owns its memory like any torch op.
+allocator, so a call captured in a ``torch.cuda.CUDAGraph`` owns its memory like any torch op. A
+call seen before launches from the plan cache (:func:`mla_cupy.plan_cache_info`) on the tensors
+themselves, without CuPy views.
 Capture needs ``q_max_seq_len`` and ``validate=False`` (no device-to-host copy) and a first,
 eager call per shape (it compiles the kernel). On CPU tensors they run the float64 reference
 (:mod:`mla_cupy.reference`), slowly: for tests, and for code that runs without a GPU.
@@ -32,6 +34,8 @@ eager call per shape (it compiles the kernel). On CPU tensors they run the float
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -40,7 +44,7 @@ from ._optional import require
 
 torch = require("torch", "mla_cupy.torch_ops")
 
-from . import reference  # noqa: E402
+from . import _select, api, reference  # noqa: E402
 from ._arrays import checkable
 from .masks import MASK_KINDS, CausalMask, Mask
 from .paged import PagedKVCache
@@ -61,8 +65,10 @@ def mask_args(mask: Optional[Mask]) -> Tuple[int, int]:
     raise TypeError(f"mask: expected one of {', '.join(c.__name__ for c in MASK_KINDS)}, got {type(mask).__name__}")
 
 
+@functools.lru_cache(maxsize=64)
 def mask_from_args(mask_kind: int, mask_arg: int) -> Mask:
-    """The mask object of an op's ``(mask_kind, mask_arg)``."""
+    """The mask object of an op's ``(mask_kind, mask_arg)`` (masks are immutable: one object per
+    pair)."""
     if not 0 <= mask_kind < len(MASK_KINDS):
         raise ValueError(f"mask_kind: expected 0..{len(MASK_KINDS) - 1} (mla_cupy.torch_ops.MASK_KINDS), got {mask_kind}")
     return MASK_KINDS[mask_kind].from_arg(mask_arg)
@@ -145,26 +151,54 @@ def _api_kwargs(cache_offsets, q_start_pos, scale, mask_kind, mask_arg, q_max_se
 
 def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], cache_offsets, q_start_pos,
                   lookup_table, k_rope_scales, accumulate: bool, **kw) -> None:
-    from . import api
-
+    """The CUDA kernel of the prefill ops: the plan cache first (on the torch tensors, when the
+    current device is ``out``'s), else the checked call on CuPy views, in :func:`_torch_context`."""
     *head, k_rope, vl, cro = inputs
     rope, plain_scales = _rope_source(k_rope, lookup_table, kw.pop("page_size"), kw.pop("rope_offset"), k_rope_scales)
     if q_start_pos is not None and q_start_pos.dtype == torch.int32:
         q_start_pos = q_start_pos.to(torch.int64)  # the kernels read int64 positions
     kernel = kw.pop("kernel_choice")
+    args = _api_kwargs(cache_offsets, q_start_pos, **kw)
+    call = dict(out=out, lse=lse, accumulate=accumulate, kernel=kernel, out_dtype=None, return_lse=False, stream=None,
+                **args)
+    if fp8:  # q_nope, q_rope, q_scale, k, k_scales, v
+        arrays, extra = (head[0], head[3], head[5], rope, vl, cro), (head[1], head[2], head[4])
+    else:
+        arrays, extra = (*head, rope, vl, cro), plain_scales
+    key = None
+    if out.get_device() == _select.device_id():
+        served, key = api.cached_call(*arrays, **call, **_variant(fp8, extra),
+                                      new_workspace=_torch_workspace(out.device) if fp8 else None)
+        if served:
+            return
     with _torch_context(out.device):
-        args = _api_kwargs(_cupy(cache_offsets), _cupy(q_start_pos), **kw)
-        head = [_cupy(x) for x in head]
-        if isinstance(rope, PagedKVCache):
-            rope = PagedKVCache(_cupy(rope.blocks), _cupy(rope.lookup_table), rope.page_size, rope.rope_offset,
-                                _cupy(rope.scales))
-        else:
-            rope = _cupy(rope)
-        call = dict(out=_cupy(out), lse=_cupy(lse), accumulate=accumulate, kernel=kernel, **args)
-        if fp8:
-            api.mla_prefill_fp8(*head, rope, _cupy(vl), _cupy(cro), **call)
-        else:
-            api.mla_prefill(*head, rope, _cupy(vl), _cupy(cro), k_rope_scales=_cupy(plain_scales), **call)
+        q, k, v, rope, vl, cro = arrays
+        views = dict(call, out=_cupy(out), lse=_cupy(lse), cache_offsets=_cupy(args["cache_offsets"]),
+                     q_start_pos=_cupy(args["q_start_pos"]))
+        extra = tuple(_cupy(x) for x in extra) if fp8 else _cupy(extra)
+        api.checked_call(_cupy(q), _cupy(k), _cupy(v), _cupy_rope(rope), _cupy(vl), _cupy(cro), **views,
+                         **_variant(fp8, extra), key=key)
+
+
+def _variant(fp8: bool, extra) -> dict:
+    """The keywords of the fp8 per-token call (``fp8=(q_rope, q_scale, k_scales)``) or of the
+    16-bit one (``k_rope_scales``)."""
+    return dict(fp8=extra) if fp8 else dict(k_rope_scales=extra)
+
+
+def _cupy_rope(rope):
+    """A rope tensor, or a PagedKVCache of tensors, as CuPy views."""
+    if isinstance(rope, PagedKVCache):
+        return PagedKVCache(_cupy(rope.blocks), _cupy(rope.lookup_table), rope.page_size, rope.rope_offset,
+                            _cupy(rope.scales))
+    return _cupy(rope)
+
+
+def _torch_workspace(device: torch.device):
+    """The fp8 variant's per-call V^T workspace, from torch's allocator (on its current stream)."""
+    def new(shape, stream_ptr: int) -> Tensor:
+        return torch.empty((max(math.prod(shape), 1),), dtype=torch.uint8, device=device)
+    return new
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from .masks import CausalMask, Mask
 from .paged import PagedKVCache
 
 __all__ = ["Problem", "check_inputs", "check_lse_and_accumulate", "check_scalars", "check_offsets",
-           "check_offset_values", "check_paged_table", "check_same_device", "check_merge_inputs", "check_merge_outputs",
-           "DEVICE_DTYPES", "OFFSET_DTYPES"]
+           "check_offset_values", "check_values", "check_paged_table", "check_same_device", "check_merge_inputs",
+           "check_merge_outputs", "DEVICE_DTYPES", "OFFSET_DTYPES"]
 
 DEVICE_DTYPES = tuple(d for d in (BF16, FP16) if d is not None)
 _MAX_I32 = 2**31 - 1
@@ -221,6 +221,22 @@ def check_offset_values(valid_length, cache_row_offsets, cache_offsets, *, tq: O
     return observed, vl, cro, co
 
 
+def check_values(valid_length, cache_row_offsets, cache_offsets, k_rope, q_scale, *, tq: int, tk: int,
+                 q_max_seq_len: Optional[int], validate: bool) -> int:
+    """The values of a call whose arrays passed their checks: the offsets are read (and, with
+    ``validate``, checked against Tq / Tk and ``q_max_seq_len``), and with ``validate`` a paged
+    ``k_rope``'s block ids and the fp8 variant's ``q_scale`` (None for the 16-bit call). Returns
+    the largest query count of a sequence."""
+    observed, _vl, cro, co = check_offset_values(valid_length, cache_row_offsets, cache_offsets, tq=tq, tk=tk,
+                                                 q_max_seq_len=q_max_seq_len, validate=validate)
+    if validate and isinstance(k_rope, PagedKVCache):
+        check_paged_table(to_host(k_rope.lookup_table).astype(np.int64), k_rope.page_size, int(k_rope.blocks.shape[0]),
+                          co, np.diff(cro))
+    if validate and q_scale is not None and tq:
+        check_q_scale_values(q_scale)
+    return observed
+
+
 def check_paged_table(lut: np.ndarray, page_size: int, num_blocks: Optional[int], co: np.ndarray, sk: np.ndarray,
                       name: str = "k_rope.lookup_table") -> None:
     """Every page that a sequence's keys touch exists in the page table and names a real block
@@ -370,13 +386,8 @@ def check_inputs(
         check_kernel_name(kernel)
 
     if validate or read_offsets:
-        observed, _vl, cro, co = check_offset_values(valid_length, cache_row_offsets, cache_offsets, tq=tq, tk=tk,
-                                                     q_max_seq_len=max_sq, validate=validate)
-        if validate and paged:
-            check_paged_table(to_host(k_rope.lookup_table).astype(np.int64), k_rope.page_size,
-                              int(k_rope.blocks.shape[0]), co, np.diff(cro))
-        if validate and fp8 is not None and tq:
-            check_q_scale_values(fp8[1])
+        observed = check_values(valid_length, cache_row_offsets, cache_offsets, k_rope, None if fp8 is None else fp8[1],
+                                tq=tq, tk=tk, q_max_seq_len=max_sq, validate=validate)
         if max_sq is None:
             max_sq = observed
             p = Problem(batch, heads, tq, tk, dtype, out_dtype, mask, scale, max_sq, paged, fp8 is not None, rope8)

@@ -9,11 +9,10 @@ several host threads, each with its own stream and plans, against the serial res
   theirs. Every result is compared on the device, bit for bit, with the first result of its
   layout, which is checked against the float64 reference. Sampled every ``calls / 50`` calls:
   CuPy's pool (used bytes), torch's allocated bytes, the device's free memory
-  (``cudaMemGetInfo``), the kernel modules compiled (``mla_cupy.jit.compile_count``) and the
-  packed launch records the soak's plans keep. The package keeps no cache of plans (a one-shot
-  call builds and drops its plan; a :class:`~mla_cupy.PrefillPlan` keeps one record per array
-  layout, at most 256): those are what there is to sample. After the warm-up every sample must
-  stay within :data:`TOLERANCES` of the others.
+  (``cudaMemGetInfo``), the kernel modules compiled (``mla_cupy.jit.compile_count``), the
+  packed launch records the soak's plans keep (one per array layout, at most 256) and the entries
+  of the one-shot calls' plan cache (one per call key, bounded; no device memory). After the
+  warm-up every sample must stay within :data:`TOLERANCES` of the others.
 * :func:`concurrency`: ``threads`` threads, each with its own non-blocking stream, its own plans and
   its own outputs, run every layout ``iters`` times (plans and one-shot calls alternating) at once;
   every result must equal the serial one bit for bit.
@@ -39,7 +38,8 @@ from _cases import BF16, FP16, build_paged, make_case
 
 MIB = 2**20
 #: The most a sampled quantity may move after the warm-up.
-TOLERANCES = dict(pool_used=1 * MIB, torch_allocated=1 * MIB, device_free=32 * MIB, compiled_modules=0, plan_records=0)
+TOLERANCES = dict(pool_used=1 * MIB, torch_allocated=1 * MIB, device_free=32 * MIB, compiled_modules=0, plan_records=0,
+                  plan_cache=0)
 FP8_TOL = 5e-2  # the fp8 per-token kernel against the reference of its dequantized inputs (_fuzz.FP8_TOL)
 
 
@@ -250,7 +250,7 @@ def prepare(layouts=None, with_torch: bool = True) -> List[Prepared]:
 def _sample(call: int, plans, th) -> dict:
     import cupy as cp
 
-    from mla_cupy import jit
+    from mla_cupy import jit, plan_cache_info
 
     cp.cuda.Device().synchronize()
     if th is not None:
@@ -259,7 +259,8 @@ def _sample(call: int, plans, th) -> dict:
     return dict(call=call, pool_used=cp.get_default_memory_pool().used_bytes(),
                 pool_total=cp.get_default_memory_pool().total_bytes(),
                 torch_allocated=None if th is None else int(th[0].cuda.memory_allocated()), device_free=int(free),
-                compiled_modules=jit.compile_count(), plan_records=sum(len(getattr(p, "_records", ())) for p in plans))
+                compiled_modules=jit.compile_count(), plan_records=sum(len(getattr(p, "_records", ())) for p in plans),
+                plan_cache=plan_cache_info().currsize)
 
 
 def drift(samples: List[dict], warmup: int) -> Tuple[dict, dict]:

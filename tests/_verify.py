@@ -227,7 +227,9 @@ def _soak_text(soak: Optional[dict]) -> str:
     d = soak["drift"]
     return (f"{soak['calls']:,} calls: pool used {_mib(d['pool_used'])}, torch allocated {_mib(d.get('torch_allocated'))}, "
             f"device free {_mib(d['device_free'])}, compiled modules {d['compiled_modules']:+d}, "
-            f"plan records {d['plan_records']:+d}" + ("" if soak["ok"] else " (FAILED)"))
+            f"plan records {d['plan_records']:+d}"
+            + ("" if d.get("plan_cache") is None else f", plan cache entries {d['plan_cache']:+d}")
+            + ("" if soak["ok"] else " (FAILED)"))
 
 
 def _concurrency_text(soak: Optional[dict]) -> str:

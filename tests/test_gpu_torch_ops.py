@@ -206,3 +206,39 @@ def test_flash_attn_varlen_replays_from_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     _assert_same(captured, call())
+
+
+def test_ops_launch_from_the_plan_cache():
+    """Calls seen before launch their cached record on the tensors themselves: they equal the first
+    call bit for bit, count as hits, run on torch's current stream, and with validate=True read the
+    offsets through torch; a 192-wide K's view and a new lse per call (flash_attn) hit as well."""
+    from mla_cupy._arrays import stream_ptr
+
+    mla_cupy.plan_cache_clear()
+    q, k, v, k_rope, vl, cro = _case(13)
+    kw = dict(mask=SlidingWindowCausalMask(50), q_max_seq_len=max(SQ), validate=False, return_lse=True)
+    want = ops.mla_prefill(q, k, v, k_rope, vl, cro, **kw)  # the functional op: packed and kept
+    hits = mla_cupy.plan_cache_info().hits
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert stream_ptr(None, True) == torch.cuda.current_stream().cuda_stream == side.cuda_stream
+        got = ops.mla_prefill(q, k, v, k_rope, vl, cro, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    _assert_same(got, want)
+    assert mla_cupy.plan_cache_info().hits == hits + 1
+    out, lse = torch.full_like(want[0], float("nan")), torch.full_like(want[1], float("nan"))
+    for _ in range(2):  # in place, validated: the second call is a hit that reads the offsets
+        ops.mla_prefill(q, k, v, k_rope, vl, cro, out=out, lse=lse, **dict(kw, validate=True))
+    _assert_same((out, lse), want)
+    assert mla_cupy.plan_cache_info().hits == hits + 2
+    cro2 = cro.clone()
+    ops.mla_prefill(q, k, v, k_rope, vl, cro2, out=out, lse=lse, **dict(kw, validate=True))  # packed and kept
+    cro2[1] = 10_000  # the same tensor, decreasing offsets: the call from the cache still checks them
+    with pytest.raises(ValueError, match=r"^cache_row_offsets: offsets must be non-decreasing"):
+        ops.mla_prefill(q, k, v, k_rope, vl, cro2, out=out, lse=lse, **dict(kw, validate=True))
+    k192 = torch.cat([k, k_rope.expand(-1, H, -1)], -1)
+    outs = [fa.flash_attn_varlen_func(q, k192, v, vl, cro, max(SQ), max(SK), causal=True) for _ in range(3)]
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    info = mla_cupy.plan_cache_info()
+    assert info.hits >= hits + 4, info

@@ -236,7 +236,8 @@ def _host_us(fn, reps=200, rounds=5):
 
 def test_run_host_time(record_property, capsys):
     """Host time of plan.run per call, out= given: CuPy 16-bit (the measure held under 30 us,
-    aimed at 10), torch 16-bit and CuPy fp8 beside it; the one-shot mla_prefill for reference."""
+    aimed at 10), torch 16-bit and CuPy fp8 beside it; the one-shot mla_prefill launched from the
+    plan cache (held under 60 us)."""
     import cupy as cp
 
     c = make_case([64], [64], 16, BF16, seed=7)
@@ -244,9 +245,9 @@ def test_run_host_time(record_property, capsys):
     pl = mla_cupy.plan(d["valid_length"], d["cache_row_offsets"], num_heads=16, dtype=BF16, q_max_seq_len=64)
     out = cp.empty((64, 16, 128), BF16)
     times = {"cupy 16-bit": _host_us(lambda: pl.run(d["q"], d["k"], d["v"], d["k_rope"], out=out))}
-    times["one-shot mla_prefill (validate=False)"] = _host_us(lambda: mla_cupy.mla_prefill(
+    times["one-shot mla_prefill (validate=False, from the plan cache)"] = _host_us(lambda: mla_cupy.mla_prefill(
         d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"], out=out, q_max_seq_len=64,
-        validate=False), reps=50)
+        validate=False))
     try:
         import torch
     except ImportError:
@@ -263,6 +264,175 @@ def test_run_host_time(record_property, capsys):
     with capsys.disabled():
         print()
         for name, us in times.items():
-            print(f"plan.run host time, {name}: {us:.1f} us/call")
+            print(f"host time, {name}: {us:.1f} us/call")
             record_property(f"host_us {name}", round(us, 2))
     assert times["cupy 16-bit"] < 30, times
+    assert times["one-shot mla_prefill (validate=False, from the plan cache)"] < 60, times
+
+
+# ------------------------------------------------------------------------------------------------
+# the one-shot calls' plan cache
+
+@pytest.fixture
+def plan_cache():
+    """An empty plan cache of the default size, emptied again after the test."""
+    from mla_cupy._plan_cache import DEFAULT_MAXSIZE
+
+    mla_cupy.set_plan_cache_size(DEFAULT_MAXSIZE)
+    mla_cupy.plan_cache_clear()
+    yield
+    mla_cupy.set_plan_cache_size(DEFAULT_MAXSIZE)
+    mla_cupy.plan_cache_clear()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("bound", [True, False], ids=["q_max_seq_len", "offsets-read"])
+@pytest.mark.parametrize("batch", [2, 3], ids=["same-batch", "other-batch"])
+def test_plan_cache_offsets_freed_and_reallocated_at_the_same_address(kernel, bound, batch, plan_cache):
+    """The offsets of a cached call freed, and new ones of another batch layout (other sequence
+    lengths and key positions, the same Tq and Tk; the same or another batch size) allocated where
+    they were: the call with them launches the cached record (the same batch size and
+    ``q_max_seq_len`` given: the same key), or packs its own (the largest query count read from
+    the new offsets differs; another batch size is another key), and its result is the
+    reference's for the new layout (output poisoned with NaN first)."""
+    import cupy as cp
+
+    from gpu_util import check_result, reference_result
+
+    mask = SlidingWindowCausalMask(90)
+    a = make_case([100, 60], [120, 300], 16, BF16, seed=1, cache_offsets=[3, 0])
+    b = make_case([30, 130], [300, 120], 16, BF16, seed=2, cache_offsets=[0, 40]) if batch == 2 else \
+        make_case([50, 50, 60], [140, 140, 140], 16, BF16, seed=2, cache_offsets=[0, 10, 40])
+    kw = dict(mask=mask, kernel=kernel, validate=False, q_max_seq_len=130 if bound else None, return_lse=True)
+    offsets = ("valid_length", "cache_row_offsets", "cache_offsets")
+    pool = cp.cuda.MemoryPool()  # the offsets' own pool: a block freed there is the one the next request gets
+    with cp.cuda.using_allocator(pool.malloc):
+        da = {n: cp.asarray(getattr(a, n)) for n in offsets}
+    da.update({n: cp.asarray(getattr(a, n)) for n in ("q", "k", "v", "k_rope")})
+    db = {n: cp.asarray(getattr(b, n)) for n in ("q", "k", "v", "k_rope")}
+
+    def call(case, d):
+        out = cp.full((160, 16, 128), np.nan, BF16)
+        got, lse = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"],
+                                        d["cache_row_offsets"], cache_offsets=d["cache_offsets"], out=out, **kw)
+        ref, ref_lse = reference_result(case, mask=mask)
+        check_result(case, got, lse, ref, ref_lse)
+
+    call(a, da)
+    before = mla_cupy.plan_cache_info()
+    assert (before.misses, before.currsize) == (1, 1)
+    for name in offsets:
+        ptr = da[name].data.ptr
+        with cp.cuda.using_allocator(pool.malloc):
+            del da[name]  # back to the pool: the cache keeps no array alive
+            db[name] = cp.asarray(getattr(b, name))  # the same byte size: the pool hands the block back
+        if db[name].data.ptr != ptr:
+            pytest.skip(f"the memory pool gave the new {name} another address ({db[name].data.ptr:#x}, the freed "
+                        f"one was {ptr:#x}): no reused address to test")
+    call(b, db)
+    after = mla_cupy.plan_cache_info()
+    hit = bound and batch == 2
+    assert (after.hits - before.hits, after.misses - before.misses) == ((1, 0) if hit else (0, 1))
+    assert after.currsize == (1 if batch == 2 else 2)
+
+
+def _cache_layers(c, d, paged):
+    """Three layers' q, k, v and rope of one layout (the first the case's own; paged: their caches
+    over one page table)."""
+    import cupy as cp
+
+    layers = [dict((n, d[n]) for n in ("q", "k", "v", "k_rope")), _layer(c, 2), _layer(c, 3)]
+    if paged:
+        lut = None
+        for lay in layers:
+            blocks, lut_h = build_paged(dataclasses.replace(c, k_rope=cp.asnumpy(lay["k_rope"])), 32, seed=11)
+            lut = cp.asarray(lut_h) if lut is None else lut
+            lay["k_rope"] = PagedKVCache(cp.asarray(blocks), lut, 32)
+    return layers
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("variant", ["plain", "paged", "int32-q_start_pos", "validate", "allocated"])
+def test_plan_cache_hits_equal_uncached_calls(kernel, variant, plan_cache):
+    """Three layers twice through the cache (one miss, then hits: new data pointers each layer)
+    equal the same calls with the cache off, bit for bit."""
+    import cupy as cp
+
+    c = _case(1)
+    d = upload(c)
+    layers = _cache_layers(c, d, variant == "paged")
+    qs = d["q_start_pos"].astype(cp.int32) if variant == "int32-q_start_pos" else d["q_start_pos"]
+    given = variant != "allocated"
+    bound = None if variant == "validate" else 260
+
+    def call(lay):
+        out = cp.full((c.q.shape[0], 16, 128), np.nan, BF16) if given else None
+        lse = cp.full((c.q.shape[0], 16), np.nan, cp.float32) if given else None
+        return mla_cupy.mla_prefill(lay["q"], lay["k"], lay["v"], lay["k_rope"], d["valid_length"],
+                                    d["cache_row_offsets"], mask=SlidingWindowCausalMask(70),
+                                    cache_offsets=d["cache_offsets"], q_start_pos=qs, out=out, lse=lse,
+                                    return_lse=True, kernel=kernel, q_max_seq_len=bound,
+                                    validate=variant == "validate")
+
+    mla_cupy.set_plan_cache_size(0)
+    wants = [call(lay) for lay in layers]
+    mla_cupy.set_plan_cache_size(256)
+    for _ in range(2):
+        for lay, (want, want_lse) in zip(layers, wants):
+            got, got_lse = call(lay)
+            np.testing.assert_array_equal(_bits(got), _bits(want))
+            np.testing.assert_array_equal(_bits(got_lse), _bits(want_lse))
+    info = mla_cupy.plan_cache_info()
+    assert (info.hits, info.misses - 3, info.currsize) == (5, 1, 1), info
+
+
+@needs_hopper
+@pytest.mark.parametrize("given", [False, True], ids=["workspace-per-call", "workspace-given"])
+def test_plan_cache_fp8_hits_equal_uncached_calls(given, plan_cache):
+    import cupy as cp
+
+    c = _case(3)
+    d = upload(c)
+    layers = [_fp8_inputs(c), _fp8_inputs(c, 4)]
+    ws = cp.empty(int(np.prod(mla_cupy.fp8.vt_shape(16, c.k.shape[0], 3))), cp.uint8) if given else None
+
+    def call(f):
+        return mla_cupy.mla_prefill_fp8(*_fp8_args(f), f["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                                        cache_offsets=d["cache_offsets"], q_start_pos=d["q_start_pos"],
+                                        workspace=ws)
+
+    mla_cupy.set_plan_cache_size(0)
+    wants = [call(f) for f in layers]
+    mla_cupy.set_plan_cache_size(256)
+    for _ in range(2):
+        for f, want in zip(layers, wants):
+            np.testing.assert_array_equal(_bits(call(f)), _bits(want))
+    info = mla_cupy.plan_cache_info()
+    assert (info.hits, info.misses - 2) == (3, 1), info
+
+
+@pytest.mark.parametrize("variant", ["bf16", "bf16-lse", "int64-q_start_pos"])
+def test_repeated_one_shot_calls_allocate_nothing(variant, plan_cache):
+    """A one-shot call launched from the plan cache, with out= (and lse=) given, q_max_seq_len and
+    validate=False, allocates nothing (as plan.run: it can be captured in a CUDA graph)."""
+    import cupy as cp
+
+    c = _case(6)
+    d = upload(c)
+    out = cp.empty((c.q.shape[0], 16, 128), BF16)
+    lse = cp.empty((c.q.shape[0], 16), cp.float32) if variant == "bf16-lse" else None
+    qs = d["q_start_pos"] if variant == "int64-q_start_pos" else None
+
+    def call():
+        mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                             cache_offsets=d["cache_offsets"], q_start_pos=qs, out=out, lse=lse, q_max_seq_len=260,
+                             validate=False)
+    call()
+    cp.cuda.Device().synchronize()
+    counter = _allocation_counter()
+    with counter:
+        for _ in range(50):
+            call()
+    cp.cuda.Device().synchronize()
+    assert counter.calls == 0, f"{counter.calls} allocations in 50 calls"
+    assert mla_cupy.plan_cache_info().hits == 50

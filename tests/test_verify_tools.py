@@ -230,18 +230,21 @@ def test_sanitizer_logs():
 
 
 def _soak_record(**drift):
-    d = dict(pool_used=0, torch_allocated=0, device_free=-2 * 2**20, compiled_modules=0, plan_records=0, **drift)
+    d = dict(pool_used=0, torch_allocated=0, device_free=-2 * 2**20, compiled_modules=0, plan_records=0, plan_cache=0,
+             **drift)
     return dict(kind="soak", calls=10_000, drift=d, span={k: abs(v) for k, v in d.items()}, ok=True, failures=[],
                 concurrency=dict(threads=8, runs_per_thread=140, mismatches=0, errors=[], ok=True))
 
 
 def test_soak_drift_and_judgement():
     samples = [dict(call=c, pool_used=u, pool_total=0, torch_allocated=None, device_free=f, compiled_modules=m,
-                    plan_records=3) for c, u, f, m in ((100, 5, 900, 1), (200, 9, 800, 7), (300, 9, 700, 7),
-                                                       (400, 8, 750, 7))]
+                    plan_records=3, plan_cache=e) for c, u, f, m, e in ((100, 5, 900, 1, 1), (200, 9, 800, 7, 9),
+                                                                        (300, 9, 700, 7, 9), (400, 8, 750, 7, 9))]
     dr, sp = _soak.drift(samples, warmup=200)
-    assert dr == dict(pool_used=-1, torch_allocated=None, device_free=-50, compiled_modules=0, plan_records=0)
-    assert sp == dict(pool_used=1, torch_allocated=None, device_free=100, compiled_modules=0, plan_records=0)
+    assert dr == dict(pool_used=-1, torch_allocated=None, device_free=-50, compiled_modules=0, plan_records=0,
+                      plan_cache=0)
+    assert sp == dict(pool_used=1, torch_allocated=None, device_free=100, compiled_modules=0, plan_records=0,
+                      plan_cache=0)
     rec = dict(span=dict(sp, compiled_modules=1, pool_used=2 * 2**20), mismatched_elements=0, errors=[])
     bad = _soak.judge(rec)
     assert len(bad) == 2 and bad[0].startswith("pool_used moved by 2,097,152") and "compiled_modules" in bad[1]
@@ -270,7 +273,8 @@ def test_summary_counts_each_problem_once_and_prints_a_table_row(tmp_path):
     row = _verify.markdown_row(s)
     assert row == ("| abc1234 | NVIDIA H200 | 1,000 (seed 7: 0-999) | 0 | memcheck 0, racecheck 0, synccheck 0, "
                    "initcheck not run | 10,000 calls: pool used +0 B, torch allocated +0 B, device free "
-                   "-2.0 MiB, compiled modules +0, plan records +0 | 8 threads x 140 runs: bitwise equal to serial |")
+                   "-2.0 MiB, compiled modules +0, plan records +0, plan cache entries +0 | 8 threads x 140 runs: "
+                   "bitwise equal to serial |")
     assert row.count("|") == _verify.TABLE_HEADER.splitlines()[0].count("|")
     assert text.endswith(row)
 

@@ -1,0 +1,189 @@
+"""The launch path without a GPU: the device queries, the compiled kernels' parameter structs, the
+tensor-map encoder, the tile counters and the launch itself stubbed, so that a call goes through
+every host step (checks, plan, packing, the launch record) and stops where the driver would be
+called. CuPy arrays over host memory (:func:`host_cupy`) stand in for device arrays: CuPy builds
+them without touching a device, and nothing dereferences them; what reads or allocates device
+memory (the offsets' values, the one-shot calls' results, fp8 workspaces and widened
+``q_start_pos``) reads or allocates host memory instead.
+
+Used by the CPU tests of the plan cache and by ``benchmarks/host_cpu_proxy.py`` (the host time of
+the call paths, as a proxy of the GPU numbers)."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import time
+from types import SimpleNamespace
+from typing import List
+
+import numpy as np
+import pytest
+
+from mla_cupy._launch import F32, I32, I64, PTR, TENSOR_MAP_DTYPE, U32, ArgPack
+
+_TM = TENSOR_MAP_DTYPE
+#: kernels/sm90/params.cuh, in its order
+SM90_PARAMS = [(n, _TM) for n in ("tm_q", "tm_k", "tm_v", "tm_rope", "tm_q_rope", "tm_k_scales")] + [
+    ("out", PTR), ("lse", PTR), ("o_st", I64), ("o_sh", I64), ("lse_st", I64), ("q_offsets", PTR), ("kv_begin", PTR),
+    ("kv_end", PTR), ("cache_offsets", PTR), ("q_start_pos", PTR), ("rope_base", PTR), ("rope_row_stride", I64),
+    ("rope_block_stride", I64), ("lookup", PTR), ("lookup_stride", I64), ("log2_page_size", I32), ("num_blocks", U32),
+    ("max_pages", U32), ("rope_box_rows", I32), ("num_heads", I32), ("heads_per_section", I32), ("batch", I32),
+    ("num_m_blocks", I32), ("scale_log2", F32), ("mask_arg", I64), ("accumulate", I32), ("q_scale", PTR),
+    ("q_scale_stride", I64), ("rope_scales", PTR), ("rope_scale_row_stride", I64), ("rope_scale_block_stride", I64),
+    ("tile_counter", PTR)]
+#: kernels/mla_prefill_sm80.cu, in its order
+SM80_PARAMS = [("q", PTR), ("k", PTR), ("v", PTR), ("out", PTR), ("lse", PTR)] + [
+    (n, I64) for n in ("q_st", "q_sh", "k_st", "k_sh", "v_st", "v_sh", "o_st", "o_sh", "lse_st")] + [
+    ("q_offsets", PTR), ("kv_begin", PTR), ("kv_end", PTR), ("cache_offsets", PTR), ("q_start_pos", PTR),
+    ("rope_base", PTR), ("rope_row_stride", I64), ("rope_block_stride", I64), ("lookup", PTR), ("lookup_stride", I64),
+    ("log2_page_size", I32), ("num_blocks", U32), ("max_pages", U32), ("num_heads", I32), ("heads_per_section", I32),
+    ("batch", I32), ("num_m_blocks", I32), ("scale_log2", F32), ("mask_arg", I64), ("accumulate", I32)]
+VT_PARAMS = [("v", PTR), ("v_st", I64), ("v_sh", I64), ("kv_begin", PTR), ("kv_end", PTR), ("batch", I32),
+             ("vt", PTR), ("cols", I64)]
+
+
+class _Kernel:
+    """Stands in for a RawKernel (a launch of it never reaches the driver)."""
+
+
+def _kernels():
+    sm90 = SimpleNamespace(params=ArgPack(SM90_PARAMS), fn=_Kernel(), threads=384, smem=200 * 1024,
+                           geometry=dict(block_m=128, block_n=128, scale_box=144, threads=384, smem=200 * 1024))
+    sm80 = SimpleNamespace(params=ArgPack(SM80_PARAMS), fn=_Kernel(), threads=256, smem=100 * 1024,
+                           geometry=dict(block_m=128, threads=256, smem=100 * 1024))
+    vt = SimpleNamespace(params=ArgPack(VT_PARAMS), fn=_Kernel(), threads=128, smem=0,
+                         geometry=dict(threads=128, cols_per_cta=128))
+    return sm90, sm80, vt
+
+
+class FakeGpu:
+    """What the stubs saw: ``launches`` (prepared launch, stream, a copy of its argument buffer)
+    when ``record`` (the launch itself is stubbed), else only ``count`` (the driver's launch is
+    stubbed); ``encodes``, the tensor maps encoded; ``packs``, the kernels looked up to pack a
+    launch. A launch sleeps ``pause`` seconds before it is recorded."""
+
+    def __init__(self, record: bool, capability: str):
+        self.record, self.capability = record, capability
+        self.launches: List[tuple] = []
+        self.count = 0
+        self.encodes = 0
+        self.packs = 0
+        self.pause = 0.0
+
+    def values(self, i: int = -1) -> dict:
+        """The named argument values of launch ``i`` (prefill launches only)."""
+        pl, _, raw = self.launches[i]
+        buf = np.frombuffer(raw, pl.pack.dtype, count=1)[0]
+        return {n: buf[n] for n in pl.pack.names}
+
+    def prefill_launches(self) -> list:
+        return [x for x in self.launches if "num_heads" in x[0].pack.names]
+
+
+@contextlib.contextmanager
+def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
+    """Stub the device for the duration (a :class:`FakeGpu` records what reached the launch)."""
+    import cupy
+
+    import mla_cupy._arrays as arrays
+    import mla_cupy.api as api
+    import mla_cupy._plan_checks as plan_checks
+    import mla_cupy.fp8 as fp8
+    import mla_cupy.prefill_plan as prefill_plan
+    import mla_cupy._geometry as geometry
+    import mla_cupy._launch as launch
+    import mla_cupy._packing as packing
+    import mla_cupy._select as select
+    import mla_cupy.tma as tma
+    import mla_cupy.validation as validation
+
+    gpu = FakeGpu(record, capability)
+    sm90, sm80, vt = _kernels()
+
+    def prefill_kernel(kernel, *a, **kw):
+        gpu.packs += 1
+        return sm90 if kernel == "sm90" else sm80
+
+    def encode(buf, dtype_code, rank, ptr, dims, strides, box, elem, *flags):
+        """Writes what a map encodes (pointer, dtype, dims, strides, box) in its first words."""
+        gpu.encodes += 1
+        words = (ctypes.c_uint64 * 16).from_address(buf)
+        words[0], words[1] = ptr.value or 0, dtype_code
+        for i in range(rank):
+            words[2 + i], words[10 + i] = dims[i], box[i]
+        for i in range(rank - 1):
+            words[6 + i] = strides[i]
+        return 0
+
+    def launched(self, stream_ptr):
+        gpu.count += 1
+        if gpu.pause:  # let another thread run between the packing and the launch
+            time.sleep(gpu.pause)
+        if gpu.record:
+            gpu.launches.append((self, stream_ptr, bytes(self._mem)))
+
+    class _Stream:
+        ptr = stream
+
+    host_read = validation.to_host
+
+    def to_host(x):  # CuPy arrays over host memory: read where they are
+        if isinstance(x, cupy.ndarray):
+            return host_array(x)
+        return host_read(x)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(arrays, "gpu_missing", lambda: None)
+        mp.setattr(select, "device_id", lambda: 0)
+        mp.setattr(select, "_capability", lambda dev: capability)
+        mp.setattr(select, "_sm_count_and_l2", lambda dev: (132, 50 << 20))
+        mp.setattr(packing, "prefill_kernel", prefill_kernel)
+        mp.setattr(geometry, "transpose_v_kernel", lambda dev: vt)
+        mp.setattr(packing, "tile_counter", lambda dev, sp: 0x7000 + (sp & 0xff) * 8)
+        mp.setattr(tma, "_driver", lambda: encode)
+        if record:
+            mp.setattr(launch.PreparedLaunch, "launch", launched)
+        else:  # only the driver call is left out: PreparedLaunch.launch runs as on a GPU
+            from cupy.cuda import driver
+
+            mp.setattr(driver, "launchKernel", lambda *args: setattr(gpu, "count", gpu.count + 1))
+        mp.setattr(cupy.cuda, "get_current_stream", lambda: _Stream)
+        mp.setattr(validation, "to_host", to_host)
+        mp.setattr(fp8, "to_host", to_host)
+        mp.setattr(plan_checks, "to_host", to_host)
+        mp.setattr(prefill_plan, "_require_gpu", lambda: None)
+        # device memory the one-shot calls allocate: host memory here
+        mp.setattr(api, "empty_result", lambda shape, dtype, like, name="out": host_cupy(np.zeros(shape, dtype)))
+        mp.setattr(api, "workspace_on", lambda shape, sp: host_cupy(np.zeros(max(int(np.prod(shape)), 1), np.uint8)))
+        mp.setattr(api, "_widened", lambda q_start_pos, sp: host_cupy(host_array(q_start_pos).astype(np.int64)))
+        tma._encode_cached.cache_clear()
+        try:
+            yield gpu
+        finally:
+            tma._encode_cached.cache_clear()
+
+
+def host_cupy(a) -> "cupy.ndarray":
+    """A CuPy array over a 64-byte aligned host copy of ``a`` (it keeps the copy alive)."""
+    import cupy
+
+    a = np.asarray(a)
+    buf = np.empty(a.nbytes + 64, np.uint8)
+    off = (-buf.ctypes.data) % 64
+    host = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    host[...] = a
+    mem = cupy.cuda.UnownedMemory(host.ctypes.data, max(a.nbytes, 1), buf, device_id=0)
+    return cupy.ndarray(a.shape, a.dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+
+def host_array(x) -> np.ndarray:
+    """The host memory under a CuPy array made by :func:`host_cupy` (or a view of one), as NumPy."""
+    nbytes = sum((s - 1) * abs(st) for s, st in zip(x.shape, x.strides)) + x.itemsize if x.size else 1
+    raw = (ctypes.c_char * nbytes).from_address(x.data.ptr)
+    return np.ndarray(x.shape, x.dtype, buffer=raw, strides=x.strides).copy()
+
+
+def write_host(x, values) -> None:
+    """Overwrite the host memory under a contiguous CuPy array made by :func:`host_cupy`."""
+    a = np.ascontiguousarray(np.asarray(values, x.dtype).reshape(x.shape))
+    ctypes.memmove(x.data.ptr, a.ctypes.data, a.nbytes)
