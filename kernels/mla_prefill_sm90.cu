@@ -84,15 +84,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(const __grid_c
   const Smem<V> sm = storage();
   const TileHandout sched = scheduler(sm);
   Mainloop<V, Mask, kPaged> mainloop(p, sm, Mask{p.mask_arg});
-  const bool keep_v = kStagedEpilogue<V, OutT> && p.accumulate == 0;  // the epilogue stages O in V
   for (int n = 0;; ++n) {
     WorkInfo k;
     sched.take(n, k);
     if (!k.valid) break;
     float o[kOTiles][4];
     OnlineSoftmax smx;
-    const int held = mainloop.run(k, o, smx, keep_v);
-    epilogue_store<V, OutT>(p, sm, k, mainloop.row0(k), o, smx, held);
+    mainloop.run(k, o, smx);
+    epilogue_store<V, OutT>(p, sm, k, mainloop.row0(k), o, smx);
   }
   mainloop.finish();
 }

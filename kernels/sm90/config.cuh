@@ -37,10 +37,16 @@ constexpr int kConsumerRegs = 216;
 static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register budget");
 
 // Named barriers (0 is __syncthreads): both consumers after zeroing V rows, the consumers' turns
-// (kTurnBar + c: consumer c may issue its GEMMs), the epilogue's shared-memory staging.
+// (kTurnBar + c: consumer c may issue its GEMMs), consumer c's output staging (kEpilogueBar + c).
 constexpr int kVZeroBar = 1;
 constexpr int kTurnBar = 2;
-constexpr int kEpilogueBar = 4;                     // kEpilogueBar: both consumers; + 1 + c: consumer c
+constexpr int kEpilogueBar = 4;
+
+// The epilogue's output staging (epilogue.cuh): per consumer, its 64 rows x 64 16-bit values (one
+// half of O's columns) at a time, 128 bytes a row.
+constexpr int kOutStageHalf = kDv / 2;                              // values of a row per pass
+constexpr int kOutStageRowBytes = kOutStageHalf * 2;                // 128
+constexpr int kOutStageBytes = kConsumers * kWgRows * kOutStageRowBytes;  // 16 KiB
 
 // ---------------------------------------------------------------------------------------------
 // Variants. Each is a traits type: the 16-bit element type, what Q K^T and P V read, the K/V ring
@@ -115,11 +121,10 @@ template <class V, bool kPaged> constexpr bool kRopeWarp = kPaged || V::kRope8;
 #ifndef MLA_SM90_FAST_EPILOGUE
 #define MLA_SM90_FAST_EPILOGUE 1
 #endif
-// 16-bit outputs staged through the last V stage and written with 16-byte stores (measured: 4%
-// faster on 1x512 and 64x128, 1.2-2.5% slower from 1024 keys up, where holding the V stage delays
-// the next work tile's loads: off).
+// 16-bit outputs staged through shared memory and written with 16-byte stores of whole 128-byte
+// row halves, instead of 4-byte stores from the fragments (not when accumulating).
 #ifndef MLA_SM90_SMEM_EPILOGUE
-#define MLA_SM90_SMEM_EPILOGUE 0
+#define MLA_SM90_SMEM_EPILOGUE 1
 #endif
 
 // Arrivals each consumer-released barrier expects: one per consumer warp, or one per thread.

@@ -1,14 +1,16 @@
 // The epilogue: normalize each row of O, merge it into out / lse when accumulating (chunked
 // prefill), store it and its natural-log lse. Two ways:
-//   * direct (../softmax.cuh: store_rows): each thread stores its fragment, 4 bytes per value pair;
-//   * staged (MLA_SM90_SMEM_EPILOGUE, 16-bit outputs, not accumulating): each warpgroup writes its
-//     64 normalized rows into the last key tile's V stage (held by the mainloop until here), then
-//     every thread stores 16-byte chunks of whole rows. The V stage is free only once BOTH
-//     consumers' last P V has read it, hence the barrier over both before the first write; it is
-//     released to the producer after the chunks are read.
-// The staging layout: warpgroup c's rows at byte 16 KiB * c, row r at 256 r, its 16-byte chunk j at
-// (j ^ (r % 8)) * 16: the fragment writes (8 rows x 4 lanes per warp and chunk) and the chunk
-// reads (8 consecutive chunks of a row per quarter warp) are free of bank conflicts.
+//   * direct (../softmax.cuh: store_rows): each thread stores its fragment, 4 bytes per value pair
+//     (a quad of lanes covers 16 bytes of a row: half of a 32-byte sector per store);
+//   * staged (MLA_SM90_SMEM_EPILOGUE, 16-bit outputs, not accumulating): each consumer writes its
+//     64 normalized rows into its own 8 KiB of SharedStorage::out_stage, one half of the columns
+//     at a time, and its threads store whole 128-byte row halves in 16-byte chunks.
+// The staging layout: row r at 128 r, its 16-byte chunk j at (j ^ (r % 8)) * 16. A warp's fragment
+// writes (8 rows x 4 lanes per chunk) and a quarter warp's chunk reads (the 8 chunks of a row) are
+// free of bank conflicts. Per work tile each consumer syncs its 128 threads four times on its own
+// named barrier: before the first half is written (the last tile's reads are done), after each
+// half is written, and before the second half overwrites the first. Nothing here touches the
+// K/V stages, so the producer's loads of the next work tile never wait for the epilogue.
 #pragma once
 #include "../softmax.cuh"
 #include "config.cuh"
@@ -19,13 +21,13 @@
 namespace mla {
 namespace sm90 {
 
-// Whether variant V writes OutT through the V stage (with accumulate off, checked at run time).
+// Whether variant V writes OutT through the output staging (with accumulate off, checked at run time).
 template <class V, typename OutT>
-constexpr bool kStagedEpilogue = MLA_SM90_SMEM_EPILOGUE && !V::kFp8 && sizeof(OutT) == 2 && kVBytes<V> >= kBlockM * kDv * 2;
+constexpr bool kStagedEpilogue = MLA_SM90_SMEM_EPILOGUE && sizeof(OutT) == 2;
 
 template <class V, typename OutT>
 __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& sm, const WorkInfo& k, int row0,
-                                               float (&o)[kOTiles][4], OnlineSoftmax& smx, int held_stage) {
+                                               float (&o)[kOTiles][4], OnlineSoftmax& smx) {
   if constexpr (V::kFp8) {  // O holds kPScale * P V and the row sums kPScale * sum(P) (fp8.cuh)
 #pragma unroll
     for (int i = 0; i < kOTiles; ++i)
@@ -37,40 +39,50 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& s
   OutT* out = static_cast<OutT*>(p.out);
   constexpr bool kFast = MLA_SM90_FAST_EPILOGUE;
   if constexpr (kStagedEpilogue<V, OutT>) {
-    if (held_stage >= 0) {
+    if (p.accumulate == 0) {
       const WorkTile& w = k.w;
       const int lane = threadIdx.x % 32;
       const int cw = threadIdx.x / 128 - 1;
-      const u32 stage = sm.v(held_stage) + cw * (kWgRows * kDv * 2);
-      named_barrier_sync(kEpilogueBar, kConsumerThreads);  // both consumers' last P V has read V
+      const int wtid = threadIdx.x % 128;
+      const int bar = kEpilogueBar + cw;
+      const u32 stage = sm.at(sm.s.out_stage) + cw * (kWgRows * kOutStageRowBytes);
+      const int wr0 = k.m0 + cw * kWgRows;  // the consumer's first row in the work tile
+      MergeWeights mw[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const MergeWeights mw = row_weights<kFast>(smx, r, false, neg_inf());
-        const int wrow = row0 - k.m0 - cw * kWgRows + 8 * r;  // row inside the warpgroup's 64
-#pragma unroll
-        for (int dt = 0; dt < kOTiles; ++dt)
-          sts32(stage + wrow * 256 + ((dt ^ (wrow & 7)) << 4) + 4 * (lane & 3),
-                Elem<OutT>::pack(o[dt][2 * r] * mw.wb, o[dt][2 * r + 1] * mw.wb));
+        mw[r] = row_weights<kFast>(smx, r, false, neg_inf());
         if (p.lse != nullptr && (lane & 3) == 0 && row0 + 8 * r < w.sq)
-          p.lse[(w.q_row0 + row0 + 8 * r) * p.lse_st + w.h] = mw.lse;
+          p.lse[(w.q_row0 + row0 + 8 * r) * p.lse_st + w.h] = mw[r].lse;
       }
-      named_barrier_sync(kEpilogueBar + 1 + cw, 128);  // this warpgroup's rows are in shared memory
-      const int wtid = threadIdx.x % 128;
-      const int wr0 = k.m0 + cw * kWgRows;
+      named_barrier_sync(bar, 128);  // this consumer's reads of the previous work tile are done
 #pragma unroll
-      for (int i = 0; i < kWgRows * 16 / 128; ++i) {
-        const int id = wtid + 128 * i, r = id / 16, j = id % 16;  // row r, 16-byte chunk j
-        u32 x[4];
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
-                     : "r"(stage + r * 256 + ((j ^ (r & 7)) << 4)));
-        if (wr0 + r < w.sq) {
-          OutT* dst = out + (w.q_row0 + wr0 + r) * p.o_st + w.h * p.o_sh + 8 * j;
-          *reinterpret_cast<uint4*>(dst) = make_uint4(x[0], x[1], x[2], x[3]);
+      for (int half = 0; half < 2; ++half) {
+        if (half == 1) named_barrier_sync(bar, 128);  // the first half is read
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int wrow = row0 - wr0 + 8 * r;  // row inside the consumer's 64
+#pragma unroll
+          for (int j = 0; j < kOutStageHalf / 8; ++j) {
+            const int dt = half * (kOutStageHalf / 8) + j;
+            sts32(stage + wrow * kOutStageRowBytes + ((j ^ (wrow & 7)) << 4) + 4 * (lane & 3),
+                  Elem<OutT>::pack(o[dt][2 * r] * mw[r].wb, o[dt][2 * r + 1] * mw[r].wb));
+          }
+        }
+        named_barrier_sync(bar, 128);  // the half is in shared memory
+        constexpr int kChunks = kOutStageRowBytes / 16;  // 8 per row
+#pragma unroll
+        for (int i = 0; i < kWgRows * kChunks / 128; ++i) {
+          const int id = wtid + 128 * i, r = id / kChunks, j = id % kChunks;  // row r, 16-byte chunk j
+          u32 x[4];
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+                       : "r"(stage + r * kOutStageRowBytes + ((j ^ (r & 7)) << 4)));
+          if (wr0 + r < w.sq) {
+            OutT* dst = out + (w.q_row0 + wr0 + r) * p.o_st + w.h * p.o_sh + half * kOutStageHalf + 8 * j;
+            *reinterpret_cast<uint4*>(dst) = make_uint4(x[0], x[1], x[2], x[3]);
+          }
         }
       }
-      fence_proxy_async();  // these generic-proxy accesses before the next TMA write into the stage
-      TileHandout::release(sm.v_empty(held_stage));  // the staged rows are read: V's stage is free
       return;
     }
   }

@@ -181,14 +181,13 @@ struct Mainloop {
   }
 
   // The mainloop of work tile k: O (unnormalized; fp8: times kPScale) and the softmax state of this
-  // thread's two rows. With keep_v, the last key tile's V stage is not released: its index is
-  // returned for the epilogue to stage the output in (and release); -1 when there was no key tile.
-  __device__ __forceinline__ int run(const WorkInfo& k, float (&o)[kOTiles][4], OnlineSoftmax& smx, bool keep_v) {
+  // thread's two rows.
+  __device__ __forceinline__ void run(const WorkInfo& k, float (&o)[kOTiles][4], OnlineSoftmax& smx) {
     const WorkTile& w = k.w;
 #pragma unroll
     for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     smx.init();
-    if (k.num_tiles == 0) return -1;
+    if (k.num_tiles == 0) return;
     Tile x{k};
     x.wr0 = k.m0 + cw * kWgRows;
     x.r0 = row0(k);
@@ -258,9 +257,7 @@ struct Mainloop {
     wgmma_wait<0>();
     fence_operands(o);
     fence_operands(x.pa);
-    if (keep_v) return last;
     TileHandout::release(sm.v_empty(last));
-    return -1;
   }
 };
 

@@ -1,11 +1,12 @@
 // The Hopper kernel's shared memory: one struct per variant, and the shared-space addresses of its
 // parts (what TMA, wgmma and the mbarrier instructions take).
 //
-//   [Q][stage 0: K V][stage 1: K V](fp8: [stage 2: K V])[mbarriers][work slots][key flags]
+//   [Q][stage 0: K V][stage 1: K V](fp8: [stage 2: K V])[output staging][mbarriers][work slots][key flags]
 //
 // Tiles are 64-element column blocks with the 128-byte swizzle (what TMA writes; ptx.cuh), so Q and
-// each K and V start on a 1 KiB boundary. The epilogue's 16-bit output staging reuses the last key
-// tile's V stage once both consumers' P V has read it (epilogue.cuh).
+// each K and V start on a 1 KiB boundary. The output staging is the epilogue's own (epilogue.cuh):
+// half of each consumer's 64 x 128 16-bit rows at a time, so that no K/V stage is held past the
+// mainloop (the 16-bit variants have 17 KiB left beside their two 80 KiB stages, not 32).
 #pragma once
 #include "config.cuh"
 #include "scheduler.cuh"
@@ -21,6 +22,7 @@ struct alignas(1024) SharedStorage {
   };
   unsigned char q[kQBytes<V>];
   Stage stage[V::kStages];
+  unsigned char out_stage[kOutStageBytes];
   // mbarriers: Q (TMA / the consumers), each stage's K and V (TMA, plus the rope warp for K / the
   // consumers), and the scheduler's two slots (full, full, empty, empty)
   unsigned long long q_full, q_empty;
@@ -35,7 +37,8 @@ static_assert(kKBytes<VariantFp8> % 1024 == 0 && kKBytes<Variant16<__half>> % 10
 
 // Dynamic shared memory of variant V: the struct, plus the slack to align its base to 1 KiB.
 template <class V> constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage<V>)) + 1024;
-static_assert(kSmemBytes<Variant16<__half>> <= 227 * 1024 && kSmemBytes<VariantFp8> <= 227 * 1024,
+static_assert(kSmemBytes<Variant16<__half>> <= 227 * 1024 && kSmemBytes<VariantFp8> <= 227 * 1024 &&
+                  kSmemBytes<VariantFp8Rope<__half>> <= 227 * 1024,
               "shared memory per CTA");
 
 // Shared-space addresses of the parts of SharedStorage<V> at `base` (what TMA, wgmma and the
