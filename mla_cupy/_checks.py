@@ -80,17 +80,19 @@ def check_offsets_layout(x: Any, name: str) -> None:
         raise ValueError(f"{name}: expected a contiguous 1-D array, got stride {int(x.strides[0])} bytes")
 
 
-def check_offsets_values(h: np.ndarray, name: str, last: Optional[int], exact_last: bool, what: str) -> None:
-    """Offsets start at 0, never decrease, and end at (or before) ``last`` (unchecked when None)."""
+def check_offsets_values(h: np.ndarray, name: str, last: Optional[int], exact_last: bool, what: str) -> np.ndarray:
+    """Offsets start at 0, never decrease, and end at (or before) ``last`` (unchecked when None).
+    Returns the steps ``h[1:] - h[:-1]`` (the sequences' lengths)."""
     if h[0] != 0:
         raise ValueError(f"{name}: expected offsets starting at 0, got {name}[0] = {h[0]}")
-    d = np.diff(h)
-    if (d < 0).any():
+    d = h[1:] - h[:-1]
+    if d.size and d.min() < 0:
         i = int(np.argmax(d < 0))
         raise ValueError(f"{name}: offsets must be non-decreasing, got {name}[{i}] = {h[i]} > {name}[{i + 1}] = {h[i + 1]}")
     if last is None:
-        return
+        return d
     if exact_last and h[-1] != last:
         raise ValueError(f"{name}: the last offset must equal {what} = {last}, got {h[-1]}")
     if not exact_last and h[-1] > last:
         raise ValueError(f"{name}: the last offset must be <= {what} = {last}, got {h[-1]}")
+    return d

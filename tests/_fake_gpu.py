@@ -7,7 +7,9 @@ memory (the offsets' values, the one-shot calls' results, fp8 workspaces and wid
 ``q_start_pos``) reads or allocates host memory instead.
 
 Used by the CPU tests of the plan cache and by ``benchmarks/host_cpu_proxy.py`` (the host time of
-the call paths, as a proxy of the GPU numbers)."""
+the call paths, as a proxy of the GPU numbers). The device-to-host reads are counted: ``copies``
+(one per array copied) and ``syncs`` (one per stream synchronized, and one per synchronous copy
+of :func:`mla_cupy._arrays.to_host`)."""
 from __future__ import annotations
 
 import contextlib
@@ -60,7 +62,9 @@ class FakeGpu:
     """What the stubs saw: ``launches`` (prepared launch, stream, a copy of its argument buffer)
     when ``record`` (the launch itself is stubbed), else only ``count`` (the driver's launch is
     stubbed); ``encodes``, the tensor maps encoded; ``packs``, the kernels looked up to pack a
-    launch. A launch sleeps ``pause`` seconds before it is recorded."""
+    launch; ``copies`` and ``syncs``, the device-to-host copies and the synchronizations they
+    waited on (an asynchronous copy and its stream's synchronization, or a synchronous copy).
+    A launch sleeps ``pause`` seconds before it is recorded."""
 
     def __init__(self, record: bool, capability: str):
         self.record, self.capability = record, capability
@@ -68,6 +72,8 @@ class FakeGpu:
         self.count = 0
         self.encodes = 0
         self.packs = 0
+        self.copies = 0
+        self.syncs = 0
         self.pause = 0.0
 
     def values(self, i: int = -1) -> dict:
@@ -95,7 +101,6 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
     import mla_cupy._packing as packing
     import mla_cupy._select as select
     import mla_cupy.tma as tma
-    import mla_cupy.validation as validation
 
     gpu = FakeGpu(record, capability)
     sm90, sm80, vt = _kernels()
@@ -125,12 +130,29 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
     class _Stream:
         ptr = stream
 
-    host_read = validation.to_host
+    host_read = arrays.to_host
 
-    def to_host(x):  # CuPy arrays over host memory: read where they are
+    def to_host(x):  # CuPy arrays over host memory: read where they are, a synchronous copy each
         if isinstance(x, cupy.ndarray):
+            gpu.copies += 1
+            gpu.syncs += 1
             return host_array(x)
         return host_read(x)
+
+    stage = {}
+
+    def pinned(nbytes):  # the staging buffer: host memory (64-byte aligned), grown as needed
+        if stage.get("n", 0) < nbytes:
+            stage["buf"] = host_array(host_cupy(np.zeros(max(nbytes, 4096), np.uint8)))
+            stage["n"] = stage["buf"].nbytes
+        return stage["buf"].ctypes.data, stage["buf"]
+
+    def copy_async(dst, src, nbytes, stream_ptr):
+        gpu.copies += 1
+        ctypes.memmove(dst, src, nbytes)
+
+    def synchronize(stream_ptr):
+        gpu.syncs += 1
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(arrays, "gpu_missing", lambda: None)
@@ -148,7 +170,11 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
 
             mp.setattr(driver, "launchKernel", lambda *args: setattr(gpu, "count", gpu.count + 1))
         mp.setattr(cupy.cuda, "get_current_stream", lambda: _Stream)
-        mp.setattr(validation, "to_host", to_host)
+        mp.setattr(arrays, "to_host", to_host)
+        mp.setattr(arrays, "_pinned", pinned)
+        mp.setattr(arrays, "_copy_to_host_async", copy_async)
+        mp.setattr(arrays, "_synchronize", synchronize)
+        mp.setattr(arrays, "_current_device", lambda: 0)
         mp.setattr(fp8, "to_host", to_host)
         mp.setattr(plan_checks, "to_host", to_host)
         mp.setattr(prefill_plan, "_require_gpu", lambda: None)
