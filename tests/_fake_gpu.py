@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import time
+import warnings
 from types import SimpleNamespace
 from typing import List
 
 import numpy as np
 import pytest
 
+from mla_cupy._arrays import BF16
 from mla_cupy._launch import F32, I32, I64, PTR, TENSOR_MAP_DTYPE, U32, ArgPack
 
 _TM = TENSOR_MAP_DTYPE
@@ -187,6 +189,67 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
             yield gpu
         finally:
             tma._encode_cached.cache_clear()
+
+
+@contextlib.contextmanager
+def torch_as_cuda(stream: int = 0x5000):
+    """Inside :func:`fake_gpu`: torch CPU tensors pose as CUDA tensors of device 0 (``is_cuda``,
+    ``get_device()``), torch's current stream is ``stream``, and the torch ops' CuPy views are CuPy
+    arrays over the tensors' host memory, so that the torch entry points (:mod:`mla_cupy.torch_ops`,
+    :mod:`mla_cupy.flash_attn`) reach the stubbed launch. Every tensor poses, and the ops'
+    registered CPU kernels are their CUDA implementations for the duration (the dispatcher routes
+    these tensors to the CPU key), so the CPU reference of the ops cannot run inside. Where the package would view a tensor through DLPack it gets
+    such a CuPy array too."""
+    import torch
+
+    from torch._library.custom_ops import OPDEFS
+
+    import mla_cupy._arrays as arrays
+    import mla_cupy.torch_ops as torch_ops
+
+    def view(x):  # a torch_ops._cupy stand-in: zero-copy, over the tensor's memory
+        import cupy
+
+        if x is None:
+            return None
+        x = x.detach()
+        dtype = {torch.bfloat16: BF16, torch.float8_e4m3fn: np.dtype(np.uint8)}.get(x.dtype)
+        dtype = dtype if dtype is not None else np.dtype(str(x.dtype).replace("torch.", ""))
+        nbytes = max(x.untyped_storage().nbytes(), 1)
+        mem = cupy.cuda.UnownedMemory(x.untyped_storage().data_ptr(), nbytes, x, device_id=0)
+        ptr = cupy.cuda.MemoryPointer(mem, x.data_ptr() - x.untyped_storage().data_ptr())
+        return cupy.ndarray(tuple(x.shape), dtype, memptr=ptr, strides=tuple(n * x.element_size() for n in x.stride()))
+
+    device_view = arrays.as_device
+
+    @contextlib.contextmanager
+    def torch_stream_context(device):  # torch_ops._torch_context: CuPy's current stream is torch's
+        import cupy
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(cupy.cuda, "get_current_stream", lambda: SimpleNamespace(ptr=arrays._TORCH_STREAM[0]()))
+            yield
+
+    def as_device(x, name):
+        return view(x) if isinstance(x, torch.Tensor) else device_view(x, name)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(arrays, "as_device", as_device)
+        mp.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        mp.setattr(torch.Tensor, "get_device", lambda self: 0)
+        mp.setattr(arrays, "_TORCH_STREAM", [lambda: stream])
+        mp.setattr(torch_ops, "_torch_context", torch_stream_context)
+        mp.setattr(torch_ops, "_cupy", view)
+        lib = torch.library.Library("mla_cupy", "IMPL")  # dropped on the way out: the CPU kernels come back
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+                for name, opdef in OPDEFS.items():
+                    if name.startswith("mla_cupy::"):
+                        lib.impl(name.split("::")[1], opdef._backend_fns["cuda"], "CPU")
+            yield
+        finally:
+            lib._destroy()
 
 
 def host_cupy(a) -> "cupy.ndarray":
