@@ -53,6 +53,15 @@ def call(d, **kw):
                                 d["cache_row_offsets"], **kw)
 
 
+def fp8_arrays():
+    """``(inputs, valid_length, cache_row_offsets, out)`` of a small fp8 per-token call, over host memory."""
+    c = make_case([5, 3], [6, 3], 4, BF16, seed=0)
+    f = mla_cupy.quant.quantize_per_token(c.q, c.k, c.v, c.k_rope)
+    a = [host_cupy(f[n].view(np.uint8) if f[n].dtype.itemsize == 1 else f[n])
+         for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")]
+    return a, host_cupy(c.valid_length), host_cupy(c.cache_row_offsets), host_cupy(np.zeros((8, 4, 128), BF16))
+
+
 def counts():
     i = plan_cache_info()
     return i.hits, i.misses
@@ -280,12 +289,7 @@ def test_a_paged_table_and_fp8_scales_are_read_with_the_offsets(gpu):
         assert syncs_of(gpu, lambda: call(d, k_rope=cache, q_max_seq_len=5)) == (3, 1)
     if gpu.capability != "90":
         return
-    c = make_case([5, 3], [6, 3], 4, BF16, seed=0)
-    f = mla_cupy.quant.quantize_per_token(c.q, c.k, c.v, c.k_rope)
-    a = [host_cupy(f[n].view(np.uint8) if f[n].dtype.itemsize == 1 else f[n])
-         for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")]
-    vl, cro = host_cupy(c.valid_length), host_cupy(c.cache_row_offsets)
-    out = host_cupy(np.zeros((8, 4, 128), BF16))
+    a, vl, cro, out = fp8_arrays()
     for _ in range(2):
         assert syncs_of(gpu, lambda: mla_cupy.mla_prefill_fp8(*a, vl, cro, out=out)) == (3, 1)
     write_host(a[2], np.full(8, -1, np.float32))
@@ -350,12 +354,7 @@ def test_fp8_takes_a_workspace_per_call(gpu, monkeypatch):
         pytest.skip("the fp8 variant runs on the Hopper kernel")
     spaces, new_space = [], api.workspace_on
     monkeypatch.setattr(api, "workspace_on", lambda shape, sp: spaces.append(new_space(shape, sp)) or spaces[-1])
-    c = make_case([5, 3], [6, 3], 4, BF16, seed=0)
-    f = mla_cupy.quant.quantize_per_token(c.q, c.k, c.v, c.k_rope)
-    a = [host_cupy(f[n].view(np.uint8) if f[n].dtype.itemsize == 1 else f[n])
-         for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")]
-    vl, cro = host_cupy(c.valid_length), host_cupy(c.cache_row_offsets)
-    out = host_cupy(np.zeros((8, 4, 128), BF16))
+    a, vl, cro, out = fp8_arrays()
     for _ in range(3):
         mla_cupy.mla_prefill_fp8(*a, vl, cro, out=out, **FAST)
         vt, _, vt_raw = gpu.launches[-2]  # the pre-pass, then the prefill
