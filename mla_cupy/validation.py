@@ -22,7 +22,7 @@ import numpy as np
 
 from ._arrays import BF16, FP16, FP32, FP8_E4M3, read_back, require_device
 from ._checks import (OFFSET_DTYPES, QSTART_DTYPES, U8, check_array, check_layout, check_offsets_array,
-                      check_offsets_layout, check_offsets_values, check_shape, dtype_of)
+                      check_offsets_layout, check_offsets_values, check_shape, dtype_of, step_range)
 from .dims import DQK, DR, DV  # noqa: F401  (DQK, DR, DV: also read from here by older callers)
 from .fp8 import check_fp8_arrays, check_fp8_layout, check_q_scale_values
 from ._select import check_kernel_name
@@ -218,14 +218,11 @@ def _offset_values(vl: np.ndarray, cro: np.ndarray, co: Optional[np.ndarray], *,
     batch = len(vl) - 1
     given = co is not None
     co = np.zeros(batch, np.int64) if co is None else co.astype(np.int64)
-    sq = None
     if validate:
-        sq = check_offsets_values(vl, "valid_length", tq, True, "Tq (q.shape[0])")
+        observed = check_offsets_values(vl, "valid_length", tq, True, "Tq (q.shape[0])")
         check_offsets_values(cro, "cache_row_offsets", tk, False, "Tk (k.shape[0])")
-    if not batch:
-        observed = 0
     else:
-        observed = int((vl[1:] - vl[:-1] if sq is None else sq).max())
+        observed = step_range(vl)[1]
     if validate and q_max_seq_len is not None and observed > q_max_seq_len:
         raise ValueError(f"q_max_seq_len: a sequence has {observed} queries, more than q_max_seq_len = {q_max_seq_len}")
     if validate and given and batch and co.min() < 0:
