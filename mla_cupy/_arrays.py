@@ -370,24 +370,25 @@ def pointers_and_layouts(arrays) -> Tuple[list, list]:
     of one kind, shape, strides, dtype and device. Raises ``TypeError`` for an object that is
     neither a host array nor has a pointer to read this way (a DLPack-only array, not an array)."""
     ptrs, layouts = [], []
+    ptr, layout = ptrs.append, layouts.append
     kinds = _KINDS
     for x in arrays:
         if x is None:
-            ptrs.append(0)
-            layouts.append(None)
+            ptr(0)
+            layout(None)
             continue
         t = type(x)
         kind = kinds.get(t) or _kind(t)
         if kind == _CUPY_ARRAY:
             d = x.data
-            ptrs.append(d.ptr)
-            layouts.append((x.shape, x.strides, x.dtype, d.device_id))
+            ptr(d.ptr)
+            layout((x.shape, x.strides, x.dtype, d.device_id))
         elif kind == _TORCH:
-            ptrs.append(x.data_ptr())
-            layouts.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
+            ptr(x.data_ptr())
+            layout((t, x.shape, x.stride(), x.dtype, x.get_device()))
         else:
-            ptrs.append(_other_pointer(x))
-            layouts.append(_layout_key(x))
+            ptr(_other_pointer(x))
+            layout(_layout_key(x))
     return ptrs, layouts
 
 
