@@ -3,7 +3,9 @@
 device array is needed, with a message that says how to move them."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+import ctypes
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -20,8 +22,8 @@ FP16 = np.dtype(np.float16)
 FP32 = np.dtype(np.float32)
 
 __all__ = ["BF16", "FP16", "FP32", "FP8_E4M3", "INSTALL_GPU", "cupy_or_none", "gpu_missing", "require_gpu", "as_device",
-           "checkable", "is_device", "require_device", "is_torch", "result_wrapper", "to_host", "stream_ptr",
-           "stream_of", "pointers_and_layouts"]
+           "checkable", "is_device", "require_device", "is_torch", "result_wrapper", "to_host", "read_back",
+           "stream_ptr", "stream_of", "pointers_and_layouts"]
 
 
 _CUPY = []  # memo: [module or None]
@@ -168,6 +170,152 @@ def to_host(x: Any) -> np.ndarray:
     return x.get()
 
 
+# ---------------------------------------------------------------------------------------------
+# Reading small device arrays back with one synchronization
+
+_STAGE_ALIGN = 16  # each array's bytes start on this boundary of the staging buffer
+_STAGE_MIN = 4096  # the smallest staging buffer (bytes)
+#: the dtypes read back through the staging buffer (offsets, positions, page tables, scales)
+_STAGEABLE = frozenset(np.dtype(n) for n in ("int32", "int64", "uint32", "uint8", "float32"))
+_TORCH_NUMPY: dict = {}  # torch dtype -> its NumPy dtype in _STAGEABLE, or None
+
+
+class _Stage(threading.local):
+    """A thread's page-locked staging buffer (grown to the largest read so far), so that reads of
+    concurrent threads never share memory."""
+
+    mem: Any = None
+    host: Optional[np.ndarray] = None
+    nbytes: int = 0
+
+
+_STAGE = _Stage()
+
+
+def _pinned(nbytes: int) -> Tuple[int, np.ndarray]:
+    """``(address, NumPy bytes over it)`` of the thread's staging buffer of at least ``nbytes``
+    bytes: page-locked (portable, for the contexts of every device), so a device-to-host copy
+    into it is asynchronous and takes no staging copy in the driver."""
+    st = _STAGE
+    if st.nbytes < nbytes:
+        import cupy
+
+        size = max(_STAGE_MIN, 1 << (nbytes - 1).bit_length())
+        st.mem = cupy.cuda.PinnedMemory(size, cupy.cuda.runtime.hostAllocPortable)
+        st.nbytes = size
+        st.host = np.frombuffer((ctypes.c_uint8 * size).from_address(st.mem.ptr), np.uint8)
+    return st.mem.ptr, st.host
+
+
+def _current_device() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+def _copy_to_host_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    import cupy
+
+    rt = cupy.cuda.runtime
+    rt.memcpyAsync(dst, src, nbytes, rt.memcpyDeviceToHost, stream)
+
+
+def _synchronize(stream: int) -> None:
+    import cupy
+
+    cupy.cuda.runtime.streamSynchronize(stream)
+
+
+def _cupy_stream() -> int:
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
+
+
+def _staged(x: Any, device: int) -> Optional[Tuple[int, int, np.dtype, tuple, int]]:
+    """``(pointer, bytes, dtype, shape, stream)`` of a contiguous CuPy array or torch CUDA tensor
+    on ``device`` (read on the stream :func:`to_host` reads it on: CuPy's current stream, torch's
+    current stream), or None when it is read by :func:`to_host`."""
+    t = type(x)
+    kind = _KINDS.get(t) or _kind(t)
+    if kind == _CUPY_ARRAY:
+        d = x.data
+        if d.device_id != device or x.dtype not in _STAGEABLE or not x.flags.c_contiguous:
+            return None
+        return d.ptr, x.nbytes, x.dtype, x.shape, _cupy_stream()
+    if kind == _TORCH and getattr(x, "is_cuda", False):
+        dt = _TORCH_NUMPY.get(x.dtype, False)
+        if dt is False:  # first sight of this torch dtype
+            try:
+                dt = np.dtype(str(x.dtype).replace("torch.", ""))
+            except TypeError:  # bfloat16, float8...: no NumPy dtype of that name
+                dt = None
+            dt = _TORCH_NUMPY[x.dtype] = dt if dt in _STAGEABLE else None
+        if dt is None or x.get_device() != device or not x.is_contiguous():
+            return None
+        return x.data_ptr(), x.numel() * dt.itemsize, dt, tuple(x.shape), (_TORCH_STREAM[0] if _TORCH_STREAM
+                                                                             else _torch_stream())()
+    return None
+
+
+def read_back(arrays: Sequence[Any]) -> List[Optional[np.ndarray]]:
+    """Small device arrays (offsets, page tables, scales) as NumPy arrays, as :func:`to_host`
+    reads them, with one synchronization in all.
+
+    Parameters
+    ----------
+    arrays : sequence
+        Arrays of any kind, or None.
+
+    Returns
+    -------
+    list
+        A NumPy array of its own (or None) per entry of ``arrays``: host arrays as they are, other
+        arrays copied.
+
+    Notes
+    -----
+    Contiguous CuPy arrays and torch CUDA tensors of the current device are copied asynchronously
+    into the thread's page-locked staging buffer, each on the stream :func:`to_host` would read it
+    on (CuPy's current stream, torch's current stream), and each stream used is synchronized once:
+    one wait for the work already queued there, instead of one synchronous copy per array. Any
+    other array goes through :func:`to_host`.
+    """
+    res: List[Optional[np.ndarray]] = [None] * len(arrays)
+    staged = []
+    total = 0
+    device = None
+    for i, x in enumerate(arrays):
+        if x is None:
+            continue
+        if isinstance(x, np.ndarray):
+            res[i] = to_host(x)
+            continue
+        if device is None:
+            device = _current_device()
+        s = _staged(x, device)
+        if s is None:
+            res[i] = to_host(x)
+            continue
+        staged.append((i, total, s))
+        total += -(-s[1] // _STAGE_ALIGN) * _STAGE_ALIGN
+    if not staged:
+        return res
+    base, host = _pinned(total)
+    streams = []
+    for _, off, (ptr, nbytes, _, _, stream) in staged:
+        if nbytes:
+            _copy_to_host_async(base + off, ptr, nbytes, stream)
+            if stream not in streams:
+                streams.append(stream)
+    for stream in streams:
+        _synchronize(stream)
+    for i, off, (_, nbytes, dtype, shape, _) in staged:
+        a = np.frombuffer(host, dtype, nbytes // dtype.itemsize, off)
+        res[i] = (a if len(shape) == 1 else a.reshape(shape)).copy()
+    return res
+
+
 def device_pointer(x: Any) -> int:
     """The data pointer of a device array: CuPy's ``.data.ptr``, torch's ``data_ptr()``, else
     ``__cuda_array_interface__``."""
@@ -222,24 +370,25 @@ def pointers_and_layouts(arrays) -> Tuple[list, list]:
     of one kind, shape, strides, dtype and device. Raises ``TypeError`` for an object that is
     neither a host array nor has a pointer to read this way (a DLPack-only array, not an array)."""
     ptrs, layouts = [], []
+    ptr, layout = ptrs.append, layouts.append
     kinds = _KINDS
     for x in arrays:
         if x is None:
-            ptrs.append(0)
-            layouts.append(None)
+            ptr(0)
+            layout(None)
             continue
         t = type(x)
         kind = kinds.get(t) or _kind(t)
         if kind == _CUPY_ARRAY:
             d = x.data
-            ptrs.append(d.ptr)
-            layouts.append((x.shape, x.strides, x.dtype, d.device_id))
+            ptr(d.ptr)
+            layout((x.shape, x.strides, x.dtype, d.device_id))
         elif kind == _TORCH:
-            ptrs.append(x.data_ptr())
-            layouts.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
+            ptr(x.data_ptr())
+            layout((t, x.shape, x.stride(), x.dtype, x.get_device()))
         else:
-            ptrs.append(_other_pointer(x))
-            layouts.append(_layout_key(x))
+            ptr(_other_pointer(x))
+            layout(_layout_key(x))
     return ptrs, layouts
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from ._arrays import device_pointer
 
 __all__ = ["OFFSET_DTYPES", "QSTART_DTYPES", "U8", "dtype_of", "check_array", "check_layout", "check_shape",
-           "check_aligned", "check_offsets_array", "check_offsets_layout", "check_offsets_values"]
+           "check_aligned", "check_offsets_array", "check_offsets_layout", "check_offsets_values", "step_range"]
 
 OFFSET_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32))
 QSTART_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
@@ -80,17 +80,35 @@ def check_offsets_layout(x: Any, name: str) -> None:
         raise ValueError(f"{name}: expected a contiguous 1-D array, got stride {int(x.strides[0])} bytes")
 
 
-def check_offsets_values(h: np.ndarray, name: str, last: Optional[int], exact_last: bool, what: str) -> None:
-    """Offsets start at 0, never decrease, and end at (or before) ``last`` (unchecked when None)."""
+def step_range(h: np.ndarray) -> Tuple[int, int]:
+    """``(smallest, largest)`` step ``h[i + 1] - h[i]`` of integer offsets (``(0, 0)`` for fewer than
+    two); on Python ints for short arrays, where NumPy's per-call cost dominates."""
+    n = len(h)
+    if n < 2:
+        return 0, 0
+    if n <= 64:
+        v = h.tolist()
+        d = [b - a for a, b in zip(v, v[1:])]
+        return min(d), max(d)
+    d = h[1:] - h[:-1]
+    return int(d.min()), int(d.max())
+
+
+def check_offsets_values(h: np.ndarray, name: str, last: Optional[int], exact_last: bool, what: str) -> int:
+    """Offsets start at 0, never decrease, and end at (or before) ``last`` (unchecked when None).
+    Returns the largest step (the longest sequence; 0 for a single offset)."""
     if h[0] != 0:
         raise ValueError(f"{name}: expected offsets starting at 0, got {name}[0] = {h[0]}")
-    d = np.diff(h)
-    if (d < 0).any():
+    smallest, largest = step_range(h)
+    if smallest < 0:
+        d = h[1:] - h[:-1]
         i = int(np.argmax(d < 0))
         raise ValueError(f"{name}: offsets must be non-decreasing, got {name}[{i}] = {h[i]} > {name}[{i + 1}] = {h[i + 1]}")
     if last is None:
-        return
-    if exact_last and h[-1] != last:
+        return largest
+    end = int(h[-1])
+    if exact_last and end != last:
         raise ValueError(f"{name}: the last offset must equal {what} = {last}, got {h[-1]}")
-    if not exact_last and h[-1] > last:
+    if not exact_last and end > last:
         raise ValueError(f"{name}: the last offset must be <= {what} = {last}, got {h[-1]}")
+    return largest

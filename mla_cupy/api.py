@@ -78,7 +78,8 @@ def mla_prefill(
     stream : cupy / torch stream or raw ``cudaStream_t`` int, optional
         Default: CuPy's current stream, or torch's current stream for torch inputs.
     validate : bool
-        Check offset values and paged block ids on the host (one small device-to-host copy).
+        Check offset values and paged block ids on the host (small device-to-host copies, one
+        synchronization in all).
     kernel : {"auto", "sm80", "sm90"}
         ``"auto"`` runs the Hopper TMA + wgmma kernel on compute capability 9.0 (plain or paged
         k_rope) and the portable mma.sync kernel elsewhere; the others force one.

@@ -22,8 +22,13 @@ from .validation import DQK, DR, DV
 __all__ = ["flash_attn_varlen_func"]
 
 
+_FULL = {True: CausalMask(), False: NullMask()}  # masks are immutable: one object each
+
+
 def _mask(causal: bool, window_size: Tuple[int, int]) -> Mask:
     """FlashAttention's ``causal`` / ``window_size`` as one of our masks (both bottom-right aligned)."""
+    if window_size == (-1, -1) and (causal is True or causal is False):
+        return _FULL[causal]
     left, right = (int(w) for w in window_size)
     if (left, right) == (-1, -1):
         return CausalMask() if causal else NullMask()
@@ -45,7 +50,7 @@ def _k_parts(k: torch.Tensor, k_rope: Optional[torch.Tensor]) -> Tuple[torch.Ten
         k_rope = k_rope.unsqueeze(1)
     if k_rope.dim() != 3 or k_rope.shape[0] != k.shape[0] or k_rope.shape[1] != 1 or k_rope.shape[2] != DR:
         raise ValueError(f"k_rope: expected [{k.shape[0]}, {DR}] or [{k.shape[0]}, 1, {DR}], got {list(k_rope.shape)}")
-    return k[..., :DV], k_rope
+    return (k if k.shape[-1] == DV else k[..., :DV]), k_rope
 
 
 def flash_attn_varlen_func(
@@ -127,9 +132,12 @@ def flash_attn_varlen_func(
     if v.dim() != 3 or v.shape[-1] != DV:
         raise ValueError(f"v: expected [Tk, H, {DV}], got {list(v.shape)}")
     scale = 1.0 / math.sqrt(DQK) if softmax_scale is None else float(softmax_scale)
+    want_lse = bool(return_softmax_lse or return_attn_probs)  # else the kernel writes no lse
     result = torch_ops.mla_prefill(q, k_nope, v, rope, cu_seqlens_q, cu_seqlens_k, scale=scale,
                                    mask=_mask(causal, window_size), q_max_seq_len=max_seqlen_q, validate=False,
-                                   out=out, return_lse=True)
+                                   out=out, return_lse=want_lse)
+    if not want_lse:
+        return result
     o, lse = result
     if return_softmax_lse:
         return o, lse.t()

@@ -21,6 +21,10 @@ blocks, ``lookup_table``, ``page_size``, ``rope_offset``, the fp8 scales in ``k_
 ``kernel``: inductor's fallback lowering reserves the name ``kernel``). The functions of this
 module (:func:`mla_prefill`, :func:`mla_prefill_fp8`, :func:`merge_states`, :func:`merge_states_`)
 take the Python API's arguments (mask objects, :class:`~mla_cupy.PagedKVCache`) and call the ops.
+In plain eager execution on CUDA tensors (:func:`eager_cuda`: nothing traces, compiles or
+intercepts the call) the prefill functions run the ops' CUDA implementation directly, skipping
+the dispatcher's cost (tens of microseconds a call) with the same arguments, results, errors and
+streams; whenever anything else would see the op, they call it.
 
 On CUDA tensors the ops run the kernels on torch's current stream; every device buffer they need
 (outputs, the fp8 V^T workspace, a widened ``q_start_pos``) comes from torch's caching
@@ -50,7 +54,7 @@ from .masks import MASK_KINDS, CausalMask, Mask
 from .paged import PagedKVCache
 from .validation import DV
 
-__all__ = ["MASK_KINDS", "mask_args", "mask_from_args", "mla_prefill", "mla_prefill_fp8", "merge_states",
+__all__ = ["MASK_KINDS", "mask_args", "mask_from_args", "eager_cuda", "mla_prefill", "mla_prefill_fp8", "merge_states",
            "merge_states_"]
 
 Tensor = torch.Tensor
@@ -328,21 +332,60 @@ def _rope_tensors(k_rope: Any, k_rope_scales: Optional[Tensor]) -> tuple:
     return k_rope, None, 0, 512, k_rope_scales
 
 
+def eager_cuda(tensors: tuple) -> bool:
+    """Whether a call of this module's functions on ``tensors`` (None entries allowed) may run the
+    ops' CUDA implementation directly instead of through ``torch.ops.mla_cupy``: the dispatcher
+    costs tens of microseconds a call, and in plain eager execution it only routes the call there.
+
+    True when nothing but eager execution would see the op: no ``torch.compile`` / dynamo tracing,
+    no ``torch.jit`` tracing, no ``TorchDispatchMode`` or ``TorchFunctionMode`` active (FakeTensor,
+    functionalization, ``make_fx``, user modes), no functorch transform (``vmap``, ``grad``), every
+    tensor a plain ``torch.Tensor`` on a CUDA device, and none requiring grad while grad mode is
+    on (the ops have no autograd formula: the dispatcher says so). Otherwise the call goes through
+    the registered op, which tracing, compilation and the modes record.
+    """
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack()
+            or torch._C._are_functorch_transforms_active() or torch._C._get_tracing_state() is not None):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not Tensor or not t.is_cuda or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def _plain_scalars(q_max_seq_len, validate, accumulate, kernel, out_dtype) -> bool:
+    """The keywords have the exact types the ops' schemas take (anything else goes through the op,
+    whose argument parsing says what is wrong)."""
+    return ((q_max_seq_len is None or (type(q_max_seq_len) is int)) and type(validate) is bool
+            and type(accumulate) is bool and type(kernel) is str
+            and (out_dtype is None or isinstance(out_dtype, torch.dtype)))
+
+
 def _call_prefill(name: str, inputs: tuple, k_rope, rest: tuple, *, k_rope_scales=None, scale=None, mask=None,
                   q_max_seq_len=None, cache_offsets=None, q_start_pos=None, out=None, out_dtype=None,
                   return_lse=False, lse=None, accumulate=False, validate=True, kernel="auto"):
+    """The functional or the in-place op of ``name``, called with the Python API's arguments; in
+    eager execution on CUDA tensors (:func:`eager_cuda`) the op's CUDA implementation runs directly,
+    with the same arguments, results and errors."""
     rope, lut, page_size, rope_offset, scales = _rope_tensors(k_rope, k_rope_scales)
     kind, arg = mask_args(mask)
     kw = dict(scale=None if scale is None else float(scale), mask_kind=kind, mask_arg=arg, q_max_seq_len=q_max_seq_len,
               page_size=page_size, rope_offset=rope_offset, validate=validate, kernel_choice=kernel)
-    ns = torch.ops.mla_cupy
-    opt = (cache_offsets, q_start_pos, lut) + (() if name == "mla_prefill_fp8" else (scales,))
-    if name == "mla_prefill_fp8" and scales is not None:
+    fp8 = name == "mla_prefill_fp8"
+    opt = (cache_offsets, q_start_pos, lut) + (() if fp8 else (scales,))
+    if fp8 and scales is not None:
         raise ValueError("k_rope: the fp8 per-token variant reads a 16-bit rope (PagedKVCache without scales)")
+    direct = (_plain_scalars(q_max_seq_len, validate, accumulate, kernel, out_dtype) and type(page_size) is int
+              and type(rope_offset) is int and eager_cuda((*inputs, rope, *rest, *opt, out, lse)))
     if out is None and lse is None:
         if accumulate:
             raise ValueError("accumulate: needs out= and lse= holding the partial result to merge into")
-        o, l = getattr(ns, name)(*inputs, rope, *rest, *opt, out_dtype=out_dtype, **kw)
+        if not direct:
+            o, l = getattr(torch.ops.mla_cupy, name)(*inputs, rope, *rest, *opt, out_dtype=out_dtype, **kw)
+            return (o, l) if return_lse else o
+        o, l = _outputs(inputs[0], inputs[0].shape[0], inputs[0].shape[1], out_dtype or inputs[1 if fp8 else 0].dtype)
+        _prefill_cuda(fp8, (*inputs, rope, *rest), o, l, *opt, *((None,) if fp8 else ()), False, **kw)
         return (o, l) if return_lse else o
     if out is None:
         raise ValueError("out: lse= needs out= too (or call without both to get new tensors)")
@@ -350,8 +393,20 @@ def _call_prefill(name: str, inputs: tuple, k_rope, rest: tuple, *, k_rope_scale
         raise TypeError(f"out_dtype: {out_dtype} does not match out ({out.dtype})")
     if lse is None and return_lse:
         lse = out.new_empty(out.shape[:2], dtype=torch.float32)
-    getattr(ns, name + "_out")(*inputs, rope, *rest, out, lse, *opt, accumulate=accumulate, **kw)
+    if not direct:
+        getattr(torch.ops.mla_cupy, name + "_out")(*inputs, rope, *rest, out, lse, *opt, accumulate=accumulate, **kw)
+        return (out, lse) if return_lse else out
+    _prefill_cuda(fp8, (*inputs, rope, *rest), out, lse, *opt, *((None,) if fp8 else ()), accumulate, **kw)
+    _written(out, lse)
     return (out, lse) if return_lse else out
+
+
+def _written(*tensors) -> None:
+    """Bump the version counters of tensors written in place, as the dispatcher does for the
+    arguments an op mutates (autograd then refuses a backward through their old values)."""
+    for t in tensors:
+        if t is not None:
+            torch.autograd.graph.increment_version(t)
 
 
 def mla_prefill(q: Tensor, k: Tensor, v: Tensor, k_rope: Any, valid_length: Tensor, cache_row_offsets: Tensor, *,

@@ -20,9 +20,9 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._arrays import BF16, FP16, FP32, FP8_E4M3, require_device, to_host
+from ._arrays import BF16, FP16, FP32, FP8_E4M3, read_back, require_device
 from ._checks import (OFFSET_DTYPES, QSTART_DTYPES, U8, check_array, check_layout, check_offsets_array,
-                      check_offsets_layout, check_offsets_values, check_shape, dtype_of)
+                      check_offsets_layout, check_offsets_values, check_shape, dtype_of, step_range)
 from .dims import DQK, DR, DV  # noqa: F401  (DQK, DR, DV: also read from here by older callers)
 from .fp8 import check_fp8_arrays, check_fp8_layout, check_q_scale_values
 from ._select import check_kernel_name
@@ -203,20 +203,29 @@ def check_accumulate(accumulate: Any) -> None:
 
 def check_offset_values(valid_length, cache_row_offsets, cache_offsets, *, tq: Optional[int], tk: Optional[int],
                         q_max_seq_len: Optional[int], validate: bool) -> Tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-    """Read the offsets (one small device-to-host copy each for device arrays) and, with
-    ``validate``, check their values against Tq / Tk (unchecked when None) and ``q_max_seq_len``.
-    Returns (the largest query count, valid_length, cache_row_offsets, cache_offsets) on the host."""
-    vl = to_host(valid_length).astype(np.int64)
-    cro = to_host(cache_row_offsets).astype(np.int64)
+    """Read the offsets (device arrays with one synchronization, :func:`~mla_cupy._arrays.read_back`)
+    and, with ``validate``, check their values against Tq / Tk (unchecked when None) and
+    ``q_max_seq_len``. Returns (the largest query count, valid_length, cache_row_offsets,
+    cache_offsets) on the host, as int64."""
+    vl, cro, co = read_back((valid_length, cache_row_offsets, cache_offsets))
+    return _offset_values(vl, cro, co, tq=tq, tk=tk, q_max_seq_len=q_max_seq_len, validate=validate)
+
+
+def _offset_values(vl: np.ndarray, cro: np.ndarray, co: Optional[np.ndarray], *, tq: Optional[int], tk: Optional[int],
+                   q_max_seq_len: Optional[int], validate: bool) -> Tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`check_offset_values` on offsets already on the host."""
+    vl, cro = vl.astype(np.int64), cro.astype(np.int64)
     batch = len(vl) - 1
-    co = np.zeros(batch, np.int64) if cache_offsets is None else to_host(cache_offsets).astype(np.int64)
+    given = co is not None
+    co = np.zeros(batch, np.int64) if co is None else co.astype(np.int64)
     if validate:
-        check_offsets_values(vl, "valid_length", tq, True, "Tq (q.shape[0])")
+        observed = check_offsets_values(vl, "valid_length", tq, True, "Tq (q.shape[0])")
         check_offsets_values(cro, "cache_row_offsets", tk, False, "Tk (k.shape[0])")
-    observed = int(np.diff(vl).max()) if batch else 0
+    else:
+        observed = step_range(vl)[1]
     if validate and q_max_seq_len is not None and observed > q_max_seq_len:
         raise ValueError(f"q_max_seq_len: a sequence has {observed} queries, more than q_max_seq_len = {q_max_seq_len}")
-    if validate and cache_offsets is not None and (co < 0).any():
+    if validate and given and batch and co.min() < 0:
         raise ValueError(f"cache_offsets: expected non-negative positions, got {co[co < 0][0]}")
     return observed, vl, cro, co
 
@@ -225,15 +234,18 @@ def check_values(valid_length, cache_row_offsets, cache_offsets, k_rope, q_scale
                  q_max_seq_len: Optional[int], validate: bool) -> int:
     """The values of a call whose arrays passed their checks: the offsets are read (and, with
     ``validate``, checked against Tq / Tk and ``q_max_seq_len``), and with ``validate`` a paged
-    ``k_rope``'s block ids and the fp8 variant's ``q_scale`` (None for the 16-bit call). Returns
-    the largest query count of a sequence."""
-    observed, _vl, cro, co = check_offset_values(valid_length, cache_row_offsets, cache_offsets, tq=tq, tk=tk,
-                                                 q_max_seq_len=q_max_seq_len, validate=validate)
-    if validate and isinstance(k_rope, PagedKVCache):
-        check_paged_table(to_host(k_rope.lookup_table).astype(np.int64), k_rope.page_size, int(k_rope.blocks.shape[0]),
-                          co, np.diff(cro))
-    if validate and q_scale is not None and tq:
-        check_q_scale_values(q_scale)
+    ``k_rope``'s block ids and the fp8 variant's ``q_scale`` (None for the 16-bit call). Every
+    array read is read with one synchronization (:func:`~mla_cupy._arrays.read_back`). Returns the
+    largest query count of a sequence."""
+    paged = validate and isinstance(k_rope, PagedKVCache)
+    scales = validate and q_scale is not None and tq
+    vl, cro, co, lut, qs = read_back((valid_length, cache_row_offsets, cache_offsets,
+                                      k_rope.lookup_table if paged else None, q_scale if scales else None))
+    observed, _vl, cro, co = _offset_values(vl, cro, co, tq=tq, tk=tk, q_max_seq_len=q_max_seq_len, validate=validate)
+    if paged:
+        check_paged_table(lut.astype(np.int64), k_rope.page_size, int(k_rope.blocks.shape[0]), co, np.diff(cro))
+    if scales:
+        check_q_scale_values(qs)
     return observed
 
 

@@ -7,18 +7,22 @@ memory (the offsets' values, the one-shot calls' results, fp8 workspaces and wid
 ``q_start_pos``) reads or allocates host memory instead.
 
 Used by the CPU tests of the plan cache and by ``benchmarks/host_cpu_proxy.py`` (the host time of
-the call paths, as a proxy of the GPU numbers)."""
+the call paths, as a proxy of the GPU numbers). The device-to-host reads are counted: ``copies``
+(one per array copied) and ``syncs`` (one per stream synchronized, and one per synchronous copy
+of :func:`mla_cupy._arrays.to_host`)."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import time
+import warnings
 from types import SimpleNamespace
 from typing import List
 
 import numpy as np
 import pytest
 
+from mla_cupy._arrays import BF16
 from mla_cupy._launch import F32, I32, I64, PTR, TENSOR_MAP_DTYPE, U32, ArgPack
 
 _TM = TENSOR_MAP_DTYPE
@@ -60,7 +64,9 @@ class FakeGpu:
     """What the stubs saw: ``launches`` (prepared launch, stream, a copy of its argument buffer)
     when ``record`` (the launch itself is stubbed), else only ``count`` (the driver's launch is
     stubbed); ``encodes``, the tensor maps encoded; ``packs``, the kernels looked up to pack a
-    launch. A launch sleeps ``pause`` seconds before it is recorded."""
+    launch; ``copies`` and ``syncs``, the device-to-host copies and the synchronizations they
+    waited on (an asynchronous copy and its stream's synchronization, or a synchronous copy).
+    A launch sleeps ``pause`` seconds before it is recorded."""
 
     def __init__(self, record: bool, capability: str):
         self.record, self.capability = record, capability
@@ -68,6 +74,8 @@ class FakeGpu:
         self.count = 0
         self.encodes = 0
         self.packs = 0
+        self.copies = 0
+        self.syncs = 0
         self.pause = 0.0
 
     def values(self, i: int = -1) -> dict:
@@ -95,7 +103,6 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
     import mla_cupy._packing as packing
     import mla_cupy._select as select
     import mla_cupy.tma as tma
-    import mla_cupy.validation as validation
 
     gpu = FakeGpu(record, capability)
     sm90, sm80, vt = _kernels()
@@ -125,12 +132,29 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
     class _Stream:
         ptr = stream
 
-    host_read = validation.to_host
+    host_read = arrays.to_host
 
-    def to_host(x):  # CuPy arrays over host memory: read where they are
+    def to_host(x):  # CuPy arrays over host memory: read where they are, a synchronous copy each
         if isinstance(x, cupy.ndarray):
+            gpu.copies += 1
+            gpu.syncs += 1
             return host_array(x)
         return host_read(x)
+
+    stage = {}
+
+    def pinned(nbytes):  # the staging buffer: host memory (64-byte aligned), grown as needed
+        if stage.get("n", 0) < nbytes:
+            stage["buf"] = host_array(host_cupy(np.zeros(max(nbytes, 4096), np.uint8)))
+            stage["n"] = stage["buf"].nbytes
+        return stage["buf"].ctypes.data, stage["buf"]
+
+    def copy_async(dst, src, nbytes, stream_ptr):
+        gpu.copies += 1
+        ctypes.memmove(dst, src, nbytes)
+
+    def synchronize(stream_ptr):
+        gpu.syncs += 1
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(arrays, "gpu_missing", lambda: None)
@@ -148,7 +172,11 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
 
             mp.setattr(driver, "launchKernel", lambda *args: setattr(gpu, "count", gpu.count + 1))
         mp.setattr(cupy.cuda, "get_current_stream", lambda: _Stream)
-        mp.setattr(validation, "to_host", to_host)
+        mp.setattr(arrays, "to_host", to_host)
+        mp.setattr(arrays, "_pinned", pinned)
+        mp.setattr(arrays, "_copy_to_host_async", copy_async)
+        mp.setattr(arrays, "_synchronize", synchronize)
+        mp.setattr(arrays, "_current_device", lambda: 0)
         mp.setattr(fp8, "to_host", to_host)
         mp.setattr(plan_checks, "to_host", to_host)
         mp.setattr(prefill_plan, "_require_gpu", lambda: None)
@@ -161,6 +189,67 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
             yield gpu
         finally:
             tma._encode_cached.cache_clear()
+
+
+@contextlib.contextmanager
+def torch_as_cuda(stream: int = 0x5000):
+    """Inside :func:`fake_gpu`: torch CPU tensors pose as CUDA tensors of device 0 (``is_cuda``,
+    ``get_device()``), torch's current stream is ``stream``, and the torch ops' CuPy views are CuPy
+    arrays over the tensors' host memory, so that the torch entry points (:mod:`mla_cupy.torch_ops`,
+    :mod:`mla_cupy.flash_attn`) reach the stubbed launch. Every tensor poses, and the ops'
+    registered CPU kernels are their CUDA implementations for the duration (the dispatcher routes
+    these tensors to the CPU key), so the CPU reference of the ops cannot run inside. Where the package would view a tensor through DLPack it gets
+    such a CuPy array too."""
+    import torch
+
+    from torch._library.custom_ops import OPDEFS
+
+    import mla_cupy._arrays as arrays
+    import mla_cupy.torch_ops as torch_ops
+
+    def view(x):  # a torch_ops._cupy stand-in: zero-copy, over the tensor's memory
+        import cupy
+
+        if x is None:
+            return None
+        x = x.detach()
+        dtype = {torch.bfloat16: BF16, torch.float8_e4m3fn: np.dtype(np.uint8)}.get(x.dtype)
+        dtype = dtype if dtype is not None else np.dtype(str(x.dtype).replace("torch.", ""))
+        nbytes = max(x.untyped_storage().nbytes(), 1)
+        mem = cupy.cuda.UnownedMemory(x.untyped_storage().data_ptr(), nbytes, x, device_id=0)
+        ptr = cupy.cuda.MemoryPointer(mem, x.data_ptr() - x.untyped_storage().data_ptr())
+        return cupy.ndarray(tuple(x.shape), dtype, memptr=ptr, strides=tuple(n * x.element_size() for n in x.stride()))
+
+    device_view = arrays.as_device
+
+    @contextlib.contextmanager
+    def torch_stream_context(device):  # torch_ops._torch_context: CuPy's current stream is torch's
+        import cupy
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(cupy.cuda, "get_current_stream", lambda: SimpleNamespace(ptr=arrays._TORCH_STREAM[0]()))
+            yield
+
+    def as_device(x, name):
+        return view(x) if isinstance(x, torch.Tensor) else device_view(x, name)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(arrays, "as_device", as_device)
+        mp.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        mp.setattr(torch.Tensor, "get_device", lambda self: 0)
+        mp.setattr(arrays, "_TORCH_STREAM", [lambda: stream])
+        mp.setattr(torch_ops, "_torch_context", torch_stream_context)
+        mp.setattr(torch_ops, "_cupy", view)
+        lib = torch.library.Library("mla_cupy", "IMPL")  # dropped on the way out: the CPU kernels come back
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+                for name, opdef in OPDEFS.items():
+                    if name.startswith("mla_cupy::"):
+                        lib.impl(name.split("::")[1], opdef._backend_fns["cuda"], "CPU")
+            yield
+        finally:
+            lib._destroy()
 
 
 def host_cupy(a) -> "cupy.ndarray":

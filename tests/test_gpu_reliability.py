@@ -109,3 +109,45 @@ def test_unvalidated_calls_still_reject_bad_input():
         mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, q_max_seq_len=True, validate=False)
     with pytest.raises(ValueError, match="scale"):
         mla_cupy.mla_prefill(q, k, k, kr, vl, vl, out=out, scale=-1.0, **kw)
+
+
+def test_read_back_waits_for_the_stream_and_equals_get():
+    """The one-synchronization read of a call's small arrays sees what the caller's stream wrote
+    before it (a pending kernel's values), equals ``.get()`` for every dtype and a strided array,
+    and threads reading at once get their own values."""
+    import threading
+
+    import cupy as cp
+
+    from mla_cupy._arrays import read_back
+
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        big = cp.arange(1 << 24, dtype=cp.int64)
+        xs = [cp.zeros(3, cp.int32), cp.arange(4, dtype=cp.uint32), cp.ones((2, 3), cp.float32),
+              cp.arange(10, dtype=cp.int64)[::3], cp.zeros(0, cp.int32)]
+        for _ in range(20):  # a queue of work on the stream, then the values the read must see
+            big += 1
+        xs[0][...] = cp.asarray([0, 7, 9], cp.int32) + (big[-1] - big[-1]).astype(cp.int32)
+        got = read_back(xs)
+    want = [x.get() for x in xs]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and (g == w).all()
+    assert got[0].tolist() == [0, 7, 9]
+    errors = []
+
+    def reader(i):
+        try:
+            a = cp.full(64, i, cp.int32)
+            for _ in range(200):
+                if not (read_back([a])[0] == i).all():
+                    errors.append(i)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

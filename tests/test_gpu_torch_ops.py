@@ -242,3 +242,29 @@ def test_ops_launch_from_the_plan_cache():
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
     info = mla_cupy.plan_cache_info()
     assert info.hits >= hits + 4, info
+
+
+def test_eager_calls_equal_the_registered_op():
+    """The eager route (no dispatcher) and the op (taken under a dispatch mode) give the same
+    results bit for bit, with default arguments too (offsets read on torch's stream)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Through(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    args = _case(21)
+    for kw in (dict(q_max_seq_len=max(SQ), validate=False), {}):
+        assert ops.eager_cuda(tuple(args))
+        got = ops.mla_prefill(*args, return_lse=True, **kw)
+        with Through():
+            want = ops.mla_prefill(*args, return_lse=True, **kw)
+        _assert_same(got, want)
+        out = torch.full_like(got[0], float("nan"))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            vl = args[4].clone()  # written on the side stream just before the call reads it
+            ops.mla_prefill(*args[:4], vl, args[5], out=out, **kw)
+        torch.cuda.current_stream().wait_stream(side)
+        _assert_same((out,), (got[0],))

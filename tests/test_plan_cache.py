@@ -53,6 +53,15 @@ def call(d, **kw):
                                 d["cache_row_offsets"], **kw)
 
 
+def fp8_arrays():
+    """``(inputs, valid_length, cache_row_offsets, out)`` of a small fp8 per-token call, over host memory."""
+    c = make_case([5, 3], [6, 3], 4, BF16, seed=0)
+    f = mla_cupy.quant.quantize_per_token(c.q, c.k, c.v, c.k_rope)
+    a = [host_cupy(f[n].view(np.uint8) if f[n].dtype.itemsize == 1 else f[n])
+         for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")]
+    return a, host_cupy(c.valid_length), host_cupy(c.cache_row_offsets), host_cupy(np.zeros((8, 4, 128), BF16))
+
+
 def counts():
     i = plan_cache_info()
     return i.hits, i.misses
@@ -253,6 +262,61 @@ def test_arguments_that_equal_a_cached_key_are_still_checked(gpu, cached, bad, e
 
 
 # ------------------------------------------------------------------------------------------------
+# the values a call reads back: every array of a call with one synchronization
+
+def syncs_of(gpu, fn):
+    """``(copies, syncs)`` of the device-to-host reads made by ``fn()``."""
+    c, s = gpu.copies, gpu.syncs
+    fn()
+    return gpu.copies - c, gpu.syncs - s
+
+
+def test_default_arguments_read_every_offset_with_one_synchronization(gpu):
+    d = arrays()
+    co = host_cupy(np.array([2, 0], np.int32))
+    for _ in range(3):  # a miss, then hits
+        assert syncs_of(gpu, lambda: call(d, cache_offsets=co)) == (3, 1)
+    assert counts() == (2, 1)
+    assert syncs_of(gpu, lambda: call(d, validate=False)) == (2, 1)  # the grid still follows the offsets
+    assert syncs_of(gpu, lambda: call(d, **FAST)) == (0, 0)
+
+
+def test_a_paged_table_and_fp8_scales_are_read_with_the_offsets(gpu):
+    d = arrays(sk=(40, 3))
+    blocks, lut = build_paged(d["case"], 16, seed=1)
+    cache = PagedKVCache(host_cupy(blocks), host_cupy(lut), 16)
+    for _ in range(2):
+        assert syncs_of(gpu, lambda: call(d, k_rope=cache, q_max_seq_len=5)) == (3, 1)
+    if gpu.capability != "90":
+        return
+    a, vl, cro, out = fp8_arrays()
+    for _ in range(2):
+        assert syncs_of(gpu, lambda: mla_cupy.mla_prefill_fp8(*a, vl, cro, out=out)) == (3, 1)
+    write_host(a[2], np.full(8, -1, np.float32))
+    with pytest.raises(ValueError, match=r"^q_scale: expected non-negative scales, got q_scale\[0\] = -1"):
+        mla_cupy.mla_prefill_fp8(*a, vl, cro, out=out)
+
+
+def test_read_back_equals_the_synchronous_reads(gpu):
+    """Contiguous arrays of any kind and dtype read back as ``to_host`` reads them; a strided one
+    is read by ``to_host`` (its own synchronous copy)."""
+    from mla_cupy._arrays import read_back, to_host
+
+    xs = [np.array([0, 7], np.uint32), np.arange(6, dtype=np.int64).reshape(2, 3), np.array([1.5], np.float32),
+          np.zeros(0, np.int32), np.arange(9, dtype=np.int32)]
+    devs = [host_cupy(x) for x in xs]
+    n = gpu.syncs
+    got = read_back([devs[0], None, devs[1], xs[2], devs[2], devs[3], devs[4][::2]])
+    assert gpu.syncs - n == 2  # one for the staged copies, one for the strided array
+    want = [xs[0], None, xs[1], xs[2], xs[2], xs[3], xs[4][::2]]
+    for g, w in zip(got, want):
+        assert (g is None and w is None) or (g.dtype == w.dtype and g.shape == w.shape and (g == w).all())
+    again = read_back([devs[0]])[0]
+    assert (again == got[0]).all() and not np.shares_memory(again, got[0])  # arrays of their own
+    assert [to_host(x).tolist() for x in devs[:2]] == [xs[0].tolist(), xs[1].tolist()]
+
+
+# ------------------------------------------------------------------------------------------------
 # the variants
 
 def test_int32_q_start_pos_is_widened_per_call(gpu, monkeypatch):
@@ -290,12 +354,7 @@ def test_fp8_takes_a_workspace_per_call(gpu, monkeypatch):
         pytest.skip("the fp8 variant runs on the Hopper kernel")
     spaces, new_space = [], api.workspace_on
     monkeypatch.setattr(api, "workspace_on", lambda shape, sp: spaces.append(new_space(shape, sp)) or spaces[-1])
-    c = make_case([5, 3], [6, 3], 4, BF16, seed=0)
-    f = mla_cupy.quant.quantize_per_token(c.q, c.k, c.v, c.k_rope)
-    a = [host_cupy(f[n].view(np.uint8) if f[n].dtype.itemsize == 1 else f[n])
-         for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")]
-    vl, cro = host_cupy(c.valid_length), host_cupy(c.cache_row_offsets)
-    out = host_cupy(np.zeros((8, 4, 128), BF16))
+    a, vl, cro, out = fp8_arrays()
     for _ in range(3):
         mla_cupy.mla_prefill_fp8(*a, vl, cro, out=out, **FAST)
         vt, _, vt_raw = gpu.launches[-2]  # the pre-pass, then the prefill
