@@ -1,7 +1,8 @@
 """The fp8 per-token variant of the Hopper kernel: its inputs and its V^T layout.
 
 ``mla_prefill_fp8`` takes MAX's per-token fp8 inputs: the 128 nope values of q and k, and v, as
-float8_e4m3fn bytes (uint8), q's rope in bfloat16, and one float32 scale per query and per key
+float8_e4m3fn bytes (uint8), q's rope in bfloat16 (or, the all-e4m3 mode, both rope parts as e4m3
+bytes under the same scales), and one float32 scale per query and per key
 token (:mod:`mla_cupy.quant` makes them from 16-bit data). This module holds what only that variant
 needs: viewing fp8 data as the bytes the kernels read, the checks of its arrays, and V^T, the layout
 of V that the e4m3 tensor cores read for P V (``kernels/vt_layout.cuh``): its size, its NumPy model
