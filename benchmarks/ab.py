@@ -22,6 +22,8 @@ Implementations (``--impls``, comma separated; the first is the base):
   ours:pkg=DIR      an older version of the whole package: DIR holds a copy of its mla_cupy/ renamed (e.g.
                     mla_cupy_prev/) and its kernels/ beside it (``git archive REV mla_cupy kernels``)
   ours-fp8          fp8 per-token kernel (``mla_prefill_fp8``; inputs quantized by ``quant.quantize_per_token``)
+  ours-e4m3         the same in the all-e4m3 mode (rope parts e4m3 under the per-token scales,
+                    ``quantize_per_token(..., e4m3_rope=True)``): Q K^T one 192-deep e4m3 GEMM, as fa3-fp8's
   fa3, fa3+kbuild   FlashAttention-3 (``fa3_fwd_interface`` or ``flash_attn_interface``), kernel only / with
                     the K build at 192 width that it needs
   fa3-fp8           FlashAttention-3 e4m3 (per (batch, head) descales)
@@ -271,9 +273,10 @@ def _package(directory: str):
     return importlib.import_module(pkg.name)
 
 
-def _ours_fp8(case: BenchCase, sets, opts) -> Impl:
+def _ours_fp8(case: BenchCase, sets, opts, e4m3_rope: bool = False) -> Impl:
     """Our fp8 per-token kernel through a plan (inputs quantized by ``quant.quantize_per_token``);
-    the V^T pre-pass runs in every call (the plan owns its workspace). Options as ``ours``."""
+    the V^T pre-pass runs in every call (the plan owns its workspace). Options as ``ours``.
+    ``e4m3_rope``: the all-e4m3 mode (an fp8 plan with ``fp8_rope=True``)."""
     import cupy as cp
 
     import mla_cupy
@@ -285,10 +288,11 @@ def _ours_fp8(case: BenchCase, sets, opts) -> Impl:
         mla_cupy = _package(opts["pkg"])
         mask = _mask_of(mla_cupy, mask)
     n = len(sets)
-    fs = [quant.quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"]) for x in sets]
+    fs = [quant.quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"], e4m3_rope=e4m3_rope) for x in sets]
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
     vl, cro = case.offsets()
-    pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=mask, q_max_seq_len=max(case.sq), fp8=True)
+    pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=mask, q_max_seq_len=max(case.sq), fp8=True,
+                       **(dict(fp8_rope=True) if e4m3_rope else {}))
 
     def call(i):
         f = fs[i]
@@ -431,6 +435,7 @@ def _kbuild(case: BenchCase, sets, opts) -> Impl:
 FACTORIES: Dict[str, Callable[..., Impl]] = {
     "ours": _ours,
     "ours-fp8": _ours_fp8,
+    "ours-e4m3": lambda c, s, o: _ours_fp8(c, s, o, e4m3_rope=True),
     "fa3": lambda c, s, o: _fa3(c, s, o, kbuild=False),
     "fa3+kbuild": lambda c, s, o: _fa3(c, s, o, kbuild=True),
     "fa3-fp8": lambda c, s, o: _fa3(c, s, o, kbuild=False, fp8=True),
@@ -490,14 +495,14 @@ def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler:
         try:
             call, output = FACTORIES[base](case, sets, opts)
             # Poison, run once, check against the float64 reference.
-            if output is not None and base in ("ours", "ours-fp8"):
+            if output is not None and base in ("ours", "ours-fp8", "ours-e4m3"):
                 output(0).view(cp.uint16)[...] = 0x7FC0  # bf16 NaN
             call(0)
             cp.cuda.Device().synchronize()
             if output is not None:
                 ref = ref if ref is not None else reference_of(case, sets[0])
                 errors[spec] = rel_err(ref, output(0))
-                limit = max_err * (3 if "fp8" in base else 1)
+                limit = max_err * (3 if "fp8" in base or "e4m3" in base else 1)
                 if not errors[spec] <= limit:
                     raise RuntimeError(f"relative error {errors[spec]:.3e} > {limit:.1e}")
         except Exception as exc:

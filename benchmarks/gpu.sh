@@ -24,7 +24,7 @@
 #                            into --out)
 #   ab [ARGS...]             benchmarks/ab.py ARGS (implementations timed in one process)
 #   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
-#                            bench case (`mla-cupy bench --list`) or fp8 / bf16 / paged (1x8192, H = 128)
+#                            bench case (`mla-cupy bench --list`) or fp8 / e4m3 / bf16 / paged (1x8192, H = 128)
 #   compile                  `mla-cupy compile`: every kernel family into CuPy's on-disk cache
 #   verify STEP [ARGS...]    the reliability evidence, one step per GPU command (each within --timeout),
 #                            records in --out, then one summary:
@@ -127,7 +127,7 @@ summary() { grep -h -E "$1" "$OUT_DIR/$2.log" | tail -"${3:-20}"; }
   "$PY" -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)" 2>&1 | tail -1
 } | tee "$OUT_DIR/env.txt"
 
-SANITIZER_SUBSET='(every_mask_dtype_heads and (16-bf16 or 16-fp16-CausalMask)) or (paged_equals_plain and (16- or 64-)) or accumulate_merges or merge_states_exact or nan_in_one or (fp8_every_mask_heads_odd_lengths and 16-) or (fp8_paged_rope and 64) or (fp8_rope_plain and 16-) or (fp8_rope_paged and 64) or transpose_v_device or (device_quantizers and 16)'
+SANITIZER_SUBSET='(every_mask_dtype_heads and (16-bf16 or 16-fp16-CausalMask)) or (paged_equals_plain and (16- or 64-)) or accumulate_merges or merge_states_exact or nan_in_one or (fp8_every_mask_heads_odd_lengths and 16-) or (e4m3_every_mask_heads_odd_lengths and 16-) or e4m3_rope_alone or (fp8_paged_rope and 64) or (fp8_rope_plain and 16-) or (fp8_rope_paged and 64) or transpose_v_device or (device_quantizers and 16)'
 SANITIZER_FILES=(tests/test_gpu_prefill.py tests/test_gpu_paged_merge.py tests/test_gpu_fp8.py)
 
 FUZZ=("$PY" benchmarks/fuzz.py --out "$OUT_DIR")
@@ -189,7 +189,7 @@ case "$MODE" in
     NCU=$(find_tool ncu "${NCU:-}" NCU) || exit 1
     CASE=$1; name=ncu-${CASE//[^A-Za-z0-9._-]/_}
     case "$CASE" in
-      fp8|bf16|paged) DRIVER=(benchmarks/ncu_fp8.py "$CASE") ;;
+      fp8|e4m3|bf16|paged) DRIVER=(benchmarks/ncu_fp8.py "$CASE") ;;
       *) DRIVER=(benchmarks/ncu_case.py "$CASE") ;;
     esac
     # The drivers launch the kernel three times; the third launch is profiled.

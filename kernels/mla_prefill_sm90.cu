@@ -16,7 +16,8 @@
 //
 // Variants (config.cuh): Variant16<T> (bf16 / fp16), VariantFp8 (e4m3 nope parts and V^T with
 // per-token scales, bf16 rope, the consumers in pingpong), VariantFp8Rope<T> (e4m3 rope with one
-// scale per key, dequantized by the rope warp).
+// scale per key, dequantized by the rope warp), VariantE4m3 (VariantFp8 with an e4m3 rope under the
+// per-token scales: Q K^T one 192-deep e4m3 GEMM).
 #include "common.cuh"
 #include "mask.cuh"
 #include "sm90/config.cuh"
@@ -38,7 +39,7 @@ constexpr int kGeometryFields = 5;
 #define MLA_SM90_GEOMETRY(V) kSmemBytes<V>, kThreads, kBlockM, kBlockN, kScaleBox
 __device__ const int kGeometry[kNumVariants][kGeometryFields] = {
     {MLA_SM90_GEOMETRY(Variant16<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantFp8)},
-    {MLA_SM90_GEOMETRY(VariantFp8Rope<__nv_bfloat16>)}};
+    {MLA_SM90_GEOMETRY(VariantFp8Rope<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantE4m3)}};
 #undef MLA_SM90_GEOMETRY
 static_assert(kSmemBytes<Variant16<__half>> == kSmemBytes<Variant16<__nv_bfloat16>>, "one row per variant");
 

@@ -52,7 +52,11 @@ def _compiled(key: Tuple, fn: Any, smem: int, params: Optional[ArgPack] = None,
 
 
 def sm90_variant(fp8: bool, rope8: bool) -> str:
-    return "fp8" if fp8 else "fp8_rope" if rope8 else "bf16"
+    """The Hopper variant of a problem: fp8 per token with an e4m3 rope (``fp8`` and ``rope8``: the
+    all-e4m3 mode) or a bf16 one, an fp8 rope with per-key scales, or 16-bit."""
+    if fp8:
+        return "e4m3" if rope8 else "fp8"
+    return "fp8_rope" if rope8 else "bf16"
 
 
 def _exports(fam, names: Tuple[str, ...], geometry_size: int, what: str) -> Tuple[ArgPack, np.ndarray]:

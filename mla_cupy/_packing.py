@@ -69,7 +69,7 @@ def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Re
     rope_add = _rope_args(t, p, d, values)
     fields = [("out", OUT, 0), ("lse", LSE, 0), ("rope_base", ROPE, rope_add)]
     align = [i for i in (Q, K, V, OUT) if math.prod(d[i].shape)]
-    if not p.rope8 and math.prod(d[ROPE].shape):
+    if (p.fp8 or not p.rope8) and math.prod(d[ROPE].shape):  # read by TMA
         align.append(ROPE)
     if t.kernel == "sm80":
         item = p.dtype.itemsize
@@ -143,7 +143,9 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
                            .reshape(shape), t.device_id)
             vt_fields = _offsets_of(vt.pack, [("v", V, 0), ("vt", WS, 0)])
     heads, tq, tk, dtype = p.heads, p.tq, p.tk, p.dtype
-    paged, rope8 = p.paged, p.rope8
+    paged, rope8 = p.paged, p.rope8 and not p.fp8  # rope8: the rope warp's scaled e4m3 rope (no map)
+    if p.fp8 and p.rope8:  # all e4m3: q_rope and the (plain) rope are e4m3 bytes, read by TMA
+        dtype = dtype_of(rope)
     rope_geom = None
     if not rope8:
         if paged:

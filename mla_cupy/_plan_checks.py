@@ -10,7 +10,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ._arrays import BF16, FP32, checkable, to_host
-from ._checks import OFFSET_DTYPES, check_array, check_layout, check_shape, dtype_of
+from ._checks import OFFSET_DTYPES, U8, check_array, check_layout, check_shape, dtype_of
 from ._run_args import KS, LSE, OUT, Q, QR, QS, ROPE, RSC, SLOTS, V, WS, K, Target
 from ._select import check_kernel_name
 from .fp8 import check_fp8_arrays, check_fp8_layout
@@ -69,10 +69,11 @@ def check_plan_args(valid_length, cache_row_offsets, *, num_heads, dtype, mask, 
     check_kernel_name(kernel)
     if (fp8 or fp8_rope) and kernel == "sm80":
         raise ValueError("kernel: the fp8 variants run on the Hopper kernel only (kernel='auto' or 'sm90'), got 'sm80'")
-    if fp8 and fp8_rope:
-        raise ValueError("fp8_rope: the fp8 per-token variant keeps a bfloat16 rope; pass fp8=True or fp8_rope=True")
     check_positions(d_co, d_qs, batch)
     paged = d_lut is not None
+    if fp8 and fp8_rope and paged:
+        raise ValueError("page_table: an all-e4m3 plan (fp8=True, fp8_rope=True) reads a plain [Tk, 1, 64] e4m3 rope; "
+                         "a paged cache is not supported in this mode (use fp8=True alone for a bfloat16 paged rope)")
     if paged:
         check_array(d_lut, "page_table", 2, OFFSET_DTYPES)
         if d_lut.shape[0] != batch:
@@ -127,8 +128,11 @@ def check_run(p: Problem, t: Target, bounds: RunBounds, d: list) -> Problem:
     if bounds.kv_total is not None and tk < bounds.kv_total:
         raise ValueError(f"k: expected at least {bounds.kv_total} rows (cache_row_offsets[-1] of the plan), got shape "
                          f"{list(d[K].shape)}")
+    if p.fp8 and (dtype_of(d[QR]) == U8) != p.rope8:
+        raise TypeError(f"q_rope: the plan was built for {'e4m3' if p.rope8 else 'bfloat16'} rope parts (fp8_rope="
+                        f"{p.rope8}), got dtype {dtype_of(d[QR]).name}")
     rope = _rope_view(p, t, d[ROPE], d[RSC])
-    rope8 = check_rope(rope, d[RSC], tk, dtype, device=True, fp8=p.fp8)
+    rope8 = check_rope(rope, d[RSC], tk, dtype, device=True, fp8=p.fp8, e4m3=p.fp8 and p.rope8)
     if rope8 != p.rope8:
         raise TypeError(f"k_rope: the plan was built for {'an fp8' if p.rope8 else 'a 16-bit'} rope (fp8_rope="
                         f"{p.rope8}), got dtype {dtype_of(rope.blocks if p.paged else rope).name}")

@@ -51,7 +51,9 @@ def _prefill_family(kernel: Tuple[str, str], dtype: np.dtype, mask: Mask) -> Fam
 #: Hopper kernel variants: the traits type of each (kernels/sm90/config.cuh) as a template of the
 #: 16-bit type, and its row in the exported geometry table (``kId``).
 SM90_VARIANTS = {"bf16": ("mla::sm90::Variant16<{t}>", 0), "fp8": ("mla::sm90::VariantFp8", 1),
-                 "fp8_rope": ("mla::sm90::VariantFp8Rope<{t}>", 2)}
+                 "fp8_rope": ("mla::sm90::VariantFp8Rope<{t}>", 2), "e4m3": ("mla::sm90::VariantE4m3", 3)}
+#: Variants with a plain rope only (no paged instantiation; the host refuses a paged cache).
+SM90_PLAIN_ONLY = ("e4m3",)
 
 #: What every prefill module exports besides its kernels (kernels/params_abi.cuh): the parameter
 #: struct's layout and field names; the Hopper module also its geometry per variant
@@ -62,9 +64,10 @@ SM90_EXPORTS = ("mla::sm90::kParamLayout", "mla::sm90::kParamNames", "mla::sm90:
 
 def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = "bf16") -> Family:
     """Hopper family for (dtype, mask, variant): output in the input dtype or float32, plain or
-    paged rope, and the exported tables (:data:`SM90_EXPORTS`). The fp8 per-token variant takes
-    bfloat16 for its 16-bit parts."""
-    names = tuple(prefill_sm90_name(dtype, o, mask, paged, variant) for o in (dtype, FP32) for paged in (False, True))
+    paged rope (plain only for :data:`SM90_PLAIN_ONLY`), and the exported tables
+    (:data:`SM90_EXPORTS`). The fp8 per-token variants take bfloat16 for their 16-bit parts."""
+    pageds = (False,) if variant in SM90_PLAIN_ONLY else (False, True)
+    names = tuple(prefill_sm90_name(dtype, o, mask, paged, variant) for o in (dtype, FP32) for paged in pageds)
     return PREFILL_SM90[0], names + SM90_EXPORTS
 
 
@@ -104,7 +107,7 @@ def transpose_v_family() -> Family:
 
 
 _SHORT_TYPES = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "f32"}
-_VARIANT_NAMES = {"bf16": "16-bit", "fp8": "fp8-per-token", "fp8_rope": "fp8-rope"}
+_VARIANT_NAMES = {"bf16": "16-bit", "fp8": "fp8-per-token", "fp8_rope": "fp8-rope", "e4m3": "e4m3-per-token"}
 
 
 def _sm90_traits_label(arg: str) -> List[str]:
@@ -127,8 +130,8 @@ def family_label(fam: Family) -> str:
         return stem
     shared, variant = [], []
     for i, first in enumerate(arg_lists[0]):
-        if any(a[i] != first for a in arg_lists):
-            continue  # varies inside the family
+        if any(a[i] != first for a in arg_lists) or (i == 3 and fam[0] == PREFILL_SM90[0]):
+            continue  # varies inside the family (the rope source: plain only in some Hopper families)
         if i == 0 and fam[0] == PREFILL_SM90[0]:
             dtype_and_variant = _sm90_traits_label(first)
             shared.append(dtype_and_variant[0])
@@ -143,6 +146,6 @@ def all_families() -> List[Tuple[str, Family]]:
     """(arch, family) for every module CI must compile."""
     fams: List[Family] = [prefill_sm80(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(d, m) for d in (BF16, FP16) for m in MASKS]
-    fams += [prefill_sm90(BF16, m, v) for m in MASKS for v in ("fp8", "fp8_rope")]
+    fams += [prefill_sm90(BF16, m, v) for m in MASKS for v in ("fp8", "fp8_rope", "e4m3")]
     fams += [merge_family(), SPIN, quantize_family(), transpose_v_family()]
     return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]

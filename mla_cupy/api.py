@@ -130,7 +130,7 @@ def mla_prefill_fp8(
     Parameters
     ----------
     q_nope : ``[Tq, H, 128]`` float8_e4m3fn as uint8 (a torch float8_e4m3fn tensor is viewed as uint8)
-    q_rope : ``[Tq, H, 64]`` bfloat16
+    q_rope : ``[Tq, H, 64]`` bfloat16, or e4m3 bytes (uint8 / torch float8_e4m3fn: the all-e4m3 mode)
     q_scale : ``[Tq, 1]`` float32, non-negative (checked with ``validate=True``)
         The true query is ``q_scale[i] * concat(q_nope[i], q_rope[i])``. The kernel folds
         ``q_scale[i]`` into row i's softmax scale, which needs it non-negative (the quantizers give
@@ -140,7 +140,10 @@ def mla_prefill_fp8(
     k_scales : ``[Tk, 1]`` float32, contiguous
         The true key is ``k_scales[j] * concat(k[j], rope_j)``.
     k_rope : ``[Tk, 1, 64]`` bfloat16 array or bfloat16 :class:`PagedKVCache`
-        The shared rope, stored divided by ``k_scales`` as MAX's per-token cache holds it.
+        The shared rope, stored divided by ``k_scales`` as MAX's per-token cache holds it. With an
+        e4m3 ``q_rope`` (all-e4m3 mode): ``[Tk, 1, 64]`` e4m3 bytes, quantized under ``k_scales``
+        (``quant.quantize_per_token(..., e4m3_rope=True)``), and Q K^T is one 192-deep e4m3 GEMM; a
+        PagedKVCache is refused in this mode (``ValueError`` naming ``k_rope``).
     valid_length, cache_row_offsets, and the keywords
         As in :func:`mla_prefill` (``scale`` defaults to ``1 / sqrt(192)``; ``kernel`` must be
         ``"auto"`` or ``"sm90"``).
@@ -165,11 +168,11 @@ def mla_prefill_fp8(
     Key tiles start on multiples of 16 keys of a sequence, so a NaN in the v of a key also reaches
     query blocks whose visible keys start up to 15 keys after it (never another sequence).
     """
-    return _one_shot(fp8_bytes(q_nope, "q_nope"), fp8_bytes(k, "k"), fp8_bytes(v, "v"), k_rope, valid_length,
+    return _one_shot(fp8_bytes(q_nope, "q_nope"), fp8_bytes(k, "k"), fp8_bytes(v, "v"), fp8_bytes(k_rope, "k_rope"), valid_length,
                      cache_row_offsets, scale=scale, mask=mask, q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets,
                      q_start_pos=q_start_pos, out=out, out_dtype=out_dtype, return_lse=return_lse, lse=lse,
                      accumulate=accumulate, stream=stream, validate=validate, kernel=kernel,
-                     fp8=(q_rope, q_scale, k_scales), workspace=workspace)
+                     fp8=(fp8_bytes(q_rope, "q_rope"), q_scale, k_scales), workspace=workspace)
 
 
 def checkable_args(q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse=None,

@@ -424,19 +424,21 @@ def bench_ours(run: CaseRun) -> Row:
     return row
 
 
-def bench_ours_fp8(run: CaseRun) -> List[Row]:
+def bench_ours_fp8(run: CaseRun, e4m3_rope: bool = False) -> List[Row]:
     """mla_prefill_fp8 on inputs quantized per token (:func:`mla_cupy.quant.quantize_per_token`,
-    on the device, not timed): the nope parts, K and V in e4m3, the rope in bf16."""
+    on the device, not timed): the nope parts, K and V in e4m3, the rope in bf16 (``e4m3_rope``: in
+    e4m3 too, the all-e4m3 mode, row ``mla_cupy-fp8-e4m3``)."""
     import cupy as cp
 
     from .api import mla_prefill_fp8
     from .quant import quantize_per_token
 
     case = run.case
+    impl = "mla_cupy-fp8-e4m3" if e4m3_rope else "mla_cupy-fp8"
     try:
-        fp8 = [quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"]) for x in run.sets]
+        fp8 = [quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"], e4m3_rope=e4m3_rope) for x in run.sets]
     except Exception as exc:
-        return [_failed(run, "mla_cupy-fp8", exc, "fp8")]
+        return [_failed(run, impl, exc, "fp8")]
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in run.sets]
 
     def call(i):
@@ -446,18 +448,23 @@ def bench_ours_fp8(run: CaseRun) -> List[Row]:
                         validate=False, out=outs[i])
 
     try:
-        row = _timed_ours(run, "mla_cupy-fp8", call, outs, "fp8")
+        row = _timed_ours(run, impl, call, outs, "fp8")
     except Exception as exc:
-        return [_failed(run, "mla_cupy-fp8", exc, "fp8")]
+        return [_failed(run, impl, exc, "fp8")]
     f = fp8[0]
+    rope64 = e4m3_to_f64 if e4m3_rope else (lambda x: x.astype(cp.float64))
     q_true = f["q_scale"][:, :, None].astype(cp.float64) * cp.concatenate(
-        [e4m3_to_f64(f["q_nope"]), f["q_rope"].astype(cp.float64)], axis=-1)
+        [e4m3_to_f64(f["q_nope"]), rope64(f["q_rope"])], axis=-1)
     k_scales = f["k_scales"][:, :, None].astype(cp.float64)
-    ref8 = run.reference(q_true, k_scales * e4m3_to_f64(f["k"]), e4m3_to_f64(f["v"]),
-                         k_scales * f["k_rope"].astype(cp.float64))
+    ref8 = run.reference(q_true, k_scales * e4m3_to_f64(f["k"]), e4m3_to_f64(f["v"]), k_scales * rope64(f["k_rope"]))
     row.rel_err, row.err_vs_16bit = run.error(outs[0], ref8), run.error(outs[0])
-    row.note = "per token: nope, K and V e4m3, rope bf16; quantization not timed"
+    row.note = f"per token: nope, K and V e4m3, rope {'e4m3' if e4m3_rope else 'bf16'}; quantization not timed"
     return [row]
+
+
+def bench_ours_e4m3(run: CaseRun) -> List[Row]:
+    """:func:`bench_ours_fp8` in the all-e4m3 mode (row ``mla_cupy-fp8-e4m3``)."""
+    return bench_ours_fp8(run, e4m3_rope=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -770,7 +777,7 @@ PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_sdpa, bench_cudnn_ragge
 #: :func:`_timed_ours` (impl ``"mla_cupy-fp8-<mode>"``, group ``"fp8"``), and sets ``rel_err``
 #: against :meth:`CaseRun.reference` of its dequantized inputs and ``err_vs_16bit`` with
 #: :meth:`CaseRun.error`, as :func:`bench_ours_fp8` does.
-FP8_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_ours_fp8]
+FP8_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_ours_fp8, bench_ours_e4m3]
 
 #: The fp8 peers, run with ``fp8=True`` and ``peers=True``.
 FP8_PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_fa3_fp8]

@@ -326,7 +326,8 @@ def run_host(json_path: Optional[str], **kw) -> None:
 @click.option("--csv", "csv_path", default=None, help="Write the rows to this CSV file.")
 @click.option("--plot", "plot_path", default=None, help="Draw TFLOP/s per case and implementation to this PNG.")
 @click.option("--no-peers", is_flag=True, help="Time mla_cupy only.")
-@click.option("--fp8", is_flag=True, help="Add fp8 rows: ours per token and FA3 e4m3, with their errors against "
+@click.option("--fp8", is_flag=True, help="Add fp8 rows: ours per token (bf16 rope, and all e4m3: mla_cupy-fp8-e4m3) "
+                                          "and FA3 e4m3, with their errors against "
                                           "the dequantized and the unquantized inputs.")
 @click.option("--reps", default=20, show_default=True, help="Timed repeats per measurement (median reported).")
 @click.option("--cpu", is_flag=True, help="No GPU: time the reference on tiny cases (what CI runs).")

@@ -1,7 +1,8 @@
 """The fp8 per-token variant of the Hopper kernel: its inputs and its V^T layout.
 
 ``mla_prefill_fp8`` takes MAX's per-token fp8 inputs: the 128 nope values of q and k, and v, as
-float8_e4m3fn bytes (uint8), q's rope in bfloat16, and one float32 scale per query and per key
+float8_e4m3fn bytes (uint8), q's rope in bfloat16 (or, the all-e4m3 mode, both rope parts as e4m3
+bytes under the same scales), and one float32 scale per query and per key
 token (:mod:`mla_cupy.quant` makes them from 16-bit data). This module holds what only that variant
 needs: viewing fp8 data as the bytes the kernels read, the checks of its arrays, and V^T, the layout
 of V that the e4m3 tensor cores read for P V (``kernels/vt_layout.cuh``): its size, its NumPy model
@@ -42,14 +43,15 @@ def fp8_bytes(x: Any, name: str) -> Any:
 
 def check_fp8_arrays(q_nope, q_rope, q_scale, k, k_scales, v) -> Tuple[int, int, int]:
     """Rank, dtype and shape of the per-token variant's arrays, in argument order (SPEC "Data
-    types"): e4m3 bytes of q_nope / k / v, bfloat16 q_rope, float32 scales. Returns (Tq, H, Tk)."""
+    types"): e4m3 bytes of q_nope / k / v, bfloat16 q_rope (or e4m3 bytes: the all-e4m3 mode,
+    k_rope then e4m3 too), float32 scales. Returns (Tq, H, Tk)."""
     check_array(q_nope, "q_nope", 3, (U8,))
     tq, heads = int(q_nope.shape[0]), int(q_nope.shape[1])
     check_shape(q_nope, "q_nope", (None, None, DV), f"[Tq, H, Dv] e4m3 bytes with Dv = {DV}")
     if heads < 1:
         raise ValueError(f"q_nope: expected at least one head, got shape {list(q_nope.shape)}")
-    check_array(q_rope, "q_rope", 3, (BF16,))
-    check_shape(q_rope, "q_rope", (tq, heads, DR), f"[Tq, H, Dr] with Dr = {DR}")
+    check_array(q_rope, "q_rope", 3, (BF16, U8))
+    check_shape(q_rope, "q_rope", (tq, heads, DR), f"[Tq, H, Dr] bfloat16 or e4m3 bytes with Dr = {DR}")
     check_array(q_scale, "q_scale", 2, (FP32,))
     check_shape(q_scale, "q_scale", (tq, 1), "[Tq, 1] float32, one scale per query token")
     check_array(k, "k", 3, (U8,))

@@ -179,6 +179,7 @@ class PrefillPlan:
         from .fp8 import fp8_bytes
 
         q_nope, k, v = fp8_bytes(q_nope, "q_nope"), fp8_bytes(k, "k"), fp8_bytes(v, "v")
+        q_rope, k_rope = fp8_bytes(q_rope, "q_rope"), fp8_bytes(k_rope, "k_rope")
         if type(k_rope) is PagedKVCache:
             self._check_cache_matches(k_rope)
             k_rope = k_rope.blocks
@@ -308,7 +309,9 @@ def plan(
         Plan the fp8 per-token variant (:meth:`PrefillPlan.run_fp8`, Hopper only).
     fp8_rope : bool
         Plan for an fp8 (e4m3) rope with float32 scales (``k_rope_scales`` /
-        ``PagedKVCache.scales``) and bfloat16 q, k, v (Hopper only).
+        ``PagedKVCache.scales``) and bfloat16 q, k, v (Hopper only). With ``fp8=True``: the
+        all-e4m3 mode, e4m3 ``q_rope`` and plain ``k_rope`` under the per-token scales (no
+        ``page_table``).
     out_dtype : dtype, optional
         ``dtype`` (default) or float32.
     return_lse : bool

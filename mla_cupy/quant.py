@@ -8,7 +8,9 @@ Two schemes:
   parts are stored as e4m3 of value / scale, the rope parts stay 16-bit but divided by the same
   scale (a per-token cache holds scaled rope values, as MAX's does); V is cast to e4m3 with
   saturation and no scale. The true query is ``q_scale[i] * concat(q_nope, q_rope)``, the true key
-  ``k_scales[j] * concat(k, rope)``.
+  ``k_scales[j] * concat(k, rope)``. With ``e4m3_rope=True`` (the all-e4m3 mode) the rope parts are
+  e4m3 of value / scale as well, and ``k_scales[j] = max(amax over heads of |k[j]|, amax |k_rope[j]|)
+  / 448``: the scale covers all 192 values of key j (q_scale already does for query i).
 * per 64-value rope block (``quantize_rope_blocks``): ``k_rope_scales[j, 0, c] = amax |rope_j block c| / 448``.
 
 A token whose amax is 0 gets scale 1 (its values are zeros either way).
@@ -59,10 +61,11 @@ def _on_device(*xs) -> bool:
                for x in xs)
 
 
-def _device_rows(x, n8: int, side=None, use_scale: bool = True, name: str = "x"):
+def _device_rows(x, n8: int, side=None, use_scale: bool = True, name: str = "x", rope8: bool = False):
     """kernels/quantize.cu over the rows of ``x[R, H, W]`` (last dim contiguous): (e4m3 bytes of the
     first n8 values per head [R, H, n8], the rest in x's dtype [R, H, W - n8] or None, scales [R, 1]
-    or None, side row scaled [R, 1, 64] or None)."""
+    or None, side row scaled [R, 1, 64] or None). ``rope8``: the rest and the side row as e4m3
+    bytes too, the side row counted in the scale's amax."""
     import cupy as cp
 
     from . import _registry as reg
@@ -77,7 +80,7 @@ def _device_rows(x, n8: int, side=None, use_scale: bool = True, name: str = "x")
     if dt not in reg.CPP_TYPE:
         raise TypeError(f"{name}: expected bfloat16, float16 or float32 data to quantize, got {dt.name}")
     q8 = cp.empty((r, h, n8), cp.uint8)
-    rest = cp.empty((r, h, w - n8), dt) if w > n8 else None
+    rest = cp.empty((r, h, w - n8), cp.uint8 if rope8 else dt) if w > n8 else None
     scale = cp.empty((r, 1), cp.float32) if use_scale else None
     side_out = None
     if side is not None:
@@ -85,7 +88,7 @@ def _device_rows(x, n8: int, side=None, use_scale: bool = True, name: str = "x")
         if tuple(side.shape) != (r, 1, DR) or side.strides[2] != side.itemsize or np.dtype(side.dtype) != dt:
             raise ValueError(f"k_rope: expected [{r}, 1, {DR}] {dt.name} with a contiguous last dimension, got "
                              f"{list(side.shape)} {np.dtype(side.dtype).name}")
-        side_out = cp.empty((r, 1, DR), dt)
+        side_out = cp.empty((r, 1, DR), cp.uint8 if rope8 else dt)
     if r:
         fn = get_function(*reg.quantize_family(), reg.quantize_name(dt))
         it = dt.itemsize
@@ -93,34 +96,41 @@ def _device_rows(x, n8: int, side=None, use_scale: bool = True, name: str = "x")
         fn((r,), (256,), (x, np.int64(x.strides[0] // it), np.int64(x.strides[1] // it), np.int32(h), np.int32(w),
                           np.int32(n8), q8, rest if rest is not None else null, scale if scale is not None else null,
                           side if side is not None else null, np.int64(side.strides[0] // it if side is not None else 0),
-                          side_out if side_out is not None else null, np.int32(use_scale)))
+                          side_out if side_out is not None else null, np.int32(use_scale), np.int32(rope8)))
     return q8, rest, scale, side_out
 
 
-def quantize_per_token(q, k, v, k_rope) -> Dict[str, np.ndarray]:
+def quantize_per_token(q, k, v, k_rope, *, e4m3_rope: bool = False) -> Dict[str, np.ndarray]:
     """``q[Tq, H, 192]``, ``k[Tk, H, 128]``, ``v[Tk, H, 128]``, ``k_rope[Tk, 1, 64]`` (any float
     dtype) -> the inputs of the fp8 per-token variant: ``q_nope`` / ``k`` / ``v`` e4m3,
     ``q_rope`` / ``k_rope`` in q's 16-bit dtype (scaled), ``q_scale[Tq, 1]`` / ``k_scales[Tk, 1]``
-    float32. Device inputs (one dtype for all four) are quantized on the device."""
+    float32. Device inputs (one dtype for all four) are quantized on the device.
+
+    ``e4m3_rope=True`` (the all-e4m3 mode of :func:`mla_cupy.mla_prefill_fp8`): ``q_rope`` and
+    ``k_rope`` are e4m3 too, under the same scales, and ``k_scales[j]`` covers the rope: the amax of
+    key j's 128 nope values of every head and its 64 rope values (``q_scale`` covers all 192
+    values of every head either way)."""
     if _on_device(q, k, v, k_rope):
-        q_nope, q_rope, q_scale, _ = _device_rows(q, DV, name="q")
-        k8, _, k_scales, k_rope_scaled = _device_rows(k, DV, side=k_rope, name="k")
+        q_nope, q_rope, q_scale, _ = _device_rows(q, DV, name="q", rope8=e4m3_rope)
+        k8, _, k_scales, k_rope_scaled = _device_rows(k, DV, side=k_rope, name="k", rope8=e4m3_rope)
         v8, _, _, _ = _device_rows(v, DV, use_scale=False, name="v")
         return {"q_nope": q_nope, "q_rope": q_rope, "q_scale": q_scale, "k": k8, "k_scales": k_scales, "v": v8,
                 "k_rope": k_rope_scaled}
     q32, k32, r32 = (np.asarray(a, np.float32) for a in (q, k, k_rope))
     out_dtype = np.asarray(q).dtype if np.asarray(q).dtype.itemsize == 2 else np.dtype(np.float32)
     q_scale = _scale(_row_amax(q32))[:, None]
-    k_scales = _scale(_row_amax(k32))[:, None]
+    k_amax = np.maximum(_row_amax(k32), _row_amax(r32)) if e4m3_rope else _row_amax(k32)
+    k_scales = _scale(k_amax)[:, None]
     qs = q32 / q_scale[:, :, None]
+    rope_of = to_e4m3 if e4m3_rope else (lambda x: x.astype(out_dtype))
     return {
         "q_nope": to_e4m3(qs[:, :, :DV]),
-        "q_rope": qs[:, :, DV:].astype(out_dtype),
+        "q_rope": rope_of(qs[:, :, DV:]),
         "q_scale": q_scale,
         "k": to_e4m3(k32 / k_scales[:, :, None]),
         "k_scales": k_scales,
         "v": to_e4m3(v),
-        "k_rope": (r32 / k_scales[:, :, None]).astype(out_dtype),
+        "k_rope": rope_of(r32 / k_scales[:, :, None]),
     }
 
 

@@ -182,14 +182,18 @@ def _plain_inputs(q, k, v, k_rope, k_rope_scales) -> _Inputs:
 
 def _fp8_inputs(q_nope, q_rope, q_scale, k, k_scales, v, k_rope) -> _Inputs:
     """The per-token variant: true query ``q_scale[i] * concat(q_nope, q_rope)``, true key
-    ``k_scales[j] * concat(k, rope_j)``, V as stored (e4m3 decoded on the host)."""
+    ``k_scales[j] * concat(k, rope_j)``, V as stored (e4m3 decoded on the host). The rope parts are
+    bfloat16, or e4m3 bytes (the all-e4m3 mode: a plain k_rope, decoded here once)."""
     qn, qr, qsc, kn, ksc, vv = (to_host(x) for x in (q_nope, q_rope, q_scale, k, k_scales, v))
     paged = isinstance(k_rope, PagedKVCache)
     rope = (PagedKVCache(to_host(k_rope.blocks), to_host(k_rope.lookup_table), k_rope.page_size, k_rope.rope_offset)
             if paged else to_host(k_rope))
+    if not paged and rope.dtype in (np.uint8, FP8_E4M3):
+        rope = _e4m3(rope)
+    q_rope_of = _e4m3 if qr.dtype in (np.uint8, FP8_E4M3) else (lambda x: x.astype(np.float64))
 
     def q_rows(r0, r1, hs):
-        full = np.concatenate([_e4m3(qn[r0:r1, hs]), qr[r0:r1, hs].astype(np.float64)], axis=-1)
+        full = np.concatenate([_e4m3(qn[r0:r1, hs]), q_rope_of(qr[r0:r1, hs])], axis=-1)
         return (qsc[r0:r1, :, None].astype(np.float64) * full).transpose(1, 0, 2)
 
     def k_rows(j0, j1, hs):
@@ -557,10 +561,11 @@ def mla_prefill_fp8(
     Parameters
     ----------
     q_nope, k, v : ``[T, H, 128]`` e4m3 data: ``ml_dtypes.float8_e4m3fn`` arrays or their uint8 bytes
-    q_rope : ``[Tq, H, 64]`` bfloat16
+    q_rope : ``[Tq, H, 64]`` bfloat16, or e4m3 data (the all-e4m3 mode)
     q_scale : ``[Tq, 1]`` float32, non-negative (checked with ``validate=True``, as on the GPU)
     k_scales : ``[Tk, 1]`` float32
-    k_rope : ``[Tk, 1, 64]`` bfloat16 array or bfloat16 :class:`PagedKVCache`
+    k_rope : ``[Tk, 1, 64]`` bfloat16 array or bfloat16 :class:`PagedKVCache`; with an e4m3
+        ``q_rope``, ``[Tk, 1, 64]`` e4m3 data (plain only), also under ``k_scales``
     valid_length, cache_row_offsets, and the keywords
         As in :func:`mla_prefill`; ``workspace`` (the GPU's V^T buffer) is accepted and unused.
 
@@ -576,6 +581,7 @@ def mla_prefill_fp8(
     """
     _check_progress(progress)
     q_nope, k, v = fp8_bytes(q_nope, "q_nope"), fp8_bytes(k, "k"), fp8_bytes(v, "v")
+    q_rope, k_rope = fp8_bytes(q_rope, "q_rope"), fp8_bytes(k_rope, "k_rope")
     p = check_inputs(q_nope, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                      q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out,
                      out_dtype=out_dtype, validate=validate, device=False, read_offsets=True,

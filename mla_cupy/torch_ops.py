@@ -242,7 +242,8 @@ def _outputs(like: Tensor, tq, heads, dtype: torch.dtype) -> Tuple[Tensor, Tenso
 def _define_prefill(name: str, inputs: str, fp8: bool) -> None:
     """``name`` (functional) and ``name + '_out'`` (in place). Their leading tensors are
     ``inputs``; the query count and heads come from the first, the default output dtype from
-    ``q`` (bf16) or ``q_rope`` (fp8). The fp8 per-token ops take no ``k_rope_scales``."""
+    ``q`` (bf16) or ``q_rope`` (fp8; bfloat16 for an e4m3 one). The fp8 per-token ops take no
+    ``k_rope_scales``."""
     n_in = inputs.count("Tensor ")
     like_index = 1 if fp8 else 0
     optional = _OPTIONAL if fp8 else _OPTIONAL + _SCALES
@@ -266,7 +267,8 @@ def _define_prefill(name: str, inputs: str, fp8: bool) -> None:
 
     def _fake(*args, out_dtype=None, **kw):
         q = args[0]
-        return _outputs(q, q.shape[0], q.shape[1], out_dtype or args[like_index].dtype)
+        like = args[like_index].dtype  # an e4m3 q_rope (the all-e4m3 mode): bfloat16 results
+        return _outputs(q, q.shape[0], q.shape[1], out_dtype or (torch.bfloat16 if like.itemsize == 1 else like))
 
     functional = torch.library.custom_op(f"mla_cupy::{name}", make_functional(_prefill_cuda), mutates_args=(),
                                          device_types="cuda", schema=_schema(inputs, optional, False))

@@ -51,8 +51,10 @@ class Problem:
     scale: float
     max_sq: Optional[int]  # None when offsets were not read and no bound was given
     paged: bool
-    fp8: bool = False  # the fp8 per-token variant (dtype is then that of the rope parts)
-    rope8: bool = False  # an fp8 (e4m3) rope with per-key scales
+    fp8: bool = False  # the fp8 per-token variant (dtype is then that of the output, bfloat16)
+    # an fp8 (e4m3) rope: with per-key scales (16-bit variant), or with fp8 the all-e4m3 mode (e4m3
+    # q_rope and k_rope under the per-token scales)
+    rope8: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,11 +88,15 @@ def _is_fp8(x, device: bool) -> bool:
     return dtype_of(x) == U8 or (not device and FP8_E4M3 is not None and dtype_of(x) == FP8_E4M3)
 
 
-def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, device: bool, fp8: bool) -> bool:
+def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, device: bool, fp8: bool,
+               e4m3: bool = False) -> bool:
     """A ``[Tk, 1, 64]`` k_rope (``tk=None``: any number of rows) or a :class:`PagedKVCache`, in
     q's dtype or (bfloat16 q, 16-bit variant) e4m3 bytes with float32 scales. The reference
     (``device=False``) takes any float dtype for a 16-bit rope; the fp8 per-token variant's rope is
-    bfloat16 everywhere. Returns whether the rope is fp8."""
+    bfloat16 everywhere, or (``e4m3``: its q_rope is e4m3, the all-e4m3 mode) e4m3 bytes of a plain
+    ``[Tk, 1, 64]`` k_rope without scales. Returns whether the rope is fp8."""
+    if fp8 and _check_fp8_rope_kind(k_rope, k_rope_scales, tk, e4m3, device):
+        return True
     strict = device or fp8
     rope_dtypes = (DEVICE_DTYPES + ((U8,) if dtype == BF16 and not fp8 else ())) if strict else None
     if isinstance(k_rope, PagedKVCache):
@@ -361,6 +367,29 @@ def check_same_device(arrays) -> None:
         raise ValueError(f"inputs live on different devices: {sorted(ids)}")
 
 
+def _check_fp8_rope_kind(k_rope, k_rope_scales, tk: Optional[int], e4m3: bool, device: bool) -> bool:
+    """The per-token variant's two rope parts are both bfloat16 or both e4m3 (the all-e4m3 mode,
+    where k_rope is stored under k_scales as q_rope is under q_scale, so no scales of its own), and
+    an e4m3 k_rope is a plain array: the all-e4m3 kernel has no paged instantiation. Returns True
+    when the e4m3 k_rope is checked (else the bfloat16 checks follow)."""
+    paged = isinstance(k_rope, PagedKVCache)
+    name, arr = ("k_rope.blocks", k_rope.blocks) if paged else ("k_rope", k_rope)
+    check_array(arr, name, 4 if paged else 3)
+    if _is_fp8(arr, device) != e4m3:
+        raise TypeError(f"{name}: expected {'e4m3 bytes (uint8)' if e4m3 else 'bfloat16'} like q_rope (the rope parts "
+                        f"of mla_prefill_fp8 are both bfloat16 or both e4m3), got {dtype_of(arr).name}")
+    if not e4m3:
+        return False
+    if paged:
+        raise ValueError("k_rope: an e4m3 rope under the per-token scales (e4m3 q_rope) must be a plain [Tk, 1, 64] "
+                         "array; a PagedKVCache is not supported in this mode (use a bfloat16 rope for a paged cache)")
+    check_shape(k_rope, "k_rope", (tk, 1, DR), f"[Tk, 1, Dr] e4m3 bytes with Tk = {tk} from k and Dr = {DR}")
+    if k_rope_scales is not None:
+        raise ValueError("k_rope_scales: an e4m3 k_rope of mla_prefill_fp8 is scaled by k_scales; it has no scales "
+                         "of its own")
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # one call
 
@@ -383,7 +412,8 @@ def check_inputs(
     else:
         tq, heads, tk, dtype = check_qkv(q, k, v, device=device)
     paged = isinstance(k_rope, PagedKVCache)
-    rope8 = check_rope(k_rope, k_rope_scales, tk, dtype, device=device, fp8=fp8 is not None)
+    rope8 = check_rope(k_rope, k_rope_scales, tk, dtype, device=device, fp8=fp8 is not None,
+                       e4m3=fp8 is not None and _is_fp8(fp8[0], device))
     batch = check_offsets(valid_length, cache_row_offsets)
     if paged and k_rope.lookup_table.shape[0] != batch:
         raise ValueError(f"k_rope.lookup_table: expected {batch} rows (B), got {k_rope.lookup_table.shape[0]}")

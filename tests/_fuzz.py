@@ -18,7 +18,7 @@ command line (``python benchmarks/fuzz.py``, ``bash benchmarks/gpu.sh verify fuz
   variant, elapsed time, the seed), stops before ``budget_s`` and records what it did
   (:mod:`_verify`), so that the next command resumes where it stopped.
 
-Adding a variant (e.g. all-e4m3 inputs, when the kernels have it) is one entry of
+Adding a variant is one entry of
 :data:`VARIANTS`: its name, the kernels it runs on, what it draws, and a runner
 ``run(problem, case) -> worst error`` that raises ``AssertionError`` on a wrong answer.
 """
@@ -253,6 +253,15 @@ def _run_fp8_rope(p: Problem, case: Case) -> float:
     return run_fp8_rope(case, cp.asarray(r8.view(np.uint8)), cp.asarray(sc), mask=p.mask_object(), kernel=p.kernel)
 
 
+def _run_e4m3(p: Problem, case: Case) -> float:
+    """``mla_prefill_fp8`` in the all-e4m3 mode: e4m3 q_rope and plain k_rope under the per-token
+    scales (no paged cache in this mode)."""
+    from test_gpu_fp8 import check_fp8, quantized
+
+    return check_fp8(case, mask=p.mask_object(), tol=FP8_TOL, fq=quantized(case, e4m3_rope=True),
+                     out_dtype=np.float32 if p.out_f32 else None, kernel=p.kernel)
+
+
 def _chunk_size(rng, sk) -> dict:
     return dict(chunk_size=int(rng.choice(CHUNK_SIZES)))
 
@@ -261,8 +270,7 @@ def _split(rng, sk) -> dict:
     return dict(split=tuple(int(rng.integers(0, s + 1)) for s in sk))
 
 
-#: Every variant the fuzz runs, in schedule order. The all-e4m3 mode, once the kernels have it:
-#: ``Variant("e4m3", ("sm90",), _run_e4m3, dtypes=("bf16",))`` with its runner.
+#: Every variant the fuzz runs, in schedule order.
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("plain", ("sm80", "sm90"), _run_one_shot, paged=0.0, min_batch=0),
     Variant("paged", ("sm80", "sm90"), _run_one_shot, paged=1.0),
@@ -270,6 +278,7 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("accumulate", ("sm80", "sm90"), _run_accumulate, out_f32=1.0, lse=1.0, extra=_split),
     Variant("fp8", ("sm90",), _run_fp8, dtypes=("bf16",), lse=1.0),
     Variant("fp8_rope", ("sm90",), _run_fp8_rope, dtypes=("bf16",), out_f32=0.0, lse=1.0),
+    Variant("e4m3", ("sm90",), _run_e4m3, dtypes=("bf16",), paged=0.0, lse=1.0),
 )}
 #: (variant, kernel) pairs; problem ``index`` is of pair ``index % len(SCHEDULE)``.
 SCHEDULE: Tuple[Tuple[str, str], ...] = tuple((v.name, k) for v in VARIANTS.values() for k in v.kernels)

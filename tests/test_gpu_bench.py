@@ -94,6 +94,9 @@ def test_bench_fp8_rows():
     assert ours["rel_err"] < 6e-2 and ours["err_vs_16bit"] < 1e-1, ours
     assert ours["err_vs_16bit"] != ours["rel_err"]  # two references: dequantized and unquantized inputs
     assert "fa3-fp8" not in rows["mla_cupy"]["ratios"]  # 16-bit rows are compared with 16-bit peers only
+    e4m3 = rows["mla_cupy-fp8-e4m3"]  # the all-e4m3 mode, compared with the first fp8 row
+    assert e4m3["ms"] > 0 and e4m3["rel_err"] < 6e-2 and e4m3["err_vs_16bit"] < 1e-1, e4m3
+    assert math.isclose(ours["ratios"]["mla_cupy-fp8-e4m3"], e4m3["ms"] / ours["ms"])
     if bench.fa3_function() is not None:
         fa3 = rows["fa3-fp8"]
         assert fa3["ms"] > 0 and fa3["rel_err"] < 6e-2 and fa3["err_vs_16bit"] < 1e-1, fa3

@@ -118,11 +118,11 @@ def test_paged_cache_through_the_ops():
     assert torch.equal(o, mla_cupy.mla_prefill(q, k, v, cache, vl, cro, cache_offsets=co))
 
 
-def _fp8_inputs(seed):
+def _fp8_inputs(seed, e4m3_rope=False):
     from mla_cupy import quant
 
     q, k, v, k_rope, vl, cro = _case(seed, dtype=torch.float32)
-    d = quant.quantize_per_token(*(t.cpu().numpy() for t in (q, k, v, k_rope)))
+    d = quant.quantize_per_token(*(t.cpu().numpy() for t in (q, k, v, k_rope)), e4m3_rope=e4m3_rope)
 
     def dev(name):
         x = np.asarray(d[name])
@@ -157,6 +157,22 @@ def test_fp8_op_equals_the_api_and_replays_from_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     _assert_same(captured, ops.mla_prefill_fp8(*static, return_lse=True, **kw))
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="the fp8 per-token kernel runs on compute capability 9.0")
+def test_e4m3_op_equals_the_api():
+    """The all-e4m3 mode (float8_e4m3fn q_rope and k_rope) through the op: the API's bits, bfloat16
+    results by default, and the in-place op into a float32 out."""
+    args = _fp8_inputs(12, e4m3_rope=True)
+    assert args[1].dtype == torch.float8_e4m3fn and args[6].dtype == torch.float8_e4m3fn
+    got = ops.mla_prefill_fp8(*args, return_lse=True)
+    assert got[0].dtype == torch.bfloat16
+    _assert_same(got, mla_cupy.mla_prefill_fp8(*args, return_lse=True))
+    out = torch.full(got[0].shape, float("nan"), dtype=torch.float32, device="cuda")
+    lse = torch.empty_like(got[1])
+    ops.mla_prefill_fp8(*args, out=out, lse=lse)
+    _assert_same((out, lse), mla_cupy.mla_prefill_fp8(*args, out_dtype=np.float32, return_lse=True))
 
 
 def test_merge_ops_equal_the_api():

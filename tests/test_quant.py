@@ -113,3 +113,47 @@ def test_transpose_v_host_layout(sk):
             seen[col] = True
             np.testing.assert_array_equal(vt[:, :, col], v[cro[b] + j])
     assert not vt[:, :, ~seen].any()
+
+
+def test_per_token_e4m3_rope_scales_cover_the_rope():
+    """e4m3_rope=True: q_scale as before (all 192 values of every head), k_scales over key j's 128
+    nope values of every head AND its 64 rope values; every part e4m3 under those scales."""
+    c = make_case([7, 5], [9, 4], 4, BF16, seed=3)
+    c.k_rope[2] = c.k_rope[2] * 1000  # the rope decides key 2's scale
+    qt = quant.quantize_per_token(c.q, c.k, c.v, c.k_rope, e4m3_rope=True)
+    base = quant.quantize_per_token(c.q, c.k, c.v, c.k_rope)
+    q32, k32, r32 = (x.astype(np.float32) for x in (c.q, c.k, c.k_rope))
+    np.testing.assert_array_equal(qt["q_scale"], base["q_scale"])
+    np.testing.assert_array_equal(qt["q_nope"].view(np.uint8), base["q_nope"].view(np.uint8))
+    want = np.maximum(np.abs(k32).max(axis=(1, 2)), np.abs(r32).max(axis=(1, 2))) / 448
+    np.testing.assert_array_equal(qt["k_scales"][:, 0], want.astype(np.float32))
+    assert qt["k_scales"][2, 0] == np.float32(np.abs(r32[2]).max() / 448) > base["k_scales"][2, 0]
+    for n in ("q_nope", "q_rope", "k", "k_rope", "v"):
+        assert qt[n].dtype == FP8_E4M3, n
+    deq_q = qt["q_scale"][:, :, None] * np.concatenate([qt["q_nope"].astype(np.float32), qt["q_rope"].astype(np.float32)], -1)
+    assert rel(deq_q, q32) < 4e-2
+    deq_r = qt["k_scales"][:, :, None] * qt["k_rope"].astype(np.float32)
+    assert rel(deq_r, r32) < 4e-2 and np.abs(qt["k_rope"].astype(np.float32)).max() <= 448
+    z = quant.quantize_per_token(np.zeros((1, 1, 192), np.float32), np.zeros((1, 1, 128), np.float32),
+                                 np.zeros((1, 1, 128), np.float32), np.zeros((1, 1, 64), np.float32), e4m3_rope=True)
+    assert z["q_scale"][0, 0] == 1.0 and z["k_scales"][0, 0] == 1.0  # an all-zero token: scale 1
+
+
+@pytest.mark.parametrize("mask", [CausalMask(), NullMask()], ids=["causal", "null"])
+def test_e4m3_mode_reference_tracks_bf16_attention(mask):
+    """The reference reads e4m3 rope parts (ml_dtypes or their uint8 bytes) as the true query /
+    key scaled by q_scale / k_scales, like the bf16 rope parts."""
+    c = make_case([33, 7, 1], [40, 7, 65], 16, BF16, seed=5)
+    exact = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets, mask=mask)
+    qt = quant.quantize_per_token(c.q, c.k, c.v, c.k_rope, e4m3_rope=True)
+    args = [qt[n] for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")]
+    got = reference.mla_prefill_fp8(*args, c.valid_length, c.cache_row_offsets, mask=mask)
+    assert rel(got, exact) < 8e-2
+    as_bytes = [a.view(np.uint8) if a.dtype == FP8_E4M3 else a for a in args]
+    np.testing.assert_array_equal(reference.mla_prefill_fp8(*as_bytes, c.valid_length, c.cache_row_offsets, mask=mask),
+                                  got)
+    # the same values as bfloat16 rope parts (e4m3 is exact in bfloat16): the same float64 result
+    as_bf16 = list(args)
+    as_bf16[1], as_bf16[6] = (args[i].astype(np.float32).astype(BF16) for i in (1, 6))
+    np.testing.assert_array_equal(reference.mla_prefill_fp8(*as_bf16, c.valid_length, c.cache_row_offsets, mask=mask),
+                                  got)

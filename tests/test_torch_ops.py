@@ -170,15 +170,17 @@ def test_merge_states_functional_and_in_place():
     torch.testing.assert_close(la, ml)
 
 
-def test_fp8_op_on_cpu_matches_the_reference():
+@pytest.mark.parametrize("e4m3_rope", [False, True], ids=["bf16-rope", "e4m3-rope"])
+def test_fp8_op_on_cpu_matches_the_reference(e4m3_rope):
     from mla_cupy import quant
 
     c = _case(6)
-    d = quant.quantize_per_token(*(c[n].numpy().astype(ml_dtypes.bfloat16) for n in ("q", "k", "v", "k_rope")))
+    d = quant.quantize_per_token(*(c[n].numpy().astype(ml_dtypes.bfloat16) for n in ("q", "k", "v", "k_rope")),
+                                 e4m3_rope=e4m3_rope)
 
     def tensor(n, x):  # e4m3 data as float8_e4m3fn, the rope parts as bfloat16 (as the GPU op takes them)
         x = np.asarray(x)
-        if n in ("q_nope", "k", "v"):
+        if x.dtype.itemsize == 1:
             return torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn)
         t = torch.from_numpy(x.astype(np.float32))
         return t.to(torch.bfloat16) if n in ("q_rope", "k_rope") else t
@@ -188,6 +190,7 @@ def test_fp8_op_on_cpu_matches_the_reference():
                             c["valid_length"], c["cache_row_offsets"])
     ro = reference.mla_prefill_fp8(d["q_nope"], d["q_rope"], d["q_scale"], d["k"], d["k_scales"], d["v"], d["k_rope"],
                                    c["valid_length"].numpy(), c["cache_row_offsets"].numpy())
+    assert o.dtype == torch.bfloat16  # also with e4m3 rope parts
     np.testing.assert_allclose(o.float().numpy(), ro, rtol=1e-2, atol=1e-2)  # a bfloat16 result
     o32 = ops.mla_prefill_fp8(t["q_nope"], t["q_rope"], t["q_scale"], t["k"], t["k_scales"], t["v"], t["k_rope"],
                               c["valid_length"], c["cache_row_offsets"], out_dtype=torch.float32)

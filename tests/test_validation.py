@@ -174,13 +174,27 @@ def test_fp8_argument_errors(api):
         ("k_scales", dev(np.ones((tk, 1), np.float64)), TypeError, "k_scales: expected dtype float32"),
         ("k_scales", dev(np.ones((tk + 2, 1), np.float32)), ValueError, r"k_scales: expected shape \[9, 1\]"),
         ("k_rope", dev(np.ones((tk, 1, 64), np.float16)), TypeError, "k_rope: expected dtype bfloat16"),
-        ("k_rope", dev(np.zeros((tk, 1, 64), np.uint8)), TypeError, "k_rope: expected dtype bfloat16 or float16, got uint8"),
+        ("k_rope", dev(np.zeros((tk, 1, 64), np.uint8)), TypeError, "k_rope: expected bfloat16 like q_rope .*, got uint8"),
         # q_scale folds into each row's softmax scale: negative or NaN scales are refused
         ("q_scale", dev(np.full((tq, 1), -1, np.float32)), ValueError, r"q_scale: expected non-negative scales, got q_scale\[0\] = -1"),
         ("q_scale", dev(np.array([[1]] * (tq - 1) + [[np.nan]], np.float32)), ValueError,
          r"q_scale: expected non-negative scales, got q_scale\[7\] = nan"),
     ]:
         args = {n: _on(api, x) for n, x in dict(f8, **{name: bad}).items()}
+        with pytest.raises(exc, match=words):
+            prefill_fp8(args["q_nope"], args["q_rope"], args["q_scale"], args["k"], args["k_scales"],
+                        args["v"], args["k_rope"], **kw)
+    # the all-e4m3 mode: e4m3 q_rope and k_rope (plain), under the per-token scales
+    e8 = dict(f8, q_rope=dev(np.zeros((tq, h, 64), np.uint8)), k_rope=dev(np.zeros((tk, 1, 64), np.uint8)))
+    lut = dev(np.zeros((2, 1), np.int32))
+    for name, bad, exc, words in [
+        ("k_rope", dev(a["k_rope"]), TypeError, r"k_rope: expected e4m3 bytes \(uint8\) like q_rope .*, got bfloat16"),
+        ("k_rope", dev(np.zeros((tk, 2, 64), np.uint8)), ValueError, r"k_rope: expected shape \[9, 1, 64\]"),
+        ("k_rope", PagedKVCache(dev(np.zeros((2, 16, 1, 576), np.uint8)), lut, 16), ValueError,
+         "k_rope: an e4m3 rope under the per-token scales .* a PagedKVCache is not supported"),
+        ("q_rope", dev(np.zeros((tq, h, 32), np.uint8)), ValueError, r"q_rope: expected shape \[8, 4, 64\]"),
+    ]:
+        args = {n: x if isinstance(x, PagedKVCache) else _on(api, x) for n, x in dict(e8, **{name: bad}).items()}
         with pytest.raises(exc, match=words):
             prefill_fp8(args["q_nope"], args["q_rope"], args["q_scale"], args["k"], args["k_scales"],
                         args["v"], args["k_rope"], **kw)

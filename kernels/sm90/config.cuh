@@ -60,6 +60,7 @@ struct Variant16 {
   static constexpr int kId = 0;                     // index into the exported tables
   static constexpr bool kFp8 = false;               // e4m3 nope parts, V^T and P
   static constexpr bool kRope8 = false;             // e4m3 rope with one scale per key
+  static constexpr bool kRopeE4m3 = false;          // e4m3 q / k rope under the per-token scales
   static constexpr int kNopeBlocks = 2;             // column blocks of a row's 128 nope values
   static constexpr int kStages = 2;
   static constexpr bool kPingpong = false;
@@ -74,6 +75,7 @@ struct VariantFp8 {
   static constexpr int kId = 1;
   static constexpr bool kFp8 = true;
   static constexpr bool kRope8 = false;
+  static constexpr bool kRopeE4m3 = false;
   static constexpr int kNopeBlocks = 1;
   static constexpr int kStages = 3;
   static constexpr bool kPingpong = true;
@@ -86,19 +88,41 @@ struct VariantFp8Rope {
   static constexpr int kId = 2;
   static constexpr bool kFp8 = false;
   static constexpr bool kRope8 = true;
+  static constexpr bool kRopeE4m3 = false;
   static constexpr int kNopeBlocks = 2;
   static constexpr int kStages = 2;
   static constexpr bool kPingpong = false;
 };
 
-constexpr int kNumVariants = 3;
+// All e4m3: VariantFp8 with the rope quantized under the same per-token scales as the nope parts
+// (e4m3 q_rope and k_rope), so S = q_scale[i] k_scales[j] (q k^T) is one 192-deep e4m3 GEMM: 4
+// k-steps of 32 over the 128-byte-swizzled nope block, 2 over the rope block, whose rows are 64
+// bytes (TMA and wgmma with the 64-byte swizzle). Key scales, V^T and the pingpong as VariantFp8.
+// A plain rope only: a paged e4m3 rope is refused by the host (no rope warp in this variant).
+struct VariantE4m3 {
+  using Elem = __nv_bfloat16;                       // the output's 16-bit type
+  static constexpr int kId = 3;
+  static constexpr bool kFp8 = true;
+  static constexpr bool kRope8 = false;
+  static constexpr bool kRopeE4m3 = true;
+  static constexpr int kNopeBlocks = 1;
+  static constexpr int kStages = 3;
+  static constexpr bool kPingpong = true;
+};
+
+constexpr int kNumVariants = 4;
 
 // Bytes of one tile in shared memory:
-//   Q: the nope block(s), then the rope block (q's last 64 values; q_rope in the fp8 variant);
+//   Q: the nope block(s), then the rope block (q's last 64 values; q_rope in the fp8 variants);
 //   K: the nope block(s), then the rope block, then (fp8) the key scales in a 1 KiB slot;
 //   V: 16-bit: two column blocks; fp8: one e4m3 block of V^T (128 values x 128 keys).
-template <class V> constexpr int kQBytes = (V::kNopeBlocks + 1) * kBlk;
-template <class V> constexpr int kKBytes = (V::kNopeBlocks + 1) * kBlk + (V::kFp8 ? 1024 : 0);
+// The rope block: 128 rows of 64 16-bit values (16 KiB, 128-byte swizzle), or of 64 e4m3 bytes
+// (8 KiB, 64-byte swizzle: VariantE4m3). VariantE4m3: Q 24 KiB, K 25 KiB, V 16 KiB.
+template <class V> constexpr int kRopeRowBytes = V::kRopeE4m3 ? kDr : 2 * kDr;
+template <class V> constexpr int kRopeBytes = kBlockN * kRopeRowBytes<V>;
+template <class V> constexpr int kQBytes = V::kNopeBlocks * kBlk + kRopeBytes<V>;
+template <class V> constexpr int kKScalesOffset = V::kNopeBlocks * kBlk + kRopeBytes<V>;  // fp8: the key scales
+template <class V> constexpr int kKBytes = kKScalesOffset<V> + (V::kFp8 ? 1024 : 0);
 template <class V> constexpr int kVBytes = V::kNopeBlocks * kBlk;
 template <class V> constexpr int kPvSteps = V::kFp8 ? kBlockN / 32 : kBlockN / 16;  // wgmma k-steps of O
 // A rope warp writes the rope rows into the K stages (paged cache or fp8 rope).

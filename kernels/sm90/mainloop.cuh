@@ -108,7 +108,16 @@ struct Mainloop {
     fence_operands(x.sacc);
     const unsigned long long dk = make_desc(sm.k(s), 16, 1024), dr = make_desc(sm.rope(s), 16, 1024);
     wgmma_fence();
-    if constexpr (V::kFp8) {
+    if constexpr (V::kRopeE4m3) {
+      // 4 e4m3 k-steps of 32 bytes over the nope block, then 2 over the rope block: 64-byte rows with
+      // the 64-byte swizzle, this warpgroup's 64 Q rope rows 64 * 64 bytes into Q's rope block
+      const unsigned long long dqr = make_desc(sm.q() + kBlk + cw * kWgRows * kDr, 16, 512, kDescSwizzle64);
+      const unsigned long long dkr = make_desc(sm.rope(s), 16, 512, kDescSwizzle64);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(x.sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) WgmmaE4m3::ss(x.sacc, desc_add(dqr, kk * 32), desc_add(dkr, kk * 32), 1);
+    } else if constexpr (V::kFp8) {
       // 4 e4m3 k-steps of 32 bytes over the nope block, then 4 16-bit k-steps over the rope
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(x.sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
@@ -136,7 +145,7 @@ struct Mainloop {
   // fp8: the key scales of key tile t (ring position it), read while the GEMMs run.
   __device__ __forceinline__ void key_scales(Tile& x, int t, int it) const {
     if constexpr (V::kFp8)
-      load_key_scales(reinterpret_cast<const float*>(sm.s.stage[it % kS].k + (V::kNopeBlocks + 1) * kBlk),
+      load_key_scales(reinterpret_cast<const float*>(sm.s.stage[it % kS].k + kKScalesOffset<V>),
                       x.k.w.kv_row0 + x.k.n_begin + t * kBlockN, x.ksc);
   }
   // S of key tile t (ring position it) into probabilities: dequantized (fp8), masked as kMode says,

@@ -18,8 +18,12 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
                                               const Mask& mask) {
   constexpr int kS = V::kStages;
   constexpr bool kRW = kRopeWarp<V, kPaged>;
-  // K stage bytes that arrive by TMA: the nope block(s), the rope when plain, the key scales (fp8)
-  constexpr int kKTxBytes = (V::kNopeBlocks + (kRW ? 0 : 1)) * kBlk + (V::kFp8 ? kScaleBox * 4 : 0);
+  static_assert(!(V::kRopeE4m3 && kPaged), "an e4m3 rope under the per-token scales is plain only");
+  // K stage bytes that arrive by TMA (k_full's expect_tx; a box past the tensor's end counts in
+  // full, its missing rows zero-filled): the nope block(s), the rope block when plain (16 KiB of
+  // 16-bit rows, or 8 KiB of e4m3 rows), the key scales (fp8). Q's expect_tx is kQBytes: its nope
+  // block(s) and its rope block, by the same rule.
+  constexpr int kKTxBytes = V::kNopeBlocks * kBlk + (kRW ? 0 : kRopeBytes<V>) + (V::kFp8 ? kScaleBox * 4 : 0);
   int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
   int nq = 0;  // Q tiles loaded so far
   int idx = blockIdx.x;
@@ -35,7 +39,7 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
       const int qrow = static_cast<int>(w.q_row0 + k.m0);
       if constexpr (V::kFp8) {
         tma_load_3d(sm.q(), &p.tm_q, sm.q_full(), 0, w.h, qrow);                // 128 e4m3 nope values
-        tma_load_3d(sm.q() + kBlk, &p.tm_q_rope, sm.q_full(), 0, w.h, qrow);    // 64 rope values
+        tma_load_3d(sm.q() + kBlk, &p.tm_q_rope, sm.q_full(), 0, w.h, qrow);    // 64 rope values (bf16 or e4m3)
       } else {
         for (int c = 0; c < kDqk / kColBlock; ++c)
           tma_load_3d(sm.q() + c * kBlk, &p.tm_q, sm.q_full(), c * kColBlock, w.h, qrow);

@@ -91,10 +91,19 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 //   K-major operand (rows = M or N, contiguous = K): LBO unused (16), SBO = 1024.
 //   MN-major operand (rows = K, contiguous = N, used transposed): LBO = bytes of one column block
 //   (distance between 64-wide N blocks), SBO = 1024.
+//
+// Rows of 64 bytes with the 64-byte swizzle (CU_TENSOR_MAP_SWIZZLE_64B: 16-byte chunk c of row r
+// stored at chunk c ^ ((r / 2) % 4), the same address bits 4-5 ^ 7-8 rule as wgmma's 64-byte mode),
+// K-major: 8-row groups are 8 * 64 = 512 bytes apart (SBO), LBO unused (16). Bits 62-63 of the
+// descriptor are the layout: 1 = 128-byte swizzle, 2 = 64-byte swizzle (PTX ISA, "Matrix
+// Descriptor Format"; CUTLASS's GmmaDescriptor LayoutType::B128 / B64). A k-step of 32 bytes is a
+// start-address advance inside the row, as for the 128-byte swizzle.
 // ---------------------------------------------------------------------------------------------
+constexpr unsigned long long kDescSwizzle128 = 1, kDescSwizzle64 = 2;
 __device__ __forceinline__ unsigned long long desc_encode(u32 x) { return (x & 0x3FFFF) >> 4; }
-__device__ __forceinline__ unsigned long long make_desc(u32 smem, u32 lbo, u32 sbo) {
-  return desc_encode(smem) | (desc_encode(lbo) << 16) | (desc_encode(sbo) << 32) | (1ull << 62);
+__device__ __forceinline__ unsigned long long make_desc(u32 smem, u32 lbo, u32 sbo,
+                                                        unsigned long long layout = kDescSwizzle128) {
+  return desc_encode(smem) | (desc_encode(lbo) << 16) | (desc_encode(sbo) << 32) | (layout << 62);
 }
 // The descriptor of the tile `bytes` (a multiple of 16) further on: only the start-address field
 // (bits 0-13, address / 16) moves, by one 32-bit add on the low word. It cannot carry into the

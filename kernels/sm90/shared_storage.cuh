@@ -33,12 +33,14 @@ struct alignas(1024) SharedStorage {
   // the span is unreadable" and at kBlockN + 1 "gathered by cp.async"
   unsigned char key_ok[V::kStages][kFlagBytes];
 };
-static_assert(kKBytes<VariantFp8> % 1024 == 0 && kKBytes<Variant16<__half>> % 1024 == 0, "V stages 1 KiB aligned");
+static_assert(kKBytes<VariantFp8> % 1024 == 0 && kKBytes<Variant16<__half>> % 1024 == 0 &&
+                  kKBytes<VariantE4m3> % 1024 == 0 && kQBytes<VariantE4m3> % 1024 == 0,
+              "V stages 1 KiB aligned");
 
 // Dynamic shared memory of variant V: the struct, plus the slack to align its base to 1 KiB.
 template <class V> constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage<V>)) + 1024;
 static_assert(kSmemBytes<Variant16<__half>> <= 227 * 1024 && kSmemBytes<VariantFp8> <= 227 * 1024 &&
-                  kSmemBytes<VariantFp8Rope<__half>> <= 227 * 1024,
+                  kSmemBytes<VariantFp8Rope<__half>> <= 227 * 1024 && kSmemBytes<VariantE4m3> <= 227 * 1024,
               "shared memory per CTA");
 
 // Shared-space addresses of the parts of SharedStorage<V> at `base` (what TMA, wgmma and the
@@ -56,7 +58,7 @@ struct Smem {
   __device__ __forceinline__ u32 q() const { return at(s.q); }
   __device__ __forceinline__ u32 k(int st) const { return at(s.stage[st].k); }
   __device__ __forceinline__ u32 rope(int st) const { return k(st) + V::kNopeBlocks * kBlk; }  // the K rope block
-  __device__ __forceinline__ u32 k_scales(int st) const { return rope(st) + kBlk; }         // fp8
+  __device__ __forceinline__ u32 k_scales(int st) const { return k(st) + kKScalesOffset<V>; }  // fp8
   __device__ __forceinline__ u32 v(int st) const { return at(s.stage[st].v); }
   __device__ __forceinline__ u32 q_full() const { return at(&s.q_full); }
   __device__ __forceinline__ u32 q_empty() const { return at(&s.q_empty); }
