@@ -267,8 +267,7 @@ def _define_prefill(name: str, inputs: str, fp8: bool) -> None:
 
     def _fake(*args, out_dtype=None, **kw):
         q = args[0]
-        like = args[like_index].dtype  # an e4m3 q_rope (the all-e4m3 mode): bfloat16 results
-        return _outputs(q, q.shape[0], q.shape[1], out_dtype or (torch.bfloat16 if like.itemsize == 1 else like))
+        return _outputs(q, q.shape[0], q.shape[1], out_dtype or _result_dtype(args[like_index].dtype))
 
     functional = torch.library.custom_op(f"mla_cupy::{name}", make_functional(_prefill_cuda), mutates_args=(),
                                          device_types="cuda", schema=_schema(inputs, optional, False))
@@ -356,6 +355,12 @@ def eager_cuda(tensors: tuple) -> bool:
     return True
 
 
+def _result_dtype(like):
+    """The default output dtype of a prefill op: that of ``q`` (16-bit) or ``q_rope`` (fp8), and
+    bfloat16 for an e4m3 ``q_rope`` (the all-e4m3 mode)."""
+    return torch.bfloat16 if like.itemsize == 1 else like
+
+
 def _plain_scalars(q_max_seq_len, validate, accumulate, kernel, out_dtype) -> bool:
     """The keywords have the exact types the ops' schemas take (anything else goes through the op,
     whose argument parsing says what is wrong)."""
@@ -386,7 +391,8 @@ def _call_prefill(name: str, inputs: tuple, k_rope, rest: tuple, *, k_rope_scale
         if not direct:
             o, l = getattr(torch.ops.mla_cupy, name)(*inputs, rope, *rest, *opt, out_dtype=out_dtype, **kw)
             return (o, l) if return_lse else o
-        o, l = _outputs(inputs[0], inputs[0].shape[0], inputs[0].shape[1], out_dtype or inputs[1 if fp8 else 0].dtype)
+        o, l = _outputs(inputs[0], inputs[0].shape[0], inputs[0].shape[1],
+                        out_dtype or _result_dtype(inputs[1 if fp8 else 0].dtype))
         _prefill_cuda(fp8, (*inputs, rope, *rest), o, l, *opt, *((None,) if fp8 else ()), False, **kw)
         return (o, l) if return_lse else o
     if out is None:

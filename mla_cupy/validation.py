@@ -353,7 +353,7 @@ def check_rope_layout(k_rope) -> None:
 
 
 def check_lse_layout(lse, heads: int) -> None:
-    if lse is not None and heads > 1 and int(lse.strides[1]) != 4:
+    if lse is not None and heads > 1 and lse.shape[0] > 0 and int(lse.strides[1]) != 4:
         raise ValueError(f"lse: the head dimension must be contiguous (stride 4 bytes), got strides {tuple(lse.strides)}")
 
 

@@ -204,3 +204,17 @@ def test_reference_validates_too():
     c = make_case([3], [3], heads=2, dtype=np.float64)
     with pytest.raises(ValueError, match="valid_length: the last offset must equal"):
         mla_cupy.reference.mla_prefill(c.q, c.k, c.v, c.k_rope, np.array([0, 2], np.uint32), c.cache_row_offsets)
+
+
+def test_lse_layout_checks_the_head_stride_of_rows_only():
+    """An lse without rows has no head stride to check (an empty view may report strides (0, 0));
+    one with rows must have its heads contiguous."""
+    from numpy.lib.stride_tricks import as_strided
+
+    from mla_cupy.validation import check_lse_layout
+
+    empty = as_strided(np.empty(0, np.float32), shape=(0, 16), strides=(0, 0))
+    check_lse_layout(empty, 16)
+    rows = np.empty((4, 32), np.float32)[:, ::2]
+    with pytest.raises(ValueError, match=r"lse: the head dimension must be contiguous \(stride 4 bytes\), got strides \(128, 8\)"):
+        check_lse_layout(rows, 16)
