@@ -1,5 +1,4 @@
 """GPU tests of mla_prefill against the float64 reference (pytest -m gpu; skipped without a GPU)."""
-import threading
 
 import numpy as np
 import pytest
@@ -8,6 +7,7 @@ import mla_cupy
 from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, SlidingWindowCausalMask, reference
 
 from _cases import BF16, FP16, make_case
+from _threads import in_threads
 from gpu_util import KERNELS, assert_like_reference, run_and_check, upload
 
 pytestmark = pytest.mark.gpu
@@ -177,20 +177,12 @@ def test_threads_compile_once():
 
     c = make_case([70, 3], [90, 3], 16, FP16, seed=17)
     before = jit.compile_count()
-    errors = []
 
     def work(i):
-        try:
-            with cp.cuda.Stream(non_blocking=True):
-                run_and_check(c, mask=SlidingWindowCausalMask(5 + i), out_dtype=np.float32)
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
+        with cp.cuda.Stream(non_blocking=True):
+            run_and_check(c, mask=SlidingWindowCausalMask(5 + i), out_dtype=np.float32)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(work)
     assert not errors, errors
     assert jit.compile_count() - before <= 1
 

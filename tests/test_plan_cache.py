@@ -3,18 +3,18 @@ over host memory): what a hit launches equals what a fresh call packs, every cha
 launch depends on misses, the counts, the bound and the switch, the checks a hit still makes, and
 that an entry keeps no array alive."""
 import gc
-import threading
 import weakref
 
 import numpy as np
 import pytest
 
 import mla_cupy
-from mla_cupy import CausalMask, NullMask, PagedKVCache, SlidingWindowCausalMask, plan_cache_clear, plan_cache_info
+from mla_cupy import NullMask, PagedKVCache, SlidingWindowCausalMask, plan_cache_clear, plan_cache_info
 from mla_cupy._plan_cache import CACHE, DEFAULT_MAXSIZE
 
 from _cases import BF16, FP16, build_paged, make_case
 from _fake_gpu import fake_gpu, host_array, host_cupy, write_host
+from _threads import in_threads
 
 FAST = dict(q_max_seq_len=5, validate=False)
 
@@ -431,21 +431,12 @@ def test_threads_share_an_entry_and_launch_their_own_pointers(gpu):
     call(d, **FAST)
     outs = [host_cupy(np.zeros((8, 4, 128), BF16)) for _ in range(8)]
     gpu.pause = 1e-4
-    errors = []
 
     def work(t):
-        try:
-            for _ in range(50):
-                call(d, out=outs[t], stream=100 + t, **FAST)
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+        for _ in range(50):
+            call(d, out=outs[t], stream=100 + t, **FAST)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors
+    assert not in_threads(work)
     assert counts() == (400, 1)
     for i in range(-400, 0):
         t = gpu.launches[i][1] - 100

@@ -2,7 +2,6 @@
 float64 reference) runs the whole path, compared with transformers' eager attention on a tiny
 random DeepseekV3 model (qk_nope 128, rope 64, v 128 as the kernel needs), with and without
 padding, and in greedy generation."""
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
