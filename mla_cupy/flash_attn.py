@@ -27,11 +27,9 @@ _FULL = {True: CausalMask(), False: NullMask()}  # masks are immutable: one obje
 
 def _mask(causal: bool, window_size: Tuple[int, int]) -> Mask:
     """FlashAttention's ``causal`` / ``window_size`` as one of our masks (both bottom-right aligned)."""
-    if window_size == (-1, -1) and (causal is True or causal is False):
-        return _FULL[causal]
     left, right = (int(w) for w in window_size)
     if (left, right) == (-1, -1):
-        return CausalMask() if causal else NullMask()
+        return _FULL[bool(causal)]
     if causal or right == 0:
         return CausalMask() if left < 0 else SlidingWindowCausalMask(left + 1)
     raise ValueError(f"window_size: only (-1, -1), or (left, 0) / causal windows are supported, got {tuple(window_size)}")

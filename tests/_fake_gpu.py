@@ -246,7 +246,7 @@ def torch_as_cuda(stream: int = 0x5000):
                 warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
                 for name, opdef in OPDEFS.items():
                     if name.startswith("mla_cupy::"):
-                        lib.impl(name.split("::")[1], opdef._backend_fns["cuda"], "CPU")
+                        lib.impl(name.split("::")[1], opdef._backend_fns["cuda"], "CPU", allow_override=True)
             yield
         finally:
             lib._destroy()

@@ -180,6 +180,21 @@ def _allocation_counter():
     return Counter()
 
 
+def _allocations_in(fn, n: int = 50) -> int:
+    """Memory-pool requests and device allocations (:func:`_allocation_counter`) of ``n`` calls of
+    ``fn`` after a first one (which packs the launch and may allocate), the device idle around them."""
+    import cupy as cp
+
+    fn()
+    cp.cuda.Device().synchronize()
+    counter = _allocation_counter()
+    with counter:
+        for _ in range(n):
+            fn()
+    cp.cuda.Device().synchronize()
+    return counter.calls
+
+
 @pytest.mark.parametrize("variant", ["bf16", "bf16-lse", "fp8", "fp8-workspace"])
 def test_repeated_runs_allocate_nothing(variant):
     import cupy as cp
@@ -204,14 +219,9 @@ def test_repeated_runs_allocate_nothing(variant):
     else:
         def run():
             pl.run(d["q"], d["k"], d["v"], d["k_rope"], out=out, lse=lse)
-    run()  # the first run of a layout packs the arguments (and may allocate the plan's workspace)
-    cp.cuda.Device().synchronize()
+    calls = _allocations_in(run)  # after the first run (it packs and may allocate the plan's workspace)
+    assert calls == 0, f"{calls} allocations in 50 runs"
     counter = _allocation_counter()
-    with counter:
-        for _ in range(50):
-            run()
-    cp.cuda.Device().synchronize()
-    assert counter.calls == 0, f"{counter.calls} allocations in 50 runs"
     with counter:  # the hook does see an allocation (the check above can fail)
         cp.empty(16, cp.uint8)
     assert counter.calls > 0
@@ -427,12 +437,6 @@ def test_repeated_one_shot_calls_allocate_nothing(variant, plan_cache):
         mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
                              cache_offsets=d["cache_offsets"], q_start_pos=qs, out=out, lse=lse, q_max_seq_len=260,
                              validate=False)
-    call()
-    cp.cuda.Device().synchronize()
-    counter = _allocation_counter()
-    with counter:
-        for _ in range(50):
-            call()
-    cp.cuda.Device().synchronize()
-    assert counter.calls == 0, f"{counter.calls} allocations in 50 calls"
+    calls = _allocations_in(call)
+    assert calls == 0, f"{calls} allocations in 50 calls"
     assert mla_cupy.plan_cache_info().hits == 50
