@@ -208,7 +208,7 @@ class TransposedV:
     def __init__(self, data, cache_row_offsets, num_keys: int):
         if isinstance(num_keys, bool) or not isinstance(num_keys, (int, np.integer)) or num_keys < 0:
             raise ValueError(f"num_keys: expected a non-negative int, got {num_keys!r}")
-        d, cro = checkable(data, "data"), checkable(cache_row_offsets, "cache_row_offsets")
+        d, cro = _metadata(data), _metadata(cache_row_offsets)
         check_array(cro, "cache_row_offsets", 1, OFFSET_DTYPES)
         if cro.shape[0] < 1:
             raise ValueError("cache_row_offsets: expected B + 1 >= 1 offsets, got an empty array")
@@ -232,6 +232,18 @@ class TransposedV:
     def __repr__(self) -> str:
         return (f"TransposedV(num_heads={self._num_heads}, num_keys={self._num_keys}, batch={self._batch}, "
                 f"data={type(self._data).__module__}.{type(self._data).__name__} {list(self._data.shape)})")
+
+
+def _metadata(x):
+    """What the checks read of an array (shape, dtype), without a conversion: a torch tensor's
+    (per call on the torch ops' path) as a stand-in, any other array as it is."""
+    if not is_torch(x):
+        return x
+    from types import SimpleNamespace
+
+    name = str(x.dtype).replace("torch.", "")
+    dtype = {"bfloat16": BF16, "float8_e4m3fn": FP8_E4M3}.get(name) or np.dtype(name)
+    return SimpleNamespace(shape=tuple(int(n) for n in x.shape), dtype=dtype)
 
 
 def check_contiguous(x, name: str) -> None:

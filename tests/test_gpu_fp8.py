@@ -600,12 +600,19 @@ def test_torch_op_with_the_quantizers_vt_equals_the_pre_pass():
     c = make_case(VT_SQ, VT_SK, 16, BF16, seed=3)
     vl, cro = (torch.tensor(x.astype(np.int32), device="cuda") for x in (c.valid_length, c.cache_row_offsets))
     f = quant.quantize_per_token(*(cp.asarray(x) for x in (c.q, c.k, c.v, c.k_rope)), cache_row_offsets=cro)
-    t = {n: torch.from_dlpack(f[n]) for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")}
-    head = [t[n] for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales")]
     assert f["v_t"].cache_row_offsets is cro
+
+    def tensor(x):  # through the host: bfloat16 as its bits
+        h = cp.asnumpy(x)
+        if h.dtype == BF16:
+            return torch.from_numpy(h.view(np.int16)).view(torch.bfloat16).cuda()
+        return torch.from_numpy(h).cuda()
+
+    t = {n: tensor(f[n]) for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")}
+    head = [t[n] for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales")]
     want = ops.mla_prefill_fp8(*head, t["v"], t["k_rope"], vl, cro, return_lse=True)
-    got = ops.mla_prefill_fp8(*head, f["v_t"], t["k_rope"], vl, cro, return_lse=True)  # CuPy data, viewed
-    tv = TransposedV(torch.from_dlpack(f["v_t"].data), cro, f["v_t"].num_keys)  # tensors: what a graph takes
+    got = ops.mla_prefill_fp8(*head, f["v_t"], t["k_rope"], vl, cro, return_lse=True)  # CuPy uint8 data, viewed
+    tv = TransposedV(tensor(f["v_t"].data), cro, f["v_t"].num_keys)  # tensors: what a graph takes
     compiled = torch.compile(lambda *a: ops.mla_prefill_fp8(*a, return_lse=True), fullgraph=True)
     got_c = compiled(*head, tv, t["k_rope"], vl, cro)
     for g in (got, got_c):
