@@ -24,6 +24,9 @@ Implementations (``--impls``, comma separated; the first is the base):
   ours-fp8          fp8 per-token kernel (``mla_prefill_fp8``; inputs quantized by ``quant.quantize_per_token``)
   ours-e4m3         the same in the all-e4m3 mode (rope parts e4m3 under the per-token scales,
                     ``quantize_per_token(..., e4m3_rope=True)``): Q K^T one 192-deep e4m3 GEMM, as fa3-fp8's
+  ours-fp8:vt=quant, ours-e4m3:vt=quant
+                    the same given the quantizer's V^T (``quantize_per_token(..., cache_row_offsets=)``'s
+                    ``TransposedV`` as v): each call launches the attention kernel alone, no V^T pre-pass
   fa3, fa3+kbuild   FlashAttention-3 (``fa3_fwd_interface`` or ``flash_attn_interface``), kernel only / with
                     the K build at 192 width that it needs
   fa3-fp8           FlashAttention-3 e4m3 (per (batch, head) descales)
@@ -275,8 +278,9 @@ def _package(directory: str):
 
 def _ours_fp8(case: BenchCase, sets, opts, e4m3_rope: bool = False) -> Impl:
     """Our fp8 per-token kernel through a plan (inputs quantized by ``quant.quantize_per_token``);
-    the V^T pre-pass runs in every call (the plan owns its workspace). Options as ``ours``.
-    ``e4m3_rope``: the all-e4m3 mode (an fp8 plan with ``fp8_rope=True``)."""
+    the V^T pre-pass runs in every call (the plan owns its workspace), or with ``vt=quant`` none:
+    each call is given the quantizer's V^T (made with the inputs, outside the timed calls). Other
+    options as ``ours``. ``e4m3_rope``: the all-e4m3 mode (an fp8 plan with ``fp8_rope=True``)."""
     import cupy as cp
 
     import mla_cupy
@@ -287,16 +291,21 @@ def _ours_fp8(case: BenchCase, sets, opts, e4m3_rope: bool = False) -> Impl:
     if "pkg" in opts:
         mla_cupy = _package(opts["pkg"])
         mask = _mask_of(mla_cupy, mask)
+    vt = opts.get("vt", "pass")
+    if vt not in ("pass", "quant"):
+        raise SystemExit(f"{case.name}: vt={vt}: expected vt=quant (the quantizer's V^T) or vt=pass (the pre-pass)")
     n = len(sets)
-    fs = [quant.quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"], e4m3_rope=e4m3_rope) for x in sets]
+    vl, cro = (cp.asarray(x) for x in case.offsets())  # one device array for the plan and the quantizer's V^T
+    given = dict(cache_row_offsets=cro) if vt == "quant" else {}
+    fs = [quant.quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"], e4m3_rope=e4m3_rope, **given) for x in sets]
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
-    vl, cro = case.offsets()
     pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=mask, q_max_seq_len=max(case.sq), fp8=True,
                        **(dict(fp8_rope=True) if e4m3_rope else {}))
+    v_of = "v_t" if vt == "quant" else "v"
 
     def call(i):
         f = fs[i]
-        return pl.run_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"], f["v"], f["k_rope"],
+        return pl.run_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"], f[v_of], f["k_rope"],
                           out=outs[i])
 
     return _first_call_under_variant(call, opts), lambda i: outs[i]

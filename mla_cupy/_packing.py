@@ -131,17 +131,20 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
         fields.append(("q_scale", QS, 0))
         if math.prod(qr.shape):
             align.append(QR)
-        if p.tk:
-            align += [KS, WS]
         shape = vt_shape(p.heads, p.tk, p.batch)
-        ws = workspace_for(d[WS], shape, sp)
         cols = shape[2]
-        v_st = (cols, DV * cols)
-        v_slot = WS
+        v_st = (cols, DV * cols)  # the kernel reads V^T: the caller's (slot V), or the pre-pass's (slot WS)
         if p.tk:
-            vt = vt_launch(v, t.offsets.kv_begin, t.offsets.kv_end, p.batch, ws.reshape(-1)[:math.prod(shape)]
-                           .reshape(shape), t.device_id)
-            vt_fields = _offsets_of(vt.pack, [("v", V, 0), ("vt", WS, 0)])
+            align.append(KS)
+        if not p.v_transposed:
+            if p.tk:
+                align.append(WS)
+            ws = workspace_for(d[WS], shape, sp)
+            v_slot = WS
+            if p.tk:
+                vt = vt_launch(v, t.offsets.kv_begin, t.offsets.kv_end, p.batch, ws.reshape(-1)[:math.prod(shape)]
+                               .reshape(shape), t.device_id)
+                vt_fields = _offsets_of(vt.pack, [("v", V, 0), ("vt", WS, 0)])
     heads, tq, tk, dtype = p.heads, p.tq, p.tk, p.dtype
     paged, rope8 = p.paged, p.rope8 and not p.fp8  # rope8: the rope warp's scaled e4m3 rope (no map)
     if p.fp8 and p.rope8:  # all e4m3: q_rope and the (plain) rope are e4m3 bytes, read by TMA

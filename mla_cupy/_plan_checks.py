@@ -13,7 +13,7 @@ from ._arrays import BF16, FP32, checkable, to_host
 from ._checks import OFFSET_DTYPES, U8, check_array, check_layout, check_shape, dtype_of
 from ._run_args import KS, LSE, OUT, Q, QR, QS, ROPE, RSC, SLOTS, V, WS, K, Target
 from ._select import check_kernel_name
-from .fp8 import check_fp8_arrays, check_fp8_layout
+from .fp8 import TransposedV, check_fp8_arrays, check_fp8_layout, check_no_workspace
 from .paged import PagedKVCache, check_page_geometry
 from .validation import (DEVICE_DTYPES, Problem, check_accumulate, check_grid, check_lse_and_accumulate,
                          check_lse_layout, check_offset_values, check_offsets, check_out, check_out_dtype,
@@ -27,12 +27,13 @@ __all__ = ["PlanArgs", "RunBounds", "check_plan_args", "check_run"]
 class RunBounds:
     """What a plan knows of its layout on the host, for checking runs without reading the device:
     Tq and the keys used (None when the offsets were not read), the page table, key positions and
-    key counts (paged plans with ``validate``)."""
+    key counts (paged plans with ``validate``), the key offsets (None when not read)."""
 
     kv_total: Optional[int] = None
     table: Optional[np.ndarray] = None
     cache_offsets: Optional[np.ndarray] = None
     kv_sizes: Optional[np.ndarray] = None
+    cache_row_offsets: Optional[np.ndarray] = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def check_plan_args(valid_length, cache_row_offsets, *, num_heads, dtype, mask, 
         raise TypeError(f"accumulate: out must be float32 (partial results are merged in float32), got {out_dtype.name}")
 
     max_sq = None if q_max_seq_len is None else int(q_max_seq_len)
-    tq, kv_total, lut_h, co_h, sk_h = -1, None, None, None, None
+    tq, kv_total, lut_h, co_h, sk_h, cro_h = -1, None, None, None, None, None
     if validate or max_sq is None:
         observed, vl_h, cro_h, co_h = check_offset_values(d_vl, d_cro, d_co, tq=None, tk=None, q_max_seq_len=max_sq,
                                                           validate=validate)
@@ -102,15 +103,17 @@ def check_plan_args(valid_length, cache_row_offsets, *, num_heads, dtype, mask, 
             max_sq = observed
     check_grid(max_sq, batch, num_heads)
     layout = Problem(batch, int(num_heads), tq, -1, dt, out_dtype, mask, scale, max_sq, paged, bool(fp8), bool(fp8_rope))
-    bounds = RunBounds(kv_total, lut_h if validate else None, co_h, sk_h)
+    bounds = RunBounds(kv_total, lut_h if validate else None, co_h, sk_h, cro_h)
     return PlanArgs(layout, bounds, d_vl, d_cro, d_co, d_qs, d_lut)
 
 
 
 def check_run(p: Problem, t: Target, bounds: RunBounds, d: list) -> Problem:
     """The arrays ``d`` of a run (in :data:`~mla_cupy._run_args.SLOTS` order, as
-    :func:`~mla_cupy._arrays.checkable` gives them) against the plan's problem ``p``, in argument
-    order, then on the device. Returns the problem of the run (its Tq and Tk)."""
+    :func:`~mla_cupy._arrays.checkable` gives them; v of an fp8 run may be a
+    :class:`~mla_cupy.fp8.TransposedV` over such data, whose offsets the plan checks) against the
+    plan's problem ``p``, in argument order, then on the device. Returns the problem of the run
+    (its Tq and Tk, and whether v is V^T)."""
     if p.fp8:
         tq, heads, tk = check_fp8_arrays(d[Q], d[QR], d[QS], d[K], d[KS], d[V])
         dtype = BF16
@@ -137,13 +140,17 @@ def check_run(p: Problem, t: Target, bounds: RunBounds, d: list) -> Problem:
         raise TypeError(f"k_rope: the plan was built for {'an fp8' if p.rope8 else 'a 16-bit'} rope (fp8_rope="
                         f"{p.rope8}), got dtype {dtype_of(rope.blocks if p.paged else rope).name}")
     check_out(d[OUT], p.out_dtype, tq, heads)
-    run_p = replace(p, tq=tq, tk=tk)
+    vt = isinstance(d[V], TransposedV)
+    if vt:
+        check_no_workspace(d[WS])
+    run_p = replace(p, tq=tq, tk=tk, v_transposed=vt)
     check_lse_and_accumulate(run_p, d[OUT], d[LSE], t.accumulate)
     if p.paged and bounds.table is not None:
         check_paged_table(bounds.table, t.page_size, int(rope.blocks.shape[0]), bounds.cache_offsets, bounds.kv_sizes)
     named = [(qname, d[Q])]
     named += [("q_rope", d[QR]), ("q_scale", d[QS]), ("k", d[K]), ("k_scales", d[KS])] if p.fp8 else [("k", d[K])]
-    named += [("v", d[V])] + [(n, x) for n, x in rope_arrays(rope, d[RSC]) if n != "k_rope.lookup_table"]
+    named += [("v.data", d[V].data) if vt else ("v", d[V])]
+    named += [(n, x) for n, x in rope_arrays(rope, d[RSC]) if n != "k_rope.lookup_table"]
     named += [("out", d[OUT]), ("lse", d[LSE]), ("workspace", d[WS])]
     require_devices(named)
     if p.fp8:

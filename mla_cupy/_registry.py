@@ -25,6 +25,7 @@ PREFILL_SM90 = ("mla_prefill_sm90.cu", "mla::sm90::mla_prefill_kernel")
 MERGE = ("merge_states.cu", "mla::merge_states_kernel")
 SPIN = ("bench_spin.cu", ("mla::spin_kernel",))  # the benchmark's GPU-busy helper
 QUANTIZE = ("quantize.cu", "mla::quantize_rows_kernel")
+QUANTIZE_V = "mla::quantize_v_transposed_kernel"  # V's quantizer writing V^T too (quantize.cu)
 TRANSPOSE_V = ("transpose_v.cu", ("mla::transpose_v_e4m3_kernel", "mla::vt_prepass::kParamLayout",
                                    "mla::vt_prepass::kParamNames", "mla::vt_prepass::kGeometry"))  # V^T for fp8
 
@@ -93,12 +94,18 @@ def merge_name(in_dtype: np.dtype, out_dtype: np.dtype) -> str:
 
 
 def quantize_family() -> Family:
-    """The fp8 quantizer over rows of bf16, fp16 or float32 data (kernels/quantize.cu)."""
-    return QUANTIZE[0], tuple(f"{QUANTIZE[1]}<{t}>" for t in ("__nv_bfloat16", "__half", "float"))
+    """The fp8 quantizers of bf16, fp16 or float32 data (kernels/quantize.cu): over rows, and V's
+    with its V^T."""
+    return QUANTIZE[0], tuple(f"{k}<{t}>" for k in (QUANTIZE[1], QUANTIZE_V) for t in ("__nv_bfloat16", "__half", "float"))
 
 
 def quantize_name(dtype: np.dtype) -> str:
     return f"{QUANTIZE[1]}<{CPP_TYPE[np.dtype(dtype)]}>"
+
+
+def quantize_v_name(dtype: np.dtype) -> str:
+    """V's quantizer that writes V^T too."""
+    return f"{QUANTIZE_V}<{CPP_TYPE[np.dtype(dtype)]}>"
 
 
 def transpose_v_family() -> Family:

@@ -15,7 +15,7 @@ from ._plan_cache import CACHE, MAPS_MAX, CallEntry
 from ._run_args import KS, LSE, OUT, QR, ROPE, SLOTS, WS, K, Offsets, Q, V
 from ._select import choose_kernel, heads_per_section  # noqa: F401  (also reached through this module)
 from .dims import DV
-from .fp8 import fp8_bytes, vt_shape
+from .fp8 import TransposedV, check_no_workspace, fp8_bytes, same_offsets, vt_shape
 from .masks import Mask
 from .paged import PagedKVCache
 from .prefill_plan import _q_start_i64, call_record, offsets_of, workspace_on
@@ -135,8 +135,12 @@ def mla_prefill_fp8(
         The true query is ``q_scale[i] * concat(q_nope[i], q_rope[i])``. The kernel folds
         ``q_scale[i]`` into row i's softmax scale, which needs it non-negative (the quantizers give
         ``amax / 448``, or 1 for an all-zero row).
-    k, v : ``[Tk, H, 128]`` float8_e4m3fn as uint8
-        The nope keys and the values (V is used as stored, no scale).
+    k : ``[Tk, H, 128]`` float8_e4m3fn as uint8
+        The nope keys.
+    v : ``[Tk, H, 128]`` float8_e4m3fn as uint8, or :class:`mla_cupy.fp8.TransposedV`
+        The values (used as stored, no scale). Or V^T made ahead for this call's
+        ``cache_row_offsets`` (``quant.quantize_per_token(..., cache_row_offsets=cro)["v_t"]``):
+        the call then launches the attention kernel alone, no V^T pre-pass (see Notes).
     k_scales : ``[Tk, 1]`` float32, contiguous
         The true key is ``k_scales[j] * concat(k[j], rope_j)``.
     k_rope : ``[Tk, 1, 64]`` bfloat16 array or bfloat16 :class:`PagedKVCache`
@@ -149,7 +153,7 @@ def mla_prefill_fp8(
         ``"auto"`` or ``"sm90"``).
     workspace : uint8 device array, optional
         Where V^T is written: contiguous, at least ``prod(mla_cupy.fp8.vt_shape(H, Tk, B))``
-        bytes. Default: a workspace from CuPy's pool for the call.
+        bytes. Default: a workspace from CuPy's pool for the call. Refused with a TransposedV.
 
     Returns
     -------
@@ -165,6 +169,12 @@ def mla_prefill_fp8(
     cores read) into a workspace of about V's size: ``workspace=``, or one taken from CuPy's memory
     pool on the call's stream and returned to it when the call returns; the transpose is part of the
     call's time. A plan (``mla_cupy.plan(..., fp8=True)``) keeps its workspace across runs.
+    Given V^T instead (``v`` a :class:`~mla_cupy.fp8.TransposedV`, which the device quantizer
+    writes as it casts V), the call launches the attention kernel alone and reads that V^T. It is
+    checked before any launch: its data a contiguous, 16-byte aligned uint8 device array of shape
+    ``vt_shape(H, Tk, B)``; its H, Tk and B the call's; its ``cache_row_offsets`` the call's (the
+    same array, or one of the same length at the same device address; else, with
+    ``validate=True``, equal values, read back; without, a ``ValueError`` naming ``v``).
     Key tiles start on multiples of 16 keys of a sequence, so a NaN in the v of a key also reaches
     query blocks whose visible keys start up to 15 keys after it (never another sequence).
     """
@@ -190,7 +200,8 @@ def checkable_args(q, k, v, k_rope, valid_length, cache_row_offsets, cache_offse
         k_rope = checkable(k_rope, "k_rope")
     qname = "q_nope" if fp8 is not None else "q"
     fp8 = None if fp8 is None else tuple(checkable(x, n) for x, n in zip(fp8, ("q_rope", "q_scale", "k_scales")))
-    return (checkable(q, qname), checkable(k, "k"), checkable(v, "v"), k_rope, checkable(valid_length, "valid_length"),
+    v = v.with_data(checkable(v.data, "v.data")) if isinstance(v, TransposedV) else checkable(v, "v")
+    return (checkable(q, qname), checkable(k, "k"), v, k_rope, checkable(valid_length, "valid_length"),
             checkable(cache_row_offsets, "cache_row_offsets"), opt(cache_offsets, "cache_offsets"),
             opt(q_start_pos, "q_start_pos"), opt(out, "out"), opt(lse, "lse"), opt(k_rope_scales, "k_rope_scales"), fp8)
 
@@ -201,9 +212,11 @@ def launch_call(p: Problem, q, k, v, k_rope, out, lse, offsets: Offsets, kernel:
 
     The launch record comes from the plan cache when a call of this problem, these offsets and
     array layouts was packed before (the key: ``p``, the offsets' pointers, the kernel argument and
-    device, ``accumulate``, a paged rope's table and geometry, and every array's layout)."""
+    device, ``accumulate``, a paged rope's table and geometry, and every array's layout; ``p`` says
+    whether v is V^T, a checked :class:`~mla_cupy.fp8.TransposedV`)."""
     paged = isinstance(k_rope, PagedKVCache)
     rope, rsc, lut = (k_rope.blocks, k_rope.scales, k_rope.lookup_table) if paged else (k_rope, k_rope_scales, None)
+    v = v.data if isinstance(v, TransposedV) else v
     qr, qs, ks = fp8 if fp8 is not None else (None, None, None)
     arrays = (q, k, v, rope, out, lse, rsc, qr, qs, ks, workspace)
     key = None
@@ -223,11 +236,11 @@ def launch_call(p: Problem, q, k, v, k_rope, out, lse, offsets: Offsets, kernel:
 def _launch_new(p: Problem, arrays: tuple, offsets: Offsets, kernel: str, accumulate: bool, sp: int, k_rope, *,
                 workspace_given: bool, widen_q_start: bool = False, key=None) -> None:
     """Pack the launch record of a checked call (device ``arrays`` in :data:`SLOTS` order, results
-    given; the fp8 variant's workspace allocated here unless given), launch it, and keep it in the
-    plan cache under ``key`` (None: not kept)."""
+    given; the fp8 variant's workspace allocated here unless given or v is V^T, its data in slot
+    V), launch it, and keep it in the plan cache under ``key`` (None: not kept)."""
     arrays = list(arrays)
     workspace_shape = None
-    if p.fp8 and arrays[WS] is None:  # a workspace per call, from the pool, returned when the call returns
+    if p.fp8 and not p.v_transposed and arrays[WS] is None:  # a workspace per call, from the pool, returned when the call returns
         workspace_shape = vt_shape(p.heads, p.tk, p.batch)
         arrays[WS] = workspace_on(workspace_shape, sp)
     paged = isinstance(k_rope, PagedKVCache)
@@ -264,8 +277,9 @@ def cached_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask
     arguments of :func:`checked_call`, as the caller passed them (CuPy arrays, torch tensors...);
     ``new_workspace(shape, stream_ptr)`` allocates the fp8 variant's per-call workspace.
 
-    The key holds everything the checks and the record depend on: the variant (16-bit or fp8), a
-    paged rope's page size and rope offset, the current device, the kernel argument (with
+    The key holds everything the checks and the record depend on: the variant (16-bit or fp8; v
+    given as V^T, a :class:`~mla_cupy.fp8.TransposedV`, with its key count, its data's layout in
+    v's place), a paged rope's page size and rope offset, the current device, the kernel argument (with
     ``MLA_CUPY_DISABLE_SM90`` for ``"auto"``), the scalars (``scale``, ``mask``, ``q_max_seq_len``
     and ``accumulate`` with their types, ``out_dtype``, ``return_lse``, ``validate``), the layout
     of every array (kind, shape, strides, dtype, device; None when not given), and the pointers of
@@ -274,7 +288,9 @@ def cached_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask
     every launch, so an entry never launches stale arguments; what the host derives from their
     contents is read again per call (the largest query count when ``q_max_seq_len`` is not given,
     every value check with ``validate``) or made per call (an int32 ``q_start_pos`` widened, an fp8
-    workspace)."""
+    workspace). A TransposedV is served only when its offsets are the call's ``cache_row_offsets``
+    (:func:`~mla_cupy.fp8.same_offsets`, no value read) and no workspace is given; else the
+    checks decide."""
     if CACHE.maxsize <= 0:
         return False, None
     paged = isinstance(k_rope, PagedKVCache)
@@ -284,13 +300,18 @@ def cached_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask
     else:
         rope, rsc, lut, geometry = k_rope, k_rope_scales, None, None
     qr, qsc, ks = fp8 if fp8 is not None else (None, None, None)
+    vt_keys = None  # v given as V^T: its key count (its data's layout holds H and the columns)
+    if type(v) is TransposedV:
+        if workspace is not None or not same_offsets(v, cache_row_offsets):  # the checks say what is wrong, or
+            return False, None  # compare the offsets' values
+        vt_keys, v = v.num_keys, v.data
     try:
         ptrs, layouts = pointers_and_layouts((q, k, v, rope, out, lse, rsc, qr, qsc, ks, workspace, valid_length,
                                               cache_row_offsets, cache_offsets, q_start_pos, lut,
                                               k_rope_scales if paged else None))
         key = (fp8 is not None, geometry, _select.device_id(), kernel, kernel == "auto" and _select.sm90_disabled(),
                scale.__class__, scale, mask, q_max_seq_len.__class__, q_max_seq_len, out_dtype, not return_lse,
-               accumulate.__class__, accumulate, not validate, *layouts, *ptrs[len(SLOTS):])
+               accumulate.__class__, accumulate, not validate, vt_keys, *layouts, *ptrs[len(SLOTS):])
         entry = CACHE.get(key)
     except Exception:  # an argument that cannot be a key (unhashable...): the checks say what is wrong with it
         return False, None
@@ -349,6 +370,8 @@ def checked_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mas
     out_given, lse_given = out, lse
     q, k, v, k_rope, vl, cro, co, qs, out, lse, k_rope_scales, fp8 = checkable_args(
         q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse, k_rope_scales, fp8)
+    if isinstance(v, TransposedV):
+        check_no_workspace(workspace)
     p = check_inputs(q, k, v, k_rope, vl, cro, scale=scale, mask=mask, q_max_seq_len=q_max_seq_len, cache_offsets=co,
                      q_start_pos=qs, out=out, out_dtype=out_dtype, validate=validate, device=True,
                      read_offsets=q_max_seq_len is None, fp8=fp8, k_rope_scales=k_rope_scales, lse=lse,
@@ -366,6 +389,7 @@ def checked_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mas
     paged = isinstance(k_rope, PagedKVCache)
     rope, rsc = (k_rope.blocks, k_rope.scales) if paged else (k_rope, k_rope_scales)
     qr, qsc, ks = fp8 if fp8 is not None else (None, None, None)
+    v = v.data if isinstance(v, TransposedV) else v
     _launch_new(p, (q, k, v, rope, out, lse, rsc, qr, qsc, ks, workspace), offsets, kernel, accumulate, sp, k_rope,
                 workspace_given=workspace is not None, widen_q_start=qs64 is not qs, key=key)
     res_out = out_given if out_given is not None else wrap(out)

@@ -22,9 +22,10 @@ from ._arrays import (FP32, as_device, checkable, cupy_or_none, device_pointer, 
 from ._checks import check_offsets_layout, dtype_of
 from ._packing import Record, launch_record, pack
 from ._plan_checks import RunBounds, check_plan_args, check_run
-from ._run_args import LSE, OUT, Q, SLOTS, WS, Offsets, Target
+from ._run_args import LSE, OUT, Q, SLOTS, V, WS, Offsets, Target
 from ._select import choose_kernel
 from .dims import DV
+from .fp8 import TransposedV, check_transposed_v_offsets
 from .masks import Mask
 from .paged import PagedKVCache
 from .validation import Problem, check_same_device
@@ -97,8 +98,10 @@ class PrefillPlan:
     must not share the plan's own V^T workspace (pass ``workspace=`` to each).
     """
 
-    def __init__(self, layout: Problem, target: Target, *, return_lse: bool, bounds: RunBounds = RunBounds()):
+    def __init__(self, layout: Problem, target: Target, *, return_lse: bool, bounds: RunBounds = RunBounds(),
+                 cache_row_offsets: tuple = (None, None)):
         self._p = layout
+        self._cro = cache_row_offsets  # (as given to plan(), as the kernels read it): a TransposedV's must be one
         self._t = target
         self._bounds = bounds
         self.kernel = target.kernel
@@ -173,7 +176,17 @@ class PrefillPlan:
         arrays are those of :func:`mla_cupy.mla_prefill_fp8`. ``workspace`` (a contiguous uint8
         device array of at least ``prod(fp8.vt_shape(H, Tk, B))`` bytes) receives V^T; without it
         the plan's own workspace does, allocated by the first run (and again only by a run with
-        more keys than any before). Returns ``out`` (and ``lse`` with ``return_lse``)."""
+        more keys than any before). Returns ``out`` (and ``lse`` with ``return_lse``).
+
+        ``v`` may be V^T made ahead (a :class:`~mla_cupy.fp8.TransposedV`, from
+        ``quant.quantize_per_token(..., cache_row_offsets=...)``): the run then launches the
+        attention kernel alone, and takes no workspace. Its offsets must be the plan's
+        ``cache_row_offsets`` (the array given to :func:`plan`, or the device array the plan reads:
+        the same object, or one of the same length at the same device address); failing that, a
+        plan that read its offsets (``validate=True`` or no ``q_max_seq_len``) compares their
+        values (a read of the TransposedV's offsets per run), any other refuses it
+        (``ValueError`` naming ``v``). Its H and Tk are checked with the other arrays, on the first
+        run of a layout."""
         if not self._p.fp8:
             raise TypeError("run_fp8: this plan is for 16-bit inputs; call plan.run(q, k, v, k_rope, ...)")
         from .fp8 import fp8_bytes
@@ -199,30 +212,47 @@ class PrefillPlan:
 
     def _run(self, a: tuple, stream):
         torch_in = is_torch(a[Q])
+        tv = a[V] if type(a[V]) is TransposedV else None  # V^T made ahead: its data in slot V
+        if tv is not None:
+            given, device = self._cro
+            check_transposed_v_offsets(tv, self._p.batch, given, self._bounds.cache_row_offsets is not None,
+                                       self._bounds.cache_row_offsets, also=device)
+            a = a[:V] + (tv.data,) + a[V + 1:]
         out, lse = a[OUT], a[LSE]
         if out is None or (lse is None and self.return_lse):
-            check_run(self._p, self._t, self._bounds, [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)])
+            check_run(self._p, self._t, self._bounds, self._checkable(a, tv))
             a, out, lse = self._allocate(a, torch_in)
         try:
             ptrs, layouts = pointers_and_layouts(a)  # read without converting the arrays
         except (TypeError, AttributeError):  # read through DLPack, or not an array: the CuPy views (or the error)
             ptrs, layouts = pointers_and_layouts([None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)])
-        key = tuple(layouts)
+        key = (*layouts, None if tv is None else tv.num_keys)
         rec = self._records.get(key)
         if rec is None:
-            d = [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)]
+            d = self._checkable(a, tv)
             run_p = check_run(self._p, self._t, self._bounds, d)  # device arrays from here on
+            if tv is not None:
+                d[V] = d[V].data
             sp = stream_ptr(stream, torch_in)
             rec = self._remember(key, self._record(run_p, d, sp))
         elif stream is None and not torch_in:
             sp = self._current_stream().ptr
         else:
             sp = stream_ptr(stream, torch_in)
-        if self._p.fp8 and a[WS] is None:
+        if self._p.fp8 and tv is None and a[WS] is None:
             ptrs[WS] = self._workspace.data.ptr if self._workspace is not None else 0
         with self._lock:
             launch_record(rec, ptrs, sp)
         return (out, lse) if self.return_lse else out
+
+    @staticmethod
+    def _checkable(a: tuple, tv) -> list:
+        """A run's arrays as the checks read them (:func:`~mla_cupy._arrays.checkable`); with ``tv``
+        (slot V holding its data) slot V is the TransposedV over the checkable data."""
+        d = [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)]
+        if tv is not None:
+            d[V] = tv.with_data(d[V])
+        return d
 
     def _allocate(self, a: tuple, torch_in: bool):
         p = self._p
@@ -352,7 +382,8 @@ def plan(
     cro_ptr = device_pointer(cro)
     offsets = offsets_of(vl, cro_ptr, cro_ptr + 4, co, qs, keep=(cro, lut))
     target = Target(chosen, dev, offsets, bool(accumulate), lut, page_size or 0, rope_offset if layout.paged else 0)
-    return PrefillPlan(layout, target, return_lse=return_lse, bounds=args.bounds)
+    return PrefillPlan(layout, target, return_lse=return_lse, bounds=args.bounds,
+                       cache_row_offsets=(cache_row_offsets, cro))
 
 
 def _kernel_for(p: Problem, kernel: str, dev: int) -> str:

@@ -18,7 +18,10 @@ see them. The schemas take what the Python API takes: the mask as ``mask_kind`` 
 or chunk size), positions as optional tensors, a paged cache as its tensors (``k_rope`` holds the
 blocks, ``lookup_table``, ``page_size``, ``rope_offset``, the fp8 scales in ``k_rope_scales``),
 ``out_dtype``, ``q_max_seq_len``, ``scale``, ``validate`` and ``kernel_choice`` (the API's
-``kernel``: inductor's fallback lowering reserves the name ``kernel``). The functions of this
+``kernel``: inductor's fallback lowering reserves the name ``kernel``). The fp8 ops take V^T made
+ahead (a :class:`~mla_cupy.fp8.TransposedV`) as its tensors: ``v`` holds its data and
+``vt_offsets`` the offsets it was laid out for (``vt_offsets`` given: ``v`` is V^T, and the op
+launches no pre-pass). The functions of this
 module (:func:`mla_prefill`, :func:`mla_prefill_fp8`, :func:`merge_states`, :func:`merge_states_`)
 take the Python API's arguments (mask objects, :class:`~mla_cupy.PagedKVCache`) and call the ops.
 In plain eager execution on CUDA tensors (:func:`eager_cuda`: nothing traces, compiles or
@@ -49,7 +52,8 @@ from ._optional import require
 torch = require("torch", "mla_cupy.torch_ops")
 
 from . import _select, api, reference  # noqa: E402
-from ._arrays import checkable
+from ._arrays import checkable, is_device
+from .fp8 import TransposedV, check_transposed_v_offsets, untranspose_v_host
 from .masks import MASK_KINDS, CausalMask, Mask
 from .paged import PagedKVCache
 from .validation import DV
@@ -87,6 +91,7 @@ _FP8_IN = ("Tensor q_nope, Tensor q_rope, Tensor q_scale, Tensor k, Tensor k_sca
 _OUT_IN = "Tensor(a!) out, Tensor(b!)? lse"
 _OPTIONAL = "Tensor? cache_offsets=None, Tensor? q_start_pos=None, Tensor? lookup_table=None"
 _SCALES = ", Tensor? k_rope_scales=None"  # an fp8 rope's scales (bf16 inputs only)
+_VT = ", Tensor? vt_offsets=None"  # fp8 ops: v is V^T laid out for these offsets (a TransposedV's tensors)
 #: (schema type, name, default) of the keyword arguments every prefill op takes
 _KEYWORD_ARGS = (("float?", "scale", None), ("int", "mask_kind", 1), ("int", "mask_arg", 0),
                  ("SymInt?", "q_max_seq_len", None), ("int", "page_size", 0), ("int", "rope_offset", 512),
@@ -154,10 +159,14 @@ def _api_kwargs(cache_offsets, q_start_pos, scale, mask_kind, mask_arg, q_max_se
 
 
 def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], cache_offsets, q_start_pos,
-                  lookup_table, k_rope_scales, accumulate: bool, **kw) -> None:
+                  lookup_table, last_optional, accumulate: bool, **kw) -> None:
     """The CUDA kernel of the prefill ops: the plan cache first (on the torch tensors, when the
-    current device is ``out``'s), else the checked call on CuPy views, in :func:`_torch_context`."""
+    current device is ``out``'s), else the checked call on CuPy views, in :func:`_torch_context`.
+    ``last_optional``: the 16-bit ops' ``k_rope_scales``, the fp8 ops' ``vt_offsets``."""
     *head, k_rope, vl, cro = inputs
+    k_rope_scales = None if fp8 else last_optional
+    if fp8 and last_optional is not None:  # v is V^T
+        head[5] = TransposedV(head[5], last_optional, int(head[3].shape[0]))
     rope, plain_scales = _rope_source(k_rope, lookup_table, kw.pop("page_size"), kw.pop("rope_offset"), k_rope_scales)
     if q_start_pos is not None and q_start_pos.dtype == torch.int32:
         q_start_pos = q_start_pos.to(torch.int64)  # the kernels read int64 positions
@@ -180,7 +189,8 @@ def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], 
         views = dict(call, out=_cupy(out), lse=_cupy(lse), cache_offsets=_cupy(args["cache_offsets"]),
                      q_start_pos=_cupy(args["q_start_pos"]))
         extra = tuple(_cupy(x) for x in extra) if fp8 else _cupy(extra)
-        api.checked_call(_cupy(q), _cupy(k), _cupy(v), _cupy_rope(rope), _cupy(vl), _cupy(cro), **views,
+        v = v.with_data(_cupy(v.data)) if isinstance(v, TransposedV) else _cupy(v)
+        api.checked_call(_cupy(q), _cupy(k), v, _cupy_rope(rope), _cupy(vl), _cupy(cro), **views,
                          **_variant(fp8, extra), key=key)
 
 
@@ -216,8 +226,13 @@ def _np(x: Optional[Tensor]) -> Optional[np.ndarray]:
 
 
 def _prefill_cpu(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], cache_offsets, q_start_pos,
-                 lookup_table, k_rope_scales, accumulate: bool, **kw) -> None:
+                 lookup_table, last_optional, accumulate: bool, **kw) -> None:
     *head, k_rope, vl, cro = (_np(x) for x in inputs)
+    k_rope_scales = None if fp8 else last_optional
+    if fp8 and last_optional is not None:  # v is V^T: the reference reads v, its keys given back
+        tv = TransposedV(head[5], _np(last_optional), int(head[3].shape[0]))
+        check_transposed_v_offsets(tv, len(cro) - 1, cro, True)
+        head[5] = untranspose_v_host(tv.data, cro, tv.num_keys)
     ps, ro = kw.pop("page_size"), kw.pop("rope_offset")
     kw.pop("kernel_choice")  # one reference for every kernel
     args = _api_kwargs(_np(cache_offsets), _np(q_start_pos), **kw)
@@ -243,17 +258,17 @@ def _define_prefill(name: str, inputs: str, fp8: bool) -> None:
     """``name`` (functional) and ``name + '_out'`` (in place). Their leading tensors are
     ``inputs``; the query count and heads come from the first, the default output dtype from
     ``q`` (bf16) or ``q_rope`` (fp8; bfloat16 for an e4m3 one). The fp8 per-token ops take no
-    ``k_rope_scales``."""
+    ``k_rope_scales``, and ``vt_offsets`` in its place."""
     n_in = inputs.count("Tensor ")
     like_index = 1 if fp8 else 0
-    optional = _OPTIONAL if fp8 else _OPTIONAL + _SCALES
+    optional = _OPTIONAL + (_VT if fp8 else _SCALES)
 
     def make_out(run):
         def out_impl(*args, accumulate=False, **kw):
             kw = {**_KEYWORD_DEFAULTS, **kw}  # the dispatcher leaves out keywords at their defaults
             inputs, (out, lse, *opt) = args[:n_in], args[n_in:]
-            cache_offsets, q_start_pos, lookup_table, k_rope_scales = opt + [None] * (4 - len(opt))
-            run(fp8, inputs, out, lse, cache_offsets, q_start_pos, lookup_table, k_rope_scales, accumulate, **kw)
+            cache_offsets, q_start_pos, lookup_table, last_optional = opt + [None] * (4 - len(opt))
+            run(fp8, inputs, out, lse, cache_offsets, q_start_pos, lookup_table, last_optional, accumulate, **kw)
         return out_impl
 
     def make_functional(run):
@@ -371,16 +386,16 @@ def _plain_scalars(q_max_seq_len, validate, accumulate, kernel, out_dtype) -> bo
 
 def _call_prefill(name: str, inputs: tuple, k_rope, rest: tuple, *, k_rope_scales=None, scale=None, mask=None,
                   q_max_seq_len=None, cache_offsets=None, q_start_pos=None, out=None, out_dtype=None,
-                  return_lse=False, lse=None, accumulate=False, validate=True, kernel="auto"):
+                  return_lse=False, lse=None, accumulate=False, validate=True, kernel="auto", vt_offsets=None):
     """The functional or the in-place op of ``name``, called with the Python API's arguments; in
     eager execution on CUDA tensors (:func:`eager_cuda`) the op's CUDA implementation runs directly,
-    with the same arguments, results and errors."""
+    with the same arguments, results and errors. ``vt_offsets`` (fp8): v is V^T laid out for them."""
     rope, lut, page_size, rope_offset, scales = _rope_tensors(k_rope, k_rope_scales)
     kind, arg = mask_args(mask)
     kw = dict(scale=None if scale is None else float(scale), mask_kind=kind, mask_arg=arg, q_max_seq_len=q_max_seq_len,
               page_size=page_size, rope_offset=rope_offset, validate=validate, kernel_choice=kernel)
     fp8 = name == "mla_prefill_fp8"
-    opt = (cache_offsets, q_start_pos, lut) + (() if fp8 else (scales,))
+    opt = (cache_offsets, q_start_pos, lut, vt_offsets if fp8 else scales)
     if fp8 and scales is not None:
         raise ValueError("k_rope: the fp8 per-token variant reads a 16-bit rope (PagedKVCache without scales)")
     direct = (_plain_scalars(q_max_seq_len, validate, accumulate, kernel, out_dtype) and type(page_size) is int
@@ -393,7 +408,7 @@ def _call_prefill(name: str, inputs: tuple, k_rope, rest: tuple, *, k_rope_scale
             return (o, l) if return_lse else o
         o, l = _outputs(inputs[0], inputs[0].shape[0], inputs[0].shape[1],
                         out_dtype or _result_dtype(inputs[1 if fp8 else 0].dtype))
-        _prefill_cuda(fp8, (*inputs, rope, *rest), o, l, *opt, *((None,) if fp8 else ()), False, **kw)
+        _prefill_cuda(fp8, (*inputs, rope, *rest), o, l, *opt, False, **kw)
         return (o, l) if return_lse else o
     if out is None:
         raise ValueError("out: lse= needs out= too (or call without both to get new tensors)")
@@ -404,7 +419,7 @@ def _call_prefill(name: str, inputs: tuple, k_rope, rest: tuple, *, k_rope_scale
     if not direct:
         getattr(torch.ops.mla_cupy, name + "_out")(*inputs, rope, *rest, out, lse, *opt, accumulate=accumulate, **kw)
         return (out, lse) if return_lse else out
-    _prefill_cuda(fp8, (*inputs, rope, *rest), out, lse, *opt, *((None,) if fp8 else ()), accumulate, **kw)
+    _prefill_cuda(fp8, (*inputs, rope, *rest), out, lse, *opt, accumulate, **kw)
     _written(out, lse)
     return (out, lse) if return_lse else out
 
@@ -450,11 +465,31 @@ def mla_prefill_fp8(q_nope: Tensor, q_rope: Tensor, q_scale: Tensor, k: Tensor, 
                     kernel: str = "auto"):
     """:func:`mla_cupy.mla_prefill_fp8` through the ``mla_cupy::mla_prefill_fp8`` ops; arguments
     as there (fp8 data as ``torch.float8_e4m3fn`` or uint8 tensors), without ``stream``. The V^T
-    workspace of each call comes from torch's allocator."""
+    workspace of each call comes from torch's allocator.
+
+    ``v`` may be a :class:`~mla_cupy.fp8.TransposedV` (from ``quant.quantize_per_token(...,
+    cache_row_offsets=cache_row_offsets)``): the op then gets its data as ``v`` and its offsets as
+    ``vt_offsets`` (``cache_row_offsets`` itself when the TransposedV names that tensor; CuPy or
+    NumPy data viewed as tensors), and launches no pre-pass. The op checks them as the Python API
+    does; its offsets pass as the call's when they are the same tensor or at the same address."""
+    vt_offsets = None
+    if isinstance(v, TransposedV):
+        vt_offsets = (cache_row_offsets if v.cache_row_offsets is cache_row_offsets
+                      else _as_tensor(v.cache_row_offsets))
+        v = _as_tensor(v.data)
     return _call_prefill("mla_prefill_fp8", (q_nope, q_rope, q_scale, k, k_scales, v), k_rope,
                          (valid_length, cache_row_offsets), scale=scale, mask=mask, q_max_seq_len=q_max_seq_len,
                          cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out, out_dtype=out_dtype,
-                         return_lse=return_lse, lse=lse, accumulate=accumulate, validate=validate, kernel=kernel)
+                         return_lse=return_lse, lse=lse, accumulate=accumulate, validate=validate, kernel=kernel,
+                         vt_offsets=vt_offsets)
+
+
+def _as_tensor(x) -> Tensor:
+    """A tensor over ``x`` without a copy: tensors as they are, device arrays through DLPack, NumPy
+    arrays as CPU tensors."""
+    if isinstance(x, Tensor):
+        return x
+    return torch.from_dlpack(x) if is_device(x) else torch.from_numpy(np.asarray(x))
 
 
 def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *,

@@ -15,7 +15,7 @@ The same checks serve the device API (``device=True``: 16-bit inputs) and the Nu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
@@ -24,7 +24,7 @@ from ._arrays import BF16, FP16, FP32, FP8_E4M3, read_back, require_device
 from ._checks import (OFFSET_DTYPES, QSTART_DTYPES, U8, check_array, check_layout, check_offsets_array,
                       check_offsets_layout, check_offsets_values, check_shape, dtype_of, step_range)
 from .dims import DQK, DR, DV  # noqa: F401  (DQK, DR, DV: also read from here by older callers)
-from .fp8 import check_fp8_arrays, check_fp8_layout, check_q_scale_values
+from .fp8 import TransposedV, check_fp8_arrays, check_fp8_layout, check_q_scale_values, check_transposed_v_offsets
 from ._select import check_kernel_name
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
@@ -55,6 +55,8 @@ class Problem:
     # an fp8 (e4m3) rope: with per-key scales (16-bit variant), or with fp8 the all-e4m3 mode (e4m3
     # q_rope and k_rope under the per-token scales)
     rope8: bool = False
+    # fp8: v given as V^T (a fp8.TransposedV): the kernel reads it, no pre-pass writes one
+    v_transposed: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,9 +405,13 @@ def check_inputs(
     """Check every argument of ``mla_prefill`` / ``mla_prefill_fp8`` (device) or of their
     references (``device=False``), in the three steps of this module. ``fp8 = (q_rope, q_scale,
     k_scales)``: the per-token fp8 variant, where q, k, v are the e4m3 (uint8) nope parts; the
-    problem's ``dtype`` is then that of the rope parts; ``kernel`` is the kernel argument; ``api``
-    names the function called, for the message of host data on a machine without a GPU. Offsets
-    are read to the host when ``validate`` or ``read_offsets``."""
+    problem's ``dtype`` is then that of the rope parts, and v may be a
+    :class:`~mla_cupy.fp8.TransposedV` (its data as :func:`~mla_cupy._arrays.checkable` gives it),
+    checked against the call's H, Tk, B and ``cache_row_offsets``
+    (:func:`~mla_cupy.fp8.check_transposed_v_offsets`: values compared with ``validate``);
+    ``kernel`` is the kernel argument; ``api`` names the function called, for the message of host
+    data on a machine without a GPU. Offsets are read to the host when ``validate`` or
+    ``read_offsets``."""
     if fp8 is not None:
         tq, heads, tk = check_fp8_arrays(q, fp8[0], fp8[1], k, fp8[2], v)
         dtype = BF16
@@ -415,6 +421,12 @@ def check_inputs(
     rope8 = check_rope(k_rope, k_rope_scales, tk, dtype, device=device, fp8=fp8 is not None,
                        e4m3=fp8 is not None and _is_fp8(fp8[0], device))
     batch = check_offsets(valid_length, cache_row_offsets)
+    vt = isinstance(v, TransposedV)
+    if vt and not device:
+        raise TypeError("v: the reference takes v as [Tk, H, 128] e4m3 bytes, not a TransposedV (its "
+                        "mla_cupy.fp8.untranspose_v_host gives them back)")
+    if vt:
+        check_transposed_v_offsets(v, batch, cache_row_offsets, validate)
     if paged and k_rope.lookup_table.shape[0] != batch:
         raise ValueError(f"k_rope.lookup_table: expected {batch} rows (B), got {k_rope.lookup_table.shape[0]}")
     scale, mask = check_scalars(scale, mask, q_max_seq_len)
@@ -422,7 +434,7 @@ def check_inputs(
     out_dtype = check_out_dtype(out, out_dtype, dtype, device=device)
     check_out(out, out_dtype, tq, heads)
     max_sq = None if q_max_seq_len is None else int(q_max_seq_len)
-    p = Problem(batch, heads, tq, tk, dtype, out_dtype, mask, scale, max_sq, paged, fp8 is not None, rope8)
+    p = Problem(batch, heads, tq, tk, dtype, out_dtype, mask, scale, max_sq, paged, fp8 is not None, rope8, vt)
     check_lse_and_accumulate(p, out, lse, accumulate, (FP32,) if device else (FP32, np.dtype(np.float64)))
     if kernel is not None:
         check_kernel_name(kernel)
@@ -432,13 +444,13 @@ def check_inputs(
                                 tq=tq, tk=tk, q_max_seq_len=max_sq, validate=validate)
         if max_sq is None:
             max_sq = observed
-            p = Problem(batch, heads, tq, tk, dtype, out_dtype, mask, scale, max_sq, paged, fp8 is not None, rope8)
+            p = replace(p, max_sq=max_sq)
     if not device:
         return p
 
     named = [("q_nope" if fp8 is not None else "q", q)]
     named += [("q_rope", fp8[0]), ("q_scale", fp8[1]), ("k", k), ("k_scales", fp8[2])] if fp8 is not None else [("k", k)]
-    named += [("v", v)] + list(rope_arrays(k_rope, k_rope_scales))
+    named += [("v.data", v.data) if vt else ("v", v)] + list(rope_arrays(k_rope, k_rope_scales))
     named += [("valid_length", valid_length), ("cache_row_offsets", cache_row_offsets), ("cache_offsets", cache_offsets),
               ("q_start_pos", q_start_pos), ("out", out), ("lse", lse)]
     require_devices(named, api)

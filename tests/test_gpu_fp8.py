@@ -8,6 +8,7 @@ import pytest
 import mla_cupy
 from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, PagedKVCache, SlidingWindowCausalMask
 from mla_cupy import quant, reference
+from mla_cupy.fp8 import TransposedV
 
 from _cases import BF16, build_paged, build_paged_fp8_rope, make_case, per_slice_errors
 from gpu_util import KERNELS, assert_like_reference
@@ -508,3 +509,113 @@ def test_e4m3_accuracy_report():
         line.append(f"{'e4m3 rope' if e4m3 else 'bf16 rope'}: vs dequantized {e_deq:.4f}, vs original {e_orig:.4f}")
         assert e_deq < TOL and e_orig < 0.1
     print("\nfp8 per-token accuracy (worst per-slice relative error): " + "; ".join(line))
+
+
+# ------------------------------------------------------------------------------------------------
+# V^T made by the quantizer (quantize_per_token(..., cache_row_offsets=)): the call launches the
+# kernel alone on it, with the same bits as with the per-call pre-pass.
+# ------------------------------------------------------------------------------------------------
+
+VT_SK = [0, 1, 63, 130, 0, 17, 300]  # ragged, empty sequences, unaligned starts
+VT_SQ = [3, 1, 40, 129, 2, 17, 64]
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16), np.dtype(np.float32)], ids=["bf16", "fp16", "f32"])
+@pytest.mark.parametrize("e4m3_rope", [False, True], ids=["bf16-rope", "e4m3-rope"])
+@pytest.mark.parametrize("heads", [1, 16, 128])
+def test_device_quantizers_vt_equals_host(heads, e4m3_rope, dtype):
+    """The kernel that casts V writes V^T too: its "v" and "v_t" equal the host quantizer's bit
+    for bit (and "v" equals the quantizer's without offsets), for aligned and misaligned views of v
+    (16-byte and element loads), rows past the last sequence, B = 0 and host offsets."""
+    import cupy as cp
+
+    c = make_case(VT_SQ, VT_SK, heads, BF16, seed=heads, extra_keys=5)
+    c.v[2, :, :3] = np.float32(1e4)  # saturates to 448
+    v = c.v.astype(dtype)
+    host = quant.quantize_per_token(c.q, c.k, v, c.k_rope, e4m3_rope=e4m3_rope, cache_row_offsets=c.cache_row_offsets)
+    want_v, want_vt = host["v"].view(np.uint8), host["v_t"].data
+    cro = cp.asarray(c.cache_row_offsets)
+    dq, dk, dr = (cp.asarray(x) for x in (c.q, c.k, c.k_rope))
+    wide = cp.zeros((v.shape[0], heads, 136), dtype)
+    wide[:, :, 1:129] = cp.asarray(v)
+    for dv in (cp.asarray(v), wide[:, :, 1:129]):  # 16-byte aligned, and not
+        d = quant.quantize_per_token(dq, dk, dv, dr, e4m3_rope=e4m3_rope, cache_row_offsets=cro)
+        np.testing.assert_array_equal(cp.asnumpy(d["v"]), want_v)
+        tv = d["v_t"]
+        assert tv.cache_row_offsets is cro and tv.num_keys == v.shape[0] and tv.batch == len(VT_SK)
+        np.testing.assert_array_equal(cp.asnumpy(tv.data), want_vt)
+        plain = quant.quantize_per_token(dq, dk, dv, dr, e4m3_rope=e4m3_rope)
+        np.testing.assert_array_equal(cp.asnumpy(plain["v"]), want_v)
+    d = quant.quantize_per_token(dq, dk, cp.asarray(v), dr, cache_row_offsets=c.cache_row_offsets)  # host offsets
+    np.testing.assert_array_equal(cp.asnumpy(d["v_t"].data), want_vt)
+    none = quant.quantize_per_token(dq, dk, cp.asarray(v), dr, cache_row_offsets=cp.zeros(1, cp.uint32))  # B = 0
+    np.testing.assert_array_equal(cp.asnumpy(none["v"]), want_v)
+    assert not bool(none["v_t"].data.any())
+
+
+def _bits(x):
+    import cupy as cp
+
+    return cp.asnumpy(x).view(np.uint8)
+
+
+@pytest.mark.parametrize("e4m3_rope", [False, True], ids=["bf16-rope", "e4m3-rope"])
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("heads", [16, 128])
+def test_prefill_with_the_quantizers_vt_equals_the_pre_pass(heads, mask, e4m3_rope):
+    """One-shot and plan runs given the quantizer's V^T give the bits (out and lse) of the same
+    call with v (the per-call pre-pass), over masks, ragged batches with empty sequences, both
+    rope modes; and the float64 reference's accuracy."""
+    import cupy as cp
+
+    c = make_case(VT_SQ, VT_SK, heads, BF16, seed=7 + heads)
+    vl, cro = cp.asarray(c.valid_length), cp.asarray(c.cache_row_offsets)
+    f = quant.quantize_per_token(*(cp.asarray(x) for x in (c.q, c.k, c.v, c.k_rope)), e4m3_rope=e4m3_rope,
+                                 cache_row_offsets=cro)
+    head = [f[n] for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales")]
+    want = mla_cupy.mla_prefill_fp8(*head, f["v"], f["k_rope"], vl, cro, mask=mask, return_lse=True)
+    for _ in range(2):  # packed, then from the plan cache
+        got = mla_cupy.mla_prefill_fp8(*head, f["v_t"], f["k_rope"], vl, cro, mask=mask, return_lse=True)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+    pl = mla_cupy.plan(vl, cro, num_heads=heads, dtype=BF16, mask=mask, fp8=True, fp8_rope=e4m3_rope,
+                       return_lse=True)
+    for _ in range(2):
+        got = pl.run_fp8(*head, f["v_t"], f["k_rope"])
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+    h = {n: cp.asnumpy(f[n]) for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")}
+    ref = reference.mla_prefill_fp8(*(h[n] for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")),
+                                    c.valid_length, c.cache_row_offsets, mask=mask)
+    assert max(per_slice_errors(cp.asnumpy(want[0]).astype(np.float64), ref, c.valid_length)) < TOL_ANY_SLICE
+
+
+def test_torch_op_with_the_quantizers_vt_equals_the_pre_pass():
+    """The torch op (eager, and through torch.compile) given a TransposedV: the bits of the call
+    with v."""
+    import cupy as cp
+
+    torch = pytest.importorskip("torch")
+    ops = pytest.importorskip("mla_cupy.torch_ops")
+    c = make_case(VT_SQ, VT_SK, 16, BF16, seed=3)
+    vl, cro = (torch.tensor(x.astype(np.int32), device="cuda") for x in (c.valid_length, c.cache_row_offsets))
+    f = quant.quantize_per_token(*(cp.asarray(x) for x in (c.q, c.k, c.v, c.k_rope)), cache_row_offsets=cro)
+    assert f["v_t"].cache_row_offsets is cro
+
+    def tensor(x):  # through the host: bfloat16 as its bits
+        h = cp.asnumpy(x)
+        if h.dtype == BF16:
+            return torch.from_numpy(h.view(np.int16)).view(torch.bfloat16).cuda()
+        return torch.from_numpy(h).cuda()
+
+    t = {n: tensor(f[n]) for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")}
+    head = [t[n] for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales")]
+    want = ops.mla_prefill_fp8(*head, t["v"], t["k_rope"], vl, cro, return_lse=True)
+    got = ops.mla_prefill_fp8(*head, f["v_t"], t["k_rope"], vl, cro, return_lse=True)  # CuPy uint8 data, viewed
+    tv = TransposedV(tensor(f["v_t"].data), cro, f["v_t"].num_keys)  # tensors: what a graph takes
+    compiled = torch.compile(lambda *a: ops.mla_prefill_fp8(*a, return_lse=True), fullgraph=True)
+    got_c = compiled(*head, tv, t["k_rope"], vl, cro)
+    for g in (got, got_c):
+        for a, b in zip(g, want):
+            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b)

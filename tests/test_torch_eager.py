@@ -161,3 +161,51 @@ def test_the_op_route_is_taken_whenever_something_else_would_see_the_op(gpu, dir
     traced = torch.compile(lambda x: x + int(ops.eager_cuda((x,))), fullgraph=True, backend=backend)
     assert traced(torch.zeros(2)).tolist() == [0.0, 0.0]  # while compiling: the op route
     assert direct == []
+
+
+def fp8_tensors(e4m3_rope=False):
+    """The fp8 per-token inputs of tensors() (uint8 e4m3 bytes, bfloat16 or e4m3 rope parts), and
+    the quantizer's V^T for its offsets (a TransposedV over tensors, naming its offsets tensor)."""
+    from mla_cupy import quant
+    from mla_cupy.fp8 import TransposedV
+
+    t = tensors()
+    c = make_case([5, 3], [6, 3], 4, BF16, seed=0)
+    f = quant.quantize_per_token(c.q, c.k, c.v, c.k_rope, e4m3_rope=e4m3_rope,
+                                 cache_row_offsets=t["cache_row_offsets"])
+
+    def tensor(x):
+        x = np.ascontiguousarray(x)
+        return torch.from_numpy(x.view(np.uint8) if x.dtype.itemsize == 1 else
+                                (x.view(np.int16) if x.dtype == BF16 else x)).view(
+            torch.bfloat16 if x.dtype == BF16 else (torch.uint8 if x.dtype.itemsize == 1 else torch.float32))
+
+    a = [tensor(f[n]) for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")]
+    tv = f["v_t"]
+    assert tv.cache_row_offsets is t["cache_row_offsets"]
+    return t, a, TransposedV(torch.from_numpy(tv.data), tv.cache_row_offsets, tv.num_keys)
+
+
+@pytest.mark.parametrize("e4m3_rope", [False, True], ids=["bf16-rope", "e4m3-rope"])
+def test_fp8_op_given_vt_launches_the_kernel_alone_on_both_routes(gpu, direct, e4m3_rope):
+    """A TransposedV as v: the op gets its data and its offsets (vt_offsets), and launches the
+    attention kernel alone, eagerly and through the dispatcher alike."""
+    t, a, tv = fp8_tensors(e4m3_rope)
+    offs = (t["valid_length"], t["cache_row_offsets"])
+    for route in (Recorder, None):
+        n = len(gpu.launches)
+        if route is None:
+            ops.mla_prefill_fp8(*a[:5], tv, a[6], *offs, out=t["out"], **FAST)
+        else:
+            with route() as rec:
+                ops.mla_prefill_fp8(*a[:5], tv, a[6], *offs, out=t["out"], **FAST)
+            assert "mla_cupy.mla_prefill_fp8_out.default" in rec.seen
+        kinds = ["prefill" if "num_heads" in pl.pack.names else "vt" for pl, _, _ in gpu.launches[n:]]
+        assert kinds == ["prefill"]
+        assert int(np.frombuffer(gpu.values()["tm_v"].tobytes(), np.uint64)[0]) == tv.data.data_ptr()
+    assert direct == [True]
+    n = len(gpu.launches)
+    ops.mla_prefill_fp8(*a, *offs, out=t["out"], **FAST)  # v itself: the pre-pass, then the kernel
+    assert len(gpu.launches) == n + 2
+    with pytest.raises(ValueError, match=r"v: a TransposedV of B = 2 sequences, the call has B = 1"):
+        ops.mla_prefill_fp8(*a[:5], tv, a[6], t["valid_length"][:2], t["cache_row_offsets"][:2], out=t["out"], **FAST)

@@ -294,3 +294,34 @@ def test_flash_attn_shape_errors():
         fa.flash_attn_varlen_func(c["q"], c["k"], torch.nn.functional.pad(c["v"], (0, 64)), *args, k_rope=c["k_rope"])
     with pytest.raises(ValueError, match="q:"):
         fa.flash_attn_varlen_func(c["q"][..., :128], c["k"], c["v"], *args, k_rope=c["k_rope"])
+
+
+def test_fp8_op_on_cpu_takes_the_quantizers_vt():
+    """On CPU tensors a TransposedV as v gives the result of v itself (the reference reads the keys
+    given back by untranspose_v_host); one laid out for other offsets is refused."""
+    from mla_cupy import quant
+    from mla_cupy.fp8 import TransposedV
+
+    c = _case(6)
+    cro = c["cache_row_offsets"]
+    d = quant.quantize_per_token(*(c[n].numpy().astype(ml_dtypes.bfloat16) for n in ("q", "k", "v", "k_rope")),
+                                 cache_row_offsets=cro)
+    assert d["v_t"].cache_row_offsets is cro
+
+    def tensor(n, x):
+        x = np.asarray(x)
+        if x.dtype.itemsize == 1:
+            return torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn)
+        t = torch.from_numpy(x.astype(np.float32))
+        return t.to(torch.bfloat16) if n in ("q_rope", "k_rope") else t
+
+    t = {n: tensor(n, x) for n, x in d.items() if n != "v_t"}
+    head = [t[n] for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales")]
+    want = ops.mla_prefill_fp8(*head, t["v"], t["k_rope"], c["valid_length"], cro)
+    got = ops.mla_prefill_fp8(*head, d["v_t"], t["k_rope"], c["valid_length"], cro)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    other = cro.clone()
+    other[1] += 1
+    with pytest.raises(ValueError, match="v: the TransposedV was laid out for other cache_row_offsets"):
+        ops.mla_prefill_fp8(*head, TransposedV(d["v_t"].data, other, d["v_t"].num_keys), t["k_rope"],
+                            c["valid_length"], cro)
