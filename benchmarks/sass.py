@@ -35,6 +35,7 @@ Usage (``cuobjdump`` from CUDA, ``PATH``, ``$CUOBJDUMP`` or the pip package
     python benchmarks/sass.py --list-families
     python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>"
     python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>" --family-kernel "float"
+    python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>" --define MLA_SM90_CLUSTER=2
     python benchmarks/sass.py --so fa3/fa3_fwd/_C.abi3.so --list --kernel FlashAttnFwdSm90 --kernel "C<192>"
     # FA3's bf16 kernel for flash_attn_varlen_func(causal=True) at head sizes 192 / 128 with as many
     # K as Q heads; the booleans after Sm90: Is_causal, Is_local, Has_softcap, Varlen, PagedKVNonTMA,
@@ -486,15 +487,18 @@ def find_family(label: str, arch: str = "sm_90a"):
     return some[0][0]
 
 
-def analyze_family(label: str, arch: str = "sm_90a", kernel: Sequence[str] = ()) -> List[KernelReport]:
-    """Compile our family ``label`` (:func:`find_family`) for ``arch`` with NVRTC and report its
-    kernels in the family's order, those whose name expression or mangled name contains every
-    string of ``kernel``."""
+def analyze_family(label: str, arch: str = "sm_90a", kernel: Sequence[str] = (),
+                   defines: Optional[Dict[str, str]] = None) -> List[KernelReport]:
+    """Compile our family ``label`` (:func:`find_family`) for ``arch`` with NVRTC, with the
+    compile-time switches ``defines`` (``{"MLA_SM90_CLUSTER": "2"}``: ``#define`` lines before the
+    source, as ``MLA_CUPY_DEFINES`` sets them for a process), and report its kernels in the
+    family's order, those whose name expression or mangled name contains every string of
+    ``kernel``."""
     from mla_cupy import jit
     from mla_cupy._registry import family_label
 
     filename, names = find_family(label, arch)
-    build = jit.compile_offline_with_log(filename, names, arch)
+    build = jit.compile_offline_with_log(filename, names, arch, defines=defines)
     ptxas = build.functions()
     tool = find_tool("cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
@@ -504,7 +508,8 @@ def analyze_family(label: str, arch: str = "sm_90a", kernel: Sequence[str] = ())
         sass = parse_sass(_run([tool, "-sass", path]))
         res = parse_res_usage(_run([tool, "-res-usage", path]))
     res = res[0] if res else {}
-    source = f"{family_label((filename, names))} ({arch}, NVRTC)"
+    switches = "".join(f", {k}={v}" for k, v in (defines or {}).items())
+    source = f"{family_label((filename, names))} ({arch}, NVRTC{switches})"
     reports = []
     for expr in names:
         mangled = build.lowered.get(expr)
@@ -661,6 +666,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--family-kernel", action="append", default=[],
                     help="keep our kernels whose name expression contains this (repeatable)")
     ap.add_argument("--arch", default="sm_90a", help="target of our family (default sm_90a)")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="compile our family with this switch (kernels/sm90/config.cuh; repeatable), "
+                         "e.g. --define MLA_SM90_CLUSTER=2")
     ap.add_argument("--list-families", action="store_true", help="list our families for --arch and exit")
     ap.add_argument("--so", help="a shared library whose fatbin holds the other kernel (fa3_fwd/_C.abi3.so)")
     ap.add_argument("--kernel", action="append", default=[],
@@ -690,7 +698,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error("give --family, --so (with --kernel), or both for the side-by-side view")
         if a.so and not a.kernel and a.index is None:
             ap.error("--so needs --kernel (see --list)")
-        ours = analyze_family(a.family, a.arch, a.family_kernel) if a.family else []
+        from mla_cupy.jit import parse_defines
+
+        defines = parse_defines(",".join(a.define))
+        ours = analyze_family(a.family, a.arch, a.family_kernel, defines) if a.family else []
         theirs = analyze_library(a.so, a.kernel, a.index) if a.so else None
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"sass.py: {exc}", file=sys.stderr)

@@ -11,9 +11,16 @@ requested, with every name expression of that family in one NVRTC call, and kept
 
 On Hopper (compute capability 9.0) the target is ``sm_90a`` so that ``wgmma``/``setmaxnreg`` are
 available; elsewhere it is the device's own ``sm_XY``.
+
+Compile-time switches of the kernels (``kernels/sm90/config.cuh``, e.g. ``MLA_SM90_CLUSTER``) can be
+set for a whole process with the environment variable ``MLA_CUPY_DEFINES``, read once at import:
+``NAME=VALUE`` items separated by commas or spaces (``MLA_CUPY_DEFINES=MLA_SM90_CLUSTER=2``), each
+compiled as ``#define NAME VALUE`` at the top of every kernel source (a test or measurement run
+of another build; the cache keys cover them, as they cover the sources).
 """
 from __future__ import annotations
 
+import os
 import posixpath
 import re
 import struct
@@ -59,10 +66,35 @@ _RAW_SOURCES: Dict[str, str] = {
 }
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+_DEFINE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def kernel_source(filename: str) -> str:
-    """Return the full text of ``kernels/<filename>`` with local includes inlined (once each).
+def parse_defines(text: str) -> Dict[str, str]:
+    """``"A=1,B=2"`` (commas or spaces between items) -> ``{"A": "1", "B": "2"}``; a bare ``A`` is
+    ``A=1``. Raises ``ValueError`` on a name that is not a C identifier."""
+    out: Dict[str, str] = {}
+    for item in re.split(r"[,\s]+", text.strip()):
+        if not item:
+            continue
+        name, _, value = item.partition("=")
+        if not _DEFINE_RE.match(name):
+            raise ValueError(f"MLA_CUPY_DEFINES: {item!r} is not NAME=VALUE")
+        out[name] = value if value else "1"
+    return out
+
+
+#: Compile-time switches of every kernel compiled in this process (``MLA_CUPY_DEFINES``).
+DEFINES: Dict[str, str] = parse_defines(os.environ.get("MLA_CUPY_DEFINES", ""))
+
+
+def _define_lines(defines: Optional[Dict[str, str]]) -> str:
+    return "".join(f"#define {k} {v}\n" for k, v in (defines or {}).items())
+
+
+def kernel_source(filename: str, defines: Optional[Dict[str, str]] = None) -> str:
+    """Return the full text of ``kernels/<filename>`` with local includes inlined (once each),
+    after ``#define`` lines for :data:`DEFINES` and then ``defines`` (a name in both takes the
+    value of ``defines``).
 
     A local ``#include "x"`` is resolved against the including file's folder, as a C++ compiler
     does (``"../common.cuh"`` from ``sm90/config.cuh`` is ``common.cuh``)."""
@@ -78,7 +110,8 @@ def kernel_source(filename: str) -> str:
         folder = posixpath.dirname(name)
         return _INCLUDE_RE.sub(lambda m: expand(posixpath.normpath(posixpath.join(folder, m.group(1)))), text)
 
-    return f"// ---- {filename} (local includes inlined) ----\n" + expand(filename)
+    merged = {**DEFINES, **(defines or {})}
+    return _define_lines(merged) + f"// ---- {filename} (local includes inlined) ----\n" + expand(filename)
 
 
 class KernelCompileError(RuntimeError):
@@ -313,9 +346,10 @@ def _whole_elf(data: bytes) -> bytes:
 
 
 def compile_offline_with_log(filename: str, name_expressions: Sequence[str], arch: str,
-                             method: str = "cubin") -> OfflineBuild:
+                             method: str = "cubin", defines: Optional[Dict[str, str]] = None) -> OfflineBuild:
     """Compile without a GPU (NVRTC only): the cubin (or PTX with ``method='ptx'``), NVRTC's log
-    and the lowered names.
+    and the lowered names; ``defines``: compile-time switches on top of :data:`DEFINES`
+    (:func:`kernel_source`).
 
     A cubin is compiled with ptxas' ``-v``, so the log reports every function's registers,
     stack frame, spills and shared memory (:meth:`OfflineBuild.functions`), next to ptxas'
@@ -337,7 +371,8 @@ def compile_offline_with_log(filename: str, name_expressions: Sequence[str], arc
         opts = tuple(o.replace("-arch=sm_", "-arch=compute_") for o in opts)
     elif method == "cubin":
         opts += (_PTXAS_VERBOSE,)
-    prog = compiler._NVRTCProgram(kernel_source(filename), filename, name_expressions=list(name_expressions), method=method)
+    prog = compiler._NVRTCProgram(kernel_source(filename, defines), filename, name_expressions=list(name_expressions),
+                                  method=method)
     log = io.StringIO()
     try:
         out, mapping = prog.compile(opts, log_stream=log)

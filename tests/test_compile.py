@@ -110,6 +110,21 @@ def test_kernel_source_inlines_headers():
     assert src.count("struct SwizzledTile") == 1  # each header once
 
 
+def test_compile_time_switches(monkeypatch):
+    """MLA_CUPY_DEFINES's items (jit.DEFINES) and a call's own become #define lines before the
+    source; a name in both takes the call's value."""
+    assert jit.parse_defines("MLA_SM90_CLUSTER=2, A=0 B") == {"MLA_SM90_CLUSTER": "2", "A": "0", "B": "1"}
+    assert jit.parse_defines("") == {}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        jit.parse_defines("2X=1")
+    monkeypatch.setattr(jit, "DEFINES", {"MLA_SM90_CLUSTER": "2", "A": "1"})
+    src = jit.kernel_source("mla_prefill_sm90.cu", {"A": "3"})
+    head = src.split("// ----", 1)[0]
+    assert head == "#define MLA_SM90_CLUSTER 2\n#define A 3\n"
+    monkeypatch.setattr(jit, "DEFINES", {})
+    assert jit.kernel_source("mla_prefill_sm90.cu").startswith("// ----")
+
+
 # ---- the checks above, on kernels made to fail them (fast: tiny sources) ----
 _WGMMA = ('asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, 1, 1, 1, 0, 0;"'
           ' : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])'
