@@ -104,7 +104,7 @@ struct Mainloop {
     const int s = it % kS;
     mbar_wait(sm.k_full(s), (it / kS) & 1);
     // rope rows gathered by cp.async are generic-proxy writes, wgmma reads through the async proxy
-    if (kRW && sm.s.key_ok[s][kBlockN + 1]) fence_proxy_async();
+    if (kRW && (sm.s.tile_flags[s] & kTileGathered)) fence_proxy_async();
     fence_operands(x.sacc);
     const unsigned long long dk = make_desc(sm.k(s), 16, 1024), dr = make_desc(sm.rope(s), 16, 1024);
     wgmma_fence();
@@ -155,11 +155,12 @@ struct Mainloop {
     fence_operands(x.sacc);
     const int s = it % kS;
     if constexpr (V::kFp8) dequantize_scores(x.sacc, x.ksc);
-    const unsigned char* ok = sm.s.key_ok[s];
-    const bool tile_bad = kRW && ok[kBlockN];  // a key of the tile could not be read
-    bool masked = kMode == kMaskApply || tile_bad;
-    if (kMode == kMaskTest) masked = masked || tile_needs_mask(x.key_lo, x.key_hi, t);
-    if (masked) mask_tile(x.sacc, x.key_lo, x.key_hi, t, tile_bad ? ok : nullptr);
+    bool masked = kMode == kMaskApply;
+    if (kMode == kMaskTest) masked = tile_needs_mask(x.key_lo, x.key_hi, t);
+    if (masked) mask_tile(x.sacc, x.key_lo, x.key_hi, t);
+    // a key of the tile could not be read (rare): its own mask, branch-free, so that the loops keep
+    // the plain rope's code (a byte flag per score under the key-range test tripled them)
+    if (kRW && (sm.s.tile_flags[s] & kTileUnreadable)) mask_unreadable(x.sacc, sm.s.key_ok[s]);
     TileHandout::release(sm.k_empty(s));
     smx.update_scores<V::kFp8 ? kLog2PScale : 0>(x.sacc, x.row_scale, x.corr);  // fp8: kPScale * P (fp8.cuh)
   }

@@ -9,7 +9,8 @@
 //    async-proxy reads);
 //  * fp8 rope (plain or paged): each lane loads its rows' 64 e4m3 bytes and scale, and stores them
 //    dequantized to the 16-bit type.
-// Unreadable keys (bad block ids) are zero-filled and flagged; the consumers mask them. The counted
+// Unreadable keys (bad block ids) are zero-filled; a tile with one is flagged kTileUnreadable, with a
+// readable bit per key (a ballot per 32 rows), and the consumers mask its unreadable keys. The counted
 // form of the cp.async arrival (.noinc) keeps k_full's count at 1 + 64 per phase: the
 // pending-count-raising form computes correct results but over-arrives the barrier, which
 // compute-sanitizer's synccheck reports.
@@ -61,7 +62,7 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
       const bool boxes = kPaged && !V::kRope8 && p.rope_box_rows > 0 && !bad && (t0 & (p.rope_box_rows - 1)) == 0;
       mbar_wait(sm.k_empty(s), ((it / kS) & 1) ^ 1);  // as warp 0: the first pass does not wait
       const u32 dst = sm.rope(s);
-      unsigned char* ok_flags = sm.s.key_ok[s];
+      bool ok_row[kRopeRows];  // readable bit of each of the lane's rows (unread unless bad)
       if constexpr (V::kRope8) {
 #pragma unroll
         for (int i = 0; i < kRopeRows; ++i) {
@@ -81,7 +82,7 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
             }
           }
           store_rope_row_e4m3<T>(dst + x * 128, x, src, sc);
-          ok_flags[x] = ok;
+          ok_row[i] = ok;
         }
         fence_proxy_async();         // the dequantized rows, visible to wgmma
         mbar_arrive(sm.k_full(s));  // (in place of the cp.async arrivals)
@@ -107,14 +108,19 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
           const T* src = ok ? Paged::at<T>(ra, blk[i], t0 + x) : static_cast<const T*>(p.rope_base);
 #pragma unroll
           for (int c = 0; c < 8; ++c) cp_async_16(dst + x * 128 + ((c ^ (x & 7)) << 4), src + c * 8, ok);
-          ok_flags[x] = ok;
+          ok_row[i] = ok;
         }
         mbar_cp_async_arrive(sm.k_full(s));  // arrives when this lane's copies have landed
       }
-      if (lane == 0) {
-        ok_flags[kBlockN] = bad;
-        ok_flags[kBlockN + 1] = !V::kRope8 && !boxes;  // gathered by cp.async: the consumers fence
+      if (bad) {  // warp-uniform: every lane wrote ok_row
+#pragma unroll
+        for (int i = 0; i < kRopeRows; ++i) {
+          const u32 word = __ballot_sync(0xffffffffu, ok_row[i]);  // keys 32 i .. 32 i + 31
+          if (lane == 0) sm.s.key_ok[s][i] = word;
+        }
       }
+      if (lane == 0)
+        sm.s.tile_flags[s] = (bad ? kTileUnreadable : 0u) | (!V::kRope8 && !boxes ? kTileGathered : 0u);
       __syncwarp();
       mbar_arrive(sm.k_full(s));  // release: the flags are visible once the barrier completes
       if (t + 1 < k.num_tiles) lookup_rows(t + 1);

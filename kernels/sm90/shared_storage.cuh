@@ -29,9 +29,11 @@ struct alignas(1024) SharedStorage {
   unsigned long long k_full[V::kStages], v_full[V::kStages], k_empty[V::kStages], v_empty[V::kStages];
   unsigned long long work_bars[4];
   WorkInfo work[2];
-  // rope warp only: key_ok[s][0..127] per-key flags of K stage s, then at byte kBlockN "a key of
-  // the span is unreadable" and at kBlockN + 1 "gathered by cp.async"
-  unsigned char key_ok[V::kStages][kFlagBytes];
+  // rope warp only, per K stage s: key_ok[s], a readable bit per key (read by the consumers only
+  // when the tile has an unreadable key), and tile_flags[s]: kTileUnreadable | kTileGathered
+  // (its rope rows written by cp.async: the consumers fence before wgmma reads them)
+  alignas(16) u32 key_ok[V::kStages][kKeyWords];
+  u32 tile_flags[V::kStages];
 };
 static_assert(kKBytes<VariantFp8> % 1024 == 0 && kKBytes<Variant16<__half>> % 1024 == 0 &&
                   kKBytes<VariantE4m3> % 1024 == 0 && kQBytes<VariantE4m3> % 1024 == 0,

@@ -67,11 +67,9 @@ __device__ __forceinline__ void row_key_ranges(const Mask& mask, const WorkTile&
   }
 }
 
-// Sets to -inf the scores of key tile t outside each row's [lo, hi) (row_key_ranges) and, with
-// key_ok, of keys whose data could not be read. Returns nothing to rescale: the softmax treats a
-// row with nothing visible yet as empty.
-__device__ __forceinline__ void mask_tile(float (&s)[kSTiles][4], const int (&lo)[2], const int (&hi)[2], int t,
-                                          const unsigned char* key_ok) {
+// Sets to -inf the scores of key tile t outside each row's [lo, hi) (row_key_ranges). Returns
+// nothing to rescale: the softmax treats a row with nothing visible yet as empty.
+__device__ __forceinline__ void mask_tile(float (&s)[kSTiles][4], const int (&lo)[2], const int (&hi)[2], int t) {
   const int c0 = 2 * (threadIdx.x % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -81,10 +79,25 @@ __device__ __forceinline__ void mask_tile(float (&s)[kSTiles][4], const int (&lo
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = nt * 8 + e;
-        bool vis = col >= l && col < h;
-        if (key_ok != nullptr) vis = vis && key_ok[c0 + col];
-        if (!vis) s[nt][2 * r + e] = neg_inf();
+        if (!(col >= l && col < h)) s[nt][2 * r + e] = neg_inf();
       }
+    }
+  }
+}
+
+// Sets to -inf the scores of the tile's unreadable keys: `ok` holds a readable bit per key (key
+// 32 w + b: word w, bit b). The thread's columns c0 + 8 nt + e sit in word nt / 4 at bit
+// 8 (nt % 4) + c0 + e, so one shift per word puts them on constant bits.
+__device__ __forceinline__ void mask_unreadable(float (&s)[kSTiles][4], const u32 (&ok)[kKeyWords]) {
+  static_assert(kSTiles == 4 * kKeyWords && kKeyWords == 4, "four 8-column groups per 32-key word; one 16-byte load");
+  const int c0 = 2 * (threadIdx.x % 4);
+  const uint4 w4 = *reinterpret_cast<const uint4*>(ok);
+  const u32 w[kKeyWords] = {w4.x >> c0, w4.y >> c0, w4.z >> c0, w4.w >> c0};
+#pragma unroll
+  for (int nt = 0; nt < kSTiles; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (!((w[nt / 4] >> (8 * (nt % 4) + e)) & 1u)) s[nt][e] = s[nt][2 + e] = neg_inf();
     }
   }
 }
