@@ -35,7 +35,7 @@ Usage (``cuobjdump`` from CUDA, ``PATH``, ``$CUOBJDUMP`` or the pip package
     python benchmarks/sass.py --list-families
     python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>"
     python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>" --family-kernel "float"
-    python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>" --define MLA_SM90_CLUSTER=2
+    python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>" --define MLA_SM90_SMEM_EPILOGUE=0
     python benchmarks/sass.py --so fa3/fa3_fwd/_C.abi3.so --list --kernel FlashAttnFwdSm90 --kernel "C<192>"
     # FA3's bf16 kernel for flash_attn_varlen_func(causal=True) at head sizes 192 / 128 with as many
     # K as Q heads; the booleans after Sm90: Is_causal, Is_local, Has_softcap, Varlen, PagedKVNonTMA,
@@ -490,7 +490,7 @@ def find_family(label: str, arch: str = "sm_90a"):
 def analyze_family(label: str, arch: str = "sm_90a", kernel: Sequence[str] = (),
                    defines: Optional[Dict[str, str]] = None) -> List[KernelReport]:
     """Compile our family ``label`` (:func:`find_family`) for ``arch`` with NVRTC, with the
-    compile-time switches ``defines`` (``{"MLA_SM90_CLUSTER": "2"}``: ``#define`` lines before the
+    compile-time switches ``defines`` (``{"MLA_SM90_SMEM_EPILOGUE": "0"}``: ``#define`` lines before the
     source, as ``MLA_CUPY_DEFINES`` sets them for a process), and report its kernels in the
     family's order, those whose name expression or mangled name contains every string of
     ``kernel``."""
@@ -668,7 +668,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--arch", default="sm_90a", help="target of our family (default sm_90a)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="compile our family with this switch (kernels/sm90/config.cuh; repeatable), "
-                         "e.g. --define MLA_SM90_CLUSTER=2")
+                         "e.g. --define MLA_SM90_SMEM_EPILOGUE=0")
     ap.add_argument("--list-families", action="store_true", help="list our families for --arch and exit")
     ap.add_argument("--so", help="a shared library whose fatbin holds the other kernel (fa3_fwd/_C.abi3.so)")
     ap.add_argument("--kernel", action="append", default=[],

@@ -12,9 +12,9 @@ requested, with every name expression of that family in one NVRTC call, and kept
 On Hopper (compute capability 9.0) the target is ``sm_90a`` so that ``wgmma``/``setmaxnreg`` are
 available; elsewhere it is the device's own ``sm_XY``.
 
-Compile-time switches of the kernels (``kernels/sm90/config.cuh``, e.g. ``MLA_SM90_CLUSTER``) can be
+Compile-time switches of the kernels (``kernels/sm90/config.cuh``, e.g. ``MLA_SM90_SMEM_EPILOGUE``) can be
 set for a whole process with the environment variable ``MLA_CUPY_DEFINES``, read once at import:
-``NAME=VALUE`` items separated by commas or spaces (``MLA_CUPY_DEFINES=MLA_SM90_CLUSTER=2``), each
+``NAME=VALUE`` items separated by commas or spaces (``MLA_CUPY_DEFINES=MLA_SM90_SMEM_EPILOGUE=0``), each
 compiled as ``#define NAME VALUE`` at the top of every kernel source (a test or measurement run
 of another build; the cache keys cover them, as they cover the sources).
 """

@@ -113,14 +113,14 @@ def test_kernel_source_inlines_headers():
 def test_compile_time_switches(monkeypatch):
     """MLA_CUPY_DEFINES's items (jit.DEFINES) and a call's own become #define lines before the
     source; a name in both takes the call's value."""
-    assert jit.parse_defines("MLA_SM90_CLUSTER=2, A=0 B") == {"MLA_SM90_CLUSTER": "2", "A": "0", "B": "1"}
+    assert jit.parse_defines("MLA_SM90_SMEM_EPILOGUE=0, A=0 B") == {"MLA_SM90_SMEM_EPILOGUE": "0", "A": "0", "B": "1"}
     assert jit.parse_defines("") == {}
     with pytest.raises(ValueError, match="NAME=VALUE"):
         jit.parse_defines("2X=1")
-    monkeypatch.setattr(jit, "DEFINES", {"MLA_SM90_CLUSTER": "2", "A": "1"})
+    monkeypatch.setattr(jit, "DEFINES", {"MLA_SM90_SMEM_EPILOGUE": "0", "A": "1"})
     src = jit.kernel_source("mla_prefill_sm90.cu", {"A": "3"})
     head = src.split("// ----", 1)[0]
-    assert head == "#define MLA_SM90_CLUSTER 2\n#define A 3\n"
+    assert head == "#define MLA_SM90_SMEM_EPILOGUE 0\n#define A 3\n"
     monkeypatch.setattr(jit, "DEFINES", {})
     assert jit.kernel_source("mla_prefill_sm90.cu").startswith("// ----")
 
