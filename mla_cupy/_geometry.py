@@ -51,14 +51,6 @@ def _compiled(key: Tuple, fn: Any, smem: int, params: Optional[ArgPack] = None,
         return _KERNELS.setdefault(key, ck)
 
 
-def sm90_variant(fp8: bool, rope8: bool) -> str:
-    """The Hopper variant of a problem: fp8 per token with an e4m3 rope (``fp8`` and ``rope8``: the
-    all-e4m3 mode) or a bf16 one, an fp8 rope with per-key scales, or 16-bit."""
-    if fp8:
-        return "e4m3" if rope8 else "fp8"
-    return "fp8_rope" if rope8 else "bf16"
-
-
 def _exports(fam, names: Tuple[str, ...], geometry_size: int, what: str) -> Tuple[ArgPack, np.ndarray]:
     """The parameter struct and the geometry table (``geometry_size`` ints) a module exports
     (names: the layout, the field names and the geometry table). The layout's header says how long
@@ -69,18 +61,18 @@ def _exports(fam, names: Tuple[str, ...], geometry_size: int, what: str) -> Tupl
     return ArgPack.from_export(layout, param_names.tobytes(), what), get_global(*fam, names[2], np.int32, geometry_size)
 
 
-def prefill_kernel(kernel: str, dtype: np.dtype, out_dtype: np.dtype, mask, paged: bool, fp8: bool, rope8: bool,
+def prefill_kernel(kernel: str, dtype: np.dtype, out_dtype: np.dtype, mask, paged: bool, variant: str,
                    device_id: int) -> CompiledKernel:
     """The instantiation of ``kernel`` (``'sm80'`` or ``'sm90'``) for these template arguments on
     device ``device_id`` (the current one), compiled on first use, with its parameter struct
     (``.params``) and geometry (``.geometry``: smem, threads, block_m and, on Hopper, block_n and
-    scale_box)."""
-    key = (device_id, kernel, dtype, out_dtype, mask.cpp_name, paged, fp8, rope8)
+    scale_box). ``variant``: one of :data:`~mla_cupy._registry.SM90_VARIANTS` (the portable
+    kernel has the 16-bit one only)."""
+    key = (device_id, kernel, dtype, out_dtype, mask.cpp_name, paged, variant)
     ck = _KERNELS.get(key)
     if ck is not None:
         return ck
     if kernel == "sm90":
-        variant = sm90_variant(fp8, rope8)
         fam = reg.prefill_sm90(dtype, mask, variant)
         fn = get_function(*fam, reg.prefill_sm90_name(dtype, out_dtype, mask, paged, variant))
         params, table = _exports(fam, reg.SM90_EXPORTS, len(SM90_GEOMETRY) * len(reg.SM90_VARIANTS),

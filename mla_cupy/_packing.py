@@ -55,7 +55,7 @@ def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Re
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
         return Record(None, (), ())
     dev = t.device_id
-    ck = prefill_kernel(t.kernel, p.dtype, p.out_dtype, p.mask, p.paged, p.fp8, p.rope8, dev)
+    ck = prefill_kernel(t.kernel, p.dtype, p.out_dtype, p.mask, p.paged, p.variant, dev)
     nmb = -(-p.max_sq // ck.geometry["block_m"])
     out, lse = d[OUT], d[LSE]
     oitem = p.out_dtype.itemsize
@@ -69,7 +69,7 @@ def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Re
     rope_add = _rope_args(t, p, d, values)
     fields = [("out", OUT, 0), ("lse", LSE, 0), ("rope_base", ROPE, rope_add)]
     align = [i for i in (Q, K, V, OUT) if math.prod(d[i].shape)]
-    if (p.fp8 or not p.rope8) and math.prod(d[ROPE].shape):  # read by TMA
+    if not p.rope_scaled_e4m3 and math.prod(d[ROPE].shape):  # read by TMA
         align.append(ROPE)
     if t.kernel == "sm80":
         item = p.dtype.itemsize
@@ -146,11 +146,11 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
                                .reshape(shape), t.device_id)
                 vt_fields = _offsets_of(vt.pack, [("v", V, 0), ("vt", WS, 0)])
     heads, tq, tk, dtype = p.heads, p.tq, p.tk, p.dtype
-    paged, rope8 = p.paged, p.rope8 and not p.fp8  # rope8: the rope warp's scaled e4m3 rope (no map)
-    if p.fp8 and p.rope8:  # all e4m3: q_rope and the (plain) rope are e4m3 bytes, read by TMA
+    paged, rope_warp = p.paged, p.rope_scaled_e4m3  # the rope warp reads the scaled e4m3 rope (no map)
+    if p.all_e4m3:  # q_rope and the (plain) rope are e4m3 bytes, read by TMA
         dtype = dtype_of(rope)
     rope_geom = None
-    if not rope8:
+    if not rope_warp:
         if paged:
             item = dtype.itemsize
             rope_geom = (t.rope_offset * item, int(rope.strides[1]), int(rope.strides[0]), t.page_size,
@@ -162,7 +162,7 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
         qp, kp, vp, rp, op, qrp, ksp = mk
         if not tk:  # no keys: nothing is read through K, V or the rope; a map of a null buffer is refused
             kp = vp = rp = ksp = op
-        if rope8:
+        if rope_warp:
             rmap: tuple = (0,)
         elif paged:
             rmap = (rp + rope_geom[0],) + rope_geom[1:]

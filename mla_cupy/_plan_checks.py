@@ -18,7 +18,7 @@ from .paged import PagedKVCache, check_page_geometry
 from .validation import (DEVICE_DTYPES, Problem, check_accumulate, check_grid, check_lse_and_accumulate,
                          check_lse_layout, check_offset_values, check_offsets, check_out, check_out_dtype,
                          check_paged_table, check_positions, check_qkv, check_rope, check_rope_layout,
-                         check_same_device, check_scalars, require_devices, rope_arrays)
+                         check_same_device, check_scalars, require_devices, rope_arrays, variant_of)
 
 __all__ = ["PlanArgs", "RunBounds", "check_plan_args", "check_run"]
 
@@ -102,7 +102,8 @@ def check_plan_args(valid_length, cache_row_offsets, *, num_heads, dtype, mask, 
         if max_sq is None:
             max_sq = observed
     check_grid(max_sq, batch, num_heads)
-    layout = Problem(batch, int(num_heads), tq, -1, dt, out_dtype, mask, scale, max_sq, paged, bool(fp8), bool(fp8_rope))
+    layout = Problem(batch, int(num_heads), tq, -1, dt, out_dtype, mask, scale, max_sq, paged,
+                     variant_of(bool(fp8), bool(fp8_rope)))
     bounds = RunBounds(kv_total, lut_h if validate else None, co_h, sk_h, cro_h)
     return PlanArgs(layout, bounds, d_vl, d_cro, d_co, d_qs, d_lut)
 
@@ -131,14 +132,13 @@ def check_run(p: Problem, t: Target, bounds: RunBounds, d: list) -> Problem:
     if bounds.kv_total is not None and tk < bounds.kv_total:
         raise ValueError(f"k: expected at least {bounds.kv_total} rows (cache_row_offsets[-1] of the plan), got shape "
                          f"{list(d[K].shape)}")
-    if p.fp8 and (dtype_of(d[QR]) == U8) != p.rope8:
-        raise TypeError(f"q_rope: the plan was built for {'e4m3' if p.rope8 else 'bfloat16'} rope parts (fp8_rope="
-                        f"{p.rope8}), got dtype {dtype_of(d[QR]).name}")
+    if p.fp8 and (dtype_of(d[QR]) == U8) != p.all_e4m3:
+        raise TypeError(f"q_rope: the plan was built for {'e4m3' if p.all_e4m3 else 'bfloat16'} rope parts (fp8_rope="
+                        f"{p.fp8_rope}), got dtype {dtype_of(d[QR]).name}")
     rope = _rope_view(p, t, d[ROPE], d[RSC])
-    rope8 = check_rope(rope, d[RSC], tk, dtype, device=True, fp8=p.fp8, e4m3=p.fp8 and p.rope8)
-    if rope8 != p.rope8:
-        raise TypeError(f"k_rope: the plan was built for {'an fp8' if p.rope8 else 'a 16-bit'} rope (fp8_rope="
-                        f"{p.rope8}), got dtype {dtype_of(rope.blocks if p.paged else rope).name}")
+    if check_rope(rope, d[RSC], tk, dtype, device=True, fp8=p.fp8, all_e4m3=p.all_e4m3) != p.fp8_rope:
+        raise TypeError(f"k_rope: the plan was built for {'an fp8' if p.fp8_rope else 'a 16-bit'} rope (fp8_rope="
+                        f"{p.fp8_rope}), got dtype {dtype_of(rope.blocks if p.paged else rope).name}")
     check_out(d[OUT], p.out_dtype, tq, heads)
     vt = isinstance(d[V], TransposedV)
     if vt:

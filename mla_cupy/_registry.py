@@ -49,12 +49,18 @@ def _prefill_family(kernel: Tuple[str, str], dtype: np.dtype, mask: Mask) -> Fam
     return kernel[0], names
 
 
+#: The kernel variants, by what the inputs are (a checked problem's ``variant``): q, k, v and the
+#: rope in one 16-bit dtype (the only variant of the portable kernel); fp8 per token (e4m3 nope
+#: parts under per-token scales) with a bfloat16 rope; 16-bit with an e4m3 rope under per-key
+#: float32 scales, which the Hopper kernel's rope warp dequantizes; fp8 per token with e4m3 q_rope
+#: and k_rope under the per-token scales, read by TMA (the all-e4m3 mode).
+VARIANT_16, VARIANT_FP8, VARIANT_FP8_ROPE, VARIANT_E4M3 = "bf16", "fp8", "fp8_rope", "e4m3"
 #: Hopper kernel variants: the traits type of each (kernels/sm90/config.cuh) as a template of the
 #: 16-bit type, and its row in the exported geometry table (``kId``).
-SM90_VARIANTS = {"bf16": ("mla::sm90::Variant16<{t}>", 0), "fp8": ("mla::sm90::VariantFp8", 1),
-                 "fp8_rope": ("mla::sm90::VariantFp8Rope<{t}>", 2), "e4m3": ("mla::sm90::VariantE4m3", 3)}
+SM90_VARIANTS = {VARIANT_16: ("mla::sm90::Variant16<{t}>", 0), VARIANT_FP8: ("mla::sm90::VariantFp8", 1),
+                 VARIANT_FP8_ROPE: ("mla::sm90::VariantFp8Rope<{t}>", 2), VARIANT_E4M3: ("mla::sm90::VariantE4m3", 3)}
 #: Variants with a plain rope only (no paged instantiation; the host refuses a paged cache).
-SM90_PLAIN_ONLY = ("e4m3",)
+SM90_PLAIN_ONLY = (VARIANT_E4M3,)
 
 #: What every prefill module exports besides its kernels (kernels/params_abi.cuh): the parameter
 #: struct's layout and field names; the Hopper module also its geometry per variant
@@ -63,7 +69,7 @@ SM80_EXPORTS = ("mla::sm80::kParamLayout", "mla::sm80::kParamNames", "mla::sm80:
 SM90_EXPORTS = ("mla::sm90::kParamLayout", "mla::sm90::kParamNames", "mla::sm90::kGeometry")
 
 
-def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = "bf16") -> Family:
+def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = VARIANT_16) -> Family:
     """Hopper family for (dtype, mask, variant): output in the input dtype or float32, plain or
     paged rope (plain only for :data:`SM90_PLAIN_ONLY`), and the exported tables
     (:data:`SM90_EXPORTS`). The fp8 per-token variants take bfloat16 for their 16-bit parts."""
@@ -72,7 +78,7 @@ def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = "bf16") -> Family:
     return PREFILL_SM90[0], names + SM90_EXPORTS
 
 
-def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, variant: str = "bf16") -> str:
+def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, variant: str = VARIANT_16) -> str:
     traits = SM90_VARIANTS[variant][0].format(t=CPP_TYPE[np.dtype(dtype)])
     return (f"{PREFILL_SM90[1]}<{traits}, {CPP_TYPE[np.dtype(out_dtype)]}, {mask.cpp_name}, "
             f"{'true' if paged else 'false'}>")
@@ -114,7 +120,8 @@ def transpose_v_family() -> Family:
 
 
 _SHORT_TYPES = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "f32"}
-_VARIANT_NAMES = {"bf16": "16-bit", "fp8": "fp8-per-token", "fp8_rope": "fp8-rope", "e4m3": "e4m3-per-token"}
+_VARIANT_NAMES = {VARIANT_16: "16-bit", VARIANT_FP8: "fp8-per-token", VARIANT_FP8_ROPE: "fp8-rope",
+                  VARIANT_E4M3: "e4m3-per-token"}
 
 
 def _sm90_traits_label(arg: str) -> List[str]:

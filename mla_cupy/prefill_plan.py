@@ -125,7 +125,7 @@ class PrefillPlan:
     num_queries = property(lambda self: self._p.tq if self._p.tq >= 0 else None)
     paged = property(lambda self: self._p.paged)
     fp8 = property(lambda self: self._p.fp8)
-    fp8_rope = property(lambda self: self._p.rope8)
+    fp8_rope = property(lambda self: self._p.fp8_rope)
 
     @property
     def workspace(self):
@@ -136,7 +136,7 @@ class PrefillPlan:
         p = self._p
         return (f"PrefillPlan(batch={p.batch}, num_heads={p.heads}, dtype={p.dtype.name}, out_dtype={p.out_dtype.name}, "
                 f"mask={p.mask!r}, q_max_seq_len={p.max_sq}, kernel={self.kernel!r}, paged={p.paged}, fp8={p.fp8}, "
-                f"fp8_rope={p.rope8})")
+                f"fp8_rope={p.fp8_rope})")
 
     # -- runs -------------------------------------------------------------------------------------
     def run(self, q, k, v, k_rope, *, k_rope_scales=None, out=None, lse=None, stream=None):
@@ -389,7 +389,7 @@ def plan(
 def _kernel_for(p: Problem, kernel: str, dev: int) -> str:
     """The kernel a plan runs; the fp8 variants need the Hopper one."""
     chosen = choose_kernel(kernel, p.paged, dev)
-    if (p.fp8 or p.rope8) and (kernel == "sm80" or chosen != "sm90"):
+    if (p.fp8 or p.fp8_rope) and (kernel == "sm80" or chosen != "sm90"):
         what = "the fp8 per-token variant" if p.fp8 else "an fp8 rope"
         raise ValueError(f"kernel: {what} runs on the Hopper kernel only (compute capability 9.0, kernel='auto' or "
                          f"'sm90'), got kernel={kernel!r}")

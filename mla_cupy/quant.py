@@ -77,10 +77,10 @@ def _device_input(x, name: str):
     return x
 
 
-def _device_rows(x, n8: int, side=None, use_scale: bool = True, name: str = "x", rope8: bool = False, q8=None):
+def _device_rows(x, n8: int, side=None, use_scale: bool = True, name: str = "x", e4m3_rope: bool = False, q8=None):
     """kernels/quantize.cu over the rows of ``x[R, H, W]`` (last dim contiguous): (e4m3 bytes of the
     first n8 values per head [R, H, n8] (into ``q8`` when given), the rest in x's dtype
-    [R, H, W - n8] or None, scales [R, 1] or None, side row scaled [R, 1, 64] or None). ``rope8``:
+    [R, H, W - n8] or None, scales [R, 1] or None, side row scaled [R, 1, 64] or None). ``e4m3_rope``:
     the rest and the side row as e4m3 bytes too, the side row counted in the scale's amax."""
     import cupy as cp
 
@@ -92,7 +92,7 @@ def _device_rows(x, n8: int, side=None, use_scale: bool = True, name: str = "x",
     r, h, w = (int(n) for n in x.shape)
     dt = np.dtype(x.dtype)
     q8 = cp.empty((r, h, n8), cp.uint8) if q8 is None else q8
-    rest = cp.empty((r, h, w - n8), cp.uint8 if rope8 else dt) if w > n8 else None
+    rest = cp.empty((r, h, w - n8), cp.uint8 if e4m3_rope else dt) if w > n8 else None
     scale = cp.empty((r, 1), cp.float32) if use_scale else None
     side_out = None
     if side is not None:
@@ -100,7 +100,7 @@ def _device_rows(x, n8: int, side=None, use_scale: bool = True, name: str = "x",
         if tuple(side.shape) != (r, 1, DR) or side.strides[2] != side.itemsize or np.dtype(side.dtype) != dt:
             raise ValueError(f"k_rope: expected [{r}, 1, {DR}] {dt.name} with a contiguous last dimension, got "
                              f"{list(side.shape)} {np.dtype(side.dtype).name}")
-        side_out = cp.empty((r, 1, DR), cp.uint8 if rope8 else dt)
+        side_out = cp.empty((r, 1, DR), cp.uint8 if e4m3_rope else dt)
     if r:
         fn = get_function(*reg.quantize_family(), reg.quantize_name(dt))
         it = dt.itemsize
@@ -108,7 +108,7 @@ def _device_rows(x, n8: int, side=None, use_scale: bool = True, name: str = "x",
         fn((r,), (256,), (x, np.int64(x.strides[0] // it), np.int64(x.strides[1] // it), np.int32(h), np.int32(w),
                           np.int32(n8), q8, rest if rest is not None else null, scale if scale is not None else null,
                           side if side is not None else null, np.int64(side.strides[0] // it if side is not None else 0),
-                          side_out if side_out is not None else null, np.int32(use_scale), np.int32(rope8)))
+                          side_out if side_out is not None else null, np.int32(use_scale), np.int32(e4m3_rope)))
     return q8, rest, scale, side_out
 
 
@@ -167,8 +167,8 @@ def quantize_per_token(q, k, v, k_rope, *, e4m3_rope: bool = False, cache_row_of
     The offsets are read (checked: starting at 0, non-decreasing, the last <= Tk) and kept by
     reference in the result, which is valid for a call with these offsets only."""
     if _on_device(q, k, v, k_rope):
-        q_nope, q_rope, q_scale, _ = _device_rows(q, DV, name="q", rope8=e4m3_rope)
-        k8, _, k_scales, k_rope_scaled = _device_rows(k, DV, side=k_rope, name="k", rope8=e4m3_rope)
+        q_nope, q_rope, q_scale, _ = _device_rows(q, DV, name="q", e4m3_rope=e4m3_rope)
+        k8, _, k_scales, k_rope_scaled = _device_rows(k, DV, side=k_rope, name="k", e4m3_rope=e4m3_rope)
         out = {"q_nope": q_nope, "q_rope": q_rope, "q_scale": q_scale, "k": k8, "k_scales": k_scales,
                "k_rope": k_rope_scaled}
         if cache_row_offsets is None:

@@ -25,11 +25,12 @@ from ._checks import (OFFSET_DTYPES, QSTART_DTYPES, U8, check_array, check_layou
                       check_offsets_layout, check_offsets_values, check_shape, dtype_of, step_range)
 from .dims import DQK, DR, DV  # noqa: F401  (DQK, DR, DV: also read from here by older callers)
 from .fp8 import TransposedV, check_fp8_arrays, check_fp8_layout, check_q_scale_values, check_transposed_v_offsets
+from ._registry import VARIANT_16, VARIANT_E4M3, VARIANT_FP8, VARIANT_FP8_ROPE
 from ._select import check_kernel_name
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
 
-__all__ = ["Problem", "check_inputs", "check_lse_and_accumulate", "check_scalars", "check_offsets",
+__all__ = ["Problem", "variant_of", "check_inputs", "check_lse_and_accumulate", "check_scalars", "check_offsets",
            "check_offset_values", "check_values", "check_paged_table", "check_same_device", "check_merge_inputs",
            "check_merge_outputs", "DEVICE_DTYPES", "OFFSET_DTYPES"]
 
@@ -39,7 +40,12 @@ _MAX_I32 = 2**31 - 1
 
 @dataclass(frozen=True)
 class Problem:
-    """What the checks established about one call."""
+    """What the checks established about one call.
+
+    ``variant`` (:func:`variant_of`) is what the inputs are, one of the kernel variants of
+    :data:`~mla_cupy._registry.SM90_VARIANTS`; the properties name what each part of the package
+    reads of it.
+    """
 
     batch: int
     heads: int
@@ -51,12 +57,42 @@ class Problem:
     scale: float
     max_sq: Optional[int]  # None when offsets were not read and no bound was given
     paged: bool
-    fp8: bool = False  # the fp8 per-token variant (dtype is then that of the output, bfloat16)
-    # an fp8 (e4m3) rope: with per-key scales (16-bit variant), or with fp8 the all-e4m3 mode (e4m3
-    # q_rope and k_rope under the per-token scales)
-    rope8: bool = False
+    variant: str = VARIANT_16
     # fp8: v given as V^T (a fp8.TransposedV): the kernel reads it, no pre-pass writes one
     v_transposed: bool = False
+
+    @property
+    def fp8(self) -> bool:
+        """The fp8 per-token variant: q, k and v are e4m3 nope parts under per-token scales
+        (``dtype`` is then that of the output, bfloat16)."""
+        return self.variant in (VARIANT_FP8, VARIANT_E4M3)
+
+    @property
+    def rope_scaled_e4m3(self) -> bool:
+        """The 16-bit variant's e4m3 rope with per-key float32 scales (``k_rope_scales``), which
+        the Hopper kernel's rope warp reads and dequantizes (no tensor map)."""
+        return self.variant == VARIANT_FP8_ROPE
+
+    @property
+    def all_e4m3(self) -> bool:
+        """The fp8 per-token variant's all-e4m3 mode: q_rope and a plain k_rope are e4m3 bytes
+        under the per-token scales, read by TMA."""
+        return self.variant == VARIANT_E4M3
+
+    @property
+    def fp8_rope(self) -> bool:
+        """An e4m3 rope, under per-key scales or under the per-token ones (what a plan's
+        ``fp8_rope`` says)."""
+        return self.rope_scaled_e4m3 or self.all_e4m3
+
+
+def variant_of(fp8: bool, fp8_rope: bool) -> str:
+    """The variant (:data:`~mla_cupy._registry.SM90_VARIANTS`) of a call or plan from its
+    arguments: the fp8 per-token inputs (``fp8``) and an e4m3 rope (``fp8_rope``), which is under
+    the per-token scales with ``fp8`` (the all-e4m3 mode) and under per-key scales without."""
+    if fp8:
+        return VARIANT_E4M3 if fp8_rope else VARIANT_FP8
+    return VARIANT_FP8_ROPE if fp8_rope else VARIANT_16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,20 +127,20 @@ def _is_fp8(x, device: bool) -> bool:
 
 
 def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, device: bool, fp8: bool,
-               e4m3: bool = False) -> bool:
+               all_e4m3: bool = False) -> bool:
     """A ``[Tk, 1, 64]`` k_rope (``tk=None``: any number of rows) or a :class:`PagedKVCache`, in
     q's dtype or (bfloat16 q, 16-bit variant) e4m3 bytes with float32 scales. The reference
     (``device=False``) takes any float dtype for a 16-bit rope; the fp8 per-token variant's rope is
-    bfloat16 everywhere, or (``e4m3``: its q_rope is e4m3, the all-e4m3 mode) e4m3 bytes of a plain
-    ``[Tk, 1, 64]`` k_rope without scales. Returns whether the rope is fp8."""
-    if fp8 and _check_fp8_rope_kind(k_rope, k_rope_scales, tk, e4m3, device):
+    bfloat16 everywhere, or (``all_e4m3``: its q_rope is e4m3, the all-e4m3 mode) e4m3 bytes of a
+    plain ``[Tk, 1, 64]`` k_rope without scales. Returns whether the rope is fp8."""
+    if fp8 and _check_fp8_rope_kind(k_rope, k_rope_scales, tk, all_e4m3, device):
         return True
     strict = device or fp8
     rope_dtypes = (DEVICE_DTYPES + ((U8,) if dtype == BF16 and not fp8 else ())) if strict else None
     if isinstance(k_rope, PagedKVCache):
         blocks = k_rope.blocks
         check_array(blocks, "k_rope.blocks", 4, rope_dtypes)
-        rope8 = _is_fp8(blocks, device)
+        fp8_rope = _is_fp8(blocks, device)
         if strict and dtype_of(blocks) not in (dtype, U8):
             raise TypeError(f"k_rope.blocks: expected dtype {dtype.name} (the dtype of q), got {dtype_of(blocks).name}")
         check_shape(blocks, "k_rope.blocks", (None, k_rope.page_size, 1, None),
@@ -112,7 +148,7 @@ def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, dev
         if k_rope.rope_offset + DR > blocks.shape[3]:
             raise ValueError(f"k_rope.rope_offset: rope_offset + {DR} must be <= Dc = {blocks.shape[3]}, got {k_rope.rope_offset}")
         check_array(k_rope.lookup_table, "k_rope.lookup_table", 2, OFFSET_DTYPES)
-        if rope8:
+        if fp8_rope:
             if k_rope.scales is None:
                 raise ValueError("k_rope.scales: an fp8 (uint8) cache needs its float32 scales")
             check_array(k_rope.scales, "k_rope.scales", 4, (FP32,))
@@ -122,18 +158,18 @@ def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, dev
             raise ValueError(f"k_rope.scales: only an fp8 (uint8) cache has scales, these blocks are {dtype_of(blocks).name}")
     else:
         check_array(k_rope, "k_rope", 3, rope_dtypes)
-        rope8 = _is_fp8(k_rope, device)
+        fp8_rope = _is_fp8(k_rope, device)
         if strict and dtype_of(k_rope) not in (dtype, U8):
             raise TypeError(f"k_rope: expected dtype {dtype.name} (the dtype of q), got {dtype_of(k_rope).name}")
         check_shape(k_rope, "k_rope", (tk, 1, DR), f"[Tk, 1, Dr] with Tk = {tk} from k and Dr = {DR}")
-        if rope8:
+        if fp8_rope:
             if k_rope_scales is None:
                 raise ValueError("k_rope_scales: an fp8 (uint8) k_rope needs its float32 scales [Tk, 1, 1]")
             check_array(k_rope_scales, "k_rope_scales", 3, (FP32,))
             check_shape(k_rope_scales, "k_rope_scales", (tk, 1, DR // 64), "[Tk, 1, Dr / 64] float32")
-    if not rope8 and k_rope_scales is not None:
+    if not fp8_rope and k_rope_scales is not None:
         raise ValueError("k_rope_scales: only an fp8 (uint8) k_rope has scales")
-    return rope8
+    return fp8_rope
 
 
 def check_offsets(valid_length, cache_row_offsets) -> int:
@@ -369,7 +405,7 @@ def check_same_device(arrays) -> None:
         raise ValueError(f"inputs live on different devices: {sorted(ids)}")
 
 
-def _check_fp8_rope_kind(k_rope, k_rope_scales, tk: Optional[int], e4m3: bool, device: bool) -> bool:
+def _check_fp8_rope_kind(k_rope, k_rope_scales, tk: Optional[int], all_e4m3: bool, device: bool) -> bool:
     """The per-token variant's two rope parts are both bfloat16 or both e4m3 (the all-e4m3 mode,
     where k_rope is stored under k_scales as q_rope is under q_scale, so no scales of its own), and
     an e4m3 k_rope is a plain array: the all-e4m3 kernel has no paged instantiation. Returns True
@@ -377,10 +413,10 @@ def _check_fp8_rope_kind(k_rope, k_rope_scales, tk: Optional[int], e4m3: bool, d
     paged = isinstance(k_rope, PagedKVCache)
     name, arr = ("k_rope.blocks", k_rope.blocks) if paged else ("k_rope", k_rope)
     check_array(arr, name, 4 if paged else 3)
-    if _is_fp8(arr, device) != e4m3:
-        raise TypeError(f"{name}: expected {'e4m3 bytes (uint8)' if e4m3 else 'bfloat16'} like q_rope (the rope parts "
-                        f"of mla_prefill_fp8 are both bfloat16 or both e4m3), got {dtype_of(arr).name}")
-    if not e4m3:
+    if _is_fp8(arr, device) != all_e4m3:
+        raise TypeError(f"{name}: expected {'e4m3 bytes (uint8)' if all_e4m3 else 'bfloat16'} like q_rope (the rope "
+                        f"parts of mla_prefill_fp8 are both bfloat16 or both e4m3), got {dtype_of(arr).name}")
+    if not all_e4m3:
         return False
     if paged:
         raise ValueError("k_rope: an e4m3 rope under the per-token scales (e4m3 q_rope) must be a plain [Tk, 1, 64] "
@@ -418,8 +454,8 @@ def check_inputs(
     else:
         tq, heads, tk, dtype = check_qkv(q, k, v, device=device)
     paged = isinstance(k_rope, PagedKVCache)
-    rope8 = check_rope(k_rope, k_rope_scales, tk, dtype, device=device, fp8=fp8 is not None,
-                       e4m3=fp8 is not None and _is_fp8(fp8[0], device))
+    fp8_rope = check_rope(k_rope, k_rope_scales, tk, dtype, device=device, fp8=fp8 is not None,
+                          all_e4m3=fp8 is not None and _is_fp8(fp8[0], device))
     batch = check_offsets(valid_length, cache_row_offsets)
     vt = isinstance(v, TransposedV)
     if vt and not device:
@@ -434,7 +470,8 @@ def check_inputs(
     out_dtype = check_out_dtype(out, out_dtype, dtype, device=device)
     check_out(out, out_dtype, tq, heads)
     max_sq = None if q_max_seq_len is None else int(q_max_seq_len)
-    p = Problem(batch, heads, tq, tk, dtype, out_dtype, mask, scale, max_sq, paged, fp8 is not None, rope8, vt)
+    variant = variant_of(fp8 is not None, fp8_rope)
+    p = Problem(batch, heads, tq, tk, dtype, out_dtype, mask, scale, max_sq, paged, variant, vt)
     check_lse_and_accumulate(p, out, lse, accumulate, (FP32,) if device else (FP32, np.dtype(np.float64)))
     if kernel is not None:
         check_kernel_name(kernel)

@@ -239,11 +239,12 @@ def cpu_plan(fp8=False, paged=False, kernel="sm90", kv_total=9, tq=8, accumulate
     from mla_cupy._run_args import Target
     from mla_cupy._plan_checks import RunBounds
     from mla_cupy.prefill_plan import PrefillPlan, offsets_of
-    from mla_cupy.validation import Problem
+    from mla_cupy.validation import Problem, variant_of
 
     vl, cro = dev(VL), dev(CRO)
     lut = dev(np.zeros((2, 1), np.int32)) if paged else None
-    p = Problem(2, 4, tq, -1, BF16, np.dtype(np.float32) if accumulate else BF16, CausalMask(), 0.1, 5, paged, fp8)
+    p = Problem(2, 4, tq, -1, BF16, np.dtype(np.float32) if accumulate else BF16, CausalMask(), 0.1, 5, paged,
+                variant_of(fp8, False))
     t = Target(kernel, 0, offsets_of(vl, int(cro.ctypes.data), int(cro.ctypes.data) + 4, None, None, keep=(cro,)),
                accumulate, lut, 16 if paged else 0, 512 if paged else 0)
     return PrefillPlan(p, t, return_lse=return_lse, bounds=RunBounds(kv_total=kv_total))

@@ -36,6 +36,46 @@ def test_valid_fake_inputs_pass_the_checks():
     assert p.out_dtype == BF16 and isinstance(p.mask, CausalMask)
 
 
+def test_each_rope_form_has_its_own_variant():
+    """The 16-bit and the fp8 per-token inputs, each with a rope in q's dtype or in e4m3 (under
+    per-key scales for the 16-bit inputs, under the per-token scales for the fp8 ones): four
+    problems, four kernel variants, and a plan's ``fp8`` / ``fp8_rope`` give the same ones."""
+    from mla_cupy import _registry as reg
+    from mla_cupy._plan_checks import check_plan_args
+
+    a = base_args()
+    (tq, h), tk = a["q"].shape[:2], a["k"].shape[0]
+    r8, rope_scales = dev(np.zeros((tk, 1, 64), np.uint8)), dev(np.ones((tk, 1, 1), np.float32))
+    nope = dict(q=dev(np.zeros((tq, h, 128), np.uint8)), k=dev(np.zeros((tk, h, 128), np.uint8)),
+                v=dev(np.zeros((tk, h, 128), np.uint8)))
+    scales = (dev(np.ones((tq, 1), np.float32)), dev(np.ones((tk, 1), np.float32)))
+
+    def problem(q_rope=None, k_rope_scales=None, **over):
+        """The checked problem of the 16-bit inputs, or of the fp8 ones with this ``q_rope``."""
+        fp8 = None if q_rope is None else (q_rope, *scales)
+        args = dict(a, **over) if fp8 is None else dict(a, **nope, **over)
+        return check_inputs(*args.values(), scale=None, mask=None, q_max_seq_len=None, cache_offsets=None,
+                            q_start_pos=None, out=None, out_dtype=None, validate=True, device=True, read_offsets=True,
+                            fp8=fp8, k_rope_scales=k_rope_scales)
+
+    # (fp8, fp8_rope) -> (problem, variant, (fp8, rope_scaled_e4m3, all_e4m3, fp8_rope))
+    cases = {(False, False): (problem(), reg.VARIANT_16, (False, False, False, False)),
+             (False, True): (problem(k_rope=r8, k_rope_scales=rope_scales), reg.VARIANT_FP8_ROPE,
+                             (False, True, False, True)),
+             (True, False): (problem(dev(np.zeros((tq, h, 64), BF16))), reg.VARIANT_FP8, (True, False, False, False)),
+             (True, True): (problem(dev(np.zeros((tq, h, 64), np.uint8)), k_rope=r8), reg.VARIANT_E4M3,
+                            (True, False, True, True))}
+    assert sorted(v for _, v, _ in cases.values()) == sorted(reg.SM90_VARIANTS)
+    for (fp8, fp8_rope), (p, variant, reads) in cases.items():
+        assert p.variant == variant
+        assert (p.fp8, p.rope_scaled_e4m3, p.all_e4m3, p.fp8_rope) == reads
+        layout = check_plan_args(a["valid_length"], a["cache_row_offsets"], num_heads=h, dtype=BF16, mask=None,
+                                 scale=None, q_max_seq_len=None, kernel="auto", cache_offsets=None, q_start_pos=None,
+                                 page_table=None, page_size=None, rope_offset=0, fp8=fp8, fp8_rope=fp8_rope,
+                                 out_dtype=None, return_lse=False, accumulate=False, validate=True).problem
+        assert layout.variant == variant
+
+
 A = base_args()
 BAD = [
     # (argument overrides, exception type, substrings the message must contain)
