@@ -59,9 +59,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(const __grid_c
     mbar_init(sm.q_full(), 1);
     mbar_init(sm.q_empty(), kConsumerArrivals);
     for (int s = 0; s < V::kStages; ++s) {
-      // warp 0's expect_tx; with the rope warp also its lanes' 32 cp.async completion arrivals (or
-      // plain arrivals in their place) and 32 plain arrivals after the flags
-      mbar_init(sm.k_full(s), kRW ? 1 + 64 : 1);
+      // warp 0's expect_tx; with the rope warp also one arrival per lane (rope_warp.cuh)
+      mbar_init(sm.k_full(s), kRW ? 1 + 32 : 1);
       mbar_init(sm.v_full(s), 1);
       mbar_init(sm.k_empty(s), kConsumerArrivals);
       mbar_init(sm.v_empty(s), kConsumerArrivals);

@@ -27,7 +27,7 @@ constexpr int kQkSteps = kDqk / 16;                 // 16-bit wgmma k-steps of S
 // at or before the tile's first key (a 1-D box must start 16-byte aligned).
 constexpr int kScaleBox = kBlockN + 4;
 constexpr int kKeyWords = kBlockN / 32;             // rope warp: a readable bit per key of a tile (key 32 w + b: word w, bit b)
-constexpr u32 kTileUnreadable = 1u, kTileGathered = 2u;  // rope warp: the tile's flags word
+constexpr u32 kTileUnreadable = 1u;  // rope warp: the tile's flags word
 
 // Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The producer
 // warps need more than a bare TMA issuer's 24: warp 0 decodes the work tiles, takes them from the

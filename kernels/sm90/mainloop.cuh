@@ -94,6 +94,7 @@ struct Mainloop {
     u32 pa[kPvSteps<V>][4];          // P of the previous tile, waiting for its P V
     float ksc[V::kFp8 ? kSTiles : 1][2];  // fp8: key scales of the thread's columns
     float corr[2];                   // rescale factors of O from the last softmax step
+    u32 tile_flags;                  // the rope warp's flags of the current key tile (kRW)
     int prev_s;                      // ring stage and phase of the previous key tile
     u32 prev_parity;
   };
@@ -104,7 +105,9 @@ struct Mainloop {
     const int s = it % kS;
     mbar_wait(sm.k_full(s), (it / kS) & 1);
     // rope rows gathered by cp.async are generic-proxy writes, wgmma reads through the async proxy
-    if (kRW && (sm.s.tile_flags[s] & kTileGathered)) fence_proxy_async();
+    // read now, used after S: the load's latency passes under the GEMMs (the rope warp fenced
+    // its rows for wgmma before it arrived)
+    if (kRW) x.tile_flags = sm.s.tile_flags[s];
     fence_operands(x.sacc);
     const unsigned long long dk = make_desc(sm.k(s), 16, 1024), dr = make_desc(sm.rope(s), 16, 1024);
     wgmma_fence();
@@ -160,7 +163,7 @@ struct Mainloop {
     if (masked) mask_tile(x.sacc, x.key_lo, x.key_hi, t);
     // a key of the tile could not be read (rare): its own mask, branch-free, so that the loops keep
     // the plain rope's code (a byte flag per score under the key-range test tripled them)
-    if (kRW && (sm.s.tile_flags[s] & kTileUnreadable)) mask_unreadable(x.sacc, sm.s.key_ok[s]);
+    if (kRW && (x.tile_flags & kTileUnreadable)) mask_unreadable(x.sacc, sm.s.key_ok[s]);
     TileHandout::release(sm.k_empty(s));
     smx.update_scores<V::kFp8 ? kLog2PScale : 0>(x.sacc, x.row_scale, x.corr);  // fp8: kPScale * P (fp8.cuh)
   }
@@ -202,6 +205,7 @@ struct Mainloop {
     x.wr0 = k.m0 + cw * kWgRows;
     x.r0 = row0(k);
     row_key_ranges(mask, w, x.r0, k.n_begin, k.n_end, x.key_lo, x.key_hi);
+    x.tile_flags = 0;
     // fp8: S_ij = q_scale[i] k_scales[j] raw_ij; k_scales[j] multiplies the scores (before the mask:
     // scales may be 0), q_scale[i] >= 0 (the API checks it) folds into the row's scale, as the
     // maximum of q_scale[i] x is q_scale[i] max(x): one multiply per score instead of two on the

@@ -1,19 +1,18 @@
 // The rope warp (warp 1, with a paged cache or an fp8 rope): writes each key tile's rope rows into
-// the rope block of its K stage, alongside warp 0's TMA of the nope blocks; its lanes' 64 arrivals
-// and warp 0's expect_tx complete the stage's k_full. Three ways:
-//  * paged 16-bit cache, tile starting on a multiple of rope_box_rows (min(page size, 128); 0 when
-//    the cache has no tensor map) with every key readable: one TMA box per rope_box_rows keys from
-//    tm_rope (the cache as [num_blocks][page_size][64]), never crossing a page;
-//  * other 16-bit tiles: a cp.async gather row by row (the consumers then issue fence.proxy.async
-//    before wgmma reads them, as the memory model requires between generic-proxy writes and
-//    async-proxy reads);
-//  * fp8 rope (plain or paged): each lane loads its rows' 64 e4m3 bytes and scale, and stores them
-//    dequantized to the 16-bit type.
-// Unreadable keys (bad block ids) are zero-filled; a tile with one is flagged kTileUnreadable, with a
-// readable bit per key (a ballot per 32 rows), and the consumers mask its unreadable keys. The counted
-// form of the cp.async arrival (.noinc) keeps k_full's count at 1 + 64 per phase: the
-// pending-count-raising form computes correct results but over-arrives the barrier, which
-// compute-sanitizer's synccheck reports.
+// the rope block of its K stage, alongside warp 0's TMA of the nope blocks; its 32 lanes' arrivals
+// (one each, after the tile's flags) and warp 0's expect_tx complete the stage's k_full: 1 + 32
+// per phase. Three ways:
+//  * paged 16-bit cache, work tile whose keys start on a multiple of rope_box_rows (min(page size,
+//    128); 0 when the cache has no tensor map; rope_by_boxes): one TMA box per rope_box_rows keys
+//    from tm_rope (the cache as [num_blocks][page_size][64]), never crossing a page; an unreadable
+//    page's box reads block 0 instead (its keys are masked); lane 0's arrival expects the bytes;
+//  * other 16-bit work tiles: a cp.async gather row by row, unreadable rows zero-filled; each lane
+//    waits for its copies and issues fence.proxy.async before it arrives (generic-proxy writes
+//    read by wgmma through the async proxy), so the consumers never fence;
+//  * fp8 rope (plain or paged): each lane loads its rows' 64 e4m3 bytes and scale, stores them
+//    dequantized to the 16-bit type, and fences them.
+// A tile with an unreadable key (a bad block id) is flagged kTileUnreadable, with a readable bit per
+// key (a ballot per 32 rows), and the consumers mask its unreadable keys.
 #pragma once
 #include "../rope_source.cuh"
 #include "config.cuh"
@@ -23,6 +22,14 @@
 
 namespace mla {
 namespace sm90 {
+
+// Whether a paged 16-bit rope goes by TMA boxes (else by a cp.async gather) for a work tile whose
+// first key sits at cache position `pos0`: the cache has a tensor map and the keys start on a box
+// boundary. The tiles of a work tile are 128 keys apart and boxes divide 128, so the answer holds
+// for all of them.
+__device__ __forceinline__ bool rope_by_boxes(const Params& p, i64 pos0) {
+  return p.rope_box_rows > 0 && (pos0 & (p.rope_box_rows - 1)) == 0;
+}
 
 template <class V, bool kPaged>
 __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& sm, const TileHandout& sched) {
@@ -50,6 +57,7 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
       }
     };
     if (k.num_tiles > 0) lookup_rows(0);
+    const bool boxes = kPaged && !V::kRope8 && rope_by_boxes(p, w.k_pos0 + k.n_begin);
     for (int t = 0; t < k.num_tiles; ++t, ++it) {
       const int s = it % kS;
       const int n0 = k.n_begin + t * kBlockN;
@@ -59,15 +67,26 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
 #pragma unroll
       for (int i = 0; i < kRopeRows; ++i) bad |= lane + 32 * i < rows && blk[i] == kNoBlock;
       bad = __any_sync(0xffffffffu, bad);
-      const bool boxes = kPaged && !V::kRope8 && p.rope_box_rows > 0 && !bad && (t0 & (p.rope_box_rows - 1)) == 0;
       mbar_wait(sm.k_empty(s), ((it / kS) & 1) ^ 1);  // as warp 0: the first pass does not wait
       const u32 dst = sm.rope(s);
-      bool ok_row[kRopeRows];  // readable bit of each of the lane's rows (unread unless bad)
+      bool ok_row[kRopeRows];  // readable bit of each of the lane's rows
+#pragma unroll
+      for (int i = 0; i < kRopeRows; ++i) ok_row[i] = blk[i] != kNoBlock;
+      // The flags first: every lane's one arrival below releases them with the rows.
+      if (bad) {  // warp-uniform
+#pragma unroll
+        for (int i = 0; i < kRopeRows; ++i) {
+          const u32 word = __ballot_sync(0xffffffffu, ok_row[i]);  // keys 32 i .. 32 i + 31
+          if (lane == 0) sm.s.key_ok[s][i] = word;
+        }
+      }
+      if (lane == 0) sm.s.tile_flags[s] = bad ? kTileUnreadable : 0u;
+      __syncwarp();
       if constexpr (V::kRope8) {
 #pragma unroll
         for (int i = 0; i < kRopeRows; ++i) {
           const int x = lane + 32 * i;
-          const bool ok = blk[i] != kNoBlock;
+          const bool ok = ok_row[i];
           const unsigned char* src = nullptr;
           float sc = 0.f;
           if (ok) {
@@ -82,13 +101,12 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
             }
           }
           store_rope_row_e4m3<T>(dst + x * 128, x, src, sc);
-          ok_row[i] = ok;
         }
-        fence_proxy_async();         // the dequantized rows, visible to wgmma
-        mbar_arrive(sm.k_full(s));  // (in place of the cp.async arrivals)
+        fence_proxy_async();  // the dequantized rows, visible to wgmma
+        mbar_arrive(sm.k_full(s));
       } else if (boxes) {
-        // Rows past the span stay as they are: their scores are masked. Lane 0's expect_tx and 31
-        // plain arrivals here stand for the cp.async arrivals.
+        // Rows past the span stay as they are: their scores are masked. Lane 0's arrival carries
+        // the boxes' bytes; the phase cannot complete before they land.
         const int nbox = (rows + p.rope_box_rows - 1) / p.rope_box_rows;
         if (lane == 0) mbar_expect_tx(sm.k_full(s), nbox * p.rope_box_rows * 128);
         else mbar_arrive(sm.k_full(s));
@@ -96,33 +114,25 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
         for (int i = 0; i < kRopeRows; ++i) {
           const int x = lane + 32 * i;
           if (x < rows && (x & (p.rope_box_rows - 1)) == 0)
-            tma_load_3d(dst + x * 128, &p.tm_rope, sm.k_full(s), 0, Paged::slot(ra, t0 + x), static_cast<int>(blk[i]));
+            tma_load_3d(dst + x * 128, &p.tm_rope, sm.k_full(s), 0, Paged::slot(ra, t0 + x),
+                        ok_row[i] ? static_cast<int>(blk[i]) : 0);
         }
       } else {
         // 8 chunks of 16 bytes per row, written in the 128-byte swizzle (chunk c of row x at chunk
-        // c ^ (x % 8)).
+        // c ^ (x % 8)), unreadable rows zero-filled. The lane waits for its own copies and fences
+        // them before it arrives (CUTLASS's cp.async-to-wgmma order), so the consumers never fence.
 #pragma unroll
         for (int i = 0; i < kRopeRows; ++i) {
           const int x = lane + 32 * i;
-          const bool ok = blk[i] != kNoBlock;
+          const bool ok = ok_row[i];
           const T* src = ok ? Paged::at<T>(ra, blk[i], t0 + x) : static_cast<const T*>(p.rope_base);
 #pragma unroll
           for (int c = 0; c < 8; ++c) cp_async_16(dst + x * 128 + ((c ^ (x & 7)) << 4), src + c * 8, ok);
-          ok_row[i] = ok;
         }
-        mbar_cp_async_arrive(sm.k_full(s));  // arrives when this lane's copies have landed
+        cp_async_wait_all();
+        fence_proxy_async();
+        mbar_arrive(sm.k_full(s));
       }
-      if (bad) {  // warp-uniform: every lane wrote ok_row
-#pragma unroll
-        for (int i = 0; i < kRopeRows; ++i) {
-          const u32 word = __ballot_sync(0xffffffffu, ok_row[i]);  // keys 32 i .. 32 i + 31
-          if (lane == 0) sm.s.key_ok[s][i] = word;
-        }
-      }
-      if (lane == 0)
-        sm.s.tile_flags[s] = (bad ? kTileUnreadable : 0u) | (!V::kRope8 && !boxes ? kTileGathered : 0u);
-      __syncwarp();
-      mbar_arrive(sm.k_full(s));  // release: the flags are visible once the barrier completes
       if (t + 1 < k.num_tiles) lookup_rows(t + 1);
     }
   }

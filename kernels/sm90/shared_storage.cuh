@@ -30,8 +30,7 @@ struct alignas(1024) SharedStorage {
   unsigned long long work_bars[4];
   WorkInfo work[2];
   // rope warp only, per K stage s: key_ok[s], a readable bit per key (read by the consumers only
-  // when the tile has an unreadable key), and tile_flags[s]: kTileUnreadable | kTileGathered
-  // (its rope rows written by cp.async: the consumers fence before wgmma reads them)
+  // when the tile has an unreadable key), and tile_flags[s]: kTileUnreadable or 0
   alignas(16) u32 key_ok[V::kStages][kKeyWords];
   u32 tile_flags[V::kStages];
 };
