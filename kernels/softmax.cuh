@@ -14,6 +14,22 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 2^x on the FMA pipe, for x <= 127 (relative error 1.0e-4): x = j + f with j = round(x) and f in
+// [-0.5, 0.5], 2^f by a degree-3 polynomial (minimax in relative error with p(0) = 1), j added to its
+// exponent field. The special-function unit does 16 exp2 per SM and cycle, the FMA pipe 128 fused
+// multiply-adds: a softmax that waits on the first can move part of its exp2 to the second (about 8
+// instructions each). x is first clamped to -127 by a max that keeps NaN: -inf (a masked score) then
+// gives exactly 0 (p(0) = 1, whose exponent field 127 - 127 is 0), x in [-127, -126.5] a subnormal
+// (f >= 0, so p >= 1: the field never goes below 0), and NaN stays NaN.
+__device__ __forceinline__ float poly_exp2(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: x + kRound holds round(x) in its low mantissa bits
+  asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));  // -127
+  const float t = __fadd_rn(x, kRound);
+  const float f = __fsub_rn(x, __fsub_rn(t, kRound));
+  const float p = fmaf(fmaf(fmaf(0.0550089329f, f, 0.242210969f), f, 0.693282902f), f, 1.f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
 // Sets invisible scores to -inf: keys past the block's span (n_end), pairs the mask removes, and
 // (when `key_ok` is given) keys whose data could not be read. `row0` is the sequence row of g.
 // A row's visible keys are one interval (mask.cuh), found once per row as tile columns [lo, hi).
@@ -66,8 +82,9 @@ struct OnlineSoftmax {
   }
   // The same with a scale per row (scale_log2[r] for row g + 8 r): the fp8 kernel folds q_scale in.
   // With kLog2P > 0 the probabilities (and row_sum) come out multiplied by 2^kLog2P, for free: the
-  // exponent's reference is lowered by kLog2P (the fp8 kernel's kPScale).
-  template <int kLog2P = 0, int kSTiles>
+  // exponent's reference is lowered by kLog2P (the fp8 kernel's kPScale). kPolyTiles of the kSTiles
+  // n-tiles (spread evenly) take their exp2 from poly_exp2 instead of the special-function unit.
+  template <int kLog2P = 0, int kPolyTiles = 0, int kSTiles>
   __device__ __forceinline__ void update_scores(float (&s)[kSTiles][4], const float (&scale_log2)[2],
                                                 float (&corr)[2]) {
 #pragma unroll
@@ -93,7 +110,9 @@ struct OnlineSoftmax {
       for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
         for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2[r], -ref_p));
+          const float x = fmaf(s[nt][e], scale_log2[r], -ref_p);
+          const bool poly = (nt * kPolyTiles) / kSTiles != ((nt + 1) * kPolyTiles) / kSTiles;
+          s[nt][e] = poly ? poly_exp2(x) : fast_exp2(x);
           sum += s[nt][e];
         }
       }

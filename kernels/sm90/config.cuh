@@ -152,6 +152,20 @@ template <class V, bool kPaged> constexpr bool kRopeWarp = kPaged || V::kRope8;
 #define MLA_SM90_SMEM_EPILOGUE 1
 #endif
 
+// fp8: this many of the 16 n-tiles of S per row take their exp2 from a polynomial on the FMA pipe
+// (softmax.cuh: poly_exp2) instead of the special-function unit (measured: all-e4m3 3.6% faster with
+// the key scales read after the GEMMs, level with them read before; fp8 per token 3-6% slower: off).
+#ifndef MLA_SM90_EXP2_POLY
+#define MLA_SM90_EXP2_POLY 0
+#endif
+// fp8: a tile's key scales read from shared memory right after its K stage is full, before the
+// consumer waits for its turn and issues its GEMMs; 0 reads them after the GEMMs are issued, where
+// the loads queue behind the GEMMs' shared-memory reads and the first multiply waits for them
+// (measured 7-8% slower on long sequences).
+#ifndef MLA_SM90_KSCALE_EARLY
+#define MLA_SM90_KSCALE_EARLY 1
+#endif
+
 // Arrivals each consumer-released barrier expects: one per consumer warp, or one per thread.
 constexpr int kConsumerArrivals = MLA_SM90_ELECTED_ARRIVE ? kConsumerWarps : kConsumerThreads;
 

@@ -49,6 +49,7 @@ struct Mainloop {
   using T = typename V::Elem;
   static constexpr int kS = V::kStages;
   static constexpr bool kRW = kRopeWarp<V, kPaged>;
+  static constexpr bool kScalesEarly = V::kFp8 && MLA_SM90_KSCALE_EARLY;
 
   const Params& p;          // the kernel's __grid_constant__ parameter
   const Smem<V> sm;         // by value, as the mask: a reference member would put them on the stack
@@ -99,14 +100,15 @@ struct Mainloop {
     u32 prev_parity;
   };
 
-  // Waits for key tile `it` (its K stage, rope rows included) and issues S = Q K^T, committed as
-  // one group.
+  // Waits for key tile `it` (its K stage, rope rows and fp8 key scales included).
+  __device__ __forceinline__ void wait_k(int it) const { mbar_wait(sm.k_full(it % kS), (it / kS) & 1); }
+  // Issues S = Q K^T of key tile `it`, committed as one group, after waiting for it (with
+  // kScalesEarly the caller waited before reading the key scales).
   __device__ __forceinline__ void issue_qk(Tile& x, int it) const {
     const int s = it % kS;
-    mbar_wait(sm.k_full(s), (it / kS) & 1);
-    // rope rows gathered by cp.async are generic-proxy writes, wgmma reads through the async proxy
-    // read now, used after S: the load's latency passes under the GEMMs (the rope warp fenced
-    // its rows for wgmma before it arrived)
+    if (!kScalesEarly) wait_k(it);
+    // the rope warp's flags: read now, used after S, so the load's latency passes under the GEMMs
+    // (the rope warp fenced its rows for wgmma before it arrived)
     if (kRW) x.tile_flags = sm.s.tile_flags[s];
     fence_operands(x.sacc);
     const unsigned long long dk = make_desc(sm.k(s), 16, 1024), dr = make_desc(sm.rope(s), 16, 1024);
@@ -145,7 +147,7 @@ struct Mainloop {
     else pv_mma<T>(o, x.pa, sm.v(s));
     wgmma_commit();
   }
-  // fp8: the key scales of key tile t (ring position it), read while the GEMMs run.
+  // fp8: the key scales of key tile t (ring position it) into registers (kScalesEarly: before the GEMMs).
   __device__ __forceinline__ void key_scales(Tile& x, int t, int it) const {
     if constexpr (V::kFp8)
       load_key_scales(reinterpret_cast<const float*>(sm.s.stage[it % kS].k + kKScalesOffset<V>),
@@ -165,7 +167,7 @@ struct Mainloop {
     // the plain rope's code (a byte flag per score under the key-range test tripled them)
     if (kRW && (x.tile_flags & kTileUnreadable)) mask_unreadable(x.sacc, sm.s.key_ok[s]);
     TileHandout::release(sm.k_empty(s));
-    smx.update_scores<V::kFp8 ? kLog2PScale : 0>(x.sacc, x.row_scale, x.corr);  // fp8: kPScale * P (fp8.cuh)
+    smx.update_scores<V::kFp8 ? kLog2PScale : 0, V::kFp8 ? MLA_SM90_EXP2_POLY : 0>(x.sacc, x.row_scale, x.corr);  // fp8: kPScale * P (fp8.cuh)
   }
   // Key tiles t .. end - 1: S_t and P_{t-1} V_{t-1} in flight together; the softmax of S_t
   // overlaps P V.
@@ -174,12 +176,13 @@ struct Mainloop {
     for (; t < end; ++t, ++it) {
       const int s = it % kS;
       const u32 parity = (it / kS) & 1;
+      if (kScalesEarly) wait_k(it), key_scales(x, t, it);
       turn_wait();
       issue_qk(x, it);
       mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
       issue_pv(x, o, x.prev_s);
       turn_pass();
-      key_scales(x, t, it);
+      if (!kScalesEarly) key_scales(x, t, it);
       wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
       scores_to_p<kMode>(x, smx, t, it);
       wgmma_wait<0>();
@@ -228,10 +231,11 @@ struct Mainloop {
     // Tile 0: S only (O is still zero, nothing to rescale).
     x.prev_s = it % kS;
     x.prev_parity = (it / kS) & 1;
+    if (kScalesEarly) wait_k(it), key_scales(x, 0, it);
     turn_wait();
     issue_qk(x, it);
     turn_pass();
-    key_scales(x, 0, it);
+    if (!kScalesEarly) key_scales(x, 0, it);
     wgmma_wait<0>();
     scores_to_p<kMaskApply>(x, smx, 0, it);
     pack_probabilities<V>(x.sacc, x.pa);

@@ -15,8 +15,9 @@ namespace sm90 {
 enum MaskMode : int { kMaskNone = 0, kMaskApply = 1, kMaskTest = 2 };
 template <int kMode> struct MaskTag { static constexpr int value = kMode; };
 
-// fp8 per token: the key scales of this thread's columns of a tile, read from its K stage while the
-// GEMMs run, so that their latency stays off the softmax's path. The tile's scales start
+// fp8 per token: the key scales of this thread's columns of a tile, read from its K stage as soon as
+// it is full, before the GEMMs that would hold the shared memory (MLA_SM90_KSCALE_EARLY), so that
+// their latency stays off the softmax's path. The tile's scales start
 // (kv_row0 + n0) % 4 floats into the stage's box (the producer loads it from the 16-byte boundary).
 __device__ __forceinline__ void load_key_scales(const float* box, i64 first_row, float (&ksc)[kSTiles][2]) {
   const float* p = box + (first_row & 3) + 2 * (threadIdx.x % 4);
