@@ -82,17 +82,12 @@ struct VariantFp8 {
   static constexpr bool kPingpong = true;
 };
 
-// 16-bit q, k, v with an e4m3 rope and one float32 scale per key, dequantized by the rope warp.
+// 16-bit q, k, v with an e4m3 rope and one float32 scale per key, dequantized by the rope warp:
+// Variant16 otherwise.
 template <typename T>
-struct VariantFp8Rope {
-  using Elem = T;
+struct VariantFp8Rope : Variant16<T> {
   static constexpr int kId = 2;
-  static constexpr bool kFp8 = false;
   static constexpr bool kRope8 = true;
-  static constexpr bool kRopeE4m3 = false;
-  static constexpr int kNopeBlocks = 2;
-  static constexpr int kStages = 2;
-  static constexpr bool kPingpong = false;
 };
 
 // All e4m3: VariantFp8 with the rope quantized under the same per-token scales as the nope parts
@@ -100,15 +95,9 @@ struct VariantFp8Rope {
 // k-steps of 32 over the 128-byte-swizzled nope block, 2 over the rope block, whose rows are 64
 // bytes (TMA and wgmma with the 64-byte swizzle). Key scales, V^T and the pingpong as VariantFp8.
 // A plain rope only: a paged e4m3 rope is refused by the host (no rope warp in this variant).
-struct VariantE4m3 {
-  using Elem = __nv_bfloat16;                       // the output's 16-bit type
+struct VariantE4m3 : VariantFp8 {
   static constexpr int kId = 3;
-  static constexpr bool kFp8 = true;
-  static constexpr bool kRope8 = false;
   static constexpr bool kRopeE4m3 = true;
-  static constexpr int kNopeBlocks = 1;
-  static constexpr int kStages = 3;
-  static constexpr bool kPingpong = true;
 };
 
 constexpr int kNumVariants = 4;
