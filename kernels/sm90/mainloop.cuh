@@ -167,7 +167,9 @@ struct Mainloop {
     // the plain rope's code (a byte flag per score under the key-range test tripled them)
     if (kRW && (x.tile_flags & kTileUnreadable)) mask_unreadable(x.sacc, sm.s.key_ok[s]);
     TileHandout::release(sm.k_empty(s));
-    smx.update_scores<V::kFp8 ? kLog2PScale : 0, V::kFp8 ? MLA_SM90_EXP2_POLY : 0>(x.sacc, x.row_scale, x.corr);  // fp8: kPScale * P (fp8.cuh)
+    // fp8: kPScale * P (fp8.cuh), part of the exp2 on the FMA pipe if MLA_SM90_EXP2_POLY says so
+    constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0, kPoly = V::kFp8 ? MLA_SM90_EXP2_POLY : 0;
+    smx.update_scores<kLog2P, kPoly>(x.sacc, x.row_scale, x.corr);
   }
   // Key tiles t .. end - 1: S_t and P_{t-1} V_{t-1} in flight together; the softmax of S_t
   // overlaps P V.
