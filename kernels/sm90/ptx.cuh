@@ -19,12 +19,6 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {  // arrive 
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar));
 }
-// cp.async completions of this thread arrive on `bar` (without raising its expected count).
-__device__ __forceinline__ void mbar_cp_async_arrive(u32 bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar));
-}
-// Waits for every cp.async of this thread (committed or not) to land.
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   asm volatile(
       "{\n"
