@@ -8,6 +8,8 @@
 //   all_visible(q_lo, q_hi, k_lo, k_hi): true when every pair in [q_lo, q_hi] x [k_lo, k_hi]
 //       (inclusive) is visible; such tiles skip the per-element predicate.
 // The single run-time argument (window or chunk size) is `arg`; masks without one ignore it.
+// kBoundedAbove: a query's visible keys end at a position that depends on the query (every mask but
+// NullMask), so a tile's last keys can be invisible to a whole block of rows.
 // For every mask here a query's first and last visible key never decrease as the query moves on
 // (tested on the CPU: tests/test_masks.py), which common_key_range relies on.
 #pragma once
@@ -16,6 +18,7 @@
 namespace mla {
 
 struct NullMask {
+  static constexpr bool kBoundedAbove = false;
   i64 arg;
   __device__ __forceinline__ void key_range(i64, i64, i64& k_lo, i64& k_hi) const {
     k_lo = kPosMin;
@@ -25,6 +28,7 @@ struct NullMask {
 };
 
 struct CausalMask {
+  static constexpr bool kBoundedAbove = true;
   i64 arg;
   __device__ __forceinline__ void key_range(i64, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = kPosMin;
@@ -35,6 +39,7 @@ struct CausalMask {
 
 // Causal with a window of `arg` keys counting the diagonal: visible when 0 <= q - k < arg.
 struct SlidingWindowCausalMask {
+  static constexpr bool kBoundedAbove = true;
   i64 arg;
   __device__ __forceinline__ void key_range(i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = q_lo - arg + 1;
@@ -47,6 +52,7 @@ struct SlidingWindowCausalMask {
 
 // Query and key in the same chunk of `arg` positions (floor division, also for negatives).
 struct ChunkedMask {
+  static constexpr bool kBoundedAbove = true;
   i64 arg;
   __device__ __forceinline__ void key_range(i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = floor_div(q_lo, arg) * arg;
@@ -59,6 +65,7 @@ struct ChunkedMask {
 };
 
 struct ChunkedCausalMask {
+  static constexpr bool kBoundedAbove = true;
   i64 arg;
   __device__ __forceinline__ void key_range(i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = floor_div(q_lo, arg) * arg;

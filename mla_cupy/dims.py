@@ -1,7 +1,7 @@
 """The model dimensions of DeepSeek's Multi-head Latent Attention that the kernels are built for."""
 from __future__ import annotations
 
-__all__ = ["DV", "DR", "DQK", "QUERY_BLOCK"]
+__all__ = ["DV", "DR", "DQK", "QUERY_BLOCK", "HALF_BLOCK", "KEY_TILE"]
 
 DV = 128  #: value / per-head ("nope") key size
 DR = 64  #: shared rope size
@@ -10,3 +10,9 @@ DQK = DV + DR  #: query / full key size
 #: Query rows of one work tile of the prefill kernels (kBlockM). The contract states how far a NaN
 #: in ``v`` reaches in these blocks: every row of a block whose visible key span holds the key.
 QUERY_BLOCK = 128
+#: Rows of a half block: each of the Hopper kernel's two consumer warpgroups computes one (kWgRows).
+HALF_BLOCK = QUERY_BLOCK // 2
+#: Keys of one key tile of the Hopper kernel (kBlockN). A half block whose rows see none of the
+#: second half of its block's last key tile computes that tile's first ``KEY_TILE // 2`` keys only,
+#: which bounds the reach of a NaN in ``v`` there (``reference``).
+KEY_TILE = 128

@@ -21,8 +21,10 @@ Non-finite inputs (the contract's rule, which the kernels follow):
 * ``P V`` runs over every key of a query block's span: a NaN (or Inf) in key j's ``v`` reaches
   every row of each :data:`~mla_cupy.dims.QUERY_BLOCK`-row block of the sequence whose visible key
   span holds key j (``0 * NaN``), rows that see no key included; the fp8 per-token variant starts
-  the span on a multiple of 16 keys. This is the upper bound of the contract's reach, which the
-  Hopper kernel meets exactly; the portable kernel reaches the rows that see the key and part of
+  the span on a multiple of 16 keys. In the 16-bit variants, a :data:`~mla_cupy.dims.HALF_BLOCK`-row
+  half of a block whose last row would see no key position past the middle of the span's last
+  :data:`~mla_cupy.dims.KEY_TILE`-key tile ends its span there. This is the upper bound of the contract's reach, which
+  the Hopper kernel meets exactly; the portable kernel reaches the rows that see the key and part of
   the rest;
 * a row whose visible scores are all ``-inf`` (or that sees no key) gives 0 and lse ``-inf``; a row
   with a NaN score gives NaN, and its lse is NaN.
@@ -36,7 +38,7 @@ import numpy as np
 
 from ._arrays import FP8_E4M3, to_host
 from ._progress import Progress
-from .dims import DR, DV, QUERY_BLOCK
+from .dims import DR, DV, HALF_BLOCK, KEY_TILE, QUERY_BLOCK
 from .fp8 import VT_ALIGN, fp8_bytes
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
@@ -95,6 +97,23 @@ def _block_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, key_align:
     last = q_pos[np.minimum(np.arange(len(first)) * QUERY_BLOCK + QUERY_BLOCK, len(q_pos)) - 1]
     lo, hi = _clamped_range(mask, first, last, k_pos0, sk)
     return lo - lo % key_align, hi
+
+
+def _half_block_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, key_align: int,
+                      half_tiles: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """``[begin, end)`` key indices over which each ``HALF_BLOCK``-row half of a query block runs
+    ``P V``: its block's span, whose last ``KEY_TILE``-key tile it takes whole, or (``half_tiles``)
+    its first half only when the half block's last row would see no key position at or past that
+    tile's middle (a query's last visible key never decreases, so no row of the half block does)."""
+    halves = -(-len(q_pos) // HALF_BLOCK)
+    begin, end = (np.repeat(x, QUERY_BLOCK // HALF_BLOCK)[:halves] for x in _block_spans(mask, q_pos, k_pos0, sk, key_align))
+    if not half_tiles:
+        return begin, end
+    last = q_pos[np.minimum(np.arange(halves) * HALF_BLOCK + HALF_BLOCK, len(q_pos)) - 1]
+    _, k_hi = mask.key_range(last, last)  # positions, whether keys sit there or not
+    tiles = -(-(end - begin) // KEY_TILE)
+    cut = begin + np.maximum(tiles - 1, 0) * KEY_TILE + KEY_TILE // 2
+    return begin, np.where((tiles > 0) & (np.asarray(k_hi, np.int64) <= k_pos0 + cut), np.minimum(end, cut), end)
 
 
 def visible_pairs(valid_length, cache_row_offsets, mask: Optional[Mask] = None, cache_offsets=None, q_start_pos=None) -> int:
@@ -294,12 +313,12 @@ def _v_reach(xp, st: _Softmax, p, p_col0: int, v_bad, bad_cols, rows: Tuple[int,
              j0: int) -> None:
     """P V over the non-finite values of ``v`` (``v_bad``: those values, 0 elsewhere) at the keys
     ``j0 + bad_cols`` of a key block, for the sequence rows ``rows``: each row takes the keys in its
-    block's span, its probability times the value (``0 * NaN`` is NaN). ``p`` holds the rows'
+    half block's span (``spans``: _half_block_spans), its probability times the value (``0 * NaN`` is NaN). ``p`` holds the rows'
     probabilities of the block's keys ``p_col0 ...`` (None: the rows saw none of the block)."""
     begin, end = spans
     g = st.acc.shape[0]
-    for blk in range(rows[0] // QUERY_BLOCK, (rows[1] - 1) // QUERY_BLOCK + 1):
-        r0, r1 = max(rows[0], blk * QUERY_BLOCK), min(rows[1], (blk + 1) * QUERY_BLOCK)
+    for blk in range(rows[0] // HALF_BLOCK, (rows[1] - 1) // HALF_BLOCK + 1):
+        r0, r1 = max(rows[0], blk * HALF_BLOCK), min(rows[1], (blk + 1) * HALF_BLOCK)
         keys = j0 + bad_cols
         cols = bad_cols[(keys >= begin[blk]) & (keys < end[blk])]
         if not len(cols):
@@ -398,7 +417,7 @@ def _work(p: Problem, lay: _Layout, key_align: int) -> float:
 
 
 def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bool, key_align: int,
-            bar: Progress) -> None:
+            half_tiles: bool, bar: Progress) -> None:
     """The attention of every sequence, written into ``res`` (and ``res_lse``), merged into what
     they hold when ``accumulate``."""
     xp, H = src.xp, p.heads
@@ -411,6 +430,7 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
         k_pos = k_pos0 + np.arange(sk, dtype=np.int64)
         lo, hi = _clamped_range(p.mask, q_pos, q_pos, k_pos0, sk)
         spans = _block_spans(p.mask, q_pos, k_pos0, sk, key_align)
+        half_spans = _half_block_spans(p.mask, q_pos, k_pos0, sk, key_align, half_tiles)
         kb = max(1, min(KEY_BLOCK, sk))
         hg = max(1, min(H, _STEP_ELEMS // (QUERY_BLOCK * kb)))
         state_rows = max(QUERY_BLOCK, _STATE_ELEMS // (hg * DV) // QUERY_BLOCK * QUERY_BLOCK)
@@ -451,7 +471,7 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
                                 s = _masked(xp, s, vis)
                             p_step = st.update(slice(r0 - s0, r1 - s0), s, v_fin[:, c0 - j0:c1 - j0])
                         if len(bad_cols):
-                            _v_reach(xp, st, p_step, c0 - j0, v_bad, bad_cols, (r0, r1), s0, spans, j0)
+                            _v_reach(xp, st, p_step, c0 - j0, v_bad, bad_cols, (r0, r1), s0, half_spans, j0)
                     del keys, vv, v_ok, v_fin, v_bad  # before the next block's arrays exist
                     done = np.clip(np.minimum(b_end, j1) - np.maximum(b_begin, j0), 0, None)
                     bar.update(float((rows_in * done).sum()) * g)
@@ -466,14 +486,17 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
 
 
 def _run(p: Problem, src: _Inputs, lay: _Layout, out, lse, return_lse: bool, accumulate: bool, key_align: int,
-         progress: Optional[bool], desc: str):
+         half_tiles: bool, progress: Optional[bool], desc: str):
+    """The attention of a call. ``key_align`` and ``half_tiles`` shape the reach of a NaN in ``v``
+    as the Hopper kernel of the variant computes: spans starting on multiples of ``key_align`` keys
+    (fp8 per token: V^T's layout), half tiles in the 16-bit variants (_half_block_spans)."""
     xp = src.xp
     res = out if out is not None else xp.zeros((p.tq, p.heads, DV), p.out_dtype)
     res_lse = lse if lse is not None else (xp.full((p.tq, p.heads), -np.inf) if return_lse else None)
     work = _work(p, lay, key_align)
     show = work * _SECONDS_PER_PAIR > _PROGRESS_AFTER_S if progress is None else bool(progress)
     with np.errstate(invalid="ignore", over="ignore"), Progress(work, desc, show) as bar:
-        _attend(p, src, lay, res, res_lse, accumulate, key_align, bar)
+        _attend(p, src, lay, res, res_lse, accumulate, key_align, half_tiles, bar)
     return (res, res_lse) if return_lse else res
 
 
@@ -542,7 +565,7 @@ def mla_prefill(
                      k_rope_scales=k_rope_scales, lse=lse, accumulate=accumulate, kernel=kernel)
     src = _plain_inputs(q, k, v, k_rope, k_rope_scales)
     lay = _layout(p, valid_length, cache_row_offsets, cache_offsets, q_start_pos)
-    return _run(p, src, lay, out, lse, return_lse, accumulate, 1, progress, "mla_cupy.reference.mla_prefill")
+    return _run(p, src, lay, out, lse, return_lse, accumulate, 1, True, progress, "mla_cupy.reference.mla_prefill")
 
 
 def mla_prefill_fp8(
@@ -592,7 +615,8 @@ def mla_prefill_fp8(
                             f"{type(x).__name__}")
     src = _fp8_inputs(q_nope, q_rope, q_scale, k, k_scales, v, k_rope)
     lay = _layout(p, valid_length, cache_row_offsets, cache_offsets, q_start_pos)
-    return _run(p, src, lay, out, lse, return_lse, accumulate, VT_ALIGN, progress, "mla_cupy.reference.mla_prefill_fp8")
+    return _run(p, src, lay, out, lse, return_lse, accumulate, VT_ALIGN, False, progress,
+                "mla_cupy.reference.mla_prefill_fp8")
 
 
 def mla_prefill_fp8_rope(q, k, v, k_rope, k_rope_scales, valid_length, cache_row_offsets, **kw):
@@ -627,7 +651,7 @@ def mla_prefill_chunked(
             start = np.minimum(full.sk, c0)
             part = _Layout(full.q_row0, full.sq, full.kv_row0 + start, np.minimum(full.sk, c0 + chunk_size) - start,
                            full.q_pos0, full.k_pos0 + start)
-            _attend(p, src, part, acc, acc_lse, True, 1, bar)
+            _attend(p, src, part, acc, acc_lse, True, 1, True, bar)
     res = acc.astype(p.out_dtype) if out is None else out
     if out is not None:
         out[...] = acc

@@ -204,14 +204,27 @@ def seq_visible(c, mask, b):
     return _visible_np(mask, (q0 + np.arange(sq))[:, None], (k0 + np.arange(sk))[None, :])
 
 
-def reach_of_v(vis, j, key_align=1):
-    """Rows of a sequence a NaN in key j's v reaches: every row of each 128-row block whose span of
-    visible keys (its start rounded down to key_align) holds key j."""
-    rows = np.zeros(vis.shape[0], bool)
-    for r0 in range(0, vis.shape[0], 128):
+def reach_of_v(c, mask, j, key_align=1, half_tiles=True):
+    """Rows of sequence 0 a NaN in key j's v reaches: every row of each 128-row block whose span of
+    visible keys (its start rounded down to key_align) holds key j; with half_tiles (the 16-bit
+    variants), in a 64-row half of a block whose last row would see no key position at or past the
+    middle of the span's last 128-key tile, the span ends there."""
+    vis = seq_visible(c, mask, 0)
+    sq = vis.shape[0]
+    k0 = 0 if c.cache_offsets is None else int(c.cache_offsets[0])
+    q0 = k0 + vis.shape[1] - sq if c.q_start_pos is None else int(c.q_start_pos[0])
+    rows = np.zeros(sq, bool)
+    for r0 in range(0, sq, 128):
         cols = np.flatnonzero(vis[r0:r0 + 128].any(axis=0))
-        if cols.size and cols[0] - cols[0] % key_align <= j <= cols[-1]:
-            rows[r0:r0 + 128] = True
+        if not cols.size:
+            continue
+        begin, end = cols[0] - cols[0] % key_align, cols[-1] + 1
+        cut = begin + (-(-(end - begin) // 128) - 1) * 128 + 64
+        for h0 in range(r0, min(r0 + 128, sq), 64):
+            last = q0 + min(h0 + 64, sq) - 1
+            far = not half_tiles or _visible_np(mask, np.int64(last), k0 + cut + np.arange(4096)).any()
+            if begin <= j < (end if far else min(end, cut)):
+                rows[h0:h0 + 64] = True
     return rows
 
 
@@ -247,7 +260,7 @@ def assert_reach(out, lse, clean_out, clean_lse, rows_heads, cols=slice(None), l
 def test_nan_reaches_what_the_contract_says(mask, where):
     """A NaN in q row i reaches row i (of its head, if it sees a key); in key j's k (one head) or
     rope (every head) the rows that see key j; in key j's v every row of each 128-row block whose
-    span holds j. Never the other sequence, never another head."""
+    span holds j (reach_of_v: but for the half-tile cut). Never the other sequence, never another head."""
     c = nan_case()
     clean_out, clean_lse = run_ref(c, mask)
     vis = seq_visible(c, mask, 0)
@@ -268,7 +281,7 @@ def test_nan_reaches_what_the_contract_says(mask, where):
         want[:300, :] = vis[:, j][:, None]
     else:
         c.v[j, h, d] = np.nan
-        want[:300, h] = reach_of_v(vis, j)
+        want[:300, h] = reach_of_v(c, mask, j)
         cols = d
         if not isinstance(mask, NullMask):  # the block rule reaches rows that do not see key j
             assert want[:300, h].sum() > vis[:, j].sum()
@@ -311,7 +324,7 @@ def test_inf_in_v_is_inf_where_seen_and_nan_where_multiplied_by_zero():
     j, h, d = 200, 0, 9
     c.v[j, h, d] = -np.inf
     out, _ = run_ref(c, mask)
-    sees, reach = vis[:, j], reach_of_v(vis, j)
+    sees, reach = vis[:, j], reach_of_v(c, mask, j)
     assert np.all(out[:300, h, d][sees] == -np.inf)
     assert np.isnan(out[:300, h, d][reach & ~sees]).all() and (reach & ~sees).any()
     np.testing.assert_array_equal(out[:300, h, d][~reach], clean_out[:300, h, d][~reach])
@@ -478,8 +491,8 @@ def test_fp8_nan_reaches_what_the_contract_says(where):
         want[:300] = vis[:, j][:, None]
     else:
         f["v"][j, h, d] = NAN8
-        want[:300, h] = reach_of_v(vis, j, key_align=16)
-        assert want[128:256, h].all() and not reach_of_v(vis, j)[128:256].any()
+        want[:300, h] = reach_of_v(c, mask, j, key_align=16, half_tiles=False)
+        assert want[128:256, h].all() and not reach_of_v(c, mask, j, half_tiles=False)[128:256].any()
     assert want.any()
     out, lse = run_fp8(c, f, mask)
     assert_reach(out, lse, clean_out, clean_lse, want, d if where == "v" else slice(None), lse_nan=where != "v")

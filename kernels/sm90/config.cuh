@@ -155,6 +155,13 @@ template <class V, bool kPaged> constexpr bool kRopeWarp = kPaged || V::kRope8;
 #define MLA_SM90_KSCALE_EARLY 1
 #endif
 
+// A work tile's last key tile as a half tile for a warpgroup that sees none of its second half
+// (consumer 0 on a causal diagonal): P V over 4 of its 8 k-steps, and S by m64n64 wgmma when it
+// is the work tile's only key tile (16-bit variants; mainloop.cuh).
+#ifndef MLA_SM90_HALF_TILE
+#define MLA_SM90_HALF_TILE 1
+#endif
+
 // Arrivals each consumer-released barrier expects: one per consumer warp, or one per thread.
 constexpr int kConsumerArrivals = MLA_SM90_ELECTED_ARRIVE ? kConsumerWarps : kConsumerThreads;
 

@@ -12,6 +12,13 @@
 //     full_tile_range), so the tiles before and after it take the mask and the run itself none.
 //     A warpgroup whose rows see nothing of a tile computes it anyway, masked to zeros: rare, and
 //     cheaper than serialized wgmma.
+//   * Half tiles (MLA_SM90_HALF_TILE, 16-bit variants): a warpgroup none of whose rows sees the
+//     second half of the work tile's last key tile (consumer 0 on a causal diagonal) runs that
+//     tile's P V over its first 64 keys and, when it is the work tile's only tile, its S by m64n64
+//     wgmma: a one-tile work tile's tensor work falls by a quarter, a longer one's diagonal tile's
+//     by a tenth. The first-tile and last-P V paths of either shape complete their wgmma before
+//     the paths join; a loop copy for the S of a longer work tile's half tile made ptxas
+//     serialize the wgmma of several families (C7511).
 //   * fp8 per token: the two consumers take turns issuing their GEMMs (pingpong, named barriers),
 //     so that one's softmax runs under the other's GEMMs. Consumer 0 has the first turn; both run
 //     the same GEMM blocks (same work tiles and counts), so turns alternate exactly, and consumer 0
@@ -31,11 +38,12 @@ namespace sm90 {
 // O[64x128] += P[64x128] V[128x128]: P from registers (8 k-steps of 16 keys), V from the stage's
 // shared memory read transposed. Keys 16kk .. 16kk+15 are rows of V: 16 rows x 128 bytes = 2048
 // bytes per k-step; V's two 64-wide column blocks are one block (16 KiB) apart (the LBO).
-template <typename T>
+// kKeys: the tile's first kKeys keys only (the rest of P is zero: a half tile, Mainloop::run).
+template <typename T, int kKeys = kBlockN>
 __device__ __forceinline__ void pv_mma(float (&o)[kOTiles][4], const u32 (&pa)[kBlockN / 16][4], u32 v_stage) {
   const unsigned long long dv = make_desc(v_stage, kBlk, 1024);
 #pragma unroll
-  for (int kk = 0; kk < kBlockN / 16; ++kk) Wgmma<T>::rs_tb(o, pa[kk], desc_add(dv, kk * 2048));
+  for (int kk = 0; kk < kKeys / 16; ++kk) Wgmma<T>::rs_tb(o, pa[kk], desc_add(dv, kk * 2048));
 }
 // fp8: O += P V with V^T (rows = values, 128 k positions of one byte) K-major: 4 k-steps of 32 bytes.
 __device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&pa)[kBlockN / 32][4], u32 vt_stage) {
@@ -50,6 +58,10 @@ struct Mainloop {
   static constexpr int kS = V::kStages;
   static constexpr bool kRW = kRopeWarp<V, kPaged>;
   static constexpr bool kScalesEarly = V::kFp8 && MLA_SM90_KSCALE_EARLY;
+  // A work tile's last key tile may be a half tile (softmax.cuh: last_tile_is_half). Not in the fp8
+  // variants: their chunked-mask kernels would spill (they run at the register limit), and their
+  // time goes to the softmax, which a half tile does not shorten.
+  static constexpr bool kHalfTiles = MLA_SM90_HALF_TILE && MLA_SM90_SPLIT_MASKED && Mask::kBoundedAbove && !V::kFp8;
 
   const Params& p;          // the kernel's __grid_constant__ parameter
   const Smem<V> sm;         // by value, as the mask: a reference member would put them on the stack
@@ -102,15 +114,24 @@ struct Mainloop {
 
   // Waits for key tile `it` (its K stage, rope rows and fp8 key scales included).
   __device__ __forceinline__ void wait_k(int it) const { mbar_wait(sm.k_full(it % kS), (it / kS) & 1); }
+  // One k-step of S: its 128 columns, or (kHalf) the first 64 only.
+  template <bool kHalf>
+  static __device__ __forceinline__ void qk16(float (&d)[kSTiles][4], unsigned long long da, unsigned long long db, int acc) {
+    if constexpr (kHalf) Wgmma<T>::ss_n64(d, da, db, acc);
+    else Wgmma<T>::ss(d, da, db, acc);
+  }
   // Issues S = Q K^T of key tile `it`, committed as one group, after waiting for it (with
-  // kScalesEarly the caller waited before reading the key scales).
+  // kScalesEarly the caller waited before reading the key scales). kHalf: the tile's first 64 keys
+  // only (S's n-tiles 8..15 keep stale values: the tile is masked, which sets them to -inf).
+  template <bool kHalf = false>
   __device__ __forceinline__ void issue_qk(Tile& x, int it) const {
+    static_assert(!(kHalf && V::kFp8), "half tiles: 16-bit variants only");
     const int s = it % kS;
     if (!kScalesEarly) wait_k(it);
     // the rope warp's flags: read now, used after S, so the load's latency passes under the GEMMs
     // (the rope warp fenced its rows for wgmma before it arrived)
     if (kRW) x.tile_flags = sm.s.tile_flags[s];
-    fence_operands(x.sacc);
+    fence_operands_first<kHalf ? kSTiles / 2 : kSTiles>(x.sacc);
     const unsigned long long dk = make_desc(sm.k(s), 16, 1024), dr = make_desc(sm.rope(s), 16, 1024);
     wgmma_fence();
     if constexpr (V::kRopeE4m3) {
@@ -127,7 +148,7 @@ struct Mainloop {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(x.sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) Wgmma<T>::ss(x.sacc, desc_add(dq, kBlk + kk * 32), desc_add(dr, kk * 32), 1);
+      for (int kk = 0; kk < 4; ++kk) qk16<kHalf>(x.sacc, desc_add(dq, kBlk + kk * 32), desc_add(dr, kk * 32), 1);
     } else {
 #pragma unroll
       for (int kk = 0; kk < kQkSteps; ++kk) {
@@ -135,16 +156,19 @@ struct Mainloop {
         // 128-byte swizzled row
         const u32 step = (kk % 4) * 32;
         const unsigned long long dkk = kk / 4 < 2 ? desc_add(dk, (kk / 4) * kBlk + step) : desc_add(dr, step);
-        Wgmma<T>::ss(x.sacc, desc_add(dq, (kk / 4) * kBlk + step), dkk, kk > 0);
+        qk16<kHalf>(x.sacc, desc_add(dq, (kk / 4) * kBlk + step), dkk, kk > 0);
       }
     }
     wgmma_commit();
   }
-  // O += P V of ring stage s, committed as one group.
+  // O += P V of ring stage s, committed as one group (kHalf: the tile's first 64 keys).
+  template <bool kHalf = false>
   __device__ __forceinline__ void issue_pv(Tile& x, float (&o)[kOTiles][4], int s) const {
+    static_assert(!(kHalf && V::kFp8), "half tiles: 16-bit variants only");
+    constexpr int kKeys = kHalf ? kBlockN / 2 : kBlockN;
     wgmma_fence();
     if constexpr (V::kFp8) pv_mma_e4m3(o, x.pa, sm.v(s));
-    else pv_mma<T>(o, x.pa, sm.v(s));
+    else pv_mma<T, kKeys>(o, x.pa, sm.v(s));
     wgmma_commit();
   }
   // fp8: the key scales of key tile t (ring position it) into registers (kScalesEarly: before the GEMMs).
@@ -154,12 +178,16 @@ struct Mainloop {
                       x.k.w.kv_row0 + x.k.n_begin + t * kBlockN, x.ksc);
   }
   // S of key tile t (ring position it) into probabilities: dequantized (fp8), masked as kMode says,
-  // its K stage (with the rope rows and their flags) released.
-  template <int kMode>
+  // its K stage (with the rope rows and their flags) released. kHalf: S holds the tile's first 64
+  // keys; the rest of the tile is set to -inf here.
+  template <int kMode, bool kHalf = false>
   __device__ __forceinline__ void scores_to_p(Tile& x, OnlineSoftmax& smx, int t, int it) const {
-    fence_operands(x.sacc);
+    constexpr int kTiles = kHalf ? kSTiles / 2 : kSTiles;  // n-tiles of S the GEMM wrote
+    fence_operands_first<kTiles>(x.sacc);
     const int s = it % kS;
-    if constexpr (V::kFp8) dequantize_scores(x.sacc, x.ksc);
+    if constexpr (V::kFp8) dequantize_scores<kTiles>(x.sacc, x.ksc);
+#pragma unroll
+    for (int nt = kTiles; nt < kSTiles; ++nt) x.sacc[nt][0] = x.sacc[nt][1] = x.sacc[nt][2] = x.sacc[nt][3] = neg_inf();
     bool masked = kMode == kMaskApply;
     if (kMode == kMaskTest) masked = tile_needs_mask(x.key_lo, x.key_hi, t);
     if (masked) mask_tile(x.sacc, x.key_lo, x.key_hi, t);
@@ -170,6 +198,26 @@ struct Mainloop {
     // fp8: kPScale * P (fp8.cuh), part of the exp2 on the FMA pipe if MLA_SM90_EXP2_POLY says so
     constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0, kPoly = V::kFp8 ? MLA_SM90_EXP2_POLY : 0;
     smx.update_scores<kLog2P, kPoly>(x.sacc, x.row_scale, x.corr);
+  }
+  // A work tile's first key tile: S issued, completed and made probabilities (masked). The paths
+  // of a branch between wgmma shapes join with no wgmma in flight and S whole (here and in last_pv):
+  // otherwise ptxas serializes every wgmma of the kernel (advisories C7511 / C7515).
+  template <bool kHalf>
+  __device__ __forceinline__ void first_tile(Tile& x, OnlineSoftmax& smx, int it) const {
+    turn_wait();
+    issue_qk<kHalf>(x, it);
+    turn_pass();
+    if (!kScalesEarly) key_scales(x, 0, it);
+    wgmma_wait<0>();
+    scores_to_p<kMaskApply, kHalf>(x, smx, 0, it);
+  }
+  // The last tile's P V, issued and completed.
+  template <bool kHalf>
+  __device__ __forceinline__ void last_pv(Tile& x, float (&o)[kOTiles][4], int s) const {
+    turn_wait();
+    issue_pv<kHalf>(x, o, s);
+    turn_pass();
+    wgmma_wait<0>();
   }
   // Key tiles t .. end - 1: S_t and P_{t-1} V_{t-1} in flight together; the softmax of S_t
   // overlaps P V.
@@ -227,6 +275,9 @@ struct Mainloop {
     }
     int t_lo = 0, t_hi = 0;  // fully visible tiles [t_lo, t_hi) of this warpgroup
     if constexpr (MLA_SM90_SPLIT_MASKED) full_tile_range(mask, w, x.wr0, k.n_begin, k.n_end, k.num_tiles, t_lo, t_hi);
+    // A half last tile: none of this warpgroup's rows sees the second half of the last key tile
+    // (consumer 0 on a causal diagonal), so its S and P V take the first 64 keys (1 or 0).
+    const int half = kHalfTiles ? last_tile_is_half(mask, w, x.wr0, k.n_begin, k.num_tiles, t_hi) : 0;
 
     mbar_wait(sm.q_full(), nq & 1);
     ++nq;
@@ -234,12 +285,8 @@ struct Mainloop {
     x.prev_s = it % kS;
     x.prev_parity = (it / kS) & 1;
     if (kScalesEarly) wait_k(it), key_scales(x, 0, it);
-    turn_wait();
-    issue_qk(x, it);
-    turn_pass();
-    if (!kScalesEarly) key_scales(x, 0, it);
-    wgmma_wait<0>();
-    scores_to_p<kMaskApply>(x, smx, 0, it);
+    if (kHalfTiles && half && k.num_tiles == 1) first_tile<kHalfTiles>(x, smx, it);
+    else first_tile<false>(x, smx, it);
     pack_probabilities<V>(x.sacc, x.pa);
     ++it;
     int t = 1;
@@ -271,10 +318,8 @@ struct Mainloop {
       fence_proxy_async();
       named_barrier_sync(kVZeroBar, kConsumerThreads);
     }
-    turn_wait();
-    issue_pv(x, o, last);
-    turn_pass();
-    wgmma_wait<0>();
+    if (kHalfTiles && half) last_pv<kHalfTiles>(x, o, last);
+    else last_pv<false>(x, o, last);
     fence_operands(o);
     fence_operands(x.pa);
     TileHandout::release(sm.v_empty(last));

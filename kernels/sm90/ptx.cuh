@@ -125,6 +125,14 @@ template <int N> __device__ __forceinline__ void fence_operands(float (&a)[N][4]
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(a[i][j])::"memory");
 }
+// The first K of N rows only: the rest is neither read nor kept live by the fence.
+template <int K, int N> __device__ __forceinline__ void fence_operands_first(float (&a)[N][4]) {
+  static_assert(K <= N, "rows of the array");
+#pragma unroll
+  for (int i = 0; i < K; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(a[i][j])::"memory");
+}
 template <int N> __device__ __forceinline__ void fence_operands(u32 (&a)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; ++i)
@@ -145,6 +153,18 @@ template <int N> __device__ __forceinline__ void fence_operands(u32 (&a)[N][4]) 
   "+f"(a[13][2]), "+f"(a[13][3]), "+f"(a[14][0]), "+f"(a[14][1]), "+f"(a[14][2]), "+f"(a[14][3]),            \
   "+f"(a[15][0]), "+f"(a[15][1]), "+f"(a[15][2]), "+f"(a[15][3])
 
+// The first 8 n-tiles of the same array: the accumulator of an m64n64 tile (its first 64 columns).
+#define MLA_ACC8(a)                                                                                       \
+  "+f"(a[0][0]), "+f"(a[0][1]), "+f"(a[0][2]), "+f"(a[0][3]), "+f"(a[1][0]), "+f"(a[1][1]), "+f"(a[1][2]),   \
+  "+f"(a[1][3]), "+f"(a[2][0]), "+f"(a[2][1]), "+f"(a[2][2]), "+f"(a[2][3]), "+f"(a[3][0]), "+f"(a[3][1]),   \
+  "+f"(a[3][2]), "+f"(a[3][3]), "+f"(a[4][0]), "+f"(a[4][1]), "+f"(a[4][2]), "+f"(a[4][3]), "+f"(a[5][0]),   \
+  "+f"(a[5][1]), "+f"(a[5][2]), "+f"(a[5][3]), "+f"(a[6][0]), "+f"(a[6][1]), "+f"(a[6][2]), "+f"(a[6][3]),   \
+  "+f"(a[7][0]), "+f"(a[7][1]), "+f"(a[7][2]), "+f"(a[7][3])
+
+#define MLA_D32                                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "   \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
 #define MLA_D64                                                                                           \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "   \
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "     \
@@ -162,6 +182,15 @@ template <typename T> struct Wgmma;
                    "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTXT "." PTXT " " MLA_D64                 \
                    ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                       \
                    : MLA_ACC16(d)                                                                          \
+                   : "l"(da), "l"(db), "r"(accumulate));                                                   \
+    }                                                                                                      \
+    /* D[64x64] (+)= A[64x16] * B[16x64]: ss on the first 64 columns (B's first 64 rows), d[8..15] untouched */ \
+    static __device__ __forceinline__ void ss_n64(float (&d)[16][4], unsigned long long da, unsigned long long db, \
+                                                  int accumulate) {                                        \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                           \
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXT "." PTXT " " MLA_D32                  \
+                   ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                       \
+                   : MLA_ACC8(d)                                                                           \
                    : "l"(da), "l"(db), "r"(accumulate));                                                   \
     }                                                                                                      \
     /* D[64x128] += A[64x16] (registers) * B[16x128] (smem, MN-major: stored [k][n], transposed) */        \

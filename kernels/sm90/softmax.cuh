@@ -25,10 +25,12 @@ __device__ __forceinline__ void load_key_scales(const float* box, i64 first_row,
   for (int nt = 0; nt < kSTiles; ++nt) ksc[nt][0] = p[nt * 8], ksc[nt][1] = p[nt * 8 + 1];
 }
 
-// fp8 per token: S_ij *= k_scales[j] (q_scale[i] is folded into the row's softmax scale).
+// fp8 per token: S_ij *= k_scales[j] (q_scale[i] is folded into the row's softmax scale), over the
+// first kTiles n-tiles (a half tile: the first 8).
+template <int kTiles = kSTiles>
 __device__ __forceinline__ void dequantize_scores(float (&s)[kSTiles][4], const float (&ksc)[kSTiles][2]) {
 #pragma unroll
-  for (int nt = 0; nt < kSTiles; ++nt) {
+  for (int nt = 0; nt < kTiles; ++nt) {
     s[nt][0] *= ksc[nt][0];
     s[nt][1] *= ksc[nt][1];
     s[nt][2] *= ksc[nt][0];
@@ -128,6 +130,22 @@ __device__ __forceinline__ void full_tile_range(const Mask& mask, const WorkTile
   t_lo = lo <= 0 ? 0 : static_cast<int>(lo >= static_cast<i64>(num_tiles) * kBlockN ? num_tiles : (lo + kBlockN - 1) / kBlockN);
   t_hi = hi <= 0 ? 0 : static_cast<int>(hi >= static_cast<i64>(num_tiles) * kBlockN ? num_tiles : hi / kBlockN);
   if (t_hi < t_lo) t_hi = t_lo;
+}
+
+// Whether the last of a work tile's key tiles is a half tile for a warpgroup (1) or not (0): it
+// runs masked (t_hi < num_tiles: split loops only) and no row of the warpgroup sees a key of its
+// second half. The warpgroup's last visible key is its last row's (a query's last visible key never
+// decreases: mask.cuh). Rows wr0 .. of the sequence; none (wr0 >= sq): not half. Those of its rows
+// past sq that are not stored may see keys of the second half: their scores there are stale,
+// their outputs never stored.
+template <class Mask>
+__device__ __forceinline__ int last_tile_is_half(const Mask& mask, const WorkTile& w, int wr0, int n_begin,
+                                                 int num_tiles, int t_hi) {
+  if (wr0 >= w.sq || t_hi >= num_tiles) return 0;
+  const i64 q_hi = w.q_pos0 + min(wr0 + kWgRows - 1, w.sq - 1);
+  i64 k_lo, k_hi;
+  mask.key_range(q_hi, q_hi, k_lo, k_hi);
+  return k_hi - (w.k_pos0 + n_begin) <= static_cast<i64>(num_tiles - 1) * kBlockN + kBlockN / 2 ? 1 : 0;
 }
 
 }  // namespace sm90
