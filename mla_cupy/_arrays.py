@@ -446,17 +446,47 @@ def _torch_stream() -> Callable[[], int]:
     return fn
 
 
-def stream_of(stream: Any, torch_input: bool):
-    """A ``stream=`` argument as a CuPy stream object (to run CuPy work under ``with``): a CuPy
-    stream as it is, CuPy's current stream by default for CuPy inputs, otherwise an
-    ``ExternalStream`` over :func:`stream_ptr`'s pointer."""
+class _StreamHandle:
+    """A raw CUDA stream behind the CUDA stream protocol (``__cuda_stream__``: version 0, the
+    pointer), what ``cupy.cuda.Stream.from_external`` takes."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = int(ptr)
+
+    def __cuda_stream__(self) -> Tuple[int, int]:
+        return (0, self.ptr)
+
+
+def cupy_stream(ptr: int):
+    """CuPy's stream object over the raw CUDA stream ``ptr``, which it does not own (never
+    destroys): ``cupy.cuda.Stream.from_external`` where CuPy has it (``ExternalStream``, which it
+    replaces, warns from CuPy 14 on), else ``ExternalStream``."""
     import cupy
 
-    if isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:  # pragma: no cover - a CuPy before the stream protocol
+        return cupy.cuda.ExternalStream(ptr)
+    return from_external(_StreamHandle(ptr))
+
+
+def _cupy_stream_types(cupy) -> tuple:
+    """CuPy's stream classes (``ExternalStream`` while CuPy still has it)."""
+    return tuple(getattr(cupy.cuda, n) for n in ("Stream", "ExternalStream") if hasattr(cupy.cuda, n))
+
+
+def stream_of(stream: Any, torch_input: bool):
+    """A ``stream=`` argument as a CuPy stream object (to run CuPy work under ``with``): a CuPy
+    stream as it is, CuPy's current stream by default for CuPy inputs, otherwise
+    :func:`cupy_stream` over :func:`stream_ptr`'s pointer."""
+    import cupy
+
+    if isinstance(stream, _cupy_stream_types(cupy)):
         return stream
     if stream is None and not torch_input:
         return cupy.cuda.get_current_stream()
-    return cupy.cuda.ExternalStream(stream_ptr(stream, torch_input))
+    return cupy_stream(stream_ptr(stream, torch_input))
 
 
 def optional_ptr(x: Optional[Any]) -> int:

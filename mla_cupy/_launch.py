@@ -171,10 +171,10 @@ class PreparedLaunch:
     def launch(self, stream_ptr: int) -> None:
         """Enqueue the kernel on the raw stream ``stream_ptr``."""
         if _through_cupy():
-            import cupy
+            from ._arrays import cupy_stream
 
             self.pack.launch_through_cupy(self.kernel, self.grid, self.block, self.smem,
-                                          cupy.cuda.ExternalStream(stream_ptr), self.values())
+                                          cupy_stream(stream_ptr), self.values())
             return
         g = self.grid
         driver = _DRIVER[0] if _DRIVER else _driver()

@@ -9,8 +9,8 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 
 from . import _select
-from ._arrays import (FP32, checkable, device_pointer, is_torch, optional_ptr, pointers_and_layouts, result_wrapper,
-                      stream_ptr)
+from ._arrays import (FP32, checkable, cupy_stream, device_pointer, is_torch, optional_ptr, pointers_and_layouts,
+                      result_wrapper, stream_ptr)
 from ._plan_cache import CACHE, MAPS_MAX, CallEntry
 from ._run_args import KS, LSE, OUT, QR, ROPE, SLOTS, WS, K, Offsets, Q, V
 from ._select import choose_kernel, heads_per_section  # noqa: F401  (also reached through this module)
@@ -352,9 +352,7 @@ def cached_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask
 
 def _widened(q_start_pos, sp: int):
     """An int32 ``q_start_pos`` (checked device array) widened to int64 on stream ``sp``."""
-    import cupy
-
-    with cupy.cuda.ExternalStream(sp):
+    with cupy_stream(sp):
         return _q_start_i64(q_start_pos)
 
 

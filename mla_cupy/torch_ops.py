@@ -52,7 +52,7 @@ from ._optional import require
 torch = require("torch", "mla_cupy.torch_ops")
 
 from . import _select, api, reference  # noqa: E402
-from ._arrays import checkable, is_device
+from ._arrays import checkable, cupy_stream, is_device
 from .fp8 import TransposedV, check_transposed_v_offsets, untranspose_v_host
 from .masks import MASK_KINDS, CausalMask, Mask
 from .paged import PagedKVCache
@@ -124,7 +124,7 @@ def _torch_context(device: torch.device):
     import cupy
 
     with torch.cuda.device(device), cupy.cuda.Device(device.index if device.index is not None else torch.cuda.current_device()):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        stream = cupy_stream(torch.cuda.current_stream().cuda_stream)
         with stream, cupy.cuda.using_allocator(_torch_malloc):
             yield
 

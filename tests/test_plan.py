@@ -353,6 +353,29 @@ def test_one_stream_resolver():
     assert api.stream_ptr is prefill_plan.stream_ptr is _arrays.stream_ptr
 
 
+def test_raw_streams_become_cupy_streams_without_deprecated_classes():
+    """A raw stream pointer (a torch stream's, a ``stream=`` int) becomes CuPy's stream object through
+    the CUDA stream protocol (``Stream.from_external``), with the same pointer and without CuPy's
+    DeprecationWarning for ``ExternalStream``; ``stream_of`` passes CuPy streams through as they are.
+    No package module builds an ``ExternalStream`` itself."""
+    import warnings
+
+    import cupy
+
+    from mla_cupy import _arrays
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        st = _arrays.cupy_stream(0x1234)
+        assert isinstance(st, cupy.cuda.Stream) and st.ptr == 0x1234
+        st7 = _arrays.stream_of(7, False)
+        assert st7.ptr == 7
+        assert _arrays.stream_of(st, False) is st
+    root = Path(_arrays.__file__).parent
+    builders = sorted(p.name for p in root.glob("*.py") if "ExternalStream(" in p.read_text())
+    assert builders == ["_arrays.py"]  # cupy_stream's fallback for a CuPy without the protocol
+
+
 def test_import_graph_is_acyclic():
     mods = {p.stem: p for p in PKG.glob("*.py")}
     graph = {m: {d for d in _imports(p) if d in mods and d != m} for m, p in mods.items() if m != "__init__"}
