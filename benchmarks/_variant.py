@@ -46,8 +46,10 @@ def restore(saved_sources=None):
 
 
 def _clear():
-    """Forget compiled modules and functions, so the next plan compiles from the current sources
-    (plans already packed keep the functions they hold)."""
+    """Forget compiled modules, functions and the globals read from them (the exported parameter
+    layout and geometry: a variant's shared-memory size is its own), so the next plan compiles from
+    the current sources (plans already packed keep the functions they hold)."""
     jit._modules.clear()
     jit._functions.clear()
+    jit._globals.clear()
     _geometry._KERNELS.clear()
