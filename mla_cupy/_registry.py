@@ -102,7 +102,8 @@ def merge_name(in_dtype: np.dtype, out_dtype: np.dtype) -> str:
 def quantize_family() -> Family:
     """The fp8 quantizers of bf16, fp16 or float32 data (kernels/quantize.cu): over rows, and V's
     with its V^T."""
-    return QUANTIZE[0], tuple(f"{k}<{t}>" for k in (QUANTIZE[1], QUANTIZE_V) for t in ("__nv_bfloat16", "__half", "float"))
+    return QUANTIZE[0], tuple(f"{k}<{t}>" for k in (QUANTIZE[1], QUANTIZE_V)
+                              for t in ("__nv_bfloat16", "__half", "float"))
 
 
 def quantize_name(dtype: np.dtype) -> str:

@@ -240,7 +240,8 @@ def _launch_new(p: Problem, arrays: tuple, offsets: Offsets, kernel: str, accumu
     V), launch it, and keep it in the plan cache under ``key`` (None: not kept)."""
     arrays = list(arrays)
     workspace_shape = None
-    if p.fp8 and not p.v_transposed and arrays[WS] is None:  # a workspace per call, from the pool, returned when the call returns
+    # a workspace per call, from the pool, returned when the call returns
+    if p.fp8 and not p.v_transposed and arrays[WS] is None:
         workspace_shape = vt_shape(p.heads, p.tk, p.batch)
         arrays[WS] = workspace_on(workspace_shape, sp)
     paged = isinstance(k_rope, PagedKVCache)

@@ -21,11 +21,11 @@ Non-finite inputs (the contract's rule, which the kernels follow):
 * ``P V`` runs over every key of a query block's span: a NaN (or Inf) in key j's ``v`` reaches
   every row of each :data:`~mla_cupy.dims.QUERY_BLOCK`-row block of the sequence whose visible key
   span holds key j (``0 * NaN``), rows that see no key included; the fp8 per-token variant starts
-  the span on a multiple of 16 keys. In the 16-bit variants, a :data:`~mla_cupy.dims.HALF_BLOCK`-row
-  half of a block whose last row would see no key position past the middle of the span's last
-  :data:`~mla_cupy.dims.KEY_TILE`-key tile ends its span there. This is the upper bound of the contract's reach, which
-  the Hopper kernel meets exactly; the portable kernel reaches the rows that see the key and part of
-  the rest;
+  the span on a multiple of 16 keys. In the 16-bit variants, a
+  :data:`~mla_cupy.dims.HALF_BLOCK`-row half of a block whose last row would see no key position
+  past the middle of the span's last :data:`~mla_cupy.dims.KEY_TILE`-key tile ends its span there.
+  This is the upper bound of the contract's reach, which the Hopper kernel meets exactly; the
+  portable kernel reaches the rows that see the key and part of the rest;
 * a row whose visible scores are all ``-inf`` (or that sees no key) gives 0 and lse ``-inf``; a row
   with a NaN score gives NaN, and its lse is NaN.
 """
@@ -106,7 +106,8 @@ def _half_block_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, key_a
     its first half only when the half block's last row would see no key position at or past that
     tile's middle (a query's last visible key never decreases, so no row of the half block does)."""
     halves = -(-len(q_pos) // HALF_BLOCK)
-    begin, end = (np.repeat(x, QUERY_BLOCK // HALF_BLOCK)[:halves] for x in _block_spans(mask, q_pos, k_pos0, sk, key_align))
+    begin, end = (np.repeat(x, QUERY_BLOCK // HALF_BLOCK)[:halves]
+                  for x in _block_spans(mask, q_pos, k_pos0, sk, key_align))
     if not half_tiles:
         return begin, end
     last = q_pos[np.minimum(np.arange(halves) * HALF_BLOCK + HALF_BLOCK, len(q_pos)) - 1]
@@ -313,8 +314,9 @@ def _v_reach(xp, st: _Softmax, p, p_col0: int, v_bad, bad_cols, rows: Tuple[int,
              j0: int) -> None:
     """P V over the non-finite values of ``v`` (``v_bad``: those values, 0 elsewhere) at the keys
     ``j0 + bad_cols`` of a key block, for the sequence rows ``rows``: each row takes the keys in its
-    half block's span (``spans``: _half_block_spans), its probability times the value (``0 * NaN`` is NaN). ``p`` holds the rows'
-    probabilities of the block's keys ``p_col0 ...`` (None: the rows saw none of the block)."""
+    half block's span (``spans``: _half_block_spans), its probability times the value (``0 * NaN``
+    is NaN). ``p`` holds the rows' probabilities of the block's keys ``p_col0 ...`` (None: the rows
+    saw none of the block)."""
     begin, end = spans
     g = st.acc.shape[0]
     for blk in range(rows[0] // HALF_BLOCK, (rows[1] - 1) // HALF_BLOCK + 1):

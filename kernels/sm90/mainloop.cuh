@@ -122,7 +122,7 @@ struct Mainloop {
   }
   // Issues S = Q K^T of key tile `it`, committed as one group, after waiting for it (with
   // kScalesEarly the caller waited before reading the key scales). kHalf: the tile's first 64 keys
-  // only (S's n-tiles 8..15 keep stale values: the tile is masked, which sets them to -inf).
+  // only (S's n-tiles 8..15 are left as they were; scores_to_p<.., true> sets them to -inf).
   template <bool kHalf = false>
   __device__ __forceinline__ void issue_qk(Tile& x, int it) const {
     static_assert(!(kHalf && V::kFp8), "half tiles: 16-bit variants only");

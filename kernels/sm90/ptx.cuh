@@ -119,12 +119,6 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 // Register fences for operands of asynchronous wgmma: the empty volatile asm "rewrites" each
 // register, so the compiler can neither move reads of an accumulator above the wgmma.wait_group
 // that completes it, nor reuse an A-operand register while the wgmma reading it is in flight.
-template <int N> __device__ __forceinline__ void fence_operands(float (&a)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(a[i][j])::"memory");
-}
 // The first K of N rows only: the rest is neither read nor kept live by the fence.
 template <int K, int N> __device__ __forceinline__ void fence_operands_first(float (&a)[N][4]) {
   static_assert(K <= N, "rows of the array");
@@ -133,6 +127,7 @@ template <int K, int N> __device__ __forceinline__ void fence_operands_first(flo
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(a[i][j])::"memory");
 }
+template <int N> __device__ __forceinline__ void fence_operands(float (&a)[N][4]) { fence_operands_first<N>(a); }
 template <int N> __device__ __forceinline__ void fence_operands(u32 (&a)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; ++i)

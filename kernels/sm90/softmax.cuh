@@ -135,9 +135,8 @@ __device__ __forceinline__ void full_tile_range(const Mask& mask, const WorkTile
 // Whether the last of a work tile's key tiles is a half tile for a warpgroup (1) or not (0): it
 // runs masked (t_hi < num_tiles: split loops only) and no row of the warpgroup sees a key of its
 // second half. The warpgroup's last visible key is its last row's (a query's last visible key never
-// decreases: mask.cuh). Rows wr0 .. of the sequence; none (wr0 >= sq): not half. Those of its rows
-// past sq that are not stored may see keys of the second half: their scores there are stale,
-// their outputs never stored.
+// decreases: mask.cuh). Rows wr0 .. of the sequence; none (wr0 >= sq): not half. Its rows past sq
+// (never stored) are not consulted: keys of the second half they might see score -inf.
 template <class Mask>
 __device__ __forceinline__ int last_tile_is_half(const Mask& mask, const WorkTile& w, int wr0, int n_begin,
                                                  int num_tiles, int t_hi) {
