@@ -4,7 +4,7 @@
 //   params.cuh          the arguments: one struct, its layout exported to the launch code
 //   shared_storage.cuh  the shared memory as one struct
 //   scheduler.cuh       persistent CTAs take work tiles from a counter; decoded once, handed over
-//   producer.cuh        warp 0: TMA of Q, K, V into a ring of stages
+//   producer.cuh        warp 0: TMA of K, V into a ring of stages; warp 2: each consumer's Q rows
 //   rope_warp.cuh       warp 1 (paged or fp8 rope): the rope rows of each K stage
 //   mainloop.cuh        two consumer warpgroups: S = Q K^T, online softmax, O += P V
 //   softmax.cuh         the per-tile score work: fp8 dequantization, masks, P
@@ -34,9 +34,9 @@ namespace sm90 {
 
 // What the launch code reads from the module besides the parameter layout (params.cuh), per
 // variant (row: Variant*::kId): dynamic shared memory in bytes, threads per CTA, query rows per
-// work tile, keys per key tile, floats of the fp8 key-scale box.
-constexpr int kGeometryFields = 5;
-#define MLA_SM90_GEOMETRY(V) kSmemBytes<V>, kThreads, kBlockM, kBlockN, kScaleBox
+// work tile, keys per key tile, floats of the fp8 key-scale box, rows of a Q box (one consumer's).
+constexpr int kGeometryFields = 6;
+#define MLA_SM90_GEOMETRY(V) kSmemBytes<V>, kThreads, kBlockM, kBlockN, kScaleBox, kWgRows
 __device__ const int kGeometry[kNumVariants][kGeometryFields] = {
     {MLA_SM90_GEOMETRY(Variant16<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantFp8)},
     {MLA_SM90_GEOMETRY(VariantFp8Rope<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantE4m3)}};
@@ -56,8 +56,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(const __grid_c
 
   if (threadIdx.x == 0) {  // one thread: no warp-wide shuffle in shared_storage
     const Smem<V> sm = shared_storage<V, false>(smem_raw);
-    mbar_init(sm.q_full(), 1);
-    mbar_init(sm.q_empty(), kConsumerArrivals);
+    for (int c = 0; c < kConsumers; ++c) {  // each consumer's Q rows: warp 2's expect_tx, that consumer's release
+      mbar_init(sm.q_full(c), 1);
+      mbar_init(sm.q_empty(c), kConsumerArrivals / kConsumers);
+    }
     for (int s = 0; s < V::kStages; ++s) {
       // warp 0's expect_tx; with the rope warp also one arrival per lane (rope_warp.cuh)
       mbar_init(sm.k_full(s), kRW ? 1 + 32 : 1);
@@ -65,8 +67,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(const __grid_c
       mbar_init(sm.k_empty(s), kConsumerArrivals);
       mbar_init(sm.v_empty(s), kConsumerArrivals);
     }
-    // readers of the work slots: the consumers, and the rope warp (one arrival, or one per lane)
-    scheduler(sm).init(kConsumerArrivals + (kRW ? (MLA_SM90_ELECTED_ARRIVE ? 1 : 32) : 0));
+    // readers of the work slots: the consumers, the Q warp and the rope warp (each one arrival, or
+    // one per lane)
+    constexpr int kWarpArrivals = MLA_SM90_ELECTED_ARRIVE ? 1 : 32;
+    scheduler(sm).init(kConsumerArrivals + kWarpArrivals + (kRW ? kWarpArrivals : 0));
     fence_barrier_init();
   }
   __syncthreads();
@@ -77,6 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(const __grid_c
     const Smem<V> sm = storage();
     if (warp == 0 && threadIdx.x == 0) producer_load<V, Mask, kPaged>(p, sm, scheduler(sm), Mask{p.mask_arg});
     if (kRW && warp == 1) rope_warp_load<V, kPaged>(p, sm, scheduler(sm));
+    if (warp == kQWarp) q_load<V>(p, sm, scheduler(sm));
     return;
   }
 

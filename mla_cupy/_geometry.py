@@ -21,7 +21,7 @@ __all__ = ["CompiledKernel", "prefill_kernel", "transpose_v_kernel"]
 
 #: kGeometry's fields, in order: kernels/mla_prefill_sm90.cu (a row per variant),
 #: kernels/mla_prefill_sm80.cu and kernels/transpose_v.cu.
-SM90_GEOMETRY = ("smem", "threads", "block_m", "block_n", "scale_box")
+SM90_GEOMETRY = ("smem", "threads", "block_m", "block_n", "scale_box", "q_rows")
 SM80_GEOMETRY = ("smem", "threads", "block_m")
 VT_GEOMETRY = ("threads", "cols_per_cta")
 

@@ -170,7 +170,7 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
             rmap = (rp, rope_geom[0])
         f8 = (qrp, fp8_st, ksp) if fp8_st is not None else None
         return prefill_maps(dtype, heads, tq, tk, (qp, q_st), (kp, k_st), (vp, v_st), rmap, f8, geom["block_n"],
-                            geom["scale_box"])
+                            geom["scale_box"], geom["q_rows"])
 
     pack = ck.params
     maps = map_fields(pack)

@@ -79,11 +79,12 @@ def stride16(x, dim: int) -> int:
 
 def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tuple[int, int]],
                  k: Tuple[int, Tuple[int, int]], v: Tuple[int, Tuple[int, int]], rope: tuple,
-                 fp8: Optional[tuple], block_rows: int, scale_box: int) -> Tuple[Tuple[np.void, ...], int]:
+                 fp8: Optional[tuple], block_rows: int, scale_box: int, q_rows: int) -> Tuple[Tuple[np.void, ...], int]:
     """The six TMA descriptors of the Hopper kernel (Q, K, V, rope, q_rope, k_scales) and the rope
     box height. ``q``, ``k``, ``v`` are ``(pointer, (head stride, row stride))`` in bytes;
-    ``block_rows`` is the kernel's tile height (rows of a box), ``scale_box`` the floats of its fp8 key-scale box
-    (both from the kernel's exported geometry).
+    ``block_rows`` is the kernel's key tile height (rows of a K / V box), ``q_rows`` the rows of a Q box
+    (each consumer's own rows: they load and release apart), ``scale_box`` the floats of the fp8
+    key-scale box (all three from the kernel's exported geometry).
 
     ``rope`` is ``(ptr, row_stride)`` for a plain k_rope, ``(ptr, row_stride, block_stride,
     page_size, num_blocks)`` for a paged cache, or ``(0,)`` for an fp8 rope (read by the rope warp,
@@ -94,17 +95,17 @@ def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tu
     with the 64-byte swizzle, kernels/sm90/ptx.cuh), else 16-bit (128-byte rows and swizzle)."""
     rope_swizzle = 64 if np.dtype(dtype).itemsize == 1 else True
     if fp8 is None:
-        tm_q = encode_tiled(q[0], dtype, (DQK, heads, tq), q[1], (64, 1, block_rows))
+        tm_q = encode_tiled(q[0], dtype, (DQK, heads, tq), q[1], (64, 1, q_rows))
         tm_k = encode_tiled(k[0], dtype, (DV, heads, tk), k[1], (64, 1, block_rows))
         tm_v = encode_tiled(v[0], dtype, (DV, heads, tk), v[1], (64, 1, block_rows))
         tm_qr = tm_ks = ZERO_MAP
     else:
         u8 = np.dtype(np.uint8)
-        tm_q = encode_tiled(q[0], u8, (DV, heads, tq), q[1], (128, 1, block_rows))
+        tm_q = encode_tiled(q[0], u8, (DV, heads, tq), q[1], (128, 1, q_rows))
         tm_k = encode_tiled(k[0], u8, (DV, heads, tk), k[1], (128, 1, block_rows))
         # V^T[H][128][cols]: block_rows key columns x 128 values
         tm_v = encode_tiled(v[0], u8, (v[1][0], DV, heads), v[1], (block_rows, DV, 1))
-        tm_qr = encode_tiled(fp8[0], dtype, (DR, heads, tq), fp8[1], (64, 1, block_rows), swizzle=rope_swizzle)
+        tm_qr = encode_tiled(fp8[0], dtype, (DR, heads, tq), fp8[1], (64, 1, q_rows), swizzle=rope_swizzle)
         # key scales from the 16-byte boundary at or before a tile's first key
         tm_ks = encode_tiled(fp8[2], np.float32, (tk,), (), (scale_box,), swizzle=False)
     if len(rope) == 2:

@@ -52,7 +52,8 @@ class _Kernel:
 
 def _kernels():
     sm90 = SimpleNamespace(params=ArgPack(SM90_PARAMS), fn=_Kernel(), threads=384, smem=200 * 1024,
-                           geometry=dict(block_m=128, block_n=128, scale_box=144, threads=384, smem=200 * 1024))
+                           geometry=dict(block_m=128, block_n=128, scale_box=144, q_rows=64, threads=384,
+                                         smem=200 * 1024))
     sm80 = SimpleNamespace(params=ArgPack(SM80_PARAMS), fn=_Kernel(), threads=256, smem=100 * 1024,
                            geometry=dict(block_m=128, threads=256, smem=100 * 1024))
     vt = SimpleNamespace(params=ArgPack(VT_PARAMS), fn=_Kernel(), threads=128, smem=0,

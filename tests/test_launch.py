@@ -94,6 +94,7 @@ def test_hopper_module_exports_its_parameter_struct_and_geometry(variant):
         assert 100 * 1024 < geom["smem"] <= 227 * 1024, (name, geom)
         assert geom["threads"] == 384 and geom["block_m"] == geom["block_n"] == 128, geom
         assert geom["scale_box"] >= geom["block_n"], geom  # a tile's key scales and the aligned start
+        assert geom["q_rows"] * 2 == geom["block_m"], geom  # each consumer's Q rows, loaded apart
 
 
 def test_portable_module_and_pre_pass_export_theirs():

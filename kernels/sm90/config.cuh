@@ -18,6 +18,7 @@ constexpr int kWgRows = kBlockM / kConsumers;       // 64 = one wgmma M
 constexpr int kThreads = 128 * (1 + kConsumers);    // 384: the producer warpgroup and the consumers
 constexpr int kConsumerThreads = 128 * kConsumers;
 constexpr int kConsumerWarps = kConsumerThreads / 32;
+constexpr int kQWarp = 2;                           // the producer warpgroup's Q loader (warp 1 may be the rope warp)
 constexpr int kColBlock = 64;                       // 16-bit elements per 128-byte swizzled column block
 constexpr int kBlk = kBlockN * 128;                 // one column block of a 128-row tile: 16 KiB
 constexpr int kSTiles = kBlockN / 8;                // n-tiles of 8 keys in S (16)

@@ -279,7 +279,7 @@ struct Mainloop {
     // (consumer 0 on a causal diagonal), so its S and P V take the first 64 keys (1 or 0).
     const int half = kHalfTiles ? last_tile_is_half(mask, w, x.wr0, k.n_begin, k.num_tiles, t_hi) : 0;
 
-    mbar_wait(sm.q_full(), nq & 1);
+    mbar_wait(sm.q_full(cw), nq & 1);  // this consumer's Q rows
     ++nq;
     // Tile 0: S only (O is still zero, nothing to rescale).
     x.prev_s = it % kS;
@@ -297,7 +297,7 @@ struct Mainloop {
     } else {
       steps<kMaskTest>(x, o, smx, t, k.num_tiles);
     }
-    TileHandout::release(sm.q_empty());  // every S of this work tile is done: the producer may load the next Q
+    TileHandout::release(sm.q_empty(cw));  // every S of this work tile is done: the Q warp may load our next rows
 
     // The last tile's P V. Its V rows past the span's end (the neighbour's keys) are zeroed first,
     // by both consumers together, and the stores made visible to wgmma before either reads V.

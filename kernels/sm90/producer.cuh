@@ -1,9 +1,11 @@
-// The producer role: one thread of warp 0 takes the work tiles (scheduler.cuh) and issues the TMA
-// copies of each one's Q (once the consumers are done with the previous Q, through q_empty) and of
-// its K and V tiles into the ring of V::kStages stages, K and V with their own full / empty
-// mbarriers so that K of tile t+1 can load while V of tile t is in use. With a plain 16-bit rope
-// the K stage's rope block comes from its own map over k_rope, shared by every head; otherwise the
-// rope warp (rope_warp.cuh) writes it.
+// The producer roles: one thread of warp 0 takes the work tiles (scheduler.cuh) and issues the TMA
+// copies of each one's K and V tiles into the ring of V::kStages stages, K and V with their own
+// full / empty mbarriers so that K of tile t+1 can load while V of tile t is in use. With a plain
+// 16-bit rope the K stage's rope block comes from its own map over k_rope, shared by every head;
+// otherwise the rope warp (rope_warp.cuh) writes it. The Q warp (kQWarp) loads each consumer's 64
+// Q rows on their own barriers, once that consumer is done with its previous rows: a consumer that
+// finishes a work tile first starts the next one while the other still runs its last P V and its
+// epilogue (the K/V ring, which both release, bounds how far it runs ahead).
 #pragma once
 #include "../vt_layout.cuh"
 #include "config.cuh"
@@ -25,7 +27,6 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
   // block(s) and its rope block, by the same rule.
   constexpr int kKTxBytes = V::kNopeBlocks * kBlk + (kRW ? 0 : kRopeBytes<V>) + (V::kFp8 ? kScaleBox * 4 : 0);
   int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
-  int nq = 0;  // Q tiles loaded so far
   int idx = blockIdx.x;
   for (int n = 0;; ++n) {
     WorkInfo k;
@@ -34,17 +35,6 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
     if (!k.valid) break;
     if (k.num_tiles > 0) {
       const WorkTile& w = k.w;
-      mbar_wait(sm.q_empty(), (nq & 1) ^ 1);  // the consumers are done with the previous Q
-      mbar_expect_tx(sm.q_full(), kQBytes<V>);
-      const int qrow = static_cast<int>(w.q_row0 + k.m0);
-      if constexpr (V::kFp8) {
-        tma_load_3d(sm.q(), &p.tm_q, sm.q_full(), 0, w.h, qrow);                // 128 e4m3 nope values
-        tma_load_3d(sm.q() + kBlk, &p.tm_q_rope, sm.q_full(), 0, w.h, qrow);    // 64 rope values (bf16 or e4m3)
-      } else {
-        for (int c = 0; c < kDqk / kColBlock; ++c)
-          tma_load_3d(sm.q() + c * kBlk, &p.tm_q, sm.q_full(), c * kColBlock, w.h, qrow);
-      }
-      ++nq;
       // fp8: the sequence's first column in V^T (vt_layout.cuh)
       const i64 vt_col = V::kFp8 ? vt_col0(static_cast<u32>(w.kv_row0), w.b) + k.n_begin : 0;
       for (int t = 0; t < k.num_tiles; ++t, ++it) {
@@ -67,6 +57,40 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
       }
     }
     idx = sched.next(idx);
+  }
+}
+
+// The Q warp (whole warp kQWarp; lane 0 issues): consumer c's 64 rows of each work tile's Q (rows
+// c * 64 .. of every column block: 128-byte rows, or 64-byte ones in the all-e4m3 rope block)
+// into its half of the Q buffer, once c has released the previous ones; q_full(c) completes on the
+// bytes (expect_tx kQBytes / 2). Work tiles without key tiles load nothing (the consumers skip them).
+template <class V>
+__device__ __forceinline__ void q_load(const Params& p, const Smem<V>& sm, const TileHandout& sched) {
+  static_assert(kQBytes<V> % kConsumers == 0, "equal halves");
+  const bool leader = threadIdx.x % 32 == 0;
+  int nq = 0;  // Q tiles loaded so far
+  for (int n = 0;; ++n) {
+    WorkInfo k;
+    sched.take(n, k);
+    if (!k.valid) break;
+    if (k.num_tiles == 0) continue;
+    const WorkTile& w = k.w;
+    if (leader) {
+      for (int c = 0; c < kConsumers; ++c) {
+        mbar_wait(sm.q_empty(c), (nq & 1) ^ 1);  // consumer c is done with its previous rows
+        mbar_expect_tx(sm.q_full(c), kQBytes<V> / kConsumers);
+        const int qrow = static_cast<int>(w.q_row0 + k.m0) + c * kWgRows;
+        const u32 half = sm.q() + c * kWgRows * 128;  // 128-byte rows
+        if constexpr (V::kFp8) {
+          tma_load_3d(half, &p.tm_q, sm.q_full(c), 0, w.h, qrow);  // 128 e4m3 nope values
+          tma_load_3d(sm.q() + kBlk + c * kWgRows * kRopeRowBytes<V>, &p.tm_q_rope, sm.q_full(c), 0, w.h, qrow);
+        } else {
+          for (int cb = 0; cb < kDqk / kColBlock; ++cb)
+            tma_load_3d(half + cb * kBlk, &p.tm_q, sm.q_full(c), cb * kColBlock, w.h, qrow);
+        }
+      }
+    }
+    ++nq;
   }
 }
 

@@ -23,9 +23,9 @@ struct alignas(1024) SharedStorage {
   unsigned char q[kQBytes<V>];
   Stage stage[V::kStages];
   unsigned char out_stage[kOutStageBytes];
-  // mbarriers: Q (TMA / the consumers), each stage's K and V (TMA, plus the rope warp for K / the
-  // consumers), and the scheduler's two slots (full, full, empty, empty)
-  unsigned long long q_full, q_empty;
+  // mbarriers: each consumer's Q rows (TMA / that consumer), each stage's K and V (TMA, plus the
+  // rope warp for K / the consumers), and the scheduler's two slots (full, full, empty, empty)
+  unsigned long long q_full[kConsumers], q_empty[kConsumers];
   unsigned long long k_full[V::kStages], v_full[V::kStages], k_empty[V::kStages], v_empty[V::kStages];
   unsigned long long work_bars[4];
   WorkInfo work[2];
@@ -61,8 +61,8 @@ struct Smem {
   __device__ __forceinline__ u32 rope(int st) const { return k(st) + V::kNopeBlocks * kBlk; }  // the K rope block
   __device__ __forceinline__ u32 k_scales(int st) const { return k(st) + kKScalesOffset<V>; }  // fp8
   __device__ __forceinline__ u32 v(int st) const { return at(s.stage[st].v); }
-  __device__ __forceinline__ u32 q_full() const { return at(&s.q_full); }
-  __device__ __forceinline__ u32 q_empty() const { return at(&s.q_empty); }
+  __device__ __forceinline__ u32 q_full(int c) const { return at(&s.q_full[c]); }
+  __device__ __forceinline__ u32 q_empty(int c) const { return at(&s.q_empty[c]); }
   __device__ __forceinline__ u32 k_full(int st) const { return at(&s.k_full[st]); }
   __device__ __forceinline__ u32 v_full(int st) const { return at(&s.v_full[st]); }
   __device__ __forceinline__ u32 k_empty(int st) const { return at(&s.k_empty[st]); }
