@@ -291,6 +291,7 @@ def _ours_fp8(case: BenchCase, sets, opts, e4m3_rope: bool = False) -> Impl:
     if "pkg" in opts:
         mla_cupy = _package(opts["pkg"])
         mask = _mask_of(mla_cupy, mask)
+        quant = importlib.import_module(mla_cupy.__name__ + ".quant")  # its own TransposedV
     vt = opts.get("vt", "pass")
     if vt not in ("pass", "quant"):
         raise SystemExit(f"{case.name}: vt={vt}: expected vt=quant (the quantizer's V^T) or vt=pass (the pre-pass)")
