@@ -24,7 +24,8 @@
 #                            into --out)
 #   ab [ARGS...]             benchmarks/ab.py ARGS (implementations timed in one process)
 #   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
-#                            bench case (`mla-cupy bench --list`) or fp8 / e4m3 / bf16 / paged (1x8192, H = 128)
+#                            bench case (`mla-cupy bench --list`) or fp8 / e4m3 / bf16 / paged / pagedP (pages of P;
+#                            1x8192, H = 128)
 #   compile                  `mla-cupy compile`: every kernel family into CuPy's on-disk cache
 #   verify STEP [ARGS...]    the reliability evidence, one step per GPU command (each within --timeout),
 #                            records in --out, then one summary:
@@ -189,7 +190,7 @@ case "$MODE" in
     NCU=$(find_tool ncu "${NCU:-}" NCU) || exit 1
     CASE=$1; name=ncu-${CASE//[^A-Za-z0-9._-]/_}
     case "$CASE" in
-      fp8|e4m3|bf16|paged) DRIVER=(benchmarks/ncu_fp8.py "$CASE") ;;
+      fp8|e4m3|bf16|paged|paged[0-9]*) DRIVER=(benchmarks/ncu_fp8.py "$CASE") ;;
       *) DRIVER=(benchmarks/ncu_case.py "$CASE") ;;
     esac
     # The drivers launch the kernel three times; the third launch is profiled.

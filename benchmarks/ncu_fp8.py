@@ -1,4 +1,5 @@
-"""Runs the fp8 per-token (``e4m3``: in the all-e4m3 mode; or the bf16, or the bf16 with a paged rope: page 64, shuffled pages)
+"""Runs the fp8 per-token (``e4m3``: in the all-e4m3 mode; or the bf16, or the bf16 with a paged rope: ``paged``
+in shuffled pages of 64, ``pagedP`` of P)
 Hopper kernel on 1x8192 causal, H = 128, three times, so that `ncu` can profile the last launch
 (what bounds the fp8 kernel; where the paged rope loses to the plain one):
 
@@ -23,8 +24,8 @@ def main(mode: str = "fp8", s: int = 8192, h: int = 128) -> None:
     vl = cp.asarray(np.array([0, s], np.uint32))
     out = cp.empty((s, h, 128), BF16)
     f = quant.quantize_per_token(q, k, v, kr, e4m3_rope=mode == "e4m3")
-    if mode == "paged":  # the same rope rows, in shuffled pages of 64 of a [blocks, 64, 1, 64] cache
-        ps = 64
+    if mode.startswith("paged"):  # the same rope rows, in shuffled pages of ps of a [blocks, ps, 1, 64] cache
+        ps = int(mode[len("paged"):] or 64)
         perm = np.random.default_rng(1).permutation(s // ps)
         blocks = cp.empty((s // ps, ps, 1, 64), BF16)
         blocks[cp.asarray(perm)] = kr.reshape(s // ps, ps, 1, 64)
