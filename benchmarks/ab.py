@@ -12,8 +12,8 @@ Implementations (``--impls``, comma separated; the first is the base):
 
   ours              16-bit Hopper kernel (``mla_prefill``, out= given, validate=False)
   ours:paged=P      the same with the rope in a PagedKVCache of P-row pages (shuffled), key tiles on page
-                    boundaries (TMA path); ours:paged=P;shift=S puts the keys S rows into their first page
-                    (cache_offsets = S: the row gather); one-sequence cases
+                    boundaries; ours:paged=P;shift=S puts the keys S rows into their first page
+                    (cache_offsets = S); one-sequence cases
   ours:hps=N        the same with N heads per L2 section (scheduler experiment; overrides the host heuristic)
   ours:sched=static the same with the round-robin tile order instead of the dynamic hand-out
   ours:src=DIR      the same with the kernels under DIR (``git archive REV kernels | tar -x -C DIR``; they must
@@ -166,13 +166,13 @@ def _fa3_module():
     return None
 
 
-def _paged(k_rope, page: int, shift: int, seed: int = 1):
-    """k_rope [Tk, 1, 64] as a PagedKVCache of ``page``-row pages in shuffled order, keys starting
-    ``shift`` rows into their first page (``cache_offsets``: 0 keeps key tiles on page boundaries, the
-    TMA path; otherwise the row gather)."""
+def _paged(k_rope, page: int, shift: int, package, seed: int = 1):
+    """k_rope [Tk, 1, 64] as a PagedKVCache (of ``package``: the package timed) of ``page``-row
+    pages in shuffled order, keys starting ``shift`` rows into their first page (``cache_offsets``:
+    0 keeps key tiles on page boundaries)."""
     import cupy as cp
 
-    from mla_cupy import PagedKVCache
+    PagedKVCache = package.PagedKVCache
 
     tk = int(k_rope.shape[0])
     n_pages = -(-(tk + shift) // page)
@@ -206,7 +206,7 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
     ropes = [x["k_rope"] for x in sets]
     cache_offsets = None
     if "paged" in opts:
-        built = [_paged(r, int(opts["paged"]), int(opts.get("shift", 0))) for r in ropes]
+        built = [_paged(r, int(opts["paged"]), int(opts.get("shift", 0)), mla_cupy) for r in ropes]
         ropes = [b[0] for b in built]
         cache_offsets = cp.asarray(np.array([built[0][1]], np.uint32))
     kw = {}

@@ -17,13 +17,14 @@ from . import _registry as reg
 from ._launch import ArgPack
 from .jit import get_function, get_global
 
-__all__ = ["CompiledKernel", "prefill_kernel", "transpose_v_kernel"]
+__all__ = ["CompiledKernel", "prefill_kernel", "transpose_v_kernel", "rope_gather_kernel"]
 
 #: kGeometry's fields, in order: kernels/mla_prefill_sm90.cu (a row per variant),
-#: kernels/mla_prefill_sm80.cu and kernels/transpose_v.cu.
+#: kernels/mla_prefill_sm80.cu, kernels/transpose_v.cu and kernels/rope_gather.cu.
 SM90_GEOMETRY = ("smem", "threads", "block_m", "block_n", "scale_box", "q_rows")
 SM80_GEOMETRY = ("smem", "threads", "block_m")
 VT_GEOMETRY = ("threads", "cols_per_cta")
+GATHER_GEOMETRY = ("threads", "rows_per_cta")
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,21 @@ def prefill_kernel(kernel: str, dtype: np.dtype, out_dtype: np.dtype, mask, page
 def transpose_v_kernel(device_id: int) -> CompiledKernel:
     """The fp8 per-token variant's V^T pre-pass (static shared memory only), with its parameter
     struct and geometry (threads, cols_per_cta)."""
-    key = (device_id, "transpose_v")
+    return _prepass_kernel(device_id, reg.transpose_v_family(), VT_GEOMETRY, "the V^T pre-pass")
+
+
+def rope_gather_kernel(device_id: int) -> CompiledKernel:
+    """The Hopper kernel's paged-rope gather (static shared memory only), with its parameter
+    struct and geometry (threads, rows_per_cta)."""
+    return _prepass_kernel(device_id, reg.rope_gather_family(), GATHER_GEOMETRY, "the paged-rope gather")
+
+
+def _prepass_kernel(device_id: int, fam, geometry_names: Tuple[str, ...], what: str) -> CompiledKernel:
+    """A kernel launched before the prefill kernel (family: the kernel, then its exports)."""
+    key = (device_id, fam[1][0])
     ck = _KERNELS.get(key)
     if ck is not None:
         return ck
-    fam = reg.transpose_v_family()
-    params, table = _exports(fam, fam[1][1:], len(VT_GEOMETRY), "the V^T pre-pass")
-    return _compiled(key, get_function(*fam, fam[1][0]), 0, params, dict(zip(VT_GEOMETRY, (int(x) for x in table))))
+    params, table = _exports(fam, fam[1][1:], len(geometry_names), what)
+    return _compiled(key, get_function(*fam, fam[1][0]), 0, params,
+                     dict(zip(geometry_names, (int(x) for x in table))))

@@ -13,7 +13,7 @@ from ._geometry import prefill_kernel
 from ._launch import TENSOR_MAP_DTYPE, ArgPack, PreparedLaunch
 from ._run_args import KS, LSE, OUT, QR, QS, ROPE, RSC, SLOTS, WS, K, Q, Target, V
 from ._select import heads_per_section, sm_count
-from .dims import DV
+from .dims import DR, DV
 from .fp8 import vt_launch, vt_shape
 from .tma import ZERO_MAP, prefill_maps, stride16
 from .validation import Problem
@@ -23,24 +23,30 @@ from .workspace import tile_counter
 __all__ = ["Record", "pack", "launch_record"]
 
 LOG2E = 1.4426950408889634
+_GRID_Y_MAX = 65535  # the largest gridDim.y (the gather's kernel strides over more sequences)
 _U64 = struct.Struct("<Q")
 _MAPS_MAX = 1024  # pointer sets whose tensor maps are remembered per layout
 
 
 class Record:
     """One array layout of a plan: the prepared launches, and what a run rewrites in them (pointer
-    fields as (byte offset, slot, addend); the slots whose pointers key the tensor maps; the slots
-    that must be 16-byte aligned; the byte offset of the ``q_start_pos`` pointer, for a launch that
-    passes its own)."""
+    fields as (byte offset, slot, addend); the slots whose pointers key the tensor maps, with the
+    gathered rope rows' pointer; the slots that must be 16-byte aligned; the byte offset of the
+    ``q_start_pos`` pointer, for a launch that passes its own)."""
 
     __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "maps_max", "vt", "vt_fields", "align",
-                 "counter", "map_field", "q_start_field", "last_maps", "last_stream")
+                 "counter", "map_field", "q_start_field", "last_maps", "last_stream", "gather", "gather_fields",
+                 "rows_bytes")
 
     def __init__(self, launch: Optional[PreparedLaunch], ptr_fields, align, map_slots=None, make_maps=None, vt=None,
-                 vt_fields=(), counter=None, map_field=None, q_start_field=None):
+                 vt_fields=(), counter=None, map_field=None, q_start_field=None, gather=None, gather_fields=(),
+                 rows_bytes: int = 0):
         self.launch, self.ptr_fields, self.align = launch, ptr_fields, align
         self.map_slots, self.make_maps, self.maps, self.maps_max = map_slots, make_maps, {}, _MAPS_MAX
         self.vt, self.vt_fields = vt, vt_fields
+        # Hopper, paged 16-bit rope: the gather into key rows (rows_bytes, allocated per launch) and
+        # its pointer fields besides the rows' (its "dst", the last of gather_fields)
+        self.gather, self.gather_fields, self.rows_bytes = gather, gather_fields, rows_bytes
         self.counter = counter  # Hopper: (byte offset of tile_counter, device), set per stream at launch
         self.map_field = map_field  # Hopper: the first of the consecutive tensor-map fields
         self.q_start_field = q_start_field
@@ -149,38 +155,53 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
     paged, rope_warp = p.paged, p.rope_scaled_e4m3  # the rope warp reads the scaled e4m3 rope (no map)
     if p.all_e4m3:  # q_rope and the (plain) rope are e4m3 bytes, read by TMA
         dtype = dtype_of(rope)
-    rope_geom = None
-    if not rope_warp:
-        if paged:
-            item = dtype.itemsize
-            rope_geom = (t.rope_offset * item, int(rope.strides[1]), int(rope.strides[0]), t.page_size,
-                         int(rope.shape[0]))
-        else:
-            rope_geom = (stride16(rope, 0),)
+    # a paged 16-bit rope: gathered into key rows of 128 bytes (one per row of k) before each launch,
+    # read by TMA as a plain rope
+    gather_rows = paged and not rope_warp and tk > 0
+    rope_row_bytes = None if rope_warp else (DR * dtype.itemsize if paged else stride16(rope, 0))
 
     def make_maps(mk: tuple):
-        qp, kp, vp, rp, op, qrp, ksp = mk
+        qp, kp, vp, rp, op, qrp, ksp, rows = mk
+        if gather_rows:
+            rp = rows
         if not tk:  # no keys: nothing is read through K, V or the rope; a map of a null buffer is refused
             kp = vp = rp = ksp = op
-        if rope_warp:
-            rmap: tuple = (0,)
-        elif paged:
-            rmap = (rp + rope_geom[0],) + rope_geom[1:]
-        else:
-            rmap = (rp, rope_geom[0])
+        rmap = (0,) if rope_warp else (rp, rope_row_bytes)
         f8 = (qrp, fp8_st, ksp) if fp8_st is not None else None
         return prefill_maps(dtype, heads, tq, tk, (qp, q_st), (kp, k_st), (vp, v_st), rmap, f8, geom["block_n"],
                             geom["scale_box"], geom["q_rows"])
 
     pack = ck.params
     maps = map_fields(pack)
-    values.update({n: ZERO_MAP for n in maps}, rope_box_rows=0, tile_counter=0)
+    values.update({n: ZERO_MAP for n in maps}, tile_counter=0)
     grid = min(nmb * p.batch * p.heads, sm_count(t.device_id))  # persistent: at most one CTA per SM
     launch = PreparedLaunch(pack, ck.fn, (grid, 1, 1), ck.threads, ck.smem, values)
+    gather = gather_fields = None
+    if gather_rows:
+        gather = _gather_launch(t, p, values, tk)
+        gather_fields = _offsets_of(gather.pack, [("rope_base", ROPE, t.rope_offset * dtype.itemsize)])
     return Record(launch, _offsets_of(pack, fields), tuple(align),
                    map_slots=(Q, K, v_slot, ROPE, OUT, QR, KS), make_maps=make_maps, vt=vt, vt_fields=vt_fields,
                    counter=(pack.offsets["tile_counter"], t.device_id), map_field=maps[0],
-                   q_start_field=pack.offsets["q_start_pos"])
+                   q_start_field=pack.offsets["q_start_pos"], gather=gather, gather_fields=gather_fields or (),
+                   rows_bytes=tk * DR * dtype.itemsize if gather_rows else 0)
+
+
+def _gather_launch(t: Target, p: Problem, values: dict, tk: int) -> PreparedLaunch:
+    """The gather of a paged 16-bit rope into ``tk`` key rows (kernels/rope_gather.cu), with the
+    cache's table and geometry of the prefill launch's ``values``; its rope and rows pointers are
+    written per launch."""
+    from ._geometry import rope_gather_kernel
+
+    ck = rope_gather_kernel(t.device_id)
+    names = ("rope_base", "rope_row_stride", "rope_block_stride", "lookup", "lookup_stride", "log2_page_size",
+             "num_blocks", "max_pages", "kv_begin", "kv_end", "cache_offsets")
+    gv = {n: values[n] for n in names}
+    gv.update(batch=p.batch, dst=0, tk=tk)
+    rows = ck.geometry["rows_per_cta"]
+    # CTAs per sequence: together about one row each (a sequence's rows are strided over them)
+    per_seq = min(max(1, -(-tk // (rows * max(p.batch, 1)))), _GRID_Y_MAX)
+    return PreparedLaunch(ck.params, ck.fn, (per_seq, min(max(p.batch, 1), _GRID_Y_MAX), 1), ck.threads, 0, gv)
 
 
 #: The Hopper kernel's tensor maps in the order tma.prefill_maps returns them.
@@ -202,10 +223,14 @@ def _offsets_of(pack, fields) -> tuple:
     return tuple((pack.offsets[name], slot, add) for name, slot, add in fields)
 
 
-def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] = None) -> None:
+def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] = None,
+                  new_rows: Optional[Callable] = None) -> None:
     """Check the pointers' alignment, rewrite them (and the tensor maps they key) into the record's
     launches, and launch on stream ``sp``; ``q_start``: the ``q_start_pos`` pointer of this launch
-    (a widened copy made per call) instead of the packed one. One thread at a time per record."""
+    (a widened copy made per call) instead of the packed one. A paged 16-bit rope's key rows are
+    allocated here for the launch (``new_rows(shape, sp)``, default CuPy's pool on ``sp``) and
+    returned when the kernels are enqueued (the pools reuse them in stream order). One thread at a
+    time per record."""
     acc = 0
     for i in rec.align:
         acc |= ptrs[i]
@@ -220,8 +245,16 @@ def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] 
         _U64.pack_into(mem, off, ptrs[i] + add)
     if q_start is not None:
         _U64.pack_into(mem, rec.q_start_field, q_start)
+    rows = rows_ptr = 0
+    if rec.gather is not None:
+        rows = (new_rows or rows_on)((rec.rows_bytes,), sp)  # alive until both launches are enqueued
+        rows_ptr = device_pointer(rows)
+        gmem = rec.gather._mem
+        for off, i, add in rec.gather_fields:
+            _U64.pack_into(gmem, off, ptrs[i] + add)
+        _U64.pack_into(gmem, rec.gather.pack.offsets["dst"], rows_ptr)
     if rec.map_slots is not None:
-        mk = tuple([ptrs[i] for i in rec.map_slots])
+        mk = tuple([ptrs[i] for i in rec.map_slots]) + (rows_ptr,)
         if mk != rec.last_maps:
             maps = rec.maps.get(mk)
             if maps is None:
@@ -238,14 +271,24 @@ def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] 
         for off, i, add in rec.vt_fields:
             _U64.pack_into(vmem, off, ptrs[i] + add)
         rec.vt.launch(sp)
+    if rec.gather is not None:
+        rec.gather.launch(sp)
     launch.launch(sp)
+    del rows  # back to its pool: reused in stream order, after these kernels
+
+
+def rows_on(shape, sp: int):
+    """A paged rope's key rows for one launch: ``prod(shape)`` bytes from CuPy's pool on stream ``sp``."""
+    from ._arrays import cupy_stream
+
+    with cupy_stream(sp):
+        return workspace.allocate_workspace(shape, "the paged rope's key rows", "split the batch")
 
 
 def _new_maps(rec: Record, mk: tuple) -> bytes:
-    maps, box_rows = rec.make_maps(mk)
+    maps = rec.make_maps(mk)
     data = b"".join(m.tobytes() for m in maps)
     if len(rec.maps) >= rec.maps_max:
         rec.maps.clear()
     rec.maps[mk] = data
-    rec.launch._buf[0]["rope_box_rows"] = box_rows
     return data

@@ -60,11 +60,12 @@ class CallEntry:
         self.workspace_shape, self.widen_q_start = workspace_shape, widen_q_start
         self.lock = threading.Lock()
 
-    def launch(self, ptrs, sp: int, q_start: Optional[int] = None) -> None:
+    def launch(self, ptrs, sp: int, q_start: Optional[int] = None, new_rows=None) -> None:
         """Rewrite the pointers into the record and launch it on stream ``sp``
-        (:func:`~mla_cupy._packing.launch_record`), holding the entry's lock."""
+        (:func:`~mla_cupy._packing.launch_record`; ``new_rows`` allocates a paged rope's key rows),
+        holding the entry's lock."""
         with self.lock:
-            launch_record(self.record, ptrs, sp, q_start)
+            launch_record(self.record, ptrs, sp, q_start, new_rows)
 
 
 class PlanCache:

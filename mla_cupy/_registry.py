@@ -18,7 +18,8 @@ CPP_TYPE: Dict[np.dtype, str] = {BF16: "__nv_bfloat16", FP16: "__half", FP32: "f
 #: Architectures CI compiles each family for.
 TARGET_ARCHS = {"mla_prefill_sm80.cu": ("sm_80", "sm_90a"), "mla_prefill_sm90.cu": ("sm_90a",),
                 "merge_states.cu": ("sm_80", "sm_90a"), "bench_spin.cu": ("sm_80", "sm_90a"),
-                "quantize.cu": ("sm_90a",), "transpose_v.cu": ("sm_90a",)}  # e4m3 needs sm_89+; fp8 runs on Hopper
+                "quantize.cu": ("sm_90a",), "transpose_v.cu": ("sm_90a",),  # e4m3 needs sm_89+; fp8 runs on Hopper
+                "rope_gather.cu": ("sm_90a",)}
 
 PREFILL_SM80 = ("mla_prefill_sm80.cu", "mla::sm80::mla_prefill_kernel")
 PREFILL_SM90 = ("mla_prefill_sm90.cu", "mla::sm90::mla_prefill_kernel")
@@ -28,6 +29,8 @@ QUANTIZE = ("quantize.cu", "mla::quantize_rows_kernel")
 QUANTIZE_V = "mla::quantize_v_transposed_kernel"  # V's quantizer writing V^T too (quantize.cu)
 TRANSPOSE_V = ("transpose_v.cu", ("mla::transpose_v_e4m3_kernel", "mla::vt_prepass::kParamLayout",
                                    "mla::vt_prepass::kParamNames", "mla::vt_prepass::kGeometry"))  # V^T for fp8
+ROPE_GATHER = ("rope_gather.cu", ("mla::rope_gather_kernel", "mla::rope_gather::kParamLayout",
+                                   "mla::rope_gather::kParamNames", "mla::rope_gather::kGeometry"))  # paged rope, Hopper
 
 Family = Tuple[str, Tuple[str, ...]]
 
@@ -120,6 +123,11 @@ def transpose_v_family() -> Family:
     return TRANSPOSE_V
 
 
+def rope_gather_family() -> Family:
+    """The Hopper kernel's gather of a paged 16-bit rope into key rows (kernels/rope_gather.cu)."""
+    return ROPE_GATHER
+
+
 _SHORT_TYPES = {"__nv_bfloat16": "bf16", "__half": "fp16", "float": "f32"}
 _VARIANT_NAMES = {VARIANT_16: "16-bit", VARIANT_FP8: "fp8-per-token", VARIANT_FP8_ROPE: "fp8-rope",
                   VARIANT_E4M3: "e4m3-per-token"}
@@ -162,5 +170,5 @@ def all_families() -> List[Tuple[str, Family]]:
     fams: List[Family] = [prefill_sm80(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(BF16, m, v) for m in MASKS for v in ("fp8", "fp8_rope", "e4m3")]
-    fams += [merge_family(), SPIN, quantize_family(), transpose_v_family()]
+    fams += [merge_family(), SPIN, quantize_family(), transpose_v_family(), rope_gather_family()]
     return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]

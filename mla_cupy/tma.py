@@ -79,17 +79,17 @@ def stride16(x, dim: int) -> int:
 
 def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tuple[int, int]],
                  k: Tuple[int, Tuple[int, int]], v: Tuple[int, Tuple[int, int]], rope: tuple,
-                 fp8: Optional[tuple], block_rows: int, scale_box: int, q_rows: int) -> Tuple[Tuple[np.void, ...], int]:
-    """The six TMA descriptors of the Hopper kernel (Q, K, V, rope, q_rope, k_scales) and the rope
-    box height. ``q``, ``k``, ``v`` are ``(pointer, (head stride, row stride))`` in bytes;
-    ``block_rows`` is the kernel's key tile height (rows of a K / V box), ``q_rows`` the rows of a Q box
-    (each consumer's own rows: they load and release apart), ``scale_box`` the floats of the fp8
-    key-scale box (all three from the kernel's exported geometry).
+                 fp8: Optional[tuple], block_rows: int, scale_box: int, q_rows: int) -> Tuple[np.void, ...]:
+    """The six TMA descriptors of the Hopper kernel (Q, K, V, rope, q_rope, k_scales). ``q``,
+    ``k``, ``v`` are ``(pointer, (head stride, row stride))`` in bytes; ``block_rows`` is the
+    kernel's key tile height (rows of a K / V box), ``q_rows`` the rows of a Q box (each consumer's
+    own rows: they load and release apart), ``scale_box`` the floats of the fp8 key-scale box (all
+    three from the kernel's exported geometry).
 
-    ``rope`` is ``(ptr, row_stride)`` for a plain k_rope, ``(ptr, row_stride, block_stride,
-    page_size, num_blocks)`` for a paged cache, or ``(0,)`` for an fp8 rope (read by the rope warp,
-    no map). ``fp8`` (per-token variant) is ``(q_rope_ptr, q_rope_strides, k_scales_ptr)``: q / k
-    are then e4m3 bytes of the 128 nope values (one 128-byte box per row) and v the e4m3 V^T of
+    ``rope`` is ``(ptr, row_stride)`` for a plain k_rope or a paged one's gathered key rows
+    (kernels/rope_gather.cu), or ``(0,)`` for an fp8 rope (read by the rope warp, no map). ``fp8``
+    (per-token variant) is ``(q_rope_ptr, q_rope_strides, k_scales_ptr)``: q / k are then e4m3
+    bytes of the 128 nope values (one 128-byte box per row) and v the e4m3 V^T of
     :func:`mla_cupy.fp8.transpose_v`, with strides ``(cols, 128 * cols)``. ``dtype`` is that of
     q_rope and the rope: uint8 in the all-e4m3 mode, whose rope rows are 64 bytes (boxes of 64 bytes
     with the 64-byte swizzle, kernels/sm90/ptx.cuh), else 16-bit (128-byte rows and swizzle)."""
@@ -109,25 +109,7 @@ def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tu
         # key scales from the 16-byte boundary at or before a tile's first key
         tm_ks = encode_tiled(fp8[2], np.float32, (tk,), (), (scale_box,), swizzle=False)
     if len(rope) == 2:
-        tm_r, box_rows = encode_tiled(rope[0], dtype, (DR, tk), (rope[1],), (64, block_rows), swizzle=rope_swizzle), 0
-    elif len(rope) == 1:
-        tm_r, box_rows = ZERO_MAP, 0
+        tm_r = encode_tiled(rope[0], dtype, (DR, tk), (rope[1],), (64, block_rows), swizzle=rope_swizzle)
     else:
-        tm_r, box_rows = _paged_rope_map(dtype, *rope, block_rows)
-    return (tm_q, tm_k, tm_v, tm_r, tm_qr, tm_ks), box_rows
-
-
-def _paged_rope_map(dtype: np.dtype, ptr: int, row_st: int, block_st: int, page_size: int, num_blocks: int,
-                    block_rows: int) -> Tuple[np.void, int]:
-    """The paged cache's rope columns as a [num_blocks][page_size][64] tensor map with boxes of
-    min(page_size, block_rows) slots (one page run of a key tile), or a zero map and box height 0
-    (the kernel then gathers every tile) when TMA cannot address the cache: strides or the base not
-    16-byte aligned, or no blocks."""
-    box_rows = min(page_size, block_rows)
-    ok = num_blocks > 0 and ptr % 16 == 0 and row_st > 0 and row_st % 16 == 0 and block_st > 0 and block_st % 16 == 0
-    if ok:
-        try:
-            return encode_tiled(ptr, dtype, (DR, page_size, num_blocks), (row_st, block_st), (64, box_rows, 1)), box_rows
-        except RuntimeError:  # a layout the driver refuses (e.g. strides past 2^40): gather instead
-            pass
-    return ZERO_MAP, 0
+        tm_r = ZERO_MAP
+    return tm_q, tm_k, tm_v, tm_r, tm_qr, tm_ks

@@ -30,8 +30,8 @@ the dispatcher's cost (tens of microseconds a call) with the same arguments, res
 streams; whenever anything else would see the op, they call it.
 
 On CUDA tensors the ops run the kernels on torch's current stream; every device buffer they need
-(outputs, the fp8 V^T workspace, a widened ``q_start_pos``) comes from torch's caching
-allocator, so a call captured in a ``torch.cuda.CUDAGraph`` owns its memory like any torch op. A
+(outputs, the fp8 V^T workspace, a paged rope's key rows, a widened ``q_start_pos``) comes from
+torch's caching allocator, so a call captured in a ``torch.cuda.CUDAGraph`` owns its memory like any torch op. A
 call seen before launches from the plan cache (:func:`mla_cupy.plan_cache_info`) on the tensors
 themselves, without CuPy views.
 Capture needs ``q_max_seq_len`` and ``validate=False`` (no device-to-host copy) and a first,
@@ -181,7 +181,7 @@ def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], 
     key = None
     if out.get_device() == _select.device_id():
         served, key = api.cached_call(*arrays, **call, **_variant(fp8, extra),
-                                      new_workspace=_torch_workspace(out.device) if fp8 else None)
+                                      new_workspace=_torch_workspace(out.device))
         if served:
             return
     with _torch_context(out.device):
@@ -209,7 +209,8 @@ def _cupy_rope(rope):
 
 
 def _torch_workspace(device: torch.device):
-    """The fp8 variant's per-call V^T workspace, from torch's allocator (on its current stream)."""
+    """The fp8 variant's per-call V^T workspace and a paged rope's key rows, from torch's allocator
+    (on its current stream)."""
     def new(shape, stream_ptr: int) -> Tensor:
         return torch.empty((max(math.prod(shape), 1),), dtype=torch.uint8, device=device)
     return new

@@ -1,4 +1,5 @@
-"""Device memory the calls allocate: results (``out``, ``lse``) and the fp8 variant's V^T workspace."""
+"""Device memory the calls allocate: results (``out``, ``lse``), the fp8 variant's V^T workspace and
+the key rows a paged 16-bit rope is gathered into for the Hopper kernel."""
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
@@ -42,14 +43,15 @@ def empty_result(shape, dtype, like_torch: Optional[Any], name: str = "out"):
         raise _out_of_memory(shape, dtype, name, exc, "pass out= or split the batch") from exc
 
 
-def allocate_workspace(shape: Tuple[int, ...]):
-    """A new uint8 V^T workspace of ``shape`` from CuPy's pool (current stream)."""
+def allocate_workspace(shape: Tuple[int, ...], name: str = "workspace", hint: str = "pass workspace= or split the batch"):
+    """A new uint8 V^T workspace (or other scratch, ``name``) of ``shape`` from CuPy's pool
+    (current stream)."""
     import cupy
 
     try:
         return cupy.empty(shape, cupy.uint8)
     except cupy.cuda.memory.OutOfMemoryError as exc:
-        raise _out_of_memory(shape, np.uint8, "workspace", exc, "pass workspace= or split the batch") from exc
+        raise _out_of_memory(shape, np.uint8, name, exc, hint) from exc
 
 
 def check_workspace(workspace: Any, shape: Tuple[int, ...]):

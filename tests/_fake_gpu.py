@@ -31,7 +31,7 @@ SM90_PARAMS = [(n, _TM) for n in ("tm_q", "tm_k", "tm_v", "tm_rope", "tm_q_rope"
     ("out", PTR), ("lse", PTR), ("o_st", I64), ("o_sh", I64), ("lse_st", I64), ("q_offsets", PTR), ("kv_begin", PTR),
     ("kv_end", PTR), ("cache_offsets", PTR), ("q_start_pos", PTR), ("rope_base", PTR), ("rope_row_stride", I64),
     ("rope_block_stride", I64), ("lookup", PTR), ("lookup_stride", I64), ("log2_page_size", I32), ("num_blocks", U32),
-    ("max_pages", U32), ("rope_box_rows", I32), ("num_heads", I32), ("heads_per_section", I32), ("batch", I32),
+    ("max_pages", U32), ("num_heads", I32), ("heads_per_section", I32), ("batch", I32),
     ("num_m_blocks", I32), ("scale_log2", F32), ("mask_arg", I64), ("accumulate", I32), ("q_scale", PTR),
     ("q_scale_stride", I64), ("rope_scales", PTR), ("rope_scale_row_stride", I64), ("rope_scale_block_stride", I64),
     ("tile_counter", PTR)]
@@ -44,6 +44,10 @@ SM80_PARAMS = [("q", PTR), ("k", PTR), ("v", PTR), ("out", PTR), ("lse", PTR)] +
     ("batch", I32), ("num_m_blocks", I32), ("scale_log2", F32), ("mask_arg", I64), ("accumulate", I32)]
 VT_PARAMS = [("v", PTR), ("v_st", I64), ("v_sh", I64), ("kv_begin", PTR), ("kv_end", PTR), ("batch", I32),
              ("vt", PTR), ("cols", I64)]
+GATHER_PARAMS = [("rope_base", PTR), ("rope_row_stride", I64), ("rope_block_stride", I64), ("lookup", PTR),
+                 ("lookup_stride", I64), ("log2_page_size", I32), ("num_blocks", U32), ("max_pages", U32),
+                 ("kv_begin", PTR), ("kv_end", PTR), ("cache_offsets", PTR), ("batch", I32), ("dst", PTR),
+                 ("tk", I64)]
 
 
 class _Kernel:
@@ -58,7 +62,9 @@ def _kernels():
                            geometry=dict(block_m=128, threads=256, smem=100 * 1024))
     vt = SimpleNamespace(params=ArgPack(VT_PARAMS), fn=_Kernel(), threads=128, smem=0,
                          geometry=dict(threads=128, cols_per_cta=128))
-    return sm90, sm80, vt
+    gather = SimpleNamespace(params=ArgPack(GATHER_PARAMS), fn=_Kernel(), threads=128, smem=0,
+                             geometry=dict(threads=128, rows_per_cta=16))
+    return sm90, sm80, vt, gather
 
 
 class FakeGpu:
@@ -106,7 +112,7 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
     import mla_cupy.tma as tma
 
     gpu = FakeGpu(record, capability)
-    sm90, sm80, vt = _kernels()
+    sm90, sm80, vt, gather = _kernels()
 
     def prefill_kernel(kernel, *a, **kw):
         gpu.packs += 1
@@ -164,6 +170,8 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
         mp.setattr(select, "_sm_count_and_l2", lambda dev: (132, 50 << 20))
         mp.setattr(packing, "prefill_kernel", prefill_kernel)
         mp.setattr(geometry, "transpose_v_kernel", lambda dev: vt)
+        mp.setattr(geometry, "rope_gather_kernel", lambda dev: gather)
+        mp.setattr(packing, "rows_on", lambda shape, sp: host_cupy(np.zeros(max(int(np.prod(shape)), 1), np.uint8)))
         mp.setattr(packing, "tile_counter", lambda dev, sp: 0x7000 + (sp & 0xff) * 8)
         mp.setattr(tma, "_driver", lambda: encode)
         if record:

@@ -116,8 +116,11 @@ template <class V> constexpr int kKScalesOffset = V::kNopeBlocks * kBlk + kRopeB
 template <class V> constexpr int kKBytes = kKScalesOffset<V> + (V::kFp8 ? 1024 : 0);
 template <class V> constexpr int kVBytes = V::kNopeBlocks * kBlk;
 template <class V> constexpr int kPvSteps = V::kFp8 ? kBlockN / 32 : kBlockN / 16;  // wgmma k-steps of O
-// A rope warp writes the rope rows into the K stages (paged cache or fp8 rope).
+// A rope warp flags each key tile's unreadable keys (paged cache) and writes an fp8 rope's rows
+// dequantized into the K stages; every other rope (plain, or a paged 16-bit one gathered into key
+// rows before the launch: rope_gather.cu) comes by warp 0's TMA.
 template <class V, bool kPaged> constexpr bool kRopeWarp = kPaged || V::kRope8;
+template <class V> constexpr bool kRopeByTma = !V::kRope8;
 
 // ---------------------------------------------------------------------------------------------
 // Switches: alternative code paths kept for same-process A/B measurements (benchmarks/ab.py,

@@ -12,7 +12,7 @@ namespace sm90 {
 // the variant (the kernel casts them).
 #define MLA_SM90_PARAMS(X)                                                                          \
   /* TMA maps: q (fp8: e4m3 q_nope), k (fp8: e4m3 k), v (fp8: the e4m3 V^T of the pre-pass), the  */ \
-  /* rope (plain k_rope, or the paged cache as [blocks][page slots][64]), q_rope and the key      */ \
+  /* rope (k_rope, or the key rows of a paged 16-bit rope's gather), q_rope and the key          */ \
   /* scales (fp8 per token); unused maps are zero                                                  */ \
   X(TensorMap, tm_q) X(TensorMap, tm_k) X(TensorMap, tm_v) X(TensorMap, tm_rope) X(TensorMap, tm_q_rope)      \
   X(TensorMap, tm_k_scales)                                                                         \
@@ -21,9 +21,10 @@ namespace sm90 {
   /* the ragged batch (tile_scheduler.cuh: SeqOffsets) */                                           \
   X(const u32*, q_offsets) X(const u32*, kv_begin) X(const u32*, kv_end) X(const u32*, cache_offsets)        \
   X(const i64*, q_start_pos)                                                                        \
-  /* the rope source (rope_source.cuh: RopeArgs), and the rows of one paged TMA box (0: gather) */   \
+  /* the rope source (rope_source.cuh: RopeArgs): a paged cache's table (the rope warp's flags),  */ \
+  /* an fp8 rope's rows                                                                          */ \
   X(const void*, rope_base) X(i64, rope_row_stride) X(i64, rope_block_stride) X(const u32*, lookup)          \
-  X(i64, lookup_stride) X(int, log2_page_size) X(u32, num_blocks) X(u32, max_pages) X(int, rope_box_rows)    \
+  X(i64, lookup_stride) X(int, log2_page_size) X(u32, num_blocks) X(u32, max_pages)                          \
   /* the work: heads, L2 sections of heads, sequences, query blocks of the longest sequence */      \
   X(int, num_heads) X(int, heads_per_section) X(int, batch) X(int, num_m_blocks)                    \
   /* softmax scale times log2(e), the mask's argument, merge into out / lse (chunked prefill) */     \

@@ -1,8 +1,9 @@
 // The producer roles: one thread of warp 0 takes the work tiles (scheduler.cuh) and issues the TMA
 // copies of each one's K and V tiles into the ring of V::kStages stages, K and V with their own
-// full / empty mbarriers so that K of tile t+1 can load while V of tile t is in use. With a plain
-// 16-bit rope the K stage's rope block comes from its own map over k_rope, shared by every head;
-// otherwise the rope warp (rope_warp.cuh) writes it. The Q warp (kQWarp) loads each consumer's 64
+// full / empty mbarriers so that K of tile t+1 can load while V of tile t is in use. With a 16-bit
+// rope the K stage's rope block comes from its own map, shared by every head: over k_rope, or over
+// the key rows a paged cache's rope was gathered into (rope_gather.cu); an fp8 rope's rows are
+// written by the rope warp (rope_warp.cuh). The Q warp (kQWarp) loads each consumer's 64
 // Q rows on their own barriers, once that consumer is done with its previous rows: a consumer that
 // finishes a work tile first starts the next one while the other still runs its last P V and its
 // epilogue (the K/V ring, which both release, bounds how far it runs ahead).
@@ -19,13 +20,13 @@ template <class V, class Mask, bool kPaged>
 __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm, const TileHandout& sched,
                                               const Mask& mask) {
   constexpr int kS = V::kStages;
-  constexpr bool kRW = kRopeWarp<V, kPaged>;
+  constexpr bool kRopeTma = kRopeByTma<V>;
   static_assert(!(V::kRopeE4m3 && kPaged), "an e4m3 rope under the per-token scales is plain only");
   // K stage bytes that arrive by TMA (k_full's expect_tx; a box past the tensor's end counts in
-  // full, its missing rows zero-filled): the nope block(s), the rope block when plain (16 KiB of
-  // 16-bit rows, or 8 KiB of e4m3 rows), the key scales (fp8). Q's expect_tx is kQBytes: its nope
+  // full, its missing rows zero-filled): the nope block(s), the rope block unless the rope warp
+  // writes it (16 KiB of 16-bit rows, or 8 KiB of e4m3 rows), the key scales (fp8). Q's expect_tx is kQBytes: its nope
   // block(s) and its rope block, by the same rule.
-  constexpr int kKTxBytes = V::kNopeBlocks * kBlk + (kRW ? 0 : kRopeBytes<V>) + (V::kFp8 ? kScaleBox * 4 : 0);
+  constexpr int kKTxBytes = V::kNopeBlocks * kBlk + (kRopeTma ? kRopeBytes<V> : 0) + (V::kFp8 ? kScaleBox * 4 : 0);
   int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
   int idx = blockIdx.x;
   for (int n = 0;; ++n) {
@@ -45,7 +46,7 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
         mbar_expect_tx(sm.k_full(s), kKTxBytes);
         for (int c = 0; c < V::kNopeBlocks; ++c)
           tma_load_3d(sm.k(s) + c * kBlk, &p.tm_k, sm.k_full(s), c * kColBlock, w.h, row);
-        if (!kRW) tma_load_2d(sm.rope(s), &p.tm_rope, sm.k_full(s), 0, row);
+        if (kRopeTma) tma_load_2d(sm.rope(s), &p.tm_rope, sm.k_full(s), 0, row);
         if (V::kFp8) tma_load_1d(sm.k_scales(s), &p.tm_k_scales, sm.k_full(s), row & ~3);  // 16-byte aligned start
         mbar_wait(sm.v_empty(s), empty_parity);
         mbar_expect_tx(sm.v_full(s), kVBytes<V>);

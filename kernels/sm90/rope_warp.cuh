@@ -1,18 +1,13 @@
-// The rope warp (warp 1, with a paged cache or an fp8 rope): writes each key tile's rope rows into
-// the rope block of its K stage, alongside warp 0's TMA of the nope blocks; its 32 lanes' arrivals
-// (one each, after the tile's flags) and warp 0's expect_tx complete the stage's k_full: 1 + 32
-// per phase. Three ways:
-//  * paged 16-bit cache, work tile whose keys start on a multiple of rope_box_rows (min(page size,
-//    128); 0 when the cache has no tensor map; rope_by_boxes): one TMA box per rope_box_rows keys
-//    from tm_rope (the cache as [num_blocks][page_size][64]), never crossing a page; an unreadable
-//    page's box reads block 0 instead (its keys are masked); lane 0's arrival expects the bytes;
-//  * other 16-bit work tiles: a cp.async gather row by row, unreadable rows zero-filled; each lane
-//    waits for its copies and issues fence.proxy.async before it arrives (generic-proxy writes
-//    read by wgmma through the async proxy), so the consumers never fence;
-//  * fp8 rope (plain or paged): each lane loads its rows' 64 e4m3 bytes and scale, stores them
-//    dequantized to the 16-bit type, and fences them.
-// A tile with an unreadable key (a bad block id) is flagged kTileUnreadable, with a readable bit per
-// key (a ballot per 32 rows), and the consumers mask its unreadable keys.
+// The rope warp (warp 1, with a paged cache or an fp8 rope). Per key tile, after its K stage is
+// free: the tile's flags (a tile with a key it cannot read, a block id outside the cache or a page
+// past the table, is flagged kTileUnreadable, with a readable bit per key: a ballot per 32 rows;
+// the consumers mask its unreadable keys), then with an fp8 rope (plain or paged) the rows: each
+// lane loads its rows' 64 e4m3 bytes and scale, stores them dequantized to the 16-bit type into the
+// stage's rope block and fences them (generic-proxy writes read by wgmma through the async proxy),
+// so the consumers never fence. A paged 16-bit rope's rows come by warp 0's TMA from the key rows
+// rope_gather.cu wrote before the launch: one box per tile whatever the page size, the page-table
+// reads (for the flags) off the loads' path. Its 32 lanes' arrivals (one each, after the flags
+// and rows) and warp 0's expect_tx complete the stage's k_full: 1 + 32 per phase.
 #pragma once
 #include "../rope_source.cuh"
 #include "config.cuh"
@@ -22,14 +17,6 @@
 
 namespace mla {
 namespace sm90 {
-
-// Whether a paged 16-bit rope goes by TMA boxes (else by a cp.async gather) for a work tile whose
-// first key sits at cache position `pos0`: the cache has a tensor map and the keys start on a box
-// boundary. The tiles of a work tile are 128 keys apart and boxes divide 128, so the answer holds
-// for all of them.
-__device__ __forceinline__ bool rope_by_boxes(const Params& p, i64 pos0) {
-  return p.rope_box_rows > 0 && (pos0 & (p.rope_box_rows - 1)) == 0;
-}
 
 template <class V, bool kPaged>
 __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& sm, const TileHandout& sched) {
@@ -57,7 +44,6 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
       }
     };
     if (k.num_tiles > 0) lookup_rows(0);
-    const bool boxes = kPaged && !V::kRope8 && rope_by_boxes(p, w.k_pos0 + k.n_begin);
     for (int t = 0; t < k.num_tiles; ++t, ++it) {
       const int s = it % kS;
       const int n0 = k.n_begin + t * kBlockN;
@@ -104,34 +90,8 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
         }
         fence_proxy_async();  // the dequantized rows, visible to wgmma
         mbar_arrive(sm.k_full(s));
-      } else if (boxes) {
-        // Rows past the span stay as they are: their scores are masked. Lane 0's arrival carries
-        // the boxes' bytes; the phase cannot complete before they land.
-        const int nbox = (rows + p.rope_box_rows - 1) / p.rope_box_rows;
-        if (lane == 0) mbar_expect_tx(sm.k_full(s), nbox * p.rope_box_rows * 128);
-        else mbar_arrive(sm.k_full(s));
-#pragma unroll
-        for (int i = 0; i < kRopeRows; ++i) {
-          const int x = lane + 32 * i;
-          if (x < rows && (x & (p.rope_box_rows - 1)) == 0)
-            tma_load_3d(dst + x * 128, &p.tm_rope, sm.k_full(s), 0, Paged::slot(ra, t0 + x),
-                        ok_row[i] ? static_cast<int>(blk[i]) : 0);
-        }
       } else {
-        // 8 chunks of 16 bytes per row, written in the 128-byte swizzle (chunk c of row x at chunk
-        // c ^ (x % 8)), unreadable rows zero-filled. The lane waits for its own copies and fences
-        // them before it arrives (CUTLASS's cp.async-to-wgmma order), so the consumers never fence.
-#pragma unroll
-        for (int i = 0; i < kRopeRows; ++i) {
-          const int x = lane + 32 * i;
-          const bool ok = ok_row[i];
-          const T* src = ok ? Paged::at<T>(ra, blk[i], t0 + x) : static_cast<const T*>(p.rope_base);
-#pragma unroll
-          for (int c = 0; c < 8; ++c) cp_async_16(dst + x * 128 + ((c ^ (x & 7)) << 4), src + c * 8, ok);
-        }
-        cp_async_wait_all();
-        fence_proxy_async();
-        mbar_arrive(sm.k_full(s));
+        mbar_arrive(sm.k_full(s));  // the flags only: the rows come by warp 0's TMA
       }
       if (t + 1 < k.num_tiles) lookup_rows(t + 1);
     }
