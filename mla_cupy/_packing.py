@@ -26,6 +26,7 @@ LOG2E = 1.4426950408889634
 _GRID_Y_MAX = 65535  # the largest gridDim.y (the gather's kernel strides over more sequences)
 _U64 = struct.Struct("<Q")
 _MAPS_MAX = 1024  # pointer sets whose tensor maps are remembered per layout
+_ROWS_STREAMS_MAX = 64  # streams whose gathered rope rows a record keeps
 
 
 class Record:
@@ -36,7 +37,7 @@ class Record:
 
     __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "maps_max", "vt", "vt_fields", "align",
                  "counter", "map_field", "q_start_field", "last_maps", "last_stream", "gather", "gather_fields",
-                 "rows_bytes")
+                 "rows_bytes", "rows")
 
     def __init__(self, launch: Optional[PreparedLaunch], ptr_fields, align, map_slots=None, make_maps=None, vt=None,
                  vt_fields=(), counter=None, map_field=None, q_start_field=None, gather=None, gather_fields=(),
@@ -44,9 +45,10 @@ class Record:
         self.launch, self.ptr_fields, self.align = launch, ptr_fields, align
         self.map_slots, self.make_maps, self.maps, self.maps_max = map_slots, make_maps, {}, _MAPS_MAX
         self.vt, self.vt_fields = vt, vt_fields
-        # Hopper, paged 16-bit rope: the gather into key rows (rows_bytes, allocated per launch) and
-        # its pointer fields besides the rows' (its "dst", the last of gather_fields)
+        # Hopper, paged 16-bit rope: the gather into key rows of rows_bytes, its pointer fields
+        # besides the rows' ("dst"), and the rows of each stream it launched on
         self.gather, self.gather_fields, self.rows_bytes = gather, gather_fields, rows_bytes
+        self.rows: Dict[int, Any] = {}
         self.counter = counter  # Hopper: (byte offset of tile_counter, device), set per stream at launch
         self.map_field = map_field  # Hopper: the first of the consecutive tensor-map fields
         self.q_start_field = q_start_field
@@ -228,9 +230,10 @@ def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] 
     """Check the pointers' alignment, rewrite them (and the tensor maps they key) into the record's
     launches, and launch on stream ``sp``; ``q_start``: the ``q_start_pos`` pointer of this launch
     (a widened copy made per call) instead of the packed one. A paged 16-bit rope's key rows are
-    allocated here for the launch (``new_rows(shape, sp)``, default CuPy's pool on ``sp``) and
-    returned when the kernels are enqueued (the pools reuse them in stream order). One thread at a
-    time per record."""
+    the record's own per stream, allocated by its first launch on ``sp`` (``new_rows(shape, sp)``,
+    default CuPy's pool on ``sp``) and kept: launches on one stream reuse them in order, launches
+    on different streams never share them, and a graph captured on ``sp`` reads rows that stay
+    allocated while the record lives. One thread at a time per record."""
     acc = 0
     for i in rec.align:
         acc |= ptrs[i]
@@ -245,9 +248,13 @@ def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] 
         _U64.pack_into(mem, off, ptrs[i] + add)
     if q_start is not None:
         _U64.pack_into(mem, rec.q_start_field, q_start)
-    rows = rows_ptr = 0
+    rows_ptr = 0
     if rec.gather is not None:
-        rows = (new_rows or rows_on)((rec.rows_bytes,), sp)  # alive until both launches are enqueued
+        rows = rec.rows.get(sp)
+        if rows is None:
+            if len(rec.rows) >= _ROWS_STREAMS_MAX:
+                rec.rows.clear()
+            rows = rec.rows[sp] = (new_rows or rows_on)((rec.rows_bytes,), sp)
         rows_ptr = device_pointer(rows)
         gmem = rec.gather._mem
         for off, i, add in rec.gather_fields:
@@ -274,11 +281,10 @@ def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] 
     if rec.gather is not None:
         rec.gather.launch(sp)
     launch.launch(sp)
-    del rows  # back to its pool: reused in stream order, after these kernels
 
 
 def rows_on(shape, sp: int):
-    """A paged rope's key rows for one launch: ``prod(shape)`` bytes from CuPy's pool on stream ``sp``."""
+    """A paged rope's key rows: ``prod(shape)`` bytes from CuPy's pool on stream ``sp``."""
     from ._arrays import cupy_stream
 
     with cupy_stream(sp):

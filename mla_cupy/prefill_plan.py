@@ -399,8 +399,8 @@ def call_record(p: Problem, offsets: Offsets, kernel: str, arrays: tuple, stream
     """The launch record of one checked call (:func:`mla_cupy.mla_prefill`, the chunks of
     :func:`mla_cupy.mla_prefill_chunked`) on the current device: its layout is ``p``, already
     checked with its device arrays ``arrays`` (in :data:`SLOTS` order; the fp8 variant's with its
-    workspace). The record keeps no reference to an array; ``maps_max`` bounds the tensor maps it
-    remembers."""
+    workspace). The record keeps no reference to an array of the call (only its own rows of a
+    paged rope, per stream); ``maps_max`` bounds the tensor maps it remembers."""
     from ._select import device_id
 
     dev = device_id()

@@ -17,9 +17,10 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256, 512])
 @pytest.mark.parametrize("offsets", ["unaligned", "aligned"])
 def test_paged_equals_plain_bit_for_bit(page_size, kernel, offsets):
-    """Unaligned cache offsets: the Hopper kernel gathers most key tiles row by row; aligned ones
-    (multiples of every page size): it copies whole page runs by TMA, with spans ending mid-tile
-    and mid-page (the table's unused entries are out of range on purpose)."""
+    """Keys off page boundaries (unaligned cache offsets) and on them (multiples of every page
+    size), with spans ending mid-tile and mid-page (the table's unused entries are out of range on
+    purpose): bit for bit the plain rope's result (on Hopper the rope is gathered into key rows
+    first, kernels/rope_gather.cu)."""
     import cupy as cp
 
     co = [5, 0, 1000] if offsets == "unaligned" else [0, 512, 1024]
@@ -32,6 +33,40 @@ def test_paged_equals_plain_bit_for_bit(page_size, kernel, offsets):
     paged = mla_cupy.mla_prefill(*args, cache, d["valid_length"], d["cache_row_offsets"], cache_offsets=d["cache_offsets"], kernel=kernel)
     np.testing.assert_array_equal(paged.get().view(np.uint16), plain.get().view(np.uint16))
     run_and_check(c, k_rope=cache, ref_k_rope=PagedKVCache(blocks, lut, page_size), kernel=kernel)
+
+
+@kernels
+def test_paged_rope_in_a_captured_graph(kernel):
+    """A paged call captured in a CUDA graph on its stream replays bit for bit the eager result
+    after the pages change, with other calls (other streams, other rows) in between: the Hopper
+    kernel's gathered rows belong to the launch record and its stream, not to one call."""
+    import cupy as cp
+
+    c = make_case([70, 9], [300, 40], 16, BF16, seed=21, cache_offsets=[32, 0])
+    blocks, lut = build_paged(c, 16, seed=22)
+    d = upload(c)
+    cache = PagedKVCache(cp.asarray(blocks), cp.asarray(lut), 16)
+    args = (d["q"], d["k"], d["v"], cache, d["valid_length"], d["cache_row_offsets"])
+    kw = dict(cache_offsets=d["cache_offsets"], q_max_seq_len=70, validate=False, kernel=kernel)
+    out = cp.full((c.q.shape[0], 16, 128), np.nan, dtype=BF16)
+    s = cp.cuda.Stream(non_blocking=True)
+    mla_cupy.mla_prefill(*args, out=out, stream=s, **kw)  # compiles and packs outside the capture
+    with s:
+        s.begin_capture()
+        mla_cupy.mla_prefill(*args, out=out, stream=s, **kw)
+        g = s.end_capture()
+    for seed in (23, 24):
+        cache.blocks[...] = cp.asarray(np.random.default_rng(seed).standard_normal(blocks.shape, np.float32)
+                                       .astype(BF16))
+        other = cp.cuda.Stream(non_blocking=True)
+        busy = [mla_cupy.mla_prefill(*args, stream=other, **kw) for _ in range(2)]  # another stream's rows
+        out.fill(np.nan)
+        g.launch(s)
+        s.synchronize()
+        other.synchronize()
+        eager = mla_cupy.mla_prefill(*args, **kw)
+        np.testing.assert_array_equal(out.get().view(np.uint16), eager.get().view(np.uint16))
+        np.testing.assert_array_equal(busy[-1].get().view(np.uint16), eager.get().view(np.uint16))
 
 
 @kernels

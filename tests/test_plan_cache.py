@@ -347,10 +347,10 @@ def test_paged_rope(gpu):
         call(d, k_rope=other, q_max_seq_len=5)
 
 
-def test_a_paged_rope_is_gathered_into_key_rows_per_call(gpu, monkeypatch):
-    """Hopper: each paged call launches the gather (its cache, table, offsets and this call's key
-    rows) and then the prefill, whose rope map reads those rows as a plain [Tk, 64] rope; the
-    portable kernel reads the pages itself."""
+def test_a_paged_rope_is_gathered_into_key_rows_of_each_stream(gpu, monkeypatch):
+    """Hopper: each paged call launches the gather (its cache, table, offsets and key rows of the
+    call's stream, allocated by the first call on it and kept) and then the prefill, whose rope
+    map reads those rows as a plain [Tk, 64] rope; the portable kernel reads the pages itself."""
     from mla_cupy import _packing
 
     d = arrays(sk=(40, 3))
@@ -359,21 +359,24 @@ def test_a_paged_rope_is_gathered_into_key_rows_per_call(gpu, monkeypatch):
     rows, new_rows = [], _packing.rows_on
     monkeypatch.setattr(_packing, "rows_on", lambda shape, sp: rows.append(new_rows(shape, sp)) or rows[-1])
     tk = int(d["k"].shape[0])
-    for n in range(1, 3):
-        call(d, k_rope=cache, q_max_seq_len=5)
+    own = {}  # stream -> its rows' address
+    for n, stream in enumerate([101, 101, 102, 101], 1):
+        call(d, k_rope=cache, q_max_seq_len=5, stream=stream)
         if gpu.capability != "90":
             assert [pl.pack.names[0] for pl, _, _ in gpu.launches] == ["q"] * n and not rows
             continue
-        (g, _, g_raw), (pl, _, raw) = gpu.launches[-2:]
+        (g, gs, g_raw), (pl, ps, raw) = gpu.launches[-2:]
         gv = np.frombuffer(g_raw, g.pack.dtype, count=1)[0]
-        assert len(rows) == n and rows[-1].nbytes == tk * 128  # this call's own rows
-        assert int(gv["dst"]) == rows[-1].data.ptr and int(gv["tk"]) == tk
+        assert gs == ps == stream
+        assert own.setdefault(stream, int(gv["dst"])) == int(gv["dst"])  # a stream keeps its rows
+        assert len(rows) == len(own) == len(set(own.values())) and rows[-1].nbytes == tk * 128
+        assert own[stream] in [r.data.ptr for r in rows] and int(gv["tk"]) == tk
         assert int(gv["rope_base"]) == cache.blocks.data.ptr and int(gv["lookup"]) == cache.lookup_table.data.ptr
         assert int(gv["kv_begin"]) == d["cache_row_offsets"].data.ptr and int(gv["batch"]) == 2
         assert int(gv["log2_page_size"]) == 4 and int(gv["num_blocks"]) == blocks.shape[0]
         assert g.grid[0] * g.grid[1] * 16 >= tk  # about one row per thread
         words = np.frombuffer(gpu.values()["tm_rope"].tobytes(), np.uint64)
-        assert (int(words[0]), int(words[2]), int(words[3]), int(words[6])) == (rows[-1].data.ptr, 64, tk, 128)
+        assert (int(words[0]), int(words[2]), int(words[3]), int(words[6])) == (own[stream], 64, tk, 128)
         assert int(gpu.values()["lookup"]) == cache.lookup_table.data.ptr  # the rope warp's flags
 
 
