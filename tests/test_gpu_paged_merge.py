@@ -58,9 +58,10 @@ def test_paged_rope_in_a_captured_graph(kernel):
     for seed in (23, 24):
         cache.blocks[...] = cp.asarray(np.random.default_rng(seed).standard_normal(blocks.shape, np.float32)
                                        .astype(BF16))
+        out.fill(np.nan)
+        cp.cuda.Device().synchronize()  # the streams below do not wait for the default stream
         other = cp.cuda.Stream(non_blocking=True)
         busy = [mla_cupy.mla_prefill(*args, stream=other, **kw) for _ in range(2)]  # another stream's rows
-        out.fill(np.nan)
         g.launch(s)
         s.synchronize()
         other.synchronize()
