@@ -37,7 +37,7 @@ class Record:
 
     __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "maps_max", "vt", "vt_fields", "align",
                  "counter", "map_field", "q_start_field", "last_maps", "last_stream", "gather", "gather_fields",
-                 "rows_bytes", "rows")
+                 "rows_bytes", "rows", "keep_rows")
 
     def __init__(self, launch: Optional[PreparedLaunch], ptr_fields, align, map_slots=None, make_maps=None, vt=None,
                  vt_fields=(), counter=None, map_field=None, q_start_field=None, gather=None, gather_fields=(),
@@ -46,9 +46,11 @@ class Record:
         self.map_slots, self.make_maps, self.maps, self.maps_max = map_slots, make_maps, {}, _MAPS_MAX
         self.vt, self.vt_fields = vt, vt_fields
         # Hopper, paged 16-bit rope: the gather into key rows of rows_bytes, its pointer fields
-        # besides the rows' ("dst"), and the rows of each stream it launched on
+        # besides the rows' ("dst"), and (keep_rows: a plan's record) the rows of each stream it
+        # launched on; without keep_rows (the plan cache's records) each launch allocates its own
         self.gather, self.gather_fields, self.rows_bytes = gather, gather_fields, rows_bytes
         self.rows: Dict[int, Any] = {}
+        self.keep_rows = True
         self.counter = counter  # Hopper: (byte offset of tile_counter, device), set per stream at launch
         self.map_field = map_field  # Hopper: the first of the consecutive tensor-map fields
         self.q_start_field = q_start_field
@@ -229,11 +231,13 @@ def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] 
                   new_rows: Optional[Callable] = None) -> None:
     """Check the pointers' alignment, rewrite them (and the tensor maps they key) into the record's
     launches, and launch on stream ``sp``; ``q_start``: the ``q_start_pos`` pointer of this launch
-    (a widened copy made per call) instead of the packed one. A paged 16-bit rope's key rows are
-    the record's own per stream, allocated by its first launch on ``sp`` (``new_rows(shape, sp)``,
-    default CuPy's pool on ``sp``) and kept: launches on one stream reuse them in order, launches
-    on different streams never share them, and a graph captured on ``sp`` reads rows that stay
-    allocated while the record lives. One thread at a time per record."""
+    (a widened copy made per call) instead of the packed one. A paged 16-bit rope's key rows come
+    from ``new_rows(shape, sp)`` (default CuPy's pool on ``sp``): a plan's record keeps those of
+    each stream from its first launch there (launches on one stream reuse them in order, launches
+    on different streams never share them, a graph captured on ``sp`` reads rows that stay
+    allocated while the plan lives); any other record allocates them per launch and lets them go
+    once the kernels are enqueued (the pools reuse them in stream order). One thread at a time per
+    record."""
     acc = 0
     for i in rec.align:
         acc |= ptrs[i]
@@ -248,13 +252,16 @@ def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] 
         _U64.pack_into(mem, off, ptrs[i] + add)
     if q_start is not None:
         _U64.pack_into(mem, rec.q_start_field, q_start)
+    rows = None
     rows_ptr = 0
     if rec.gather is not None:
         rows = rec.rows.get(sp)
         if rows is None:
-            if len(rec.rows) >= _ROWS_STREAMS_MAX:
-                rec.rows.clear()
-            rows = rec.rows[sp] = (new_rows or rows_on)((rec.rows_bytes,), sp)
+            rows = (new_rows or rows_on)((rec.rows_bytes,), sp)
+            if rec.keep_rows:
+                if len(rec.rows) >= _ROWS_STREAMS_MAX:
+                    rec.rows.clear()
+                rec.rows[sp] = rows
         rows_ptr = device_pointer(rows)
         gmem = rec.gather._mem
         for off, i, add in rec.gather_fields:
@@ -281,6 +288,7 @@ def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] 
     if rec.gather is not None:
         rec.gather.launch(sp)
     launch.launch(sp)
+    del rows  # a per-launch allocation goes back to its pool: reused in stream order, after these kernels
 
 
 def rows_on(shape, sp: int):

@@ -39,8 +39,8 @@ class CallEntry:
         The problem the checks returned (its ``max_sq`` read from the offsets when the call did not
         bound it: a call then reads them and uses the entry only when they give the same maximum).
     record : Record
-        The packed launch; it keeps no reference to any array of a call (a paged rope's gathered
-        rows are its own, per stream).
+        The packed launch; it keeps no reference to any array (a paged rope's gathered rows are
+        allocated per launch).
     align : tuple of int
         The slots (:data:`~mla_cupy._run_args.SLOTS`) whose data must start 16-byte aligned, as the
         checks of the call require: a call with a misaligned pointer is checked again (and hears

@@ -261,8 +261,7 @@ def _launch_new(p: Problem, arrays: tuple, offsets: Offsets, kernel: str, accumu
 def _launch_cached(entry: CallEntry, ptrs: list, sp: int, q_start: Optional[int] = None, new_workspace=None) -> None:
     """Launch a cached entry on the pointers ``ptrs`` (:data:`SLOTS` order first), with the fp8
     variant's workspace of the call allocated here (``new_workspace(shape, sp)``, default CuPy's
-    pool) when the entry takes one per call, and by the same allocator a paged rope's key rows on
-    the entry's first launch on stream ``sp``."""
+    pool) when the entry takes one per call, and by the same allocator a paged rope's key rows."""
     ws = None
     if entry.workspace_shape is not None:
         ws = (new_workspace or workspace_on)(entry.workspace_shape, sp)
@@ -278,7 +277,7 @@ def cached_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask
     else ``(False, key)`` with the key to keep its record under (None: not to be kept). Takes the
     arguments of :func:`checked_call`, as the caller passed them (CuPy arrays, torch tensors...);
     ``new_workspace(shape, stream_ptr)`` allocates the fp8 variant's per-call workspace (and a
-    paged rope's key rows, kept by the entry per stream).
+    paged rope's key rows).
 
     The key holds everything the checks and the record depend on: the variant (16-bit or fp8; v
     given as V^T, a :class:`~mla_cupy.fp8.TransposedV`, with its key count, its data's layout in

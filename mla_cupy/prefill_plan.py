@@ -399,13 +399,14 @@ def call_record(p: Problem, offsets: Offsets, kernel: str, arrays: tuple, stream
     """The launch record of one checked call (:func:`mla_cupy.mla_prefill`, the chunks of
     :func:`mla_cupy.mla_prefill_chunked`) on the current device: its layout is ``p``, already
     checked with its device arrays ``arrays`` (in :data:`SLOTS` order; the fp8 variant's with its
-    workspace). The record keeps no reference to an array of the call (only its own rows of a
-    paged rope, per stream); ``maps_max`` bounds the tensor maps it remembers."""
+    workspace). The record keeps no reference to an array (a paged rope's rows are allocated per
+    launch); ``maps_max`` bounds the tensor maps it remembers."""
     from ._select import device_id
 
     dev = device_id()
     target = Target(_kernel_for(p, kernel, dev), dev, offsets, bool(accumulate), page_table, page_size, rope_offset)
     rec = pack(target, p, list(arrays), stream_ptr, lambda given, shape, sp: check_workspace(given, shape))
+    rec.keep_rows = False  # cached by the plan cache, many at once: no device memory held between calls
     if maps_max is not None:
         rec.maps_max = maps_max
     return rec

@@ -209,8 +209,8 @@ def _cupy_rope(rope):
 
 
 def _torch_workspace(device: torch.device):
-    """The fp8 variant's per-call V^T workspace and a paged rope's key rows (kept per stream by
-    the launch record), from torch's allocator (on its current stream)."""
+    """The fp8 variant's per-call V^T workspace and a paged rope's per-call key rows, from torch's
+    allocator (on its current stream)."""
     def new(shape, stream_ptr: int) -> Tensor:
         return torch.empty((max(math.prod(shape), 1),), dtype=torch.uint8, device=device)
     return new

@@ -36,24 +36,25 @@ def test_paged_equals_plain_bit_for_bit(page_size, kernel, offsets):
 
 
 @kernels
-def test_paged_rope_in_a_captured_graph(kernel):
-    """A paged call captured in a CUDA graph on its stream replays bit for bit the eager result
-    after the pages change, with other calls (other streams, other rows) in between: the Hopper
-    kernel's gathered rows belong to the launch record and its stream, not to one call."""
+def test_paged_rope_in_a_captured_plan_run(kernel):
+    """A paged plan's run captured in a CUDA graph on its stream replays bit for bit the eager
+    result after the pages change, with runs of the same plan on another stream in between: the
+    Hopper kernel's gathered rows are the plan's, one buffer per stream, kept."""
     import cupy as cp
 
     c = make_case([70, 9], [300, 40], 16, BF16, seed=21, cache_offsets=[32, 0])
     blocks, lut = build_paged(c, 16, seed=22)
     d = upload(c)
     cache = PagedKVCache(cp.asarray(blocks), cp.asarray(lut), 16)
-    args = (d["q"], d["k"], d["v"], cache, d["valid_length"], d["cache_row_offsets"])
-    kw = dict(cache_offsets=d["cache_offsets"], q_max_seq_len=70, validate=False, kernel=kernel)
+    pl = mla_cupy.plan(d["valid_length"], d["cache_row_offsets"], num_heads=16, dtype=BF16, q_max_seq_len=70,
+                       cache_offsets=d["cache_offsets"], page_table=cache.lookup_table, page_size=16, kernel=kernel)
+    args = (d["q"], d["k"], d["v"], cache)
     out = cp.full((c.q.shape[0], 16, 128), np.nan, dtype=BF16)
     s = cp.cuda.Stream(non_blocking=True)
-    mla_cupy.mla_prefill(*args, out=out, stream=s, **kw)  # compiles and packs outside the capture
+    pl.run(*args, out=out, stream=s)  # compiles, packs and allocates the stream's rows outside the capture
     with s:
         s.begin_capture()
-        mla_cupy.mla_prefill(*args, out=out, stream=s, **kw)
+        pl.run(*args, out=out, stream=s)
         g = s.end_capture()
     for seed in (23, 24):
         cache.blocks[...] = cp.asarray(np.random.default_rng(seed).standard_normal(blocks.shape, np.float32)
@@ -61,11 +62,12 @@ def test_paged_rope_in_a_captured_graph(kernel):
         out.fill(np.nan)
         cp.cuda.Device().synchronize()  # the streams below do not wait for the default stream
         other = cp.cuda.Stream(non_blocking=True)
-        busy = [mla_cupy.mla_prefill(*args, stream=other, **kw) for _ in range(2)]  # another stream's rows
+        busy = [pl.run(*args, stream=other) for _ in range(2)]  # the plan on another stream: its own rows
         g.launch(s)
         s.synchronize()
         other.synchronize()
-        eager = mla_cupy.mla_prefill(*args, **kw)
+        eager = mla_cupy.mla_prefill(*args, d["valid_length"], d["cache_row_offsets"], cache_offsets=d["cache_offsets"],
+                                     kernel=kernel)
         np.testing.assert_array_equal(out.get().view(np.uint16), eager.get().view(np.uint16))
         np.testing.assert_array_equal(busy[-1].get().view(np.uint16), eager.get().view(np.uint16))
 

@@ -347,10 +347,12 @@ def test_paged_rope(gpu):
         call(d, k_rope=other, q_max_seq_len=5)
 
 
-def test_a_paged_rope_is_gathered_into_key_rows_of_each_stream(gpu, monkeypatch):
-    """Hopper: each paged call launches the gather (its cache, table, offsets and key rows of the
-    call's stream, allocated by the first call on it and kept) and then the prefill, whose rope
-    map reads those rows as a plain [Tk, 64] rope; the portable kernel reads the pages itself."""
+@pytest.mark.parametrize("via", ["call", "plan"])
+def test_a_paged_rope_is_gathered_into_key_rows(gpu, monkeypatch, via):
+    """Hopper: each paged launch is the gather (cache, table, offsets, key rows) and then the
+    prefill, whose rope map reads those rows as a plain [Tk, 64] rope. One-shot calls allocate their
+    rows per call; a plan keeps one buffer per stream it runs on. The portable kernel reads the
+    pages itself."""
     from mla_cupy import _packing
 
     d = arrays(sk=(40, 3))
@@ -359,24 +361,33 @@ def test_a_paged_rope_is_gathered_into_key_rows_of_each_stream(gpu, monkeypatch)
     rows, new_rows = [], _packing.rows_on
     monkeypatch.setattr(_packing, "rows_on", lambda shape, sp: rows.append(new_rows(shape, sp)) or rows[-1])
     tk = int(d["k"].shape[0])
-    own = {}  # stream -> its rows' address
+    if via == "plan":
+        pl = mla_cupy.plan(d["valid_length"], d["cache_row_offsets"], num_heads=4, dtype=BF16, q_max_seq_len=5,
+                           page_table=cache.lookup_table, page_size=16, rope_offset=0)
+        run = lambda stream: pl.run(d["q"], d["k"], d["v"], cache, out=d["out"], stream=stream)
+    else:
+        run = lambda stream: call(d, k_rope=cache, q_max_seq_len=5, stream=stream)
+    kept = {}  # a plan's rows per stream
     for n, stream in enumerate([101, 101, 102, 101], 1):
-        call(d, k_rope=cache, q_max_seq_len=5, stream=stream)
+        run(stream)
         if gpu.capability != "90":
             assert [pl.pack.names[0] for pl, _, _ in gpu.launches] == ["q"] * n and not rows
             continue
-        (g, gs, g_raw), (pl, ps, raw) = gpu.launches[-2:]
+        (g, gs, g_raw), (_, ps, _) = gpu.launches[-2:]
         gv = np.frombuffer(g_raw, g.pack.dtype, count=1)[0]
+        dst = int(gv["dst"])
         assert gs == ps == stream
-        assert own.setdefault(stream, int(gv["dst"])) == int(gv["dst"])  # a stream keeps its rows
-        assert len(rows) == len(own) == len(set(own.values())) and rows[-1].nbytes == tk * 128
-        assert own[stream] in [r.data.ptr for r in rows] and int(gv["tk"]) == tk
+        if via == "plan":
+            assert kept.setdefault(stream, dst) == dst and len(rows) == len(kept) == len(set(kept.values()))
+        else:
+            assert len(rows) == n and dst == rows[-1].data.ptr  # this call's own
+        assert rows[-1].nbytes == tk * 128 and int(gv["tk"]) == tk
         assert int(gv["rope_base"]) == cache.blocks.data.ptr and int(gv["lookup"]) == cache.lookup_table.data.ptr
         assert int(gv["kv_begin"]) == d["cache_row_offsets"].data.ptr and int(gv["batch"]) == 2
         assert int(gv["log2_page_size"]) == 4 and int(gv["num_blocks"]) == blocks.shape[0]
         assert g.grid[0] * g.grid[1] * 16 >= tk  # about one row per thread
         words = np.frombuffer(gpu.values()["tm_rope"].tobytes(), np.uint64)
-        assert (int(words[0]), int(words[2]), int(words[3]), int(words[6])) == (own[stream], 64, tk, 128)
+        assert (int(words[0]), int(words[2]), int(words[3]), int(words[6])) == (dst, 64, tk, 128)
         assert int(gpu.values()["lookup"]) == cache.lookup_table.data.ptr  # the rope warp's flags
 
 
