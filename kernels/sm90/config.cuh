@@ -159,6 +159,12 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #define MLA_SM90_KSCALE_EARLY 1
 #endif
 
+// fp8: S_t issued beside P_{t-1} V_{t-1} and the softmax of tile t run while P V works (1), or
+// P V, then S, one wait for both (0: no tile t - 1 state across the softmax; mainloop.cuh: steps).
+#ifndef MLA_SM90_FP8_OVERLAP
+#define MLA_SM90_FP8_OVERLAP 1
+#endif
+
 // A work tile's last key tile as a half tile for a warpgroup that sees none of its second half
 // (consumer 0 on a causal diagonal): P V over 4 of its 8 k-steps, and S by m64n64 wgmma when it
 // is the work tile's only key tile (16-bit variants; mainloop.cuh).

@@ -220,27 +220,46 @@ struct Mainloop {
     wgmma_wait<0>();
   }
   // Key tiles t .. end - 1: S_t and P_{t-1} V_{t-1} in flight together; the softmax of S_t
-  // overlaps P V.
+  // overlaps P V. fp8 with MLA_SM90_FP8_OVERLAP 0: P_{t-1} V_{t-1}, then S_t, one wait for both,
+  // and the key scales read after it: nothing of tile t - 1 lives across the softmax of tile t
+  // (the register budget of a third consumer warpgroup; benchmarks/NOTES.md, "Known limits").
   template <int kMode>
   __device__ __forceinline__ void steps(Tile& x, float (&o)[kOTiles][4], OnlineSoftmax& smx, int& t, int end) {
     for (; t < end; ++t, ++it) {
       const int s = it % kS;
       const u32 parity = (it / kS) & 1;
-      if (kScalesEarly) wait_k(it), key_scales(x, t, it);
-      turn_wait();
-      issue_qk(x, it);
-      mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
-      issue_pv(x, o, x.prev_s);
-      turn_pass();
-      if (!kScalesEarly) key_scales(x, t, it);
-      wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
-      scores_to_p<kMode>(x, smx, t, it);
-      wgmma_wait<0>();
-      fence_operands(o);
-      fence_operands(x.pa);
-      TileHandout::release(sm.v_empty(x.prev_s));
-      OnlineSoftmax::rescale(o, x.corr);
-      pack_probabilities<V>(x.sacc, x.pa);
+      if constexpr (V::kFp8 && !MLA_SM90_FP8_OVERLAP) {
+        turn_wait();
+        mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
+        issue_pv(x, o, x.prev_s);
+        if (kScalesEarly) wait_k(it);
+        issue_qk(x, it);
+        turn_pass();
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(x.pa);
+        TileHandout::release(sm.v_empty(x.prev_s));
+        key_scales(x, t, it);
+        scores_to_p<kMode>(x, smx, t, it);
+        OnlineSoftmax::rescale(o, x.corr);
+        pack_probabilities<V>(x.sacc, x.pa);
+      } else {
+        if (kScalesEarly) wait_k(it), key_scales(x, t, it);
+        turn_wait();
+        issue_qk(x, it);
+        mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
+        issue_pv(x, o, x.prev_s);
+        turn_pass();
+        if (!kScalesEarly) key_scales(x, t, it);
+        wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
+        scores_to_p<kMode>(x, smx, t, it);
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(x.pa);
+        TileHandout::release(sm.v_empty(x.prev_s));
+        OnlineSoftmax::rescale(o, x.corr);
+        pack_probabilities<V>(x.sacc, x.pa);
+      }
       x.prev_s = s;
       x.prev_parity = parity;
     }
