@@ -36,7 +36,7 @@ namespace sm90 {
 // variant (row: Variant*::kId): dynamic shared memory in bytes, threads per CTA, query rows per
 // work tile, keys per key tile, floats of the fp8 key-scale box, rows of a Q box (one consumer's).
 constexpr int kGeometryFields = 6;
-#define MLA_SM90_GEOMETRY(V) kSmemBytes<V>, kThreads, kBlockM, kBlockN, kScaleBox, kWgRows
+#define MLA_SM90_GEOMETRY(V) kSmemBytes<V>, kThreads<V>, kBlockM<V>, kBlockN, kScaleBox, kWgRows
 __device__ const int kGeometry[kNumVariants][kGeometryFields] = {
     {MLA_SM90_GEOMETRY(Variant16<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantFp8)},
     {MLA_SM90_GEOMETRY(VariantFp8Rope<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantE4m3)}};
@@ -44,7 +44,7 @@ __device__ const int kGeometry[kNumVariants][kGeometryFields] = {
 static_assert(kSmemBytes<Variant16<__half>> == kSmemBytes<Variant16<__nv_bfloat16>>, "one row per variant");
 
 template <class V, typename OutT, typename Mask, bool kPaged>
-__global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kThreads<V>, 1) mla_prefill_kernel(const __grid_constant__ Params p) {
   constexpr bool kRW = kRopeWarp<V, kPaged>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Each role derives the shared-memory addresses itself, after its register reallocation: values
@@ -56,21 +56,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(const __grid_c
 
   if (threadIdx.x == 0) {  // one thread: no warp-wide shuffle in shared_storage
     const Smem<V> sm = shared_storage<V, false>(smem_raw);
-    for (int c = 0; c < kConsumers; ++c) {  // each consumer's Q rows: warp 2's expect_tx, that consumer's release
+    for (int c = 0; c < V::kConsumers; ++c) {  // each consumer's Q rows: warp 2's expect_tx, that consumer's release
       mbar_init(sm.q_full(c), 1);
-      mbar_init(sm.q_empty(c), kConsumerArrivals / kConsumers);
+      mbar_init(sm.q_empty(c), kConsumerArrivals<V> / V::kConsumers);
     }
     for (int s = 0; s < V::kStages; ++s) {
       // warp 0's expect_tx; with the rope warp also one arrival per lane (rope_warp.cuh)
       mbar_init(sm.k_full(s), kRW ? 1 + 32 : 1);
       mbar_init(sm.v_full(s), 1);
-      mbar_init(sm.k_empty(s), kConsumerArrivals);
-      mbar_init(sm.v_empty(s), kConsumerArrivals);
+      mbar_init(sm.k_empty(s), kConsumerArrivals<V>);
+      mbar_init(sm.v_empty(s), kConsumerArrivals<V>);
     }
     // readers of the work slots: the consumers, the Q warp and the rope warp (each one arrival, or
     // one per lane)
     constexpr int kWarpArrivals = MLA_SM90_ELECTED_ARRIVE ? 1 : 32;
-    scheduler(sm).init(kConsumerArrivals + kWarpArrivals + (kRW ? kWarpArrivals : 0));
+    scheduler(sm).init(kConsumerArrivals<V> + kWarpArrivals + (kRW ? kWarpArrivals : 0));
     fence_barrier_init();
   }
   __syncthreads();

@@ -10,17 +10,11 @@ namespace sm90 {
 constexpr int kDv = 128;                            // values and the per-head ("nope") part of q / k
 constexpr int kDr = 64;                             // the rope part every head shares
 constexpr int kDqk = kDv + kDr;                     // 192
-constexpr int kBlockM = 128;                        // query rows per work tile
 constexpr int kBlockN = 128;                        // keys per key tile
-static_assert(kBlockM == kBlockN, "Q and K/V tiles share the column-block size");
-constexpr int kConsumers = 2;                       // consumer warpgroups, 64 rows each
-constexpr int kWgRows = kBlockM / kConsumers;       // 64 = one wgmma M
-constexpr int kThreads = 128 * (1 + kConsumers);    // 384: the producer warpgroup and the consumers
-constexpr int kConsumerThreads = 128 * kConsumers;
-constexpr int kConsumerWarps = kConsumerThreads / 32;
+constexpr int kWgRows = 64;                         // query rows of a consumer warpgroup: one wgmma M
 constexpr int kQWarp = 2;                           // the producer warpgroup's Q loader (warp 1 may be the rope warp)
 constexpr int kColBlock = 64;                       // 16-bit elements per 128-byte swizzled column block
-constexpr int kBlk = kBlockN * 128;                 // one column block of a 128-row tile: 16 KiB
+constexpr int kBlk = kBlockN * 128;                 // one column block of a K or V tile: 16 KiB
 constexpr int kSTiles = kBlockN / 8;                // n-tiles of 8 keys in S (16)
 constexpr int kOTiles = kDv / 8;                    // n-tiles of 8 values in O (16)
 constexpr int kQkSteps = kDqk / 16;                 // 16-bit wgmma k-steps of S (12)
@@ -30,25 +24,22 @@ constexpr int kScaleBox = kBlockN + 4;
 constexpr int kKeyWords = kBlockN / 32;             // rope warp: a readable bit per key of a tile (key 32 w + b: word w, bit b)
 constexpr u32 kTileUnreadable = 1u;  // rope warp: the tile's flags word
 
-// Registers per thread after setmaxnreg (128 * (producer + 2 * consumer) <= 64 K). The producer
+// Registers per thread after setmaxnreg (128 * (producer + consumers * consumer) <= 64 K). The producer
 // warps need more than a bare TMA issuer's 24: warp 0 decodes the work tiles, takes them from the
 // counter and publishes them, the rope warp keeps a tile's page lookups in registers (at 56 ptxas
 // spills in the fp8 variants); the consumers need no more than 224 (no spills).
 constexpr int kProducerRegs = 72;
 constexpr int kConsumerRegs = 216;
-static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register budget");
 
-// Named barriers (0 is __syncthreads): both consumers after zeroing V rows, the consumers' turns
-// (kTurnBar + c: consumer c may issue its GEMMs), consumer c's output staging (kEpilogueBar + c).
+// Named barriers (0 is __syncthreads): the consumers after zeroing V rows, the consumers' turns
+// (kTurnBar + c: consumer c may issue its GEMMs), consumer c's output staging (kEpilogueBar<V> + c).
 constexpr int kVZeroBar = 1;
 constexpr int kTurnBar = 2;
-constexpr int kEpilogueBar = 4;
 
 // The epilogue's output staging (epilogue.cuh): per consumer, its 64 rows x 64 16-bit values (one
 // half of O's columns) at a time, 128 bytes a row.
 constexpr int kOutStageHalf = kDv / 2;                              // values of a row per pass
 constexpr int kOutStageRowBytes = kOutStageHalf * 2;                // 128
-constexpr int kOutStageBytes = kConsumers * kWgRows * kOutStageRowBytes;  // 16 KiB
 
 // ---------------------------------------------------------------------------------------------
 // Variants. Each is a traits type: the 16-bit element type, what Q K^T and P V read, the K/V ring
@@ -66,6 +57,7 @@ struct Variant16 {
   static constexpr int kNopeBlocks = 2;             // column blocks of a row's 128 nope values
   static constexpr int kStages = 2;
   static constexpr bool kPingpong = false;
+  static constexpr int kConsumers = 2;              // consumer warpgroups of kWgRows query rows
 };
 
 // fp8 per token: e4m3 q_nope, k and V^T (the pre-pass of transpose_v.cu) with float32 scales per
@@ -81,6 +73,7 @@ struct VariantFp8 {
   static constexpr int kNopeBlocks = 1;
   static constexpr int kStages = 3;
   static constexpr bool kPingpong = true;
+  static constexpr int kConsumers = 2;
 };
 
 // 16-bit q, k, v with an e4m3 rope and one float32 scale per key, dequantized by the rope warp:
@@ -103,6 +96,19 @@ struct VariantE4m3 : VariantFp8 {
 
 constexpr int kNumVariants = 4;
 
+// The work tile and the warpgroups of variant V: V::kConsumers consumer warpgroups of kWgRows rows
+// beside the producer warpgroup.
+template <class V> constexpr int kBlockM = kWgRows * V::kConsumers;  // query rows per work tile
+template <class V> constexpr int kThreads = 128 * (1 + V::kConsumers);
+template <class V> constexpr int kConsumerThreads = 128 * V::kConsumers;
+template <class V> constexpr int kConsumerWarps = kConsumerThreads<V> / 32;
+template <class V> constexpr int kQBlk = kBlockM<V> * 128;  // one column block of the Q tile
+template <class V> constexpr int kEpilogueBar = kTurnBar + V::kConsumers;
+template <class V> constexpr int kOutStageBytes = V::kConsumers * kWgRows * kOutStageRowBytes;  // 16 KiB for 2
+template <class V>
+constexpr bool kRegisterBudget = 128 * (kProducerRegs + V::kConsumers * kConsumerRegs) <= 65536;
+static_assert(kRegisterBudget<Variant16<__half>> && kRegisterBudget<VariantFp8>, "register budget");
+
 // Bytes of one tile in shared memory:
 //   Q: the nope block(s), then the rope block (q's last 64 values; q_rope in the fp8 variants);
 //   K: the nope block(s), then the rope block, then (fp8) the key scales in a 1 KiB slot;
@@ -111,7 +117,7 @@ constexpr int kNumVariants = 4;
 // (8 KiB, 64-byte swizzle: VariantE4m3). VariantE4m3: Q 24 KiB, K 25 KiB, V 16 KiB.
 template <class V> constexpr int kRopeRowBytes = V::kRopeE4m3 ? kDr : 2 * kDr;
 template <class V> constexpr int kRopeBytes = kBlockN * kRopeRowBytes<V>;
-template <class V> constexpr int kQBytes = V::kNopeBlocks * kBlk + kRopeBytes<V>;
+template <class V> constexpr int kQBytes = V::kNopeBlocks * kQBlk<V> + kBlockM<V> * kRopeRowBytes<V>;
 template <class V> constexpr int kKScalesOffset = V::kNopeBlocks * kBlk + kRopeBytes<V>;  // fp8: the key scales
 template <class V> constexpr int kKBytes = kKScalesOffset<V> + (V::kFp8 ? 1024 : 0);
 template <class V> constexpr int kVBytes = V::kNopeBlocks * kBlk;
@@ -173,7 +179,7 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #endif
 
 // Arrivals each consumer-released barrier expects: one per consumer warp, or one per thread.
-constexpr int kConsumerArrivals = MLA_SM90_ELECTED_ARRIVE ? kConsumerWarps : kConsumerThreads;
+template <class V> constexpr int kConsumerArrivals = MLA_SM90_ELECTED_ARRIVE ? kConsumerWarps<V> : kConsumerThreads<V>;
 
 }  // namespace sm90
 }  // namespace mla

@@ -44,7 +44,7 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& s
       const int lane = threadIdx.x % 32;
       const int cw = threadIdx.x / 128 - 1;
       const int wtid = threadIdx.x % 128;
-      const int bar = kEpilogueBar + cw;
+      const int bar = kEpilogueBar<V> + cw;
       const u32 stage = sm.at(sm.s.out_stage) + cw * (kWgRows * kOutStageRowBytes);
       const int wr0 = k.m0 + cw * kWgRows;  // the consumer's first row in the work tile
       MergeWeights mw[2];

@@ -82,10 +82,10 @@ struct Mainloop {
     if (cw == 1) turn_pass();
   }
   __device__ __forceinline__ void turn_wait() const {
-    if constexpr (V::kPingpong) named_barrier_sync(kTurnBar + cw, kConsumerThreads);
+    if constexpr (V::kPingpong) named_barrier_sync(kTurnBar + cw, kConsumerThreads<V>);
   }
   __device__ __forceinline__ void turn_pass() const {
-    if constexpr (V::kPingpong) named_barrier_arrive(kTurnBar + 1 - cw, kConsumerThreads);
+    if constexpr (V::kPingpong) named_barrier_arrive(kTurnBar + 1 - cw, kConsumerThreads<V>);
   }
   // After the last work tile: consumer 1's last pass, so every turn barrier ends balanced.
   __device__ __forceinline__ void finish() const {
@@ -137,7 +137,7 @@ struct Mainloop {
     if constexpr (V::kRopeE4m3) {
       // 4 e4m3 k-steps of 32 bytes over the nope block, then 2 over the rope block: 64-byte rows with
       // the 64-byte swizzle, this warpgroup's 64 Q rope rows 64 * 64 bytes into Q's rope block
-      const unsigned long long dqr = make_desc(sm.q() + kBlk + cw * kWgRows * kDr, 16, 512, kDescSwizzle64);
+      const unsigned long long dqr = make_desc(sm.q() + kQBlk<V> + cw * kWgRows * kDr, 16, 512, kDescSwizzle64);
       const unsigned long long dkr = make_desc(sm.rope(s), 16, 512, kDescSwizzle64);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(x.sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
@@ -148,7 +148,7 @@ struct Mainloop {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(x.sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) qk16<kHalf>(x.sacc, desc_add(dq, kBlk + kk * 32), desc_add(dr, kk * 32), 1);
+      for (int kk = 0; kk < 4; ++kk) qk16<kHalf>(x.sacc, desc_add(dq, kQBlk<V> + kk * 32), desc_add(dr, kk * 32), 1);
     } else {
 #pragma unroll
       for (int kk = 0; kk < kQkSteps; ++kk) {
@@ -156,7 +156,7 @@ struct Mainloop {
         // 128-byte swizzled row
         const u32 step = (kk % 4) * 32;
         const unsigned long long dkk = kk / 4 < 2 ? desc_add(dk, (kk / 4) * kBlk + step) : desc_add(dr, step);
-        qk16<kHalf>(x.sacc, desc_add(dq, (kk / 4) * kBlk + step), dkk, kk > 0);
+        qk16<kHalf>(x.sacc, desc_add(dq, (kk / 4) * kQBlk<V> + step), dkk, kk > 0);
       }
     }
     wgmma_commit();
@@ -326,16 +326,16 @@ struct Mainloop {
     if (valid < kBlockN) {
       const int tid = thread_index_here() - 128;  // 0 .. 255 across both consumers
       if constexpr (V::kFp8) {
-        zero_vt_keys_from(sm.v(last), valid, tid, kConsumerThreads);  // V^T: key columns
+        zero_vt_keys_from(sm.v(last), valid, tid, kConsumerThreads<V>);  // V^T: key columns
       } else {
-        for (int i = tid; i < (kBlockN - valid) * (kDv / 8); i += kConsumerThreads) {
+        for (int i = tid; i < (kBlockN - valid) * (kDv / 8); i += kConsumerThreads<V>) {
           const int r = valid + i / (kDv / 8);
           const int c = i % (kDv / 8);  // 16-byte chunk: block c / 8, chunk c % 8 of the row
           sts128(sm.v(last) + (c / 8) * kBlk + r * 128 + (c % 8) * 16, 0u, 0u, 0u, 0u);
         }
       }
       fence_proxy_async();
-      named_barrier_sync(kVZeroBar, kConsumerThreads);
+      named_barrier_sync(kVZeroBar, kConsumerThreads<V>);
     }
     if (kHalfTiles && half) last_pv<kHalfTiles>(x, o, last);
     else last_pv<false>(x, o, last);

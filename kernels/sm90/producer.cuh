@@ -67,7 +67,7 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
 // bytes (expect_tx kQBytes / 2). Work tiles without key tiles load nothing (the consumers skip them).
 template <class V>
 __device__ __forceinline__ void q_load(const Params& p, const Smem<V>& sm, const TileHandout& sched) {
-  static_assert(kQBytes<V> % kConsumers == 0, "equal halves");
+  static_assert(kQBytes<V> % V::kConsumers == 0, "equal shares");
   const bool leader = threadIdx.x % 32 == 0;
   int nq = 0;  // Q tiles loaded so far
   for (int n = 0;; ++n) {
@@ -77,17 +77,17 @@ __device__ __forceinline__ void q_load(const Params& p, const Smem<V>& sm, const
     if (k.num_tiles == 0) continue;
     const WorkTile& w = k.w;
     if (leader) {
-      for (int c = 0; c < kConsumers; ++c) {
+      for (int c = 0; c < V::kConsumers; ++c) {
         mbar_wait(sm.q_empty(c), (nq & 1) ^ 1);  // consumer c is done with its previous rows
-        mbar_expect_tx(sm.q_full(c), kQBytes<V> / kConsumers);
+        mbar_expect_tx(sm.q_full(c), kQBytes<V> / V::kConsumers);
         const int qrow = static_cast<int>(w.q_row0 + k.m0) + c * kWgRows;
         const u32 half = sm.q() + c * kWgRows * 128;  // 128-byte rows
         if constexpr (V::kFp8) {
           tma_load_3d(half, &p.tm_q, sm.q_full(c), 0, w.h, qrow);  // 128 e4m3 nope values
-          tma_load_3d(sm.q() + kBlk + c * kWgRows * kRopeRowBytes<V>, &p.tm_q_rope, sm.q_full(c), 0, w.h, qrow);
+          tma_load_3d(sm.q() + kQBlk<V> + c * kWgRows * kRopeRowBytes<V>, &p.tm_q_rope, sm.q_full(c), 0, w.h, qrow);
         } else {
           for (int cb = 0; cb < kDqk / kColBlock; ++cb)
-            tma_load_3d(half + cb * kBlk, &p.tm_q, sm.q_full(c), cb * kColBlock, w.h, qrow);
+            tma_load_3d(half + cb * kQBlk<V>, &p.tm_q, sm.q_full(c), cb * kColBlock, w.h, qrow);
         }
       }
     }

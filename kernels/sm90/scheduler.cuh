@@ -11,7 +11,7 @@
 // The producer thread decodes each index (tile_scheduler.cuh: decode_work_tile and the visible key
 // span), skips indices without rows, and publishes the result as a WorkInfo in a 2-slot ring in
 // shared memory: full(s) completes on the producer's one arrival, empty(s) on one arrival per
-// reader (kConsumerArrivals of the consumers, plus the rope warp's when it runs). Every role thus
+// reader (kConsumerArrivals<V> of the consumers, plus the rope warp's when it runs). Every role thus
 // walks the same work tiles and agrees on every barrier count, and nobody else decodes (no integer
 // divisions nor dependent global loads on the consumers' path).
 // The counter is zero between launches: each CTA's producer takes exactly one index past the end
@@ -43,11 +43,11 @@ __device__ __forceinline__ SeqOffsets seq_offsets(const Params& p) {
 // Decodes work tile idx; false when it has no rows (its sequence is shorter than the query block).
 template <class V, class Mask>
 __device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int idx, WorkInfo& k) {
-  if (!decode_work_tile(seq_offsets(p), idx, p.num_heads, p.heads_per_section, p.batch, p.num_m_blocks, kBlockM,
-                        k.w))
+  if (!decode_work_tile(seq_offsets(p), idx, p.num_heads, p.heads_per_section, p.batch, p.num_m_blocks,
+                        kBlockM<V>, k.w))
     return false;
-  k.m0 = k.w.m_block * kBlockM;
-  const int rows = min(kBlockM, k.w.sq - k.m0);
+  k.m0 = k.w.m_block * kBlockM<V>;
+  const int rows = min(kBlockM<V>, k.w.sq - k.m0);
   visible_key_span(mask, k.w, k.w.q_pos0 + k.m0, k.w.q_pos0 + k.m0 + rows - 1, k.n_begin, k.n_end);
   // fp8 per token: key tiles start on a multiple of kVtAlign keys (V^T's layout); the keys added are masked
   if (V::kFp8) k.n_begin &= ~(kVtAlign - 1);
@@ -99,7 +99,7 @@ struct TileHandout {
     asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(full(s)) : "memory");
   }
   // Reader threads (whole warps): hand-out n. One lane per warp releases the slot once every lane
-  // has read it (or every lane, with kConsumerArrivals counting threads).
+  // has read it (or every lane, with kConsumerArrivals<V> counting threads).
   __device__ __forceinline__ void take(int n, WorkInfo& k) const {
     const int s = n & 1;
     mbar_wait(full(s), (n >> 1) & 1);
@@ -107,7 +107,7 @@ struct TileHandout {
     k = slots[s];
     release(empty(s));
   }
-  // A reader warp's arrival on a barrier counted in kConsumerArrivals units.
+  // A reader warp's arrival on a barrier counted in kConsumerArrivals<V> units.
   static __device__ __forceinline__ void release(u32 bar) {
     if constexpr (MLA_SM90_ELECTED_ARRIVE) {
       __syncwarp();  // every lane's reads of the released buffer are done

@@ -22,10 +22,10 @@ struct alignas(1024) SharedStorage {
   };
   unsigned char q[kQBytes<V>];
   Stage stage[V::kStages];
-  unsigned char out_stage[kOutStageBytes];
+  unsigned char out_stage[kOutStageBytes<V>];
   // mbarriers: each consumer's Q rows (TMA / that consumer), each stage's K and V (TMA, plus the
   // rope warp for K / the consumers), and the scheduler's two slots (full, full, empty, empty)
-  unsigned long long q_full[kConsumers], q_empty[kConsumers];
+  unsigned long long q_full[V::kConsumers], q_empty[V::kConsumers];
   unsigned long long k_full[V::kStages], v_full[V::kStages], k_empty[V::kStages], v_empty[V::kStages];
   unsigned long long work_bars[4];
   WorkInfo work[2];
