@@ -165,8 +165,9 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #define MLA_SM90_KSCALE_EARLY 1
 #endif
 
-// fp8: S_t issued beside P_{t-1} V_{t-1} and the softmax of tile t run while P V works (1), or
-// P V, then S, one wait for both (0: no tile t - 1 state across the softmax; mainloop.cuh: steps).
+// fp8: S_t issued beside P_{t-1} V_{t-1} and the softmax of tile t run while P V works (1), or P V
+// completed before S is issued (0: one GEMM in flight, no tile t - 1 state across the softmax;
+// mainloop.cuh: steps).
 #ifndef MLA_SM90_FP8_OVERLAP
 #define MLA_SM90_FP8_OVERLAP 1
 #endif

@@ -220,9 +220,10 @@ struct Mainloop {
     wgmma_wait<0>();
   }
   // Key tiles t .. end - 1: S_t and P_{t-1} V_{t-1} in flight together; the softmax of S_t
-  // overlaps P V. fp8 with MLA_SM90_FP8_OVERLAP 0: P_{t-1} V_{t-1}, then S_t, one wait for both,
-  // and the key scales read after it: nothing of tile t - 1 lives across the softmax of tile t
-  // (the register budget of a third consumer warpgroup; benchmarks/NOTES.md, "Known limits").
+  // overlaps P V. fp8 with MLA_SM90_FP8_OVERLAP 0: P_{t-1} V_{t-1} issued and completed, then S_t,
+  // and the key scales read after it: one GEMM in flight per warpgroup and nothing of tile t - 1
+  // across the softmax of tile t (the register budget of a third consumer warpgroup: with both
+  // GEMMs in flight at 160 registers ptxas serializes every wgmma, C7512).
   template <int kMode>
   __device__ __forceinline__ void steps(Tile& x, float (&o)[kOTiles][4], OnlineSoftmax& smx, int& t, int end) {
     for (; t < end; ++t, ++it) {
@@ -232,13 +233,14 @@ struct Mainloop {
         turn_wait();
         mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
         issue_pv(x, o, x.prev_s);
-        if (kScalesEarly) wait_k(it);
-        issue_qk(x, it);
-        turn_pass();
         wgmma_wait<0>();
         fence_operands(o);
         fence_operands(x.pa);
         TileHandout::release(sm.v_empty(x.prev_s));
+        if (kScalesEarly) wait_k(it);
+        issue_qk(x, it);
+        turn_pass();
+        wgmma_wait<0>();
         key_scales(x, t, it);
         scores_to_p<kMode>(x, smx, t, it);
         OnlineSoftmax::rescale(o, x.corr);
