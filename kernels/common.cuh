@@ -126,8 +126,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
-// Waits for every cp.async of this thread (committed or not) to land.
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // ---------------------------------------------------------------------------------------------
 // ldmatrix: four 8x8 b16 matrices per warp; lane l supplies the row address of matrix l / 8.

@@ -293,10 +293,7 @@ def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] 
 
 def rows_on(shape, sp: int):
     """A paged rope's key rows: ``prod(shape)`` bytes from CuPy's pool on stream ``sp``."""
-    from ._arrays import cupy_stream
-
-    with cupy_stream(sp):
-        return workspace.allocate_workspace(shape, "the paged rope's key rows", "split the batch")
+    return workspace.allocate_on(shape, sp, "the paged rope's key rows", "split the batch")
 
 
 def _new_maps(rec: Record, mk: tuple) -> bytes:

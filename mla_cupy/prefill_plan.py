@@ -17,7 +17,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from ._arrays import (FP32, as_device, checkable, cupy_or_none, cupy_stream, device_pointer, is_torch, optional_ptr,
+from ._arrays import (FP32, as_device, checkable, cupy_or_none, device_pointer, is_torch, optional_ptr,
                       pointers_and_layouts, result_wrapper, stream_ptr)
 from ._checks import check_offsets_layout, dtype_of
 from ._packing import Record, launch_record, pack
@@ -29,7 +29,7 @@ from .fp8 import TransposedV, check_transposed_v_offsets
 from .masks import Mask
 from .paged import PagedKVCache
 from .validation import Problem, check_same_device
-from .workspace import allocate_workspace, check_workspace, empty_result
+from .workspace import allocate_on, check_workspace, empty_result
 
 __all__ = ["plan", "PrefillPlan"]
 
@@ -291,8 +291,7 @@ class PrefillPlan:
 
 def workspace_on(shape, sp: int):
     """A new V^T workspace of ``prod(shape)`` bytes (at least one), from CuPy's pool on stream ``sp``."""
-    with cupy_stream(sp):
-        return allocate_workspace((max(math.prod(shape), 1),))
+    return allocate_on(shape, sp)
 
 
 def plan(

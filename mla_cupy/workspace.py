@@ -9,7 +9,7 @@ import numpy as np
 from ._arrays import as_device, device_pointer
 from ._checks import U8, check_aligned, check_array
 
-__all__ = ["empty_result", "check_workspace", "allocate_workspace", "tile_counter"]
+__all__ = ["empty_result", "check_workspace", "allocate_workspace", "allocate_on", "tile_counter"]
 
 
 def _out_of_memory(shape, dtype, name: str, exc: BaseException, hint: str) -> MemoryError:
@@ -52,6 +52,16 @@ def allocate_workspace(shape: Tuple[int, ...], name: str = "workspace", hint: st
         return cupy.empty(shape, cupy.uint8)
     except cupy.cuda.memory.OutOfMemoryError as exc:
         raise _out_of_memory(shape, np.uint8, name, exc, hint) from exc
+
+
+def allocate_on(shape: Tuple[int, ...], stream_ptr: int, name: str = "workspace",
+                hint: str = "pass workspace= or split the batch"):
+    """:func:`allocate_workspace` of ``prod(shape)`` bytes (at least one) on the raw stream
+    ``stream_ptr`` (CuPy's pool reuses it in that stream's order)."""
+    from ._arrays import cupy_stream
+
+    with cupy_stream(stream_ptr):
+        return allocate_workspace((max(int(np.prod(shape)), 1),), name, hint)
 
 
 def check_workspace(workspace: Any, shape: Tuple[int, ...]):

@@ -24,8 +24,8 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
   static_assert(!(V::kRopeE4m3 && kPaged), "an e4m3 rope under the per-token scales is plain only");
   // K stage bytes that arrive by TMA (k_full's expect_tx; a box past the tensor's end counts in
   // full, its missing rows zero-filled): the nope block(s), the rope block unless the rope warp
-  // writes it (16 KiB of 16-bit rows, or 8 KiB of e4m3 rows), the key scales (fp8). Q's expect_tx is kQBytes: its nope
-  // block(s) and its rope block, by the same rule.
+  // writes it (16 KiB of 16-bit rows, or 8 KiB of e4m3 rows), the key scales (fp8). Q's (q_load)
+  // is its nope block(s) and rope block, by the same rule, a consumer's share at a time.
   constexpr int kKTxBytes = V::kNopeBlocks * kBlk + (kRopeTma ? kRopeBytes<V> : 0) + (V::kFp8 ? kScaleBox * 4 : 0);
   int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
   int idx = blockIdx.x;
@@ -63,8 +63,9 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
 
 // The Q warp (whole warp kQWarp; lane 0 issues): consumer c's 64 rows of each work tile's Q (rows
 // c * 64 .. of every column block: 128-byte rows, or 64-byte ones in the all-e4m3 rope block)
-// into its half of the Q buffer, once c has released the previous ones; q_full(c) completes on the
-// bytes (expect_tx kQBytes / 2). Work tiles without key tiles load nothing (the consumers skip them).
+// into its share of the Q buffer, once c has released the previous ones; q_full(c) completes on the
+// bytes (expect_tx kQBytes / V::kConsumers). Work tiles without key tiles load nothing (the
+// consumers skip them).
 template <class V>
 __device__ __forceinline__ void q_load(const Params& p, const Smem<V>& sm, const TileHandout& sched) {
   static_assert(kQBytes<V> % V::kConsumers == 0, "equal shares");
@@ -81,13 +82,13 @@ __device__ __forceinline__ void q_load(const Params& p, const Smem<V>& sm, const
         mbar_wait(sm.q_empty(c), (nq & 1) ^ 1);  // consumer c is done with its previous rows
         mbar_expect_tx(sm.q_full(c), kQBytes<V> / V::kConsumers);
         const int qrow = static_cast<int>(w.q_row0 + k.m0) + c * kWgRows;
-        const u32 half = sm.q() + c * kWgRows * 128;  // 128-byte rows
+        const u32 rows = sm.q() + c * kWgRows * 128;  // this consumer's first row: 128-byte rows
         if constexpr (V::kFp8) {
-          tma_load_3d(half, &p.tm_q, sm.q_full(c), 0, w.h, qrow);  // 128 e4m3 nope values
+          tma_load_3d(rows, &p.tm_q, sm.q_full(c), 0, w.h, qrow);  // 128 e4m3 nope values
           tma_load_3d(sm.q() + kQBlk<V> + c * kWgRows * kRopeRowBytes<V>, &p.tm_q_rope, sm.q_full(c), 0, w.h, qrow);
         } else {
           for (int cb = 0; cb < kDqk / kColBlock; ++cb)
-            tma_load_3d(half + cb * kQBlk<V>, &p.tm_q, sm.q_full(c), cb * kColBlock, w.h, qrow);
+            tma_load_3d(rows + cb * kQBlk<V>, &p.tm_q, sm.q_full(c), cb * kColBlock, w.h, qrow);
         }
       }
     }
