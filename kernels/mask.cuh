@@ -9,7 +9,9 @@
 //       (inclusive) is visible; such tiles skip the per-element predicate.
 // The single run-time argument (window or chunk size) is `arg`; masks without one ignore it.
 // kBoundedAbove: a query's visible keys end at a position that depends on the query (every mask but
-// NullMask), so a tile's last keys can be invisible to a whole block of rows.
+// NullMask), so a tile's last keys can be invisible to a whole block of rows. kBoundedBelow: they
+// also start at a position that depends on the query (the window and chunked masks), so a row's
+// visible keys have two ends to test, not one.
 // For every mask here a query's first and last visible key never decrease as the query moves on
 // (tested on the CPU: tests/test_masks.py), which common_key_range relies on.
 #pragma once
@@ -19,6 +21,7 @@ namespace mla {
 
 struct NullMask {
   static constexpr bool kBoundedAbove = false;
+  static constexpr bool kBoundedBelow = false;
   i64 arg;
   __device__ __forceinline__ void key_range(i64, i64, i64& k_lo, i64& k_hi) const {
     k_lo = kPosMin;
@@ -29,6 +32,7 @@ struct NullMask {
 
 struct CausalMask {
   static constexpr bool kBoundedAbove = true;
+  static constexpr bool kBoundedBelow = false;
   i64 arg;
   __device__ __forceinline__ void key_range(i64, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = kPosMin;
@@ -40,6 +44,7 @@ struct CausalMask {
 // Causal with a window of `arg` keys counting the diagonal: visible when 0 <= q - k < arg.
 struct SlidingWindowCausalMask {
   static constexpr bool kBoundedAbove = true;
+  static constexpr bool kBoundedBelow = true;
   i64 arg;
   __device__ __forceinline__ void key_range(i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = q_lo - arg + 1;
@@ -53,6 +58,7 @@ struct SlidingWindowCausalMask {
 // Query and key in the same chunk of `arg` positions (floor division, also for negatives).
 struct ChunkedMask {
   static constexpr bool kBoundedAbove = true;
+  static constexpr bool kBoundedBelow = true;
   i64 arg;
   __device__ __forceinline__ void key_range(i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = floor_div(q_lo, arg) * arg;
@@ -66,6 +72,7 @@ struct ChunkedMask {
 
 struct ChunkedCausalMask {
   static constexpr bool kBoundedAbove = true;
+  static constexpr bool kBoundedBelow = true;
   i64 arg;
   __device__ __forceinline__ void key_range(i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = floor_div(q_lo, arg) * arg;

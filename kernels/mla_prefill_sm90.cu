@@ -3,10 +3,12 @@
 //   config.cuh          geometry, the variants as traits types, measurement switches
 //   params.cuh          the arguments: one struct, its layout exported to the launch code
 //   shared_storage.cuh  the shared memory as one struct
-//   scheduler.cuh       persistent CTAs take work tiles from a counter; decoded once, handed over
+//   scheduler.cuh       persistent CTAs take work tiles from a counter; decoded once (by warp 0, or
+//                       the scheduler warp 3), handed over
 //   producer.cuh        warp 0: TMA of K, V into a ring of stages; warp 2: each consumer's Q rows
 //   rope_warp.cuh       warp 1 (paged or fp8 rope): the rope rows of each K stage
-//   mainloop.cuh        two consumer warpgroups: S = Q K^T, online softmax, O += P V
+//   mainloop.cuh        the consumer warpgroups (two; three in fp8 with MLA_SM90_FP8_CONSUMERS 3):
+//                       S = Q K^T, online softmax, O += P V
 //   softmax.cuh         the per-tile score work: fp8 dequantization, masks, P
 //   epilogue.cuh        normalization, merge, stores of out and lse
 //
@@ -32,19 +34,23 @@
 namespace mla {
 namespace sm90 {
 
-// What the launch code reads from the module besides the parameter layout (params.cuh), per
-// variant (row: Variant*::kId): dynamic shared memory in bytes, threads per CTA, query rows per
-// work tile, keys per key tile, floats of the fp8 key-scale box, rows of a Q box (one consumer's).
+// What the launch code reads from the module besides the parameter layout (params.cuh), per mask
+// (a table per mask: kGeometry<Mask>) and variant (row: Variant*::kId), as compiled under that mask
+// (ForMask): dynamic shared memory in bytes, threads per CTA, query rows per work tile, keys per
+// key tile, floats of the fp8 key-scale box, rows of a Q box (one consumer's).
 constexpr int kGeometryFields = 6;
-#define MLA_SM90_GEOMETRY(V) kSmemBytes<V>, kThreads<V>, kBlockM<V>, kBlockN, kScaleBox, kWgRows
+#define MLA_SM90_GEOMETRY(V) kSmemBytes<ForMask<V, Mask>>, kThreads<ForMask<V, Mask>>, kBlockM<ForMask<V, Mask>>, \
+                             kBlockN, kScaleBox, kWgRows
+template <class Mask>
 __device__ const int kGeometry[kNumVariants][kGeometryFields] = {
     {MLA_SM90_GEOMETRY(Variant16<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantFp8)},
     {MLA_SM90_GEOMETRY(VariantFp8Rope<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantE4m3)}};
 #undef MLA_SM90_GEOMETRY
 static_assert(kSmemBytes<Variant16<__half>> == kSmemBytes<Variant16<__nv_bfloat16>>, "one row per variant");
 
-template <class V, typename OutT, typename Mask, bool kPaged>
-__global__ void __launch_bounds__(kThreads<V>, 1) mla_prefill_kernel(const __grid_constant__ Params p) {
+template <class V0, typename OutT, typename Mask, bool kPaged>
+__global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_kernel(const __grid_constant__ Params p) {
+  using V = ForMask<V0, Mask>;  // the variant as compiled under this mask (config.cuh)
   constexpr bool kRW = kRopeWarp<V, kPaged>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Each role derives the shared-memory addresses itself, after its register reallocation: values
@@ -68,24 +74,27 @@ __global__ void __launch_bounds__(kThreads<V>, 1) mla_prefill_kernel(const __gri
       mbar_init(sm.v_empty(s), kConsumerArrivals<V>);
     }
     // readers of the work slots: the consumers, the Q warp and the rope warp (each one arrival, or
-    // one per lane)
+    // one per lane), and warp 0's thread when the scheduler warp hands out
     constexpr int kWarpArrivals = MLA_SM90_ELECTED_ARRIVE ? 1 : 32;
-    scheduler(sm).init(kConsumerArrivals<V> + kWarpArrivals + (kRW ? kWarpArrivals : 0));
+    scheduler(sm).template init<V>(kConsumerArrivals<V> + kWarpArrivals + (kRW ? kWarpArrivals : 0) +
+                                   (kSchedulerWarp<V> ? 1 : 0));
     fence_barrier_init();
   }
   __syncthreads();
 
   const int warp = threadIdx.x / 32;
   if (warp < 4) {  // the producer warpgroup
-    regs_dealloc<kProducerRegs>();
+    regs_dealloc<kProducerRegs<V>>();
     const Smem<V> sm = storage();
     if (warp == 0 && threadIdx.x == 0) producer_load<V, Mask, kPaged>(p, sm, scheduler(sm), Mask{p.mask_arg});
     if (kRW && warp == 1) rope_warp_load<V, kPaged>(p, sm, scheduler(sm));
     if (warp == kQWarp) q_load<V>(p, sm, scheduler(sm));
+    if (kSchedulerWarp<V> && warp == kSchedWarp && threadIdx.x % 32 == 0)
+      scheduler(sm).template run<V>(p, Mask{p.mask_arg});
     return;
   }
 
-  regs_alloc<kConsumerRegs>();
+  regs_alloc<kConsumerRegs<V>>();
   const Smem<V> sm = storage();
   const TileHandout sched = scheduler(sm);
   Mainloop<V, Mask, kPaged> mainloop(p, sm, Mask{p.mask_arg});
@@ -93,6 +102,12 @@ __global__ void __launch_bounds__(kThreads<V>, 1) mla_prefill_kernel(const __gri
     WorkInfo k;
     sched.take(n, k);
     if (!k.valid) break;
+    if constexpr (V::kConsumers == 3) {
+      if (mainloop.idle(k)) {  // no row of this consumer in the work tile
+        mainloop.run_idle(k);
+        continue;
+      }
+    }
     float o[kOTiles][4];
     OnlineSoftmax smx;
     mainloop.run(k, o, smx);

@@ -19,7 +19,7 @@ from .jit import get_function, get_global
 
 __all__ = ["CompiledKernel", "prefill_kernel", "transpose_v_kernel", "rope_gather_kernel"]
 
-#: kGeometry's fields, in order: kernels/mla_prefill_sm90.cu (a row per variant),
+#: kGeometry's fields, in order: kernels/mla_prefill_sm90.cu (a row per variant, a table per mask),
 #: kernels/mla_prefill_sm80.cu, kernels/transpose_v.cu and kernels/rope_gather.cu.
 SM90_GEOMETRY = ("smem", "threads", "block_m", "block_n", "scale_box", "q_rows")
 SM80_GEOMETRY = ("smem", "threads", "block_m")
@@ -76,7 +76,7 @@ def prefill_kernel(kernel: str, dtype: np.dtype, out_dtype: np.dtype, mask, page
     if kernel == "sm90":
         fam = reg.prefill_sm90(dtype, mask, variant)
         fn = get_function(*fam, reg.prefill_sm90_name(dtype, out_dtype, mask, paged, variant))
-        params, table = _exports(fam, reg.SM90_EXPORTS, len(SM90_GEOMETRY) * len(reg.SM90_VARIANTS),
+        params, table = _exports(fam, reg.sm90_exports(mask), len(SM90_GEOMETRY) * len(reg.SM90_VARIANTS),
                                  "the Hopper prefill kernel")
         row = table.reshape(-1, len(SM90_GEOMETRY))[reg.SM90_VARIANTS[variant][1]]
         geometry = dict(zip(SM90_GEOMETRY, (int(x) for x in row)))

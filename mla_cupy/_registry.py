@@ -66,19 +66,25 @@ SM90_VARIANTS = {VARIANT_16: ("mla::sm90::Variant16<{t}>", 0), VARIANT_FP8: ("ml
 SM90_PLAIN_ONLY = (VARIANT_E4M3,)
 
 #: What every prefill module exports besides its kernels (kernels/params_abi.cuh): the parameter
-#: struct's layout and field names; the Hopper module also its geometry per variant
-#: (kernels/mla_prefill_sm90.cu: kGeometry), the portable one per kernel.
+#: struct's layout and field names; the Hopper module also its geometry per mask and variant
+#: (:func:`sm90_exports`; kernels/mla_prefill_sm90.cu: kGeometry), the portable one per kernel.
 SM80_EXPORTS = ("mla::sm80::kParamLayout", "mla::sm80::kParamNames", "mla::sm80::kGeometry")
-SM90_EXPORTS = ("mla::sm90::kParamLayout", "mla::sm90::kParamNames", "mla::sm90::kGeometry")
+
+
+def sm90_exports(mask: Mask) -> Tuple[str, str, str]:
+    """The Hopper module's exports for ``mask``: its parameter layout and names, and its geometry
+    table as compiled under that mask (``kGeometry<Mask>``: a variant's consumer count may depend on
+    the mask, kernels/sm90/config.cuh: ForMask)."""
+    return ("mla::sm90::kParamLayout", "mla::sm90::kParamNames", f"mla::sm90::kGeometry<{mask.cpp_name}>")
 
 
 def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = VARIANT_16) -> Family:
     """Hopper family for (dtype, mask, variant): output in the input dtype or float32, plain or
     paged rope (plain only for :data:`SM90_PLAIN_ONLY`), and the exported tables
-    (:data:`SM90_EXPORTS`). The fp8 per-token variants take bfloat16 for their 16-bit parts."""
+    (:func:`sm90_exports`). The fp8 per-token variants take bfloat16 for their 16-bit parts."""
     pageds = (False,) if variant in SM90_PLAIN_ONLY else (False, True)
     names = tuple(prefill_sm90_name(dtype, o, mask, paged, variant) for o in (dtype, FP32) for paged in pageds)
-    return PREFILL_SM90[0], names + SM90_EXPORTS
+    return PREFILL_SM90[0], names + sm90_exports(mask)
 
 
 def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, variant: str = VARIANT_16) -> str:
@@ -147,8 +153,9 @@ def family_label(fam: Family) -> str:
     share (input dtype, mask, Hopper variant; the output dtype and rope source vary inside a
     family), e.g. ``mla_prefill_sm90<bf16, CausalMask, fp8-per-token>``."""
     stem = fam[0].rsplit(".", 1)[0]
-    # template instantiations only (a family may also name a global, e.g. an exported table)
-    arg_lists = [n.split("<", 1)[1].rsplit(">", 1)[0].split(", ") for n in fam[1] if "<" in n]
+    # kernel instantiations only (a family also names globals, e.g. an exported table per mask)
+    arg_lists = [n.split("<", 1)[1].rsplit(">", 1)[0].split(", ") for n in fam[1]
+                 if "<" in n and n.split("<", 1)[0].endswith("_kernel")]
     if not arg_lists or any(len(a) != len(arg_lists[0]) for a in arg_lists):
         return stem
     shared, variant = [], []

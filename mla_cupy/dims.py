@@ -1,7 +1,7 @@
 """The model dimensions of DeepSeek's Multi-head Latent Attention that the kernels are built for."""
 from __future__ import annotations
 
-__all__ = ["DV", "DR", "DQK", "QUERY_BLOCK", "HALF_BLOCK", "KEY_TILE"]
+__all__ = ["DV", "DR", "DQK", "QUERY_BLOCK", "HALF_BLOCK", "KEY_TILE", "FP8_CONSUMERS"]
 
 DV = 128  #: value / per-head ("nope") key size
 DR = 64  #: shared rope size
@@ -16,3 +16,8 @@ HALF_BLOCK = QUERY_BLOCK // 2
 #: second half of its block's last key tile computes that tile's first ``KEY_TILE // 2`` keys only,
 #: which bounds the reach of a NaN in ``v`` there (``reference``).
 KEY_TILE = 128
+#: Consumer warpgroups of the Hopper kernel's fp8 variants (per token and all-e4m3) under a mask
+#: whose rows' keys have no lower end (the causal mask and no mask): the default of the kernel's
+#: ``MLA_SM90_FP8_CONSUMERS`` (kernels/sm90/config.cuh), which a slow CPU test holds to this value
+#: (:func:`mla_cupy.fp8.fp8_query_block`).
+FP8_CONSUMERS = 2

@@ -18,11 +18,11 @@ import numpy as np
 
 from ._arrays import BF16, FP8_E4M3, FP32, as_device, checkable, device_pointer, is_device, is_torch, to_host
 from ._checks import OFFSET_DTYPES, U8, check_aligned, check_array, check_layout, check_offsets_layout, check_offsets_values, check_shape
-from .dims import DR, DV
+from .dims import DR, DV, FP8_CONSUMERS, HALF_BLOCK, QUERY_BLOCK
 
 __all__ = ["VT_ALIGN", "VT_SIGMA", "TransposedV", "fp8_bytes", "check_fp8_arrays", "check_fp8_layout",
            "check_q_scale_values", "check_transposed_v_offsets", "vt_columns", "vt_shape", "transpose_v_host",
-           "untranspose_v_host", "transpose_v"]
+           "untranspose_v_host", "transpose_v", "fp8_consumers", "fp8_query_block"]
 
 
 class E4m3HostView(np.ndarray):
@@ -100,6 +100,23 @@ def check_q_scale_values(q_scale) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # V^T (kernels/vt_layout.cuh, kernels/transpose_v.cu)
+
+def fp8_consumers() -> int:
+    """Consumer warpgroups of the Hopper kernel's fp8 variants (per token, all-e4m3) under a mask
+    without a lower bound: :data:`~mla_cupy.dims.FP8_CONSUMERS`, or the kernels'
+    ``MLA_SM90_FP8_CONSUMERS`` where this process builds them with another (``MLA_CUPY_DEFINES``:
+    :data:`mla_cupy.jit.DEFINES`)."""
+    from .jit import DEFINES
+
+    return int(DEFINES.get("MLA_SM90_FP8_CONSUMERS", FP8_CONSUMERS))
+
+
+def fp8_query_block(mask) -> int:
+    """Query rows of one work tile of the Hopper kernel's fp8 variants under ``mask``:
+    :data:`~mla_cupy.dims.HALF_BLOCK` rows per consumer warpgroup, :func:`fp8_consumers` of them
+    under a mask without a lower bound (the causal mask, no mask), two under the others."""
+    return QUERY_BLOCK if mask.bounded_below else HALF_BLOCK * fp8_consumers()
+
 
 VT_ALIGN = 16  #: kVtAlign: keys per aligned column group
 #: kernels/vt_tile.cuh: (kVtThreads, kVtCols), the threads and V^T columns of a CTA of the kernels

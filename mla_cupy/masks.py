@@ -25,6 +25,9 @@ class Mask:
     """Base class. Subclasses define ``cpp_name``, ``arg`` and ``visible``."""
 
     cpp_name: ClassVar[str] = ""
+    #: Whether a query's visible keys start at a position that depends on the query (the window and
+    #: chunked masks), as the kernels' ``kBoundedBelow`` (kernels/mask.cuh).
+    bounded_below: ClassVar[bool] = False
 
     @property
     def arg(self) -> int:
@@ -106,6 +109,7 @@ class SlidingWindowCausalMask(_SizedMask):
 
     window: int
     cpp_name: ClassVar[str] = "mla::SlidingWindowCausalMask"
+    bounded_below: ClassVar[bool] = True
     size_field: ClassVar[str] = "window"
 
     def visible(self, q_pos, k_pos):
@@ -129,6 +133,7 @@ class ChunkedMask(_ChunkMask):
     """``q_pos // chunk == k_pos // chunk`` (bidirectional inside each chunk)."""
 
     cpp_name: ClassVar[str] = "mla::ChunkedMask"
+    bounded_below: ClassVar[bool] = True
 
     def visible(self, q_pos, k_pos):
         return self._same_chunk(q_pos, k_pos)
@@ -143,6 +148,7 @@ class ChunkedCausalMask(_ChunkMask):
     """Causal and in the same chunk: ``k_pos <= q_pos`` and ``q_pos // chunk == k_pos // chunk``."""
 
     cpp_name: ClassVar[str] = "mla::ChunkedCausalMask"
+    bounded_below: ClassVar[bool] = True
 
     def visible(self, q_pos, k_pos):
         return (k_pos <= q_pos) & self._same_chunk(q_pos, k_pos)

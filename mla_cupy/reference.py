@@ -20,8 +20,10 @@ Non-finite inputs (the contract's rule, which the kernels follow):
   that see that key;
 * ``P V`` runs over every key of a query block's span: a NaN (or Inf) in key j's ``v`` reaches
   every row of each :data:`~mla_cupy.dims.QUERY_BLOCK`-row block of the sequence whose visible key
-  span holds key j (``0 * NaN``), rows that see no key included; the fp8 per-token variant starts
-  the span on a multiple of 16 keys. In the 16-bit variants, a
+  span holds key j (``0 * NaN``), rows that see no key included; the fp8 variants (per token,
+  all-e4m3) start the span on a multiple of 16 keys, and their blocks are
+  :func:`~mla_cupy.fp8.fp8_query_block` rows (192 under the causal mask and no mask when the kernel is
+  built with three fp8 consumers). In the 16-bit variants, a
   :data:`~mla_cupy.dims.HALF_BLOCK`-row half of a block whose last row would see no key position
   past the middle of the span's last :data:`~mla_cupy.dims.KEY_TILE`-key tile ends its span there.
   This is the upper bound of the contract's reach, which the Hopper kernel meets exactly; the
@@ -32,14 +34,14 @@ Non-finite inputs (the contract's rule, which the kernels follow):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 from ._arrays import FP8_E4M3, to_host
 from ._progress import Progress
 from .dims import DR, DV, HALF_BLOCK, KEY_TILE, QUERY_BLOCK
-from .fp8 import VT_ALIGN, fp8_bytes
+from .fp8 import VT_ALIGN, fp8_bytes, fp8_query_block
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
 from .validation import Problem, check_inputs, check_merge_inputs, check_merge_outputs
@@ -90,24 +92,25 @@ def _clamped_range(mask: Mask, q_lo, q_hi, k_pos0: int, sk: int) -> Tuple[np.nda
     return lo, np.clip(np.asarray(k_hi, np.int64) - k_pos0, lo, sk)
 
 
-def _block_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, key_align: int) -> Tuple[np.ndarray, np.ndarray]:
-    """``[begin, end)`` key indices that each ``QUERY_BLOCK``-row block of a sequence computes: the
-    span of keys its rows may see, its start rounded down to ``key_align`` keys."""
-    first = q_pos[::QUERY_BLOCK]
-    last = q_pos[np.minimum(np.arange(len(first)) * QUERY_BLOCK + QUERY_BLOCK, len(q_pos)) - 1]
+def _block_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, key_align: int,
+                 qb: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``[begin, end)`` key indices that each ``qb``-row block of a sequence computes: the span of
+    keys its rows may see, its start rounded down to ``key_align`` keys."""
+    first = q_pos[::qb]
+    last = q_pos[np.minimum(np.arange(len(first)) * qb + qb, len(q_pos)) - 1]
     lo, hi = _clamped_range(mask, first, last, k_pos0, sk)
     return lo - lo % key_align, hi
 
 
 def _half_block_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, key_align: int,
-                      half_tiles: bool) -> Tuple[np.ndarray, np.ndarray]:
+                      half_tiles: bool, qb: int) -> Tuple[np.ndarray, np.ndarray]:
     """``[begin, end)`` key indices over which each ``HALF_BLOCK``-row half of a query block runs
     ``P V``: its block's span, whose last ``KEY_TILE``-key tile it takes whole, or (``half_tiles``)
     its first half only when the half block's last row would see no key position at or past that
     tile's middle (a query's last visible key never decreases, so no row of the half block does)."""
     halves = -(-len(q_pos) // HALF_BLOCK)
-    begin, end = (np.repeat(x, QUERY_BLOCK // HALF_BLOCK)[:halves]
-                  for x in _block_spans(mask, q_pos, k_pos0, sk, key_align))
+    begin, end = (np.repeat(x, qb // HALF_BLOCK)[:halves]
+                  for x in _block_spans(mask, q_pos, k_pos0, sk, key_align, qb))
     if not half_tiles:
         return begin, end
     last = q_pos[np.minimum(np.arange(halves) * HALF_BLOCK + HALF_BLOCK, len(q_pos)) - 1]
@@ -407,21 +410,38 @@ def _layout(p: Problem, valid_length, cache_row_offsets, cache_offsets, q_start_
     return _Layout(vl[:-1], sq, cro[:-1], sk, q_pos0, k_pos0)
 
 
-def _work(p: Problem, lay: _Layout, key_align: int) -> float:
+class _Blocks(NamedTuple):
+    """How the Hopper kernel of a variant blocks the work, which shapes the reach of a NaN in ``v``:
+    query blocks of ``qb`` rows, key spans starting on multiples of ``key_align`` keys (fp8: V^T's
+    layout), half tiles (the 16-bit variants: _half_block_spans)."""
+
+    key_align: int
+    half_tiles: bool
+    qb: int
+
+    @staticmethod
+    def of(fp8: bool, mask: Mask) -> "_Blocks":
+        """The fp8 variants' (per token, all-e4m3) or the 16-bit ones' under ``mask``."""
+        return _Blocks(VT_ALIGN, False, fp8_query_block(mask)) if fp8 else _Blocks(1, True, QUERY_BLOCK)
+
+
+def _work(p: Problem, lay: _Layout, bl: _Blocks) -> float:
     """(query row, head, key) pairs the call computes: the work a progress report counts."""
+    key_align, qb = bl.key_align, bl.qb
     total = 0
     for b in range(p.batch):
         q_pos = lay.q_pos0[b] + np.arange(lay.sq[b], dtype=np.int64)
-        begin, end = _block_spans(p.mask, q_pos, int(lay.k_pos0[b]), int(lay.sk[b]), key_align)
-        rows = np.minimum(QUERY_BLOCK, lay.sq[b] - np.arange(len(begin)) * QUERY_BLOCK)
+        begin, end = _block_spans(p.mask, q_pos, int(lay.k_pos0[b]), int(lay.sk[b]), key_align, qb)
+        rows = np.minimum(qb, lay.sq[b] - np.arange(len(begin)) * qb)
         total += int((rows * (end - begin)).sum())
     return float(total * p.heads)
 
 
-def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bool, key_align: int,
-            half_tiles: bool, bar: Progress) -> None:
+def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bool, bl: _Blocks,
+            bar: Progress) -> None:
     """The attention of every sequence, written into ``res`` (and ``res_lse``), merged into what
     they hold when ``accumulate``."""
+    key_align, half_tiles, qb = bl
     xp, H = src.xp, p.heads
     for b in range(p.batch):
         q0, sq, kv0, sk = int(lay.q_row0[b]), int(lay.sq[b]), int(lay.kv_row0[b]), int(lay.sk[b])
@@ -431,22 +451,22 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
         q_pos = lay.q_pos0[b] + np.arange(sq, dtype=np.int64)
         k_pos = k_pos0 + np.arange(sk, dtype=np.int64)
         lo, hi = _clamped_range(p.mask, q_pos, q_pos, k_pos0, sk)
-        spans = _block_spans(p.mask, q_pos, k_pos0, sk, key_align)
-        half_spans = _half_block_spans(p.mask, q_pos, k_pos0, sk, key_align, half_tiles)
+        spans = _block_spans(p.mask, q_pos, k_pos0, sk, key_align, qb)
+        half_spans = _half_block_spans(p.mask, q_pos, k_pos0, sk, key_align, half_tiles, qb)
         kb = max(1, min(KEY_BLOCK, sk))
-        hg = max(1, min(H, _STEP_ELEMS // (QUERY_BLOCK * kb)))
-        state_rows = max(QUERY_BLOCK, _STATE_ELEMS // (hg * DV) // QUERY_BLOCK * QUERY_BLOCK)
-        step_rows = max(QUERY_BLOCK, _STEP_ELEMS // (hg * kb) // QUERY_BLOCK * QUERY_BLOCK)
+        hg = max(1, min(H, _STEP_ELEMS // (qb * kb)))
+        state_rows = max(qb, _STATE_ELEMS // (hg * DV) // qb * qb)
+        step_rows = max(qb, _STEP_ELEMS // (hg * kb) // qb * qb)
         for h0 in range(0, H, hg):
             hs = slice(h0, min(H, h0 + hg))
             g = hs.stop - hs.start
             for s0 in range(0, sq, state_rows):
                 s1 = min(sq, s0 + state_rows)
-                blocks = slice(s0 // QUERY_BLOCK, (s1 - 1) // QUERY_BLOCK + 1)
+                blocks = slice(s0 // qb, (s1 - 1) // qb + 1)
                 b_begin, b_end = spans[0][blocks], spans[1][blocks]
                 live = b_end > b_begin
                 k_begin, k_end = (int(b_begin[live].min()), int(b_end[live].max())) if live.any() else (0, 0)
-                rows_in = np.minimum(QUERY_BLOCK, s1 - np.arange(blocks.start, blocks.stop) * QUERY_BLOCK)
+                rows_in = np.minimum(qb, s1 - np.arange(blocks.start, blocks.stop) * qb)
                 st = _Softmax(xp, g, s1 - s0)
                 for j0 in range(k_begin, k_end, kb):
                     j1 = min(k_end, j0 + kb)
@@ -487,18 +507,18 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
                     res_lse[rows, hs] = lse_new.T.astype(res_lse.dtype, copy=False)
 
 
-def _run(p: Problem, src: _Inputs, lay: _Layout, out, lse, return_lse: bool, accumulate: bool, key_align: int,
-         half_tiles: bool, progress: Optional[bool], desc: str):
-    """The attention of a call. ``key_align`` and ``half_tiles`` shape the reach of a NaN in ``v``
-    as the Hopper kernel of the variant computes: spans starting on multiples of ``key_align`` keys
-    (fp8 per token: V^T's layout), half tiles in the 16-bit variants (_half_block_spans)."""
+def _run(p: Problem, src: _Inputs, lay: _Layout, out, lse, return_lse: bool, accumulate: bool, fp8: bool,
+         progress: Optional[bool], desc: str):
+    """The attention of a call, blocked as the Hopper kernel of the variant (``fp8``: per token or
+    all-e4m3) computes it (_Blocks)."""
+    bl = _Blocks.of(fp8, p.mask)
     xp = src.xp
     res = out if out is not None else xp.zeros((p.tq, p.heads, DV), p.out_dtype)
     res_lse = lse if lse is not None else (xp.full((p.tq, p.heads), -np.inf) if return_lse else None)
-    work = _work(p, lay, key_align)
+    work = _work(p, lay, bl)
     show = work * _SECONDS_PER_PAIR > _PROGRESS_AFTER_S if progress is None else bool(progress)
     with np.errstate(invalid="ignore", over="ignore"), Progress(work, desc, show) as bar:
-        _attend(p, src, lay, res, res_lse, accumulate, key_align, half_tiles, bar)
+        _attend(p, src, lay, res, res_lse, accumulate, bl, bar)
     return (res, res_lse) if return_lse else res
 
 
@@ -567,7 +587,7 @@ def mla_prefill(
                      k_rope_scales=k_rope_scales, lse=lse, accumulate=accumulate, kernel=kernel)
     src = _plain_inputs(q, k, v, k_rope, k_rope_scales)
     lay = _layout(p, valid_length, cache_row_offsets, cache_offsets, q_start_pos)
-    return _run(p, src, lay, out, lse, return_lse, accumulate, 1, True, progress, "mla_cupy.reference.mla_prefill")
+    return _run(p, src, lay, out, lse, return_lse, accumulate, False, progress, "mla_cupy.reference.mla_prefill")
 
 
 def mla_prefill_fp8(
@@ -617,7 +637,7 @@ def mla_prefill_fp8(
                             f"{type(x).__name__}")
     src = _fp8_inputs(q_nope, q_rope, q_scale, k, k_scales, v, k_rope)
     lay = _layout(p, valid_length, cache_row_offsets, cache_offsets, q_start_pos)
-    return _run(p, src, lay, out, lse, return_lse, accumulate, VT_ALIGN, False, progress,
+    return _run(p, src, lay, out, lse, return_lse, accumulate, True, progress,
                 "mla_cupy.reference.mla_prefill_fp8")
 
 
@@ -646,14 +666,15 @@ def mla_prefill_chunked(
     acc = src.xp.zeros((p.tq, p.heads, DV))
     acc_lse = src.xp.full((p.tq, p.heads), -np.inf)
     chunks = range(0, max(int(full.sk.max()) if p.batch else 0, 1), chunk_size)
-    work = _work(p, full, 1)
+    bl = _Blocks.of(False, p.mask)
+    work = _work(p, full, bl)
     show = work * _SECONDS_PER_PAIR > _PROGRESS_AFTER_S if progress is None else bool(progress)
     with np.errstate(invalid="ignore", over="ignore"), Progress(work, "mla_cupy.reference.mla_prefill_chunked", show) as bar:
         for c0 in chunks:
             start = np.minimum(full.sk, c0)
             part = _Layout(full.q_row0, full.sq, full.kv_row0 + start, np.minimum(full.sk, c0 + chunk_size) - start,
                            full.q_pos0, full.k_pos0 + start)
-            _attend(p, src, part, acc, acc_lse, True, 1, True, bar)
+            _attend(p, src, part, acc, acc_lse, True, bl, bar)
     res = acc.astype(p.out_dtype) if out is None else out
     if out is not None:
         out[...] = acc

@@ -9,8 +9,20 @@ import pytest
 from mla_cupy import _registry as reg
 from mla_cupy import jit
 from mla_cupy._registry import family_label
+from mla_cupy.masks import MASKS, CausalMask, Mask
 
 FAMILIES = reg.all_families()
+
+
+def _leaf(name: str) -> str:
+    """``mla::sm90::kGeometry<mla::CausalMask>`` -> ``kGeometry``."""
+    return name.split("<", 1)[0].rsplit("::", 1)[-1]
+
+
+def _family_mask(names) -> Mask:
+    """The mask of a prefill family's kernels (their third template argument)."""
+    cpp = next(n for n in names if _leaf(n).endswith("_kernel")).split("<", 1)[1].split(", ")[2]
+    return next(m for m in MASKS if m.cpp_name == cpp)
 
 
 def _compile(job):
@@ -25,7 +37,7 @@ def _compile(job):
     spills = [f"{f.name}: {f.stack_frame} bytes stack frame, {f.spill_stores} bytes spill stores, "
               f"{f.spill_loads} bytes spill loads" for f in build.functions().values() if f.spills]
     cubin = build.binary
-    tables = [n.rsplit("::", 1)[-1].encode() for n in names if n.rsplit("::", 1)[-1].startswith(("kParam", "kGeometry"))]
+    tables = [build.lowered[n].encode() for n in names if _leaf(n).startswith(("kParam", "kGeometry"))]
     return len(cubin), "", all(t in cubin for t in tables), spills, build.serialized_wgmma()
 
 
@@ -46,7 +58,8 @@ def test_family_compiles(compiled, i):
     assert not err, err
     assert size > 1000  # a real cubin came back
     filename, names = FAMILIES[i][1]
-    exports = {reg.PREFILL_SM90[0]: reg.SM90_EXPORTS, reg.PREFILL_SM80[0]: reg.SM80_EXPORTS}.get(filename, ())
+    exports = (reg.sm90_exports(_family_mask(names)) if filename == reg.PREFILL_SM90[0] else
+               reg.SM80_EXPORTS if filename == reg.PREFILL_SM80[0] else ())
     # the launch code reads the parameter struct and the geometry from the module
     assert set(exports) <= set(names) and has_tables
 
@@ -67,6 +80,33 @@ def test_family_has_no_spills_nor_serialized_wgmma(compiled, i):
     assert not err, err
     assert not spills, "local memory in use:\n" + "\n".join(spills)
     assert not serialized, "ptxas serialized wgmma:\n" + "\n".join(serialized)
+
+
+# Switches of the Hopper kernel kept for A/B measurements (kernels/sm90/config.cuh), built away from
+# their defaults: (define, value, variant, mask). Their plain-rope kernels must compile as cleanly
+# as the defaults, so that a measurement times the code the switch describes.
+SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask()),
+                 ("MLA_SM90_LAZY_RESCALE", "1", "fp8", CausalMask()),
+                 ("MLA_SM90_FP8_CONSUMERS", "3", "fp8", CausalMask()),
+                 ("MLA_SM90_FP8_CONSUMERS", "3", "e4m3", CausalMask())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("define, value, variant, mask", SWITCH_BUILDS,
+                         ids=[f"{d}={v}-{var}-{type(m).__name__}" for d, v, var, m in SWITCH_BUILDS])
+def test_switch_builds_have_no_spills_nor_serialized_wgmma(define, value, variant, mask):
+    pytest.importorskip("cupy")
+    from mla_cupy._arrays import BF16
+
+    filename, names = reg.prefill_sm90(BF16, mask, variant)
+    build = jit.compile_offline_with_log(filename, names, "sm_90a", defines={define: value})
+    plain = {build.lowered[n] for n in names if _leaf(n).endswith("_kernel") and n.endswith(", false>")}
+    funcs = build.functions()
+    assert plain <= set(funcs)
+    spills = [f"{f.name}: {f.stack_frame} B stack, {f.spill_stores} B spill stores" for m, f in funcs.items()
+              if m in plain and f.spills]
+    assert not spills, "local memory in use:\n" + "\n".join(spills)
+    assert not build.serialized_wgmma(), "ptxas serialized wgmma:\n" + "\n".join(build.serialized_wgmma())
 
 
 def test_matrix_covers_every_dtype_mask_and_arch():

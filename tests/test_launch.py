@@ -9,10 +9,10 @@ import re
 import numpy as np
 import pytest
 
-from mla_cupy import _geometry, _packing, _registry as reg, jit
+from mla_cupy import _geometry, _packing, _registry as reg, dims, fp8, jit
 from mla_cupy._arrays import BF16, FP16
 from mla_cupy._launch import F32, I32, I64, PTR, TENSOR_MAP_DTYPE, ArgPack, PreparedLaunch
-from mla_cupy.masks import CausalMask, ChunkedMask
+from mla_cupy.masks import MASKS, CausalMask, ChunkedMask, SlidingWindowCausalMask
 
 
 class _NoKernel:
@@ -47,20 +47,21 @@ def test_prepared_launch_needs_every_value():
 
 
 @functools.lru_cache(maxsize=None)
-def _ptx(fam, arch: str) -> str:
-    """The PTX of a family for ``arch``, compiled once per pytest run (NVRTC takes seconds)."""
-    ptx = jit.compile_offline(fam[0], fam[1], arch, method="ptx")
-    return ptx if isinstance(ptx, str) else ptx.decode()
+def _ptx(fam, arch: str, defines=()):
+    """The PTX of a family for ``arch`` (with the compile-time switches ``defines``, pairs) and
+    NVRTC's lowered names of its name expressions, compiled once per pytest run (NVRTC takes seconds)."""
+    build = jit.compile_offline_with_log(fam[0], fam[1], arch, method="ptx", defines=dict(defines))
+    ptx = build.binary
+    return (ptx if isinstance(ptx, str) else ptx.decode()), build.lowered
 
 
-def _ptx_globals(fam, names, arch="sm_90a"):
+def _ptx_globals(fam, names, arch="sm_90a", defines=()):
     """name expression -> bytes of the exported globals ``names`` of the family's module, from its PTX."""
     pytest.importorskip("cupy")
-    text = _ptx(fam, arch)
+    text, lowered = _ptx(fam, arch, defines)
     out = {}
     for name in names:
-        leaf = name.rsplit("::", 1)[-1]
-        m = re.search(r"\.global \.align \d+ \.b8 (\w*%d%s\w*)\[(\d+)\](?: = \{([^}]*)\})?" % (len(leaf), leaf), text)
+        m = re.search(r"\.global \.align \d+ \.b8 (%s)\[(\d+)\](?: = \{([^}]*)\})?" % re.escape(lowered[name]), text)
         assert m, f"{name} is not in the PTX of {fam[0]}"
         raw = [int(b) for b in m.group(3).split(",")] if m.group(3) else []
         out[name] = bytes(raw + [0] * (int(m.group(2)) - len(raw)))  # PTX omits trailing zero bytes
@@ -79,7 +80,7 @@ def test_hopper_module_exports_its_parameter_struct_and_geometry(variant):
     the PTX: the parameter struct (every field the packing writes, the six tensor maps consecutive as
     a run rewrites them), and a geometry row per variant within the limits of a Hopper CTA."""
     fam = reg.prefill_sm90(BF16, CausalMask(), variant)
-    pack, table, _ = _pack_of(fam, reg.SM90_EXPORTS)
+    pack, table, _ = _pack_of(fam, reg.sm90_exports(CausalMask()))
     assert pack.struct and pack.dtype.itemsize <= 4096  # kernel parameters: 4 KiB
     assert _packing.map_fields(pack) == _packing.SM90_MAPS
     assert pack.dtype.fields["tm_q"][0] == TENSOR_MAP_DTYPE and pack.offsets["tm_q"] % 64 == 0
@@ -95,6 +96,45 @@ def test_hopper_module_exports_its_parameter_struct_and_geometry(variant):
         assert geom["threads"] == 384 and geom["block_m"] == geom["block_n"] == 128, geom
         assert geom["scale_box"] >= geom["block_n"], geom  # a tile's key scales and the aligned start
         assert geom["q_rows"] * 2 == geom["block_m"], geom  # each consumer's Q rows, loaded apart
+
+
+def _sm90_block_rows(mask, defines=()):
+    """variant -> (block_m, threads, q_rows) of the Hopper module's geometry table for ``mask``."""
+    fam = reg.prefill_sm90(BF16, mask, "fp8")
+    exports = reg.sm90_exports(mask)
+    table = np.frombuffer(_ptx_globals(fam, exports, defines=defines)[exports[2]], np.int32)
+    rows = table.reshape(-1, len(_geometry.SM90_GEOMETRY))
+    out = {}
+    for name, (_, row) in reg.SM90_VARIANTS.items():
+        geom = dict(zip(_geometry.SM90_GEOMETRY, rows[row].tolist()))
+        out[name] = (geom["block_m"], geom["threads"], geom["q_rows"])
+    return out
+
+
+FP8_VARIANTS = (reg.VARIANT_FP8, reg.VARIANT_E4M3)  # the Hopper kernel's fp8 traits (VariantFp8 and kin)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
+def test_geometry_rows_are_the_references_query_blocks(mask):
+    """Each mask's exported geometry (kGeometry<Mask>) as compiled: the query rows of a work tile
+    are the reference's (fp8.fp8_query_block, which shapes the reach of a NaN in v), 64 per consumer
+    warpgroup, one producer warpgroup beside them. A default of MLA_SM90_FP8_CONSUMERS other than
+    dims.FP8_CONSUMERS fails here."""
+    for name, (block_m, threads, q_rows) in _sm90_block_rows(mask).items():
+        assert block_m == (fp8.fp8_query_block(mask) if name in FP8_VARIANTS else dims.QUERY_BLOCK), (name, block_m)
+        assert q_rows == dims.HALF_BLOCK and threads == 128 * (1 + block_m // q_rows), (name, threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", [CausalMask(), SlidingWindowCausalMask(100)], ids=lambda m: type(m).__name__)
+def test_three_fp8_consumers_widen_the_unbounded_masks_only(mask):
+    """Built with MLA_SM90_FP8_CONSUMERS 3: the fp8 variants take 192 rows (three consumers) under
+    a mask without a lower bound, 128 under the others; the 16-bit variants stay at 128."""
+    rows = _sm90_block_rows(mask, (("MLA_SM90_FP8_CONSUMERS", "3"),))
+    for name, (block_m, threads, _) in rows.items():
+        want = 192 if name in FP8_VARIANTS and not mask.bounded_below else 128
+        assert (block_m, threads) == (want, 128 + 2 * want), (name, block_m, threads)
 
 
 def test_portable_module_and_pre_pass_export_theirs():
@@ -131,7 +171,7 @@ def test_launch_code_reads_the_exports_as_a_module_serves_them(monkeypatch):
     """mla_cupy._geometry._exports through jit.get_global's contract (the first ``count`` elements
     of a global), served here from the PTX: the struct and geometry it returns are those above."""
     fam = reg.prefill_sm90(BF16, CausalMask(), "fp8")
-    g = _ptx_globals(fam, reg.SM90_EXPORTS)
+    g = _ptx_globals(fam, reg.sm90_exports(CausalMask()))
 
     def get_global(filename, names, name, dtype, count, arch=None):
         assert filename == fam[0] and name in names
@@ -141,7 +181,7 @@ def test_launch_code_reads_the_exports_as_a_module_serves_them(monkeypatch):
 
     monkeypatch.setattr(_geometry, "get_global", get_global)
     n = len(_geometry.SM90_GEOMETRY) * len(reg.SM90_VARIANTS)
-    pack, table = _geometry._exports(fam, reg.SM90_EXPORTS, n, "test")
-    want, want_table, _ = _pack_of(fam, reg.SM90_EXPORTS)
+    pack, table = _geometry._exports(fam, reg.sm90_exports(CausalMask()), n, "test")
+    want, want_table, _ = _pack_of(fam, reg.sm90_exports(CausalMask()))
     assert pack.dtype == want.dtype and pack.names == want.names
     assert table.tolist() == want_table.tolist()

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from mla_cupy import reference
+from mla_cupy import fp8, reference
 from mla_cupy.masks import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, SlidingWindowCausalMask
 from mla_cupy.paged import PagedKVCache
 
@@ -204,23 +204,23 @@ def seq_visible(c, mask, b):
     return _visible_np(mask, (q0 + np.arange(sq))[:, None], (k0 + np.arange(sk))[None, :])
 
 
-def reach_of_v(c, mask, j, key_align=1, half_tiles=True):
-    """Rows of sequence 0 a NaN in key j's v reaches: every row of each 128-row block whose span of
-    visible keys (its start rounded down to key_align) holds key j; with half_tiles (the 16-bit
-    variants), in a 64-row half of a block whose last row would see no key position at or past the
-    middle of the span's last 128-key tile, the span ends there."""
+def reach_of_v(c, mask, j, key_align=1, half_tiles=True, block=128):
+    """Rows of sequence 0 a NaN in key j's v reaches: every row of each ``block``-row block whose
+    span of visible keys (its start rounded down to key_align) holds key j; with half_tiles (the
+    16-bit variants), in a 64-row half of a block whose last row would see no key position at or
+    past the middle of the span's last 128-key tile, the span ends there."""
     vis = seq_visible(c, mask, 0)
     sq = vis.shape[0]
     k0 = 0 if c.cache_offsets is None else int(c.cache_offsets[0])
     q0 = k0 + vis.shape[1] - sq if c.q_start_pos is None else int(c.q_start_pos[0])
     rows = np.zeros(sq, bool)
-    for r0 in range(0, sq, 128):
-        cols = np.flatnonzero(vis[r0:r0 + 128].any(axis=0))
+    for r0 in range(0, sq, block):
+        cols = np.flatnonzero(vis[r0:r0 + block].any(axis=0))
         if not cols.size:
             continue
         begin, end = cols[0] - cols[0] % key_align, cols[-1] + 1
         cut = begin + (-(-(end - begin) // 128) - 1) * 128 + 64
-        for h0 in range(r0, min(r0 + 128, sq), 64):
+        for h0 in range(r0, min(r0 + block, sq), 64):
             last = q0 + min(h0 + 64, sq) - 1
             far = not half_tiles or _visible_np(mask, np.int64(last), k0 + cut + np.arange(4096)).any()
             if begin <= j < (end if far else min(end, cut)):
@@ -496,6 +496,28 @@ def test_fp8_nan_reaches_what_the_contract_says(where):
     assert want.any()
     out, lse = run_fp8(c, f, mask)
     assert_reach(out, lse, clean_out, clean_lse, want, d if where == "v" else slice(None), lse_nan=where != "v")
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_fp8_nan_in_v_reaches_the_query_blocks_of_the_kernel_build(monkeypatch, consumers):
+    """Under the causal mask the fp8 variants' query blocks are ``fp8.fp8_query_block`` rows: 128, or
+    192 when the kernels are built with three fp8 consumers (MLA_CUPY_DEFINES;
+    fp8.fp8_consumers follows it); the window and chunked masks keep 128."""
+    from mla_cupy import jit
+
+    monkeypatch.setattr(jit, "DEFINES", {"MLA_SM90_FP8_CONSUMERS": str(consumers)})  # as MLA_CUPY_DEFINES sets it
+    mask = CausalMask()
+    assert fp8.fp8_query_block(mask) == 64 * consumers == 64 * fp8.fp8_consumers()
+    assert fp8.fp8_query_block(SlidingWindowCausalMask(37)) == fp8.fp8_query_block(ChunkedMask(64)) == 128
+    c, f = fp8_case(mask)
+    clean_out, clean_lse = run_fp8(c, f, mask)
+    j, h, d = 100, 1, 5  # rows from 140 see key 100; a 192-row block 0 spans it, a 128-row one does not
+    f["v"][j, h, d] = NAN8
+    want = np.zeros(clean_lse.shape, bool)
+    want[:300, h] = reach_of_v(c, mask, j, key_align=16, half_tiles=False, block=64 * consumers)
+    assert want[:128, h].any() == (consumers == 3) and want[140:300, h].all()
+    out, lse = run_fp8(c, f, mask)
+    assert_reach(out, lse, clean_out, clean_lse, want, d, lse_nan=False)
 
 
 def test_fp8_rope_nan_reaches_the_rows_that_see_its_key():

@@ -24,17 +24,11 @@ constexpr int kScaleBox = kBlockN + 4;
 constexpr int kKeyWords = kBlockN / 32;             // rope warp: a readable bit per key of a tile (key 32 w + b: word w, bit b)
 constexpr u32 kTileUnreadable = 1u;  // rope warp: the tile's flags word
 
-// Registers per thread after setmaxnreg (128 * (producer + consumers * consumer) <= 64 K). The producer
-// warps need more than a bare TMA issuer's 24: warp 0 decodes the work tiles, takes them from the
-// counter and publishes them, the rope warp keeps a tile's page lookups in registers (at 56 ptxas
-// spills in the fp8 variants); the consumers need no more than 224 (no spills).
-constexpr int kProducerRegs = 72;
-constexpr int kConsumerRegs = 216;
-
 // Named barriers (0 is __syncthreads): the consumers after zeroing V rows, the consumers' turns
 // (kTurnBar + c: consumer c may issue its GEMMs), consumer c's output staging (kEpilogueBar<V> + c).
 constexpr int kVZeroBar = 1;
 constexpr int kTurnBar = 2;
+constexpr int kTurnThreads = 2 * 128;  // a turn barrier: the warpgroup that waits and the one that passes
 
 // The epilogue's output staging (epilogue.cuh): per consumer, its 64 rows x 64 16-bit values (one
 // half of O's columns) at a time, 128 bytes a row.
@@ -96,6 +90,36 @@ struct VariantE4m3 : VariantFp8 {
 
 constexpr int kNumVariants = 4;
 
+// fp8 with three consumer warpgroups (MLA_SM90_FP8_CONSUMERS 3): 192-row work tiles, so that each
+// K/V tile loaded serves 50% more query rows and three softmaxes interleave with the GEMMs. The
+// register file then allows 160 per consumer thread and 32 per producer thread (below), so:
+//   * P V is completed before S is issued (MLA_SM90_FP8_OVERLAP's 0: one GEMM in flight);
+//   * a scheduler warp (warp 3) decodes and hands out the work tiles, and warp 0 only issues the
+//     loads, which fit 32 registers;
+//   * the key scales are read from shared memory where they multiply (S, O and a tile's 32
+//     scales do not fit 160 together);
+//   * a consumer with no row in the sequence (its 64 rows of a last block) keeps the barrier
+//     protocol only (Mainloop::run_idle);
+//   * the causal and null masks only (a row's keys have one end); the window and chunked masks,
+//     whose second bound takes registers, keep two (a third spills).
+#ifndef MLA_SM90_FP8_CONSUMERS
+#define MLA_SM90_FP8_CONSUMERS 2
+#endif
+template <class V>
+struct Wide : V {
+  static constexpr int kConsumers = 3;
+};
+// Variant V as it is compiled under Mask: Wide<V> where the switch above asks for it.
+template <class V, class Mask, bool kWide = V::kFp8 && !Mask::kBoundedBelow && MLA_SM90_FP8_CONSUMERS == 3>
+struct ForMaskT {
+  using type = V;
+};
+template <class V, class Mask>
+struct ForMaskT<V, Mask, true> {
+  using type = Wide<V>;
+};
+template <class V, class Mask> using ForMask = typename ForMaskT<V, Mask>::type;
+
 // The work tile and the warpgroups of variant V: V::kConsumers consumer warpgroups of kWgRows rows
 // beside the producer warpgroup.
 template <class V> constexpr int kBlockM = kWgRows * V::kConsumers;  // query rows per work tile
@@ -105,9 +129,20 @@ template <class V> constexpr int kConsumerWarps = kConsumerThreads<V> / 32;
 template <class V> constexpr int kQBlk = kBlockM<V> * 128;  // one column block of the Q tile
 template <class V> constexpr int kEpilogueBar = kTurnBar + V::kConsumers;
 template <class V> constexpr int kOutStageBytes = V::kConsumers * kWgRows * kOutStageRowBytes;  // 16 KiB for 2
+// Registers per thread after setmaxnreg (128 * (producer + consumers * consumer) <= 64 K). With two
+// consumers the producer warps get more than a bare TMA issuer's 24: warp 0 decodes the work tiles,
+// takes them from the counter and publishes them, the rope warp keeps a tile's page lookups in
+// registers (at 56 ptxas spills in the fp8 variants); the consumers need no more than 224 (no
+// spills). With three: 160 each, and the decoding moves to the scheduler warp (kSchedulerWarp).
+template <class V> constexpr int kProducerRegs = V::kConsumers == 3 ? 32 : 72;
+template <class V> constexpr int kConsumerRegs = V::kConsumers == 3 ? 160 : 216;
 template <class V>
-constexpr bool kRegisterBudget = 128 * (kProducerRegs + V::kConsumers * kConsumerRegs) <= 65536;
-static_assert(kRegisterBudget<Variant16<__half>> && kRegisterBudget<VariantFp8>, "register budget");
+constexpr bool kRegisterBudget = 128 * (kProducerRegs<V> + V::kConsumers * kConsumerRegs<V>) <= 65536;
+static_assert(kRegisterBudget<Variant16<__half>> && kRegisterBudget<VariantFp8> &&
+                  kRegisterBudget<Wide<VariantFp8>>, "register budget");
+// A warp of the producer warpgroup that only decodes and hands out the work tiles (three consumers).
+template <class V> constexpr bool kSchedulerWarp = V::kConsumers == 3;
+constexpr int kSchedWarp = 3;
 
 // Bytes of one tile in shared memory:
 //   Q: the nope block(s), then the rope block (q's last 64 values; q_rope in the fp8 variants);
@@ -171,6 +206,13 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #ifndef MLA_SM90_FP8_OVERLAP
 #define MLA_SM90_FP8_OVERLAP 1
 #endif
+// O's rescale after a key tile skipped when no row maximum of the warp moved (every factor 1: the
+// same bits), decided by a warp vote (mainloop.cuh: rescale_o). Off: the rescale always runs.
+#ifndef MLA_SM90_LAZY_RESCALE
+#define MLA_SM90_LAZY_RESCALE 0
+#endif
+// The overlap in the fp8 variants of V: with two consumers as the switch says; never with three.
+template <class V> constexpr bool kFp8Overlap = MLA_SM90_FP8_OVERLAP && V::kConsumers == 2;
 
 // A work tile's last key tile as a half tile for a warpgroup that sees none of its second half
 // (consumer 0 on a causal diagonal): P V over 4 of its 8 k-steps, and S by m64n64 wgmma when it

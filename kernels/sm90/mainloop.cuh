@@ -1,6 +1,7 @@
-// The consumer mainloop: two warpgroups, 64 query rows each. Per key tile, S = Q K^T by wgmma with
-// both operands in shared memory, the online softmax in registers, and O += P V with P from
-// registers and V read transposed from shared memory (fp8: e4m3 P and V^T).
+// The consumer mainloop: two warpgroups (three in fp8 with MLA_SM90_FP8_CONSUMERS 3), 64 query
+// rows each. Per key tile, S = Q K^T by wgmma with both operands in shared memory, the online
+// softmax in registers, and O += P V with P from registers and V read transposed from shared
+// memory (fp8: e4m3 P and V^T).
 //
 //   * Intra-warpgroup overlap: a consumer issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, waits
 //     for S_t only, and runs the softmax of tile t while the tensor cores still work on P V; only
@@ -19,10 +20,10 @@
 //     by a tenth. The first-tile and last-P V paths of either shape complete their wgmma before
 //     the paths join; a loop copy for the S of a longer work tile's half tile made ptxas
 //     serialize the wgmma of several families (C7511).
-//   * fp8 per token: the two consumers take turns issuing their GEMMs (pingpong, named barriers),
-//     so that one's softmax runs under the other's GEMMs. Consumer 0 has the first turn; both run
-//     the same GEMM blocks (same work tiles and counts), so turns alternate exactly, and consumer 0
-//     takes the last pass after the loop.
+//   * fp8 per token: the consumers take turns issuing their GEMMs (pingpong, named barriers), so
+//     that one's softmax runs under the others' GEMMs. Consumer 0 has the first turn; all run the
+//     same GEMM blocks (same work tiles and counts; an idle consumer its turns alone), so turns go
+//     round exactly, and consumer 0 takes the last pass after the loop.
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows, or zeros past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
 //     before P V (fp8: their V^T columns), so a neighbour's NaN can never reach this sequence.
@@ -57,7 +58,10 @@ struct Mainloop {
   using T = typename V::Elem;
   static constexpr int kS = V::kStages;
   static constexpr bool kRW = kRopeWarp<V, kPaged>;
-  static constexpr bool kScalesEarly = V::kFp8 && MLA_SM90_KSCALE_EARLY;
+  // fp8 key scales: read from shared memory where they multiply with three consumers
+  // (dequantize_scores_at), else into registers before the GEMMs (MLA_SM90_KSCALE_EARLY) or after
+  static constexpr bool kScalesInPlace = V::kFp8 && V::kConsumers == 3;
+  static constexpr bool kScalesEarly = V::kFp8 && MLA_SM90_KSCALE_EARLY && !kScalesInPlace;
   // A work tile's last key tile may be a half tile (softmax.cuh: last_tile_is_half). Not in the fp8
   // variants: their chunked-mask kernels would spill (they run at the register limit), and their
   // time goes to the softmax, which a half tile does not shorten.
@@ -79,17 +83,27 @@ struct Mainloop {
     lane = threadIdx.x % 32;
     warp_in_wg = (threadIdx.x / 32) % 4;
     dq = make_desc(sm.q() + cw * kWgRows * 128, 16, 1024);
-    if (cw == 1) turn_pass();
+    if (cw == V::kConsumers - 1) turn_pass();
   }
+  // Turns go round the consumers in order: c waits on kTurnBar + c, passes to the next.
   __device__ __forceinline__ void turn_wait() const {
-    if constexpr (V::kPingpong) named_barrier_sync(kTurnBar + cw, kConsumerThreads<V>);
+    if constexpr (V::kPingpong) named_barrier_sync(kTurnBar + cw, kTurnThreads);
   }
   __device__ __forceinline__ void turn_pass() const {
-    if constexpr (V::kPingpong) named_barrier_arrive(kTurnBar + 1 - cw, kConsumerThreads<V>);
+    if constexpr (V::kPingpong) {
+      if constexpr (V::kConsumers == 2) named_barrier_arrive(kTurnBar + 1 - cw, kTurnThreads);
+      else named_barrier_arrive(kTurnBar + (threadIdx.x / 128) % 3, kTurnThreads);  // consumer (cw + 1) % 3
+    }
   }
-  // After the last work tile: consumer 1's last pass, so every turn barrier ends balanced.
+  // After the last work tile: the last consumer's last pass, so every turn barrier ends balanced.
   __device__ __forceinline__ void finish() const {
     if (cw == 0) turn_wait();
+  }
+  // Whether this consumer has no row in work tile k (three consumers: a sequence's last block may
+  // leave the third, or the second and third, without rows); it then runs run_idle. With two the
+  // second computes such rows masked (a block's first 64 rows always exist).
+  __device__ __forceinline__ bool idle(const WorkInfo& k) const {
+    return V::kConsumers == 3 && k.m0 + cw * kWgRows >= k.w.sq;
   }
   // The sequence row of this thread's row g (rows g and g + 8) in work tile k.
   __device__ __forceinline__ int row0(const WorkInfo& k) const {
@@ -105,7 +119,8 @@ struct Mainloop {
     float row_scale[2];              // softmax scale (times log2 e) of the thread's two rows
     float sacc[kSTiles][4];          // S of the current key tile, then its P
     u32 pa[kPvSteps<V>][4];          // P of the previous tile, waiting for its P V
-    float ksc[V::kFp8 ? kSTiles : 1][2];  // fp8: key scales of the thread's columns
+    float ksc[V::kFp8 && !kScalesInPlace ? kSTiles : 1][2];  // fp8: key scales of the thread's columns
+    u32 scale_at;                    // kScalesInPlace: bytes from a scale box to the thread's first scale
     float corr[2];                   // rescale factors of O from the last softmax step
     u32 tile_flags;                  // the rope warp's flags of the current key tile (kRW)
     int prev_s;                      // ring stage and phase of the previous key tile
@@ -173,7 +188,7 @@ struct Mainloop {
   }
   // fp8: the key scales of key tile t (ring position it) into registers (kScalesEarly: before the GEMMs).
   __device__ __forceinline__ void key_scales(Tile& x, int t, int it) const {
-    if constexpr (V::kFp8)
+    if constexpr (V::kFp8 && !kScalesInPlace)
       load_key_scales(reinterpret_cast<const float*>(sm.s.stage[it % kS].k + kKScalesOffset<V>),
                       x.k.w.kv_row0 + x.k.n_begin + t * kBlockN, x.ksc);
   }
@@ -185,7 +200,8 @@ struct Mainloop {
     constexpr int kTiles = kHalf ? kSTiles / 2 : kSTiles;  // n-tiles of S the GEMM wrote
     fence_operands_first<kTiles>(x.sacc);
     const int s = it % kS;
-    if constexpr (V::kFp8) dequantize_scores<kTiles>(x.sacc, x.ksc);
+    if constexpr (kScalesInPlace) dequantize_scores_at<kTiles>(x.sacc, sm.k_scales(s) + x.scale_at);
+    else if constexpr (V::kFp8) dequantize_scores<kTiles>(x.sacc, x.ksc);
 #pragma unroll
     for (int nt = kTiles; nt < kSTiles; ++nt) x.sacc[nt][0] = x.sacc[nt][1] = x.sacc[nt][2] = x.sacc[nt][3] = neg_inf();
     bool masked = kMode == kMaskApply;
@@ -219,6 +235,14 @@ struct Mainloop {
     turn_pass();
     wgmma_wait<0>();
   }
+  // O rescaled by the last softmax step's factors; with MLA_SM90_LAZY_RESCALE not when every
+  // factor of the warp's rows is 1 (a warp-uniform branch around multiplies only).
+  static __device__ __forceinline__ void rescale_o(float (&o)[kOTiles][4], const float (&corr)[2]) {
+    if constexpr (MLA_SM90_LAZY_RESCALE) {
+      if (__all_sync(0xffffffffu, corr[0] == 1.f && corr[1] == 1.f)) return;
+    }
+    OnlineSoftmax::rescale(o, corr);
+  }
   // Key tiles t .. end - 1: S_t and P_{t-1} V_{t-1} in flight together; the softmax of S_t
   // overlaps P V. fp8 with MLA_SM90_FP8_OVERLAP 0: P_{t-1} V_{t-1} issued and completed, then S_t,
   // and the key scales read after it: one GEMM in flight per warpgroup and nothing of tile t - 1
@@ -229,7 +253,7 @@ struct Mainloop {
     for (; t < end; ++t, ++it) {
       const int s = it % kS;
       const u32 parity = (it / kS) & 1;
-      if constexpr (V::kFp8 && !MLA_SM90_FP8_OVERLAP) {
+      if constexpr (V::kFp8 && !kFp8Overlap<V>) {
         turn_wait();
         mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
         issue_pv(x, o, x.prev_s);
@@ -243,7 +267,7 @@ struct Mainloop {
         wgmma_wait<0>();
         key_scales(x, t, it);
         scores_to_p<kMode>(x, smx, t, it);
-        OnlineSoftmax::rescale(o, x.corr);
+        rescale_o(o, x.corr);
         pack_probabilities<V>(x.sacc, x.pa);
       } else {
         if (kScalesEarly) wait_k(it), key_scales(x, t, it);
@@ -259,7 +283,7 @@ struct Mainloop {
         fence_operands(o);
         fence_operands(x.pa);
         TileHandout::release(sm.v_empty(x.prev_s));
-        OnlineSoftmax::rescale(o, x.corr);
+        rescale_o(o, x.corr);
         pack_probabilities<V>(x.sacc, x.pa);
       }
       x.prev_s = s;
@@ -279,7 +303,12 @@ struct Mainloop {
     x.wr0 = k.m0 + cw * kWgRows;
     x.r0 = row0(k);
     row_key_ranges(mask, w, x.r0, k.n_begin, k.n_end, x.key_lo, x.key_hi);
+    // A mask whose rows' keys have no lower end: every row's range starts at the span's first key
+    // (row_key_ranges clamps there); a constant for the compiler, registers freed at three consumers.
+    if constexpr (!Mask::kBoundedBelow && V::kConsumers == 3) x.key_lo[0] = x.key_lo[1] = 0;
     x.tile_flags = 0;
+    // a tile's scales start (kv_row0 + n_begin) % 4 floats into its box (softmax.cuh: load_key_scales)
+    if constexpr (kScalesInPlace) x.scale_at = 4 * ((w.kv_row0 + k.n_begin) & 3) + 8 * (lane % 4);
     // fp8: S_ij = q_scale[i] k_scales[j] raw_ij; k_scales[j] multiplies the scores (before the mask:
     // scales may be 0), q_scale[i] >= 0 (the API checks it) folds into the row's scale, as the
     // maximum of q_scale[i] x is q_scale[i] max(x): one multiply per score instead of two on the
@@ -320,13 +349,24 @@ struct Mainloop {
     }
     TileHandout::release(sm.q_empty(cw));  // every S of this work tile is done: the Q warp may load our next rows
 
-    // The last tile's P V. Its V rows past the span's end (the neighbour's keys) are zeroed first,
-    // by both consumers together, and the stores made visible to wgmma before either reads V.
+    // The last tile's P V, after its V rows past the span's end are zeroed.
     const int last = x.prev_s;
-    mbar_wait(sm.v_full(last), x.prev_parity);
+    zero_v_tail(k, last, x.prev_parity);
+    if (kHalfTiles && half) last_pv<kHalfTiles>(x, o, last);
+    else last_pv<false>(x, o, last);
+    fence_operands(o);
+    fence_operands(x.pa);
+    TileHandout::release(sm.v_empty(last));
+  }
+
+  // Waits for the last key tile's V (ring stage `last`) and zeroes its rows past the span's end (the
+  // neighbour's keys), by every consumer together, the stores made visible to wgmma before any
+  // consumer reads V.
+  __device__ __forceinline__ void zero_v_tail(const WorkInfo& k, int last, u32 parity) const {
+    mbar_wait(sm.v_full(last), parity);
     const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBlockN);
     if (valid < kBlockN) {
-      const int tid = thread_index_here() - 128;  // 0 .. 255 across both consumers
+      const int tid = thread_index_here() - 128;  // 0 .. kConsumerThreads - 1 across the consumers
       if constexpr (V::kFp8) {
         zero_vt_keys_from(sm.v(last), valid, tid, kConsumerThreads<V>);  // V^T: key columns
       } else {
@@ -339,11 +379,36 @@ struct Mainloop {
       fence_proxy_async();
       named_barrier_sync(kVZeroBar, kConsumerThreads<V>);
     }
-    if (kHalfTiles && half) last_pv<kHalfTiles>(x, o, last);
-    else last_pv<false>(x, o, last);
-    fence_operands(o);
-    fence_operands(x.pa);
-    TileHandout::release(sm.v_empty(last));
+  }
+
+  // A work tile in which this consumer has no row (idle): no GEMM, the barrier protocol of run
+  // only, step for step, so that every count agrees: its Q rows taken and released, per key tile
+  // a turn and the K stage released once full, V released once full a tile later, the last
+  // tile's V zeroing and turn, its V released.
+  __device__ __forceinline__ void run_idle(const WorkInfo& k) {
+    if (k.num_tiles == 0) return;
+    mbar_wait(sm.q_full(cw), nq & 1);
+    ++nq;
+    TileHandout::release(sm.q_empty(cw));
+    int prev_s = 0;
+    u32 prev_parity = 0;
+    for (int t = 0; t < k.num_tiles; ++t, ++it) {
+      const int s = it % kS;
+      turn_wait();
+      turn_pass();
+      wait_k(it);
+      TileHandout::release(sm.k_empty(s));
+      if (t > 0) {
+        mbar_wait(sm.v_full(prev_s), prev_parity);
+        TileHandout::release(sm.v_empty(prev_s));
+      }
+      prev_s = s;
+      prev_parity = (it / kS) & 1;
+    }
+    zero_v_tail(k, prev_s, prev_parity);
+    turn_wait();
+    turn_pass();
+    TileHandout::release(sm.v_empty(prev_s));
   }
 };
 

@@ -1,10 +1,10 @@
-// The producer roles: one thread of warp 0 takes the work tiles (scheduler.cuh) and issues the TMA
-// copies of each one's K and V tiles into the ring of V::kStages stages, K and V with their own
-// full / empty mbarriers so that K of tile t+1 can load while V of tile t is in use. With a 16-bit
-// rope the K stage's rope block comes from its own map, shared by every head: over k_rope, or over
-// the key rows a paged cache's rope was gathered into (rope_gather.cu); an fp8 rope's rows are
-// written by the rope warp (rope_warp.cuh). The Q warp (kQWarp) loads each consumer's 64
-// Q rows on their own barriers, once that consumer is done with its previous rows: a consumer that
+// The producer roles: one thread of warp 0 takes the work tiles (scheduler.cuh: from the counter, or
+// from the scheduler warp with three consumers) and issues the TMA copies of each one's K and V
+// tiles into the ring of V::kStages stages, K and V with their own full / empty mbarriers so that
+// K of tile t+1 can load while V of tile t is in use. With a 16-bit rope the K stage's rope block
+// comes from its own map, shared by every head: over k_rope, or over the key rows a paged cache's
+// rope was gathered into (rope_gather.cu); an fp8 rope's rows are written by the rope warp
+// (rope_warp.cuh). The Q warp (kQWarp) loads each consumer's 64 Q rows on their own barriers, once that consumer is done with its previous rows: a consumer that
 // finishes a work tile first starts the next one while the other still runs its last P V and its
 // epilogue (the K/V ring, which both release, bounds how far it runs ahead).
 #pragma once
@@ -31,14 +31,18 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
   int idx = blockIdx.x;
   for (int n = 0;; ++n) {
     WorkInfo k;
-    idx = sched.find<V>(p, mask, idx, k);
-    sched.publish(n, k);
+    if constexpr (kSchedulerWarp<V>) {
+      sched.take_one(n, k);
+    } else {
+      idx = sched.find<V>(p, mask, idx, k);
+      sched.publish(n, k);
+    }
     if (!k.valid) break;
     if (k.num_tiles > 0) {
       const WorkTile& w = k.w;
       // fp8: the sequence's first column in V^T (vt_layout.cuh)
       const i64 vt_col = V::kFp8 ? vt_col0(static_cast<u32>(w.kv_row0), w.b) + k.n_begin : 0;
-      for (int t = 0; t < k.num_tiles; ++t, ++it) {
+      auto load_tile = [&](int t) {
         const int s = it % kS;
         const u32 empty_parity = ((it / kS) & 1) ^ 1;  // the first pass over the ring does not wait
         const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * kBlockN);
@@ -55,9 +59,17 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
         } else {
           for (int c = 0; c < 2; ++c) tma_load_3d(sm.v(s) + c * kBlk, &p.tm_v, sm.v_full(s), c * kColBlock, w.h, row);
         }
+      };
+      if constexpr (kSchedulerWarp<V>) {
+        // one tile per iteration: an unrolled loop keeps each copy's addresses live past 32 registers
+#pragma unroll 1
+        for (int t = 0; t < k.num_tiles; ++t, ++it) load_tile(t);
+      } else {
+        for (int t = 0; t < k.num_tiles; ++t, ++it) load_tile(t);
       }
     }
-    idx = sched.next(idx);
+    if constexpr (kSchedulerWarp<V>) mbar_arrive(sched.issued());
+    else idx = sched.next(idx);
   }
 }
 

@@ -14,6 +14,10 @@
 // reader (kConsumerArrivals<V> of the consumers, plus the rope warp's when it runs). Every role thus
 // walks the same work tiles and agrees on every barrier count, and nobody else decodes (no integer
 // divisions nor dependent global loads on the consumers' path).
+// With three consumers (kSchedulerWarp<V>: 32 registers per producer thread) the decoding is the
+// scheduler warp's (run): one thread finds, publishes, and takes the next index once warp 0, now
+// one more reader of the slots (take_one), has issued the current tile's loads (the issued barrier:
+// one arrival per work tile), so indices go out in the same order as with two.
 // The counter is zero between launches: each CTA's producer takes exactly one index past the end
 // (then stops), and the CTA that takes the gridDim.x-th such index resets the counter; no CTA
 // touches it afterwards. Launches that share a counter must not overlap (one counter per stream).
@@ -59,18 +63,21 @@ __device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int
 struct TileHandout {
   u32* counter;  // global, 2 words: [0] indices handed out past the first gridDim.x, [1] CTAs done
   int num_work;  // work-tile indices of the launch
-  u32 bars;      // shared: 4 mbarriers full(0), full(1), empty(0), empty(1)
+  u32 bars;      // shared: mbarriers full(0), full(1), empty(0), empty(1) (and issued: kWorkBars)
   WorkInfo* slots;  // shared: the 2 slots
 
   __device__ __forceinline__ u32 full(int s) const { return bars + 8 * s; }
   __device__ __forceinline__ u32 empty(int s) const { return bars + 16 + 8 * s; }
+  __device__ __forceinline__ u32 issued() const { return bars + 32; }  // with the scheduler warp
 
   // One thread, before the CTA's first __syncthreads (with the other mbarrier inits).
+  template <class V>
   __device__ __forceinline__ void init(u32 readers) const {
     for (int s = 0; s < 2; ++s) {
       mbar_init(full(s), 1);
       mbar_init(empty(s), readers);
     }
+    if (kSchedulerWarp<V>) mbar_init(issued(), 1);
   }
   // Producer thread: the index after `idx`.
   __device__ __forceinline__ int next(int idx) const {
@@ -93,10 +100,38 @@ struct TileHandout {
   }
   // Producer thread: hand-out n is k.
   __device__ __forceinline__ void publish(int n, const WorkInfo& k) const {
+    slot(n) = k;
+    published(n);
+  }
+  // Hand-out n's slot, once its readers have released hand-out n - 2; published(n) hands it out.
+  __device__ __forceinline__ WorkInfo& slot(int n) const {
+    mbar_wait(empty(n & 1), ((n >> 1) & 1) ^ 1);  // the first pass over the 2 slots does not wait
+    return slots[n & 1];
+  }
+  __device__ __forceinline__ void published(int n) const {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(full(n & 1)) : "memory");
+  }
+  // The scheduler warp's thread: every hand-out, each next index taken once warp 0 has issued the
+  // loads of the current work tile.
+  template <class V, class Mask>
+  __device__ __forceinline__ void run(const Params& p, const Mask& mask) const {
+    int idx = blockIdx.x;
+    for (int n = 0;; ++n) {
+      WorkInfo& k = slot(n);  // decoded in place: at 32 registers a WorkInfo held whole spills
+      idx = find<V>(p, mask, idx, k);
+      published(n);
+      if (!k.valid) break;
+      mbar_wait(issued(), n & 1);
+      idx = next(idx);
+    }
+  }
+  // Warp 0's thread with the scheduler warp: hand-out n, one arrival.
+  __device__ __forceinline__ void take_one(int n, WorkInfo& k) const {
     const int s = n & 1;
-    mbar_wait(empty(s), ((n >> 1) & 1) ^ 1);  // the first pass over the 2 slots does not wait
-    slots[s] = k;
-    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(full(s)) : "memory");
+    mbar_wait(full(s), (n >> 1) & 1);
+    asm volatile("" ::: "memory");  // the slot is read after the wait
+    k = slots[s];
+    mbar_arrive(empty(s));
   }
   // Reader threads (whole warps): hand-out n. One lane per warp releases the slot once every lane
   // has read it (or every lane, with kConsumerArrivals<V> counting threads).

@@ -14,6 +14,9 @@
 namespace mla {
 namespace sm90 {
 
+// The scheduler's mbarriers: full(0), full(1), empty(0), empty(1), and issued with the scheduler warp.
+template <class V> constexpr int kWorkBars = kSchedulerWarp<V> ? 5 : 4;
+
 template <class V>
 struct alignas(1024) SharedStorage {
   struct alignas(1024) Stage {
@@ -24,10 +27,10 @@ struct alignas(1024) SharedStorage {
   Stage stage[V::kStages];
   unsigned char out_stage[kOutStageBytes<V>];
   // mbarriers: each consumer's Q rows (TMA / that consumer), each stage's K and V (TMA, plus the
-  // rope warp for K / the consumers), and the scheduler's two slots (full, full, empty, empty)
+  // rope warp for K / the consumers), and the scheduler's (kWorkBars)
   unsigned long long q_full[V::kConsumers], q_empty[V::kConsumers];
   unsigned long long k_full[V::kStages], v_full[V::kStages], k_empty[V::kStages], v_empty[V::kStages];
-  unsigned long long work_bars[4];
+  unsigned long long work_bars[kWorkBars<V>];
   WorkInfo work[2];
   // rope warp only, per K stage s: key_ok[s], a readable bit per key (read by the consumers only
   // when the tile has an unreadable key), and tile_flags[s]: kTileUnreadable or 0
@@ -41,7 +44,8 @@ static_assert(kKBytes<VariantFp8> % 1024 == 0 && kKBytes<Variant16<__half>> % 10
 // Dynamic shared memory of variant V: the struct, plus the slack to align its base to 1 KiB.
 template <class V> constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage<V>)) + 1024;
 static_assert(kSmemBytes<Variant16<__half>> <= 227 * 1024 && kSmemBytes<VariantFp8> <= 227 * 1024 &&
-                  kSmemBytes<VariantFp8Rope<__half>> <= 227 * 1024 && kSmemBytes<VariantE4m3> <= 227 * 1024,
+                  kSmemBytes<VariantFp8Rope<__half>> <= 227 * 1024 && kSmemBytes<VariantE4m3> <= 227 * 1024 &&
+                  kSmemBytes<Wide<VariantFp8>> <= 227 * 1024 && kSmemBytes<Wide<VariantE4m3>> <= 227 * 1024,
               "shared memory per CTA");
 
 // Shared-space addresses of the parts of SharedStorage<V> at `base` (what TMA, wgmma and the

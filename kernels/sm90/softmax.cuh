@@ -38,6 +38,21 @@ __device__ __forceinline__ void dequantize_scores(float (&s)[kSTiles][4], const 
   }
 }
 
+// dequantize_scores with the key scales read from shared memory where they multiply: `addr` is
+// the shared address of this thread's first scale (n-tile nt's are 32 nt bytes on). Three fp8
+// consumers: at 160 registers S, O and a tile's 32 scales do not fit together.
+template <int kTiles = kSTiles>
+__device__ __forceinline__ void dequantize_scores_at(float (&s)[kSTiles][4], u32 addr) {
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt) {
+    const float a = __uint_as_float(lds32(addr + 32 * nt)), b = __uint_as_float(lds32(addr + 32 * nt + 4));
+    s[nt][0] *= a;
+    s[nt][1] *= b;
+    s[nt][2] *= a;
+    s[nt][3] *= b;
+  }
+}
+
 // P (kPScale * P in fp8) as the A fragments of the kPvSteps k-steps of P V.
 template <class V>
 __device__ __forceinline__ void pack_probabilities(const float (&s)[kSTiles][4], u32 (&pa)[kPvSteps<V>][4]) {
