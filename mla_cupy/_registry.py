@@ -148,14 +148,19 @@ def _sm90_traits_label(arg: str) -> List[str]:
     return [arg.rsplit("::", 1)[-1]]
 
 
+def is_kernel(name: str) -> bool:
+    """Whether a family's name expression names a kernel (every kernel here is ``..._kernel``),
+    not an exported global."""
+    return name.split("<", 1)[0].endswith("_kernel")
+
+
 def family_label(fam: Family) -> str:
     """A family as a person reads it: the source's stem and the template arguments its kernels
     share (input dtype, mask, Hopper variant; the output dtype and rope source vary inside a
     family), e.g. ``mla_prefill_sm90<bf16, CausalMask, fp8-per-token>``."""
     stem = fam[0].rsplit(".", 1)[0]
     # kernel instantiations only (a family also names globals, e.g. an exported table per mask)
-    arg_lists = [n.split("<", 1)[1].rsplit(">", 1)[0].split(", ") for n in fam[1]
-                 if "<" in n and n.split("<", 1)[0].endswith("_kernel")]
+    arg_lists = [n.split("<", 1)[1].rsplit(">", 1)[0].split(", ") for n in fam[1] if "<" in n and is_kernel(n)]
     if not arg_lists or any(len(a) != len(arg_lists[0]) for a in arg_lists):
         return stem
     shared, variant = [], []

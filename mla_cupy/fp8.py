@@ -99,7 +99,7 @@ def check_q_scale_values(q_scale) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# V^T (kernels/vt_layout.cuh, kernels/transpose_v.cu)
+# The Hopper kernel's query blocks in the fp8 variants (the reference's NaN reach follows them)
 
 def fp8_consumers() -> int:
     """Consumer warpgroups of the Hopper kernel's fp8 variants (per token, all-e4m3) under a mask
@@ -117,6 +117,9 @@ def fp8_query_block(mask) -> int:
     under a mask without a lower bound (the causal mask, no mask), two under the others."""
     return QUERY_BLOCK if mask.bounded_below else HALF_BLOCK * fp8_consumers()
 
+
+# ---------------------------------------------------------------------------------------------
+# V^T (kernels/vt_layout.cuh, kernels/transpose_v.cu)
 
 VT_ALIGN = 16  #: kVtAlign: keys per aligned column group
 #: kernels/vt_tile.cuh: (kVtThreads, kVtCols), the threads and V^T columns of a CTA of the kernels

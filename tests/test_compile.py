@@ -9,7 +9,7 @@ import pytest
 from mla_cupy import _registry as reg
 from mla_cupy import jit
 from mla_cupy._registry import family_label
-from mla_cupy.masks import MASKS, CausalMask, Mask
+from mla_cupy.masks import MASKS, CausalMask, Mask, NullMask
 
 FAMILIES = reg.all_families()
 
@@ -21,7 +21,7 @@ def _leaf(name: str) -> str:
 
 def _family_mask(names) -> Mask:
     """The mask of a prefill family's kernels (their third template argument)."""
-    cpp = next(n for n in names if _leaf(n).endswith("_kernel")).split("<", 1)[1].split(", ")[2]
+    cpp = next(n for n in names if reg.is_kernel(n)).split("<", 1)[1].split(", ")[2]
     return next(m for m in MASKS if m.cpp_name == cpp)
 
 
@@ -88,6 +88,7 @@ def test_family_has_no_spills_nor_serialized_wgmma(compiled, i):
 SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask()),
                  ("MLA_SM90_LAZY_RESCALE", "1", "fp8", CausalMask()),
                  ("MLA_SM90_FP8_CONSUMERS", "3", "fp8", CausalMask()),
+                 ("MLA_SM90_FP8_CONSUMERS", "3", "fp8", NullMask()),
                  ("MLA_SM90_FP8_CONSUMERS", "3", "e4m3", CausalMask())]
 
 
@@ -100,7 +101,7 @@ def test_switch_builds_have_no_spills_nor_serialized_wgmma(define, value, varian
 
     filename, names = reg.prefill_sm90(BF16, mask, variant)
     build = jit.compile_offline_with_log(filename, names, "sm_90a", defines={define: value})
-    plain = {build.lowered[n] for n in names if _leaf(n).endswith("_kernel") and n.endswith(", false>")}
+    plain = {build.lowered[n] for n in names if reg.is_kernel(n) and n.endswith(", false>")}
     funcs = build.functions()
     assert plain <= set(funcs)
     spills = [f"{f.name}: {f.stack_frame} B stack, {f.spill_stores} B spill stores" for m, f in funcs.items()

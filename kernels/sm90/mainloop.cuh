@@ -303,12 +303,8 @@ struct Mainloop {
     x.wr0 = k.m0 + cw * kWgRows;
     x.r0 = row0(k);
     row_key_ranges(mask, w, x.r0, k.n_begin, k.n_end, x.key_lo, x.key_hi);
-    // A mask whose rows' keys have no lower end: every row's range starts at the span's first key
-    // (row_key_ranges clamps there); a constant for the compiler, registers freed at three consumers.
-    if constexpr (!Mask::kBoundedBelow && V::kConsumers == 3) x.key_lo[0] = x.key_lo[1] = 0;
     x.tile_flags = 0;
-    // a tile's scales start (kv_row0 + n_begin) % 4 floats into its box (softmax.cuh: load_key_scales)
-    if constexpr (kScalesInPlace) x.scale_at = 4 * ((w.kv_row0 + k.n_begin) & 3) + 8 * (lane % 4);
+    if constexpr (kScalesInPlace) x.scale_at = static_cast<u32>(4 * key_scale_index(w.kv_row0 + k.n_begin));  // bytes
     // fp8: S_ij = q_scale[i] k_scales[j] raw_ij; k_scales[j] multiplies the scores (before the mask:
     // scales may be 0), q_scale[i] >= 0 (the API checks it) folds into the row's scale, as the
     // maximum of q_scale[i] x is q_scale[i] max(x): one multiply per score instead of two on the

@@ -4,9 +4,10 @@
 // K of tile t+1 can load while V of tile t is in use. With a 16-bit rope the K stage's rope block
 // comes from its own map, shared by every head: over k_rope, or over the key rows a paged cache's
 // rope was gathered into (rope_gather.cu); an fp8 rope's rows are written by the rope warp
-// (rope_warp.cuh). The Q warp (kQWarp) loads each consumer's 64 Q rows on their own barriers, once that consumer is done with its previous rows: a consumer that
-// finishes a work tile first starts the next one while the other still runs its last P V and its
-// epilogue (the K/V ring, which both release, bounds how far it runs ahead).
+// (rope_warp.cuh). The Q warp (kQWarp) loads each consumer's 64 Q rows on their own barriers,
+// once that consumer is done with its previous rows: a consumer that finishes a work tile first
+// starts the next one while the other still runs its last P V and its epilogue (the K/V ring,
+// which both release, bounds how far it runs ahead).
 #pragma once
 #include "../vt_layout.cuh"
 #include "config.cuh"

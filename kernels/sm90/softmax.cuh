@@ -15,14 +15,26 @@ namespace sm90 {
 enum MaskMode : int { kMaskNone = 0, kMaskApply = 1, kMaskTest = 2 };
 template <int kMode> struct MaskTag { static constexpr int value = kMode; };
 
-// fp8 per token: the key scales of this thread's columns of a tile, read from its K stage as soon as
-// it is full, before the GEMMs that would hold the shared memory (MLA_SM90_KSCALE_EARLY), so that
-// their latency stays off the softmax's path. The tile's scales start
-// (kv_row0 + n0) % 4 floats into the stage's box (the producer loads it from the 16-byte boundary).
+// fp8 per token: a tile's key scales start (kv_row0 + n0) % 4 floats into its stage's box (the
+// producer loads the box from the 16-byte boundary); this thread's first one (its column
+// 2 (threadIdx.x % 4) of n-tile 0) is this many floats in, n-tile nt's 8 nt further.
+__device__ __forceinline__ i64 key_scale_index(i64 first_row) { return (first_row & 3) + 2 * (threadIdx.x % 4); }
+
+// The key scales of this thread's columns of a tile, read from its K stage as soon as it is full,
+// before the GEMMs that would hold the shared memory (MLA_SM90_KSCALE_EARLY), so that their latency
+// stays off the softmax's path.
 __device__ __forceinline__ void load_key_scales(const float* box, i64 first_row, float (&ksc)[kSTiles][2]) {
-  const float* p = box + (first_row & 3) + 2 * (threadIdx.x % 4);
+  const float* p = box + key_scale_index(first_row);
 #pragma unroll
   for (int nt = 0; nt < kSTiles; ++nt) ksc[nt][0] = p[nt * 8], ksc[nt][1] = p[nt * 8 + 1];
+}
+
+// An n-tile of S (rows g, g + 8; this thread's two columns) times its columns' key scales.
+__device__ __forceinline__ void scale_columns(float (&s)[4], float even, float odd) {
+  s[0] *= even;
+  s[1] *= odd;
+  s[2] *= even;
+  s[3] *= odd;
 }
 
 // fp8 per token: S_ij *= k_scales[j] (q_scale[i] is folded into the row's softmax scale), over the
@@ -30,27 +42,17 @@ __device__ __forceinline__ void load_key_scales(const float* box, i64 first_row,
 template <int kTiles = kSTiles>
 __device__ __forceinline__ void dequantize_scores(float (&s)[kSTiles][4], const float (&ksc)[kSTiles][2]) {
 #pragma unroll
-  for (int nt = 0; nt < kTiles; ++nt) {
-    s[nt][0] *= ksc[nt][0];
-    s[nt][1] *= ksc[nt][1];
-    s[nt][2] *= ksc[nt][0];
-    s[nt][3] *= ksc[nt][1];
-  }
+  for (int nt = 0; nt < kTiles; ++nt) scale_columns(s[nt], ksc[nt][0], ksc[nt][1]);
 }
 
 // dequantize_scores with the key scales read from shared memory where they multiply: `addr` is
-// the shared address of this thread's first scale (n-tile nt's are 32 nt bytes on). Three fp8
-// consumers: at 160 registers S, O and a tile's 32 scales do not fit together.
+// the shared address of this thread's first scale (4 key_scale_index bytes into the box). Three
+// fp8 consumers: at 160 registers S, O and a tile's 32 scales do not fit together.
 template <int kTiles = kSTiles>
 __device__ __forceinline__ void dequantize_scores_at(float (&s)[kSTiles][4], u32 addr) {
 #pragma unroll
-  for (int nt = 0; nt < kTiles; ++nt) {
-    const float a = __uint_as_float(lds32(addr + 32 * nt)), b = __uint_as_float(lds32(addr + 32 * nt + 4));
-    s[nt][0] *= a;
-    s[nt][1] *= b;
-    s[nt][2] *= a;
-    s[nt][3] *= b;
-  }
+  for (int nt = 0; nt < kTiles; ++nt)
+    scale_columns(s[nt], __uint_as_float(lds32(addr + 32 * nt)), __uint_as_float(lds32(addr + 32 * nt + 4)));
 }
 
 // P (kPScale * P in fp8) as the A fragments of the kPvSteps k-steps of P V.
