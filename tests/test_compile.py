@@ -83,29 +83,32 @@ def test_family_has_no_spills_nor_serialized_wgmma(compiled, i):
 
 
 # Switches of the Hopper kernel kept for A/B measurements (kernels/sm90/config.cuh), built away from
-# their defaults: (define, value, variant, mask). Their plain-rope kernels must compile as cleanly
-# as the defaults, so that a measurement times the code the switch describes.
-SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask()),
-                 ("MLA_SM90_LAZY_RESCALE", "1", "fp8", CausalMask()),
-                 ("MLA_SM90_FP8_CONSUMERS", "3", "fp8", CausalMask()),
-                 ("MLA_SM90_FP8_CONSUMERS", "3", "fp8", NullMask()),
-                 ("MLA_SM90_FP8_CONSUMERS", "3", "e4m3", CausalMask())]
+# their defaults: (define, value, variant, mask, paged). Their plain-rope kernels (with `paged` their
+# paged ones too) must compile as cleanly as the defaults, so that a measurement times the code the
+# switch describes.
+SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask(), False),
+                 ("MLA_SM90_LAZY_RESCALE", "1", "fp8", CausalMask(), False),
+                 ("MLA_SM90_FP8_CONSUMERS", "3", "fp8", CausalMask(), True),
+                 ("MLA_SM90_FP8_CONSUMERS", "3", "fp8", NullMask(), True),
+                 ("MLA_SM90_FP8_CONSUMERS", "3", "e4m3", CausalMask(), False)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("define, value, variant, mask", SWITCH_BUILDS,
-                         ids=[f"{d}={v}-{var}-{type(m).__name__}" for d, v, var, m in SWITCH_BUILDS])
-def test_switch_builds_have_no_spills_nor_serialized_wgmma(define, value, variant, mask):
+@pytest.mark.parametrize("define, value, variant, mask, paged", SWITCH_BUILDS,
+                         ids=[f"{d}={v}-{var}-{type(m).__name__}{'-paged' if pg else ''}"
+                              for d, v, var, m, pg in SWITCH_BUILDS])
+def test_switch_builds_have_no_spills_nor_serialized_wgmma(define, value, variant, mask, paged):
     pytest.importorskip("cupy")
     from mla_cupy._arrays import BF16
 
     filename, names = reg.prefill_sm90(BF16, mask, variant)
     build = jit.compile_offline_with_log(filename, names, "sm_90a", defines={define: value})
-    plain = {build.lowered[n] for n in names if reg.is_kernel(n) and n.endswith(", false>")}
+    checked = {build.lowered[n] for n in names if reg.is_kernel(n) and (paged or n.endswith(", false>"))}
     funcs = build.functions()
-    assert plain <= set(funcs)
+    assert checked <= set(funcs)
+    assert not paged or len(checked) == 4  # out in bf16 and float32, plain and paged rope
     spills = [f"{f.name}: {f.stack_frame} B stack, {f.spill_stores} B spill stores" for m, f in funcs.items()
-              if m in plain and f.spills]
+              if m in checked and f.spills]
     assert not spills, "local memory in use:\n" + "\n".join(spills)
     assert not build.serialized_wgmma(), "ptxas serialized wgmma:\n" + "\n".join(build.serialized_wgmma())
 

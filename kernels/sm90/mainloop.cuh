@@ -62,6 +62,10 @@ struct Mainloop {
   // (dequantize_scores_at), else into registers before the GEMMs (MLA_SM90_KSCALE_EARLY) or after
   static constexpr bool kScalesInPlace = V::kFp8 && V::kConsumers == 3;
   static constexpr bool kScalesEarly = V::kFp8 && MLA_SM90_KSCALE_EARLY && !kScalesInPlace;
+  // Three consumers with a rope warp: the softmax step compiled on each side of the unreadable-key
+  // branch (scores_to_p), so that its two paths join after the softmax; joined before it (S masked
+  // or not, then one softmax) ptxas spills 76-104 bytes in the consumers at 160 registers.
+  static constexpr bool kSoftmaxPerPath = kRW && V::kConsumers == 3;
   // A work tile's last key tile may be a half tile (softmax.cuh: last_tile_is_half). Not in the fp8
   // variants: their chunked-mask kernels would spill (they run at the register limit), and their
   // time goes to the softmax, which a half tile does not shorten.
@@ -209,7 +213,21 @@ struct Mainloop {
     if (masked) mask_tile(x.sacc, x.key_lo, x.key_hi, t);
     // a key of the tile could not be read (rare): its own mask, branch-free, so that the loops keep
     // the plain rope's code (a byte flag per score under the key-range test tripled them)
-    if (kRW && (x.tile_flags & kTileUnreadable)) mask_unreadable(x.sacc, sm.s.key_ok[s]);
+    const bool unreadable = kRW && (x.tile_flags & kTileUnreadable);
+    if constexpr (kSoftmaxPerPath) {
+      if (unreadable) {
+        mask_unreadable(x.sacc, sm.s.key_ok[s]);
+        softmax_step(x, smx, s);
+      } else {
+        softmax_step(x, smx, s);
+      }
+    } else {
+      if (unreadable) mask_unreadable(x.sacc, sm.s.key_ok[s]);
+      softmax_step(x, smx, s);
+    }
+  }
+  // The K stage of ring stage s released, then S (dequantized and masked) made probabilities.
+  __device__ __forceinline__ void softmax_step(Tile& x, OnlineSoftmax& smx, int s) const {
     TileHandout::release(sm.k_empty(s));
     // fp8: kPScale * P (fp8.cuh), part of the exp2 on the FMA pipe if MLA_SM90_EXP2_POLY says so
     constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0, kPoly = V::kFp8 ? MLA_SM90_EXP2_POLY : 0;
