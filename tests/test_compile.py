@@ -90,7 +90,10 @@ SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask(), False),
                  ("MLA_SM90_LAZY_RESCALE", "1", "fp8", CausalMask(), False),
                  ("MLA_SM90_FP8_CONSUMERS", "3", "fp8", CausalMask(), True),
                  ("MLA_SM90_FP8_CONSUMERS", "3", "fp8", NullMask(), True),
-                 ("MLA_SM90_FP8_CONSUMERS", "3", "e4m3", CausalMask(), False)]
+                 ("MLA_SM90_FP8_CONSUMERS", "3", "e4m3", CausalMask(), False),
+                 ("MLA_SM90_EPILOGUE_UNDER_S", "1", "bf16", CausalMask(), True),
+                 ("MLA_SM90_Q_EARLY_RELEASE", "1", "bf16", CausalMask(), True),
+                 ("MLA_SM90_Q_EARLY_RELEASE", "1", "fp8", CausalMask(), True)]
 
 
 @pytest.mark.slow

@@ -221,6 +221,25 @@ template <class V> constexpr bool kFp8Overlap = MLA_SM90_FP8_OVERLAP && V::kCons
 #define MLA_SM90_HALF_TILE 1
 #endif
 
+// The previous work tile's epilogue under the next one's first S (16-bit variants): a consumer
+// takes work tile n + 1, issues its first S = Q K^T, then normalizes and stores work tile n's O
+// while the tensor cores compute it, and only then waits for S. Off: the epilogue, then S with
+// nothing beside it (at a work tile's boundary both consumers otherwise leave the tensor pipe idle).
+// The first S is then always whole (a half tile's S by m64n64 is not issued ahead).
+#ifndef MLA_SM90_EPILOGUE_UNDER_S
+#define MLA_SM90_EPILOGUE_UNDER_S 0
+#endif
+template <class V> constexpr bool kEpilogueUnderS = MLA_SM90_EPILOGUE_UNDER_S && !V::kPingpong;
+// Slots of the work tiles handed out (scheduler.cuh), a power of two: 4 under
+// MLA_SM90_EPILOGUE_UNDER_S, where a consumer keeps a work tile's slot until the next one's
+// epilogue has stored it, so that the scheduler still publishes tiles ahead while two are kept.
+constexpr int kWorkSlots = MLA_SM90_EPILOGUE_UNDER_S ? 4 : 2;
+// A consumer releases its Q rows as soon as its work tile's last S is complete (1), instead of after
+// that tile's softmax (0): the Q warp's load of the next rows starts a softmax earlier.
+#ifndef MLA_SM90_Q_EARLY_RELEASE
+#define MLA_SM90_Q_EARLY_RELEASE 0
+#endif
+
 // Arrivals each consumer-released barrier expects: one per consumer warp, or one per thread.
 template <class V> constexpr int kConsumerArrivals = MLA_SM90_ELECTED_ARRIVE ? kConsumerWarps<V> : kConsumerThreads<V>;
 

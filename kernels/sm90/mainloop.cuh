@@ -20,6 +20,9 @@
 //     by a tenth. The first-tile and last-P V paths of either shape complete their wgmma before
 //     the paths join; a loop copy for the S of a longer work tile's half tile made ptxas
 //     serialize the wgmma of several families (C7511).
+//   * The epilogue under the next S (MLA_SM90_EPILOGUE_UNDER_S, 16-bit variants): run() issues a
+//     work tile's first S, then calls `previous` (the kernel: store the previous work tile's O),
+//     then zeroes O and waits for S; the first S is then always whole.
 //   * fp8 per token: the consumers take turns issuing their GEMMs (pingpong, named barriers), so
 //     that one's softmax runs under the others' GEMMs. Consumer 0 has the first turn; all run the
 //     same GEMM blocks (same work tiles and counts; an idle consumer its turns alone), so turns go
@@ -52,6 +55,11 @@ __device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 32; ++kk) WgmmaE4m3::rs(o, pa[kk], desc_add(dv, kk * 32));
 }
+
+// Mainloop::run's default `previous`: nothing to store before a work tile.
+struct NoPrevious {
+  __device__ __forceinline__ void operator()() const {}
+};
 
 template <class V, class Mask, bool kPaged>
 struct Mainloop {
@@ -114,11 +122,20 @@ struct Mainloop {
     return k.m0 + cw * kWgRows + warp_in_wg * 16 + (lane >> 2);
   }
 
+  // This consumer's Q rows released to the Q warp once every S of the work tile is complete: with
+  // MLA_SM90_Q_EARLY_RELEASE as soon as the last one is (kAtLastS, `last`: that S was the work
+  // tile's last), else after the last tile's softmax (the call after the loop).
+  template <bool kAtLastS>
+  __device__ __forceinline__ void release_q(bool last = true) const {
+    if (kAtLastS == bool(MLA_SM90_Q_EARLY_RELEASE) && last) TileHandout::release(sm.q_empty(cw));
+  }
+
   // One work tile in flight: what the per-tile steps below share.
   struct Tile {
     const WorkInfo& k;
     int wr0;                         // first sequence row of this warpgroup
     int r0;                          // sequence row of this thread's row g
+    int num_tiles;                   // k.num_tiles (k may be a shared-memory slot: kEpilogueUnderS)
     int key_lo[2], key_hi[2];        // visible keys of rows g, g + 8 from n_begin (row_key_ranges)
     float row_scale[2];              // softmax scale (times log2 e) of the thread's two rows
     float sacc[kSTiles][4];          // S of the current key tile, then its P
@@ -243,6 +260,7 @@ struct Mainloop {
     turn_pass();
     if (!kScalesEarly) key_scales(x, 0, it);
     wgmma_wait<0>();
+    release_q<true>(x.num_tiles == 1);
     scores_to_p<kMaskApply, kHalf>(x, smx, 0, it);
   }
   // The last tile's P V, issued and completed.
@@ -283,6 +301,7 @@ struct Mainloop {
         issue_qk(x, it);
         turn_pass();
         wgmma_wait<0>();
+        release_q<true>(t + 1 == x.num_tiles);
         key_scales(x, t, it);
         scores_to_p<kMode>(x, smx, t, it);
         rescale_o(o, x.corr);
@@ -296,6 +315,7 @@ struct Mainloop {
         turn_pass();
         if (!kScalesEarly) key_scales(x, t, it);
         wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
+        release_q<true>(t + 1 == x.num_tiles);
         scores_to_p<kMode>(x, smx, t, it);
         wgmma_wait<0>();
         fence_operands(o);
@@ -309,19 +329,16 @@ struct Mainloop {
     }
   }
 
-  // The mainloop of work tile k: O (unnormalized; fp8: times kPScale) and the softmax state of this
-  // thread's two rows.
-  __device__ __forceinline__ void run(const WorkInfo& k, float (&o)[kOTiles][4], OnlineSoftmax& smx) {
+  // A work tile's per-row state in x (x.k set): rows, visible key ranges, softmax scales; its
+  // fully visible key tiles [t_lo, t_hi) of this warpgroup; returns whether the last key tile is a
+  // half tile for it (1 or 0).
+  __device__ __forceinline__ int prepare(Tile& x, int& t_lo, int& t_hi) const {
+    const WorkInfo& k = x.k;
     const WorkTile& w = k.w;
-#pragma unroll
-    for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    smx.init();
-    if (k.num_tiles == 0) return;
-    Tile x{k};
     x.wr0 = k.m0 + cw * kWgRows;
     x.r0 = row0(k);
+    x.num_tiles = k.num_tiles;
     row_key_ranges(mask, w, x.r0, k.n_begin, k.n_end, x.key_lo, x.key_hi);
-    x.tile_flags = 0;
     if constexpr (kScalesInPlace) x.scale_at = static_cast<u32>(4 * key_scale_index(w.kv_row0 + k.n_begin));  // bytes
     // fp8: S_ij = q_scale[i] k_scales[j] raw_ij; k_scales[j] multiplies the scores (before the mask:
     // scales may be 0), q_scale[i] >= 0 (the API checks it) folds into the row's scale, as the
@@ -337,20 +354,61 @@ struct Mainloop {
         x.row_scale[r] = rs == 0.f ? 1.17549435e-38f : rs;  // FLT_MIN
       }
     }
-    int t_lo = 0, t_hi = 0;  // fully visible tiles [t_lo, t_hi) of this warpgroup
+    t_lo = t_hi = 0;
     if constexpr (MLA_SM90_SPLIT_MASKED) full_tile_range(mask, w, x.wr0, k.n_begin, k.n_end, k.num_tiles, t_lo, t_hi);
     // A half last tile: none of this warpgroup's rows sees the second half of the last key tile
-    // (consumer 0 on a causal diagonal), so its S and P V take the first 64 keys (1 or 0).
-    const int half = kHalfTiles ? last_tile_is_half(mask, w, x.wr0, k.n_begin, k.num_tiles, t_hi) : 0;
-
-    mbar_wait(sm.q_full(cw), nq & 1);  // this consumer's Q rows
+    // (consumer 0 on a causal diagonal), so its S and P V take the first 64 keys.
+    return kHalfTiles ? last_tile_is_half(mask, w, x.wr0, k.n_begin, k.num_tiles, t_hi) : 0;
+  }
+  // Waits for this consumer's Q rows of the work tile; key tile 0's ring position becomes "previous".
+  __device__ __forceinline__ void wait_q(Tile& x) {
+    mbar_wait(sm.q_full(cw), nq & 1);
     ++nq;
-    // Tile 0: S only (O is still zero, nothing to rescale).
     x.prev_s = it % kS;
     x.prev_parity = (it / kS) & 1;
-    if (kScalesEarly) wait_k(it), key_scales(x, 0, it);
-    if (kHalfTiles && half && k.num_tiles == 1) first_tile<kHalfTiles>(x, smx, it);
-    else first_tile<false>(x, smx, it);
+  }
+
+  // The mainloop of work tile k: O (unnormalized; fp8: times kPScale) and the softmax state of this
+  // thread's two rows. With kEpilogueUnderS<V>, `previous()` first stores the previous work tile's
+  // O and softmax state (o and smx as they come in), once this tile's first S is issued.
+  template <class Previous = NoPrevious>
+  __device__ __forceinline__ void run(const WorkInfo& k, float (&o)[kOTiles][4], OnlineSoftmax& smx,
+                                      Previous&& previous = {}) {
+    if constexpr (kEpilogueUnderS<V>) {
+      if (k.num_tiles == 0) previous();
+    }
+    if (!kEpilogueUnderS<V> || k.num_tiles == 0) {
+#pragma unroll
+      for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+      smx.init();
+      if (k.num_tiles == 0) return;
+    }
+    Tile x{k};
+    x.tile_flags = 0;
+    int t_lo, t_hi, half;
+    // Tile 0: S only (O is still zero, nothing to rescale).
+    if constexpr (kEpilogueUnderS<V>) {
+      // S_0 issued whole; the previous work tile stored while the tensor cores compute it (o and
+      // smx are its own until then; the accumulators in flight are S's alone), and this tile's
+      // row state found after that store, so that it does not live across it
+      static_assert(!V::kFp8, "the epilogue under S: 16-bit variants");
+      wait_q(x);
+      issue_qk(x, it);
+      previous();
+#pragma unroll
+      for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+      smx.init();
+      half = prepare(x, t_lo, t_hi);
+      wgmma_wait<0>();
+      release_q<true>(x.num_tiles == 1);
+      scores_to_p<kMaskApply>(x, smx, 0, it);
+    } else {
+      half = prepare(x, t_lo, t_hi);
+      wait_q(x);
+      if (kScalesEarly) wait_k(it), key_scales(x, 0, it);
+      if (kHalfTiles && half && k.num_tiles == 1) first_tile<kHalfTiles>(x, smx, it);
+      else first_tile<false>(x, smx, it);
+    }
     pack_probabilities<V>(x.sacc, x.pa);
     ++it;
     int t = 1;
@@ -361,7 +419,7 @@ struct Mainloop {
     } else {
       steps<kMaskTest>(x, o, smx, t, k.num_tiles);
     }
-    TileHandout::release(sm.q_empty(cw));  // every S of this work tile is done: the Q warp may load our next rows
+    release_q<false>();  // every S of this work tile is done: the Q warp may load our next rows
 
     // The last tile's P V, after its V rows past the span's end are zeroed.
     const int last = x.prev_s;

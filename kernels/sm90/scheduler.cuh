@@ -9,7 +9,7 @@
 //     order in which CTAs free up (FlashAttention-3's dynamic persistent scheduler). The round robin
 //     leaves CTAs idle when tile costs differ (ragged batches, indices that decode to nothing).
 // The producer thread decodes each index (tile_scheduler.cuh: decode_work_tile and the visible key
-// span), skips indices without rows, and publishes the result as a WorkInfo in a 2-slot ring in
+// span), skips indices without rows, and publishes the result as a WorkInfo in a ring of kWorkSlots slots in
 // shared memory: full(s) completes on the producer's one arrival, empty(s) on one arrival per
 // reader (kConsumerArrivals<V> of the consumers, plus the rope warp's when it runs). Every role thus
 // walks the same work tiles and agrees on every barrier count, and nobody else decodes (no integer
@@ -63,17 +63,21 @@ __device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int
 struct TileHandout {
   u32* counter;  // global, 2 words: [0] indices handed out past the first gridDim.x, [1] CTAs done
   int num_work;  // work-tile indices of the launch
-  u32 bars;      // shared: mbarriers full(0), full(1), empty(0), empty(1) (and issued: kWorkBars)
-  WorkInfo* slots;  // shared: the 2 slots
+  u32 bars;      // shared: mbarriers full(s), then empty(s) for each slot s (and issued: kWorkBars)
+  WorkInfo* slots;  // shared: the kWorkSlots slots
 
   __device__ __forceinline__ u32 full(int s) const { return bars + 8 * s; }
-  __device__ __forceinline__ u32 empty(int s) const { return bars + 16 + 8 * s; }
-  __device__ __forceinline__ u32 issued() const { return bars + 32; }  // with the scheduler warp
+  __device__ __forceinline__ u32 empty(int s) const { return bars + 8 * kWorkSlots + 8 * s; }
+  __device__ __forceinline__ u32 issued() const { return bars + 16 * kWorkSlots; }  // with the scheduler warp
+  // Hand-out n's slot, and the parity of that slot's pass (its n / kWorkSlots-th use).
+  static_assert((kWorkSlots & (kWorkSlots - 1)) == 0, "a power of two: the slot and pass are bits of n");
+  static __device__ __forceinline__ int slot_of(int n) { return n & (kWorkSlots - 1); }
+  static __device__ __forceinline__ u32 pass_of(int n) { return (n / kWorkSlots) & 1; }
 
   // One thread, before the CTA's first __syncthreads (with the other mbarrier inits).
   template <class V>
   __device__ __forceinline__ void init(u32 readers) const {
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < kWorkSlots; ++s) {
       mbar_init(full(s), 1);
       mbar_init(empty(s), readers);
     }
@@ -105,11 +109,11 @@ struct TileHandout {
   }
   // Hand-out n's slot, once its readers have released hand-out n - 2; published(n) hands it out.
   __device__ __forceinline__ WorkInfo& slot(int n) const {
-    mbar_wait(empty(n & 1), ((n >> 1) & 1) ^ 1);  // the first pass over the 2 slots does not wait
-    return slots[n & 1];
+    mbar_wait(empty(slot_of(n)), pass_of(n) ^ 1);  // the first pass over the slots does not wait
+    return slots[slot_of(n)];
   }
   __device__ __forceinline__ void published(int n) const {
-    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(full(n & 1)) : "memory");
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(full(slot_of(n))) : "memory");
   }
   // The scheduler warp's thread: every hand-out, each next index taken once warp 0 has issued the
   // loads of the current work tile.
@@ -127,8 +131,8 @@ struct TileHandout {
   }
   // Warp 0's thread with the scheduler warp: hand-out n, one arrival.
   __device__ __forceinline__ void take_one(int n, WorkInfo& k) const {
-    const int s = n & 1;
-    mbar_wait(full(s), (n >> 1) & 1);
+    const int s = slot_of(n);
+    mbar_wait(full(s), pass_of(n));
     asm volatile("" ::: "memory");  // the slot is read after the wait
     k = slots[s];
     mbar_arrive(empty(s));
@@ -136,12 +140,24 @@ struct TileHandout {
   // Reader threads (whole warps): hand-out n. One lane per warp releases the slot once every lane
   // has read it (or every lane, with kConsumerArrivals<V> counting threads).
   __device__ __forceinline__ void take(int n, WorkInfo& k) const {
-    const int s = n & 1;
-    mbar_wait(full(s), (n >> 1) & 1);
+    const int s = slot_of(n);
+    mbar_wait(full(s), pass_of(n));
     asm volatile("" ::: "memory");  // the slot is read after the wait
     k = slots[s];
     release(empty(s));
   }
+  // take() that returns hand-out n's slot itself, kept until release_kept(n): a consumer that
+  // stores a work tile's O under the next one's first S (kEpilogueUnderS) reads either tile's
+  // fields from its slot where it uses them, so that no WorkInfo is held whole in registers across
+  // the epilogue (ptxas then spills). The scheduler publishes hand-out n + kWorkSlots in that slot
+  // after the release.
+  __device__ __forceinline__ const WorkInfo& take_kept(int n) const {
+    mbar_wait(full(slot_of(n)), pass_of(n));
+    asm volatile("" ::: "memory");  // the slot is read after the wait
+    return slots[slot_of(n)];
+  }
+  __device__ __forceinline__ const WorkInfo& kept(int n) const { return slots[slot_of(n)]; }  // after take_kept(n)
+  __device__ __forceinline__ void release_kept(int n) const { release(empty(slot_of(n))); }
   // A reader warp's arrival on a barrier counted in kConsumerArrivals<V> units.
   static __device__ __forceinline__ void release(u32 bar) {
     if constexpr (MLA_SM90_ELECTED_ARRIVE) {

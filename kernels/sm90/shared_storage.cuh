@@ -15,7 +15,7 @@ namespace mla {
 namespace sm90 {
 
 // The scheduler's mbarriers: full(0), full(1), empty(0), empty(1), and issued with the scheduler warp.
-template <class V> constexpr int kWorkBars = kSchedulerWarp<V> ? 5 : 4;
+template <class V> constexpr int kWorkBars = 2 * kWorkSlots + (kSchedulerWarp<V> ? 1 : 0);
 
 template <class V>
 struct alignas(1024) SharedStorage {
@@ -31,7 +31,7 @@ struct alignas(1024) SharedStorage {
   unsigned long long q_full[V::kConsumers], q_empty[V::kConsumers];
   unsigned long long k_full[V::kStages], v_full[V::kStages], k_empty[V::kStages], v_empty[V::kStages];
   unsigned long long work_bars[kWorkBars<V>];
-  WorkInfo work[2];
+  WorkInfo work[kWorkSlots];
   // rope warp only, per K stage s: key_ok[s], a readable bit per key (read by the consumers only
   // when the tile has an unreadable key), and tile_flags[s]: kTileUnreadable or 0
   alignas(16) u32 key_ok[V::kStages][kKeyWords];
