@@ -7,7 +7,7 @@
 //                       the scheduler warp 3), handed over
 //   producer.cuh        warp 0: TMA of K, V into a ring of stages; warp 2: each consumer's Q rows
 //   rope_warp.cuh       warp 1 (paged or fp8 rope): the rope rows of each K stage
-//   mainloop.cuh        the consumer warpgroups (two; three in fp8 with MLA_SM90_FP8_CONSUMERS 3):
+//   mainloop.cuh        the consumer warpgroups (two; three in fp8 under the causal and no mask):
 //                       S = Q K^T, online softmax, O += P V
 //   softmax.cuh         the per-tile score work: fp8 dequantization, masks, P
 //   epilogue.cuh        normalization, merge, stores of out and lse
@@ -98,28 +98,6 @@ __global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_ke
   const Smem<V> sm = storage();
   const TileHandout sched = scheduler(sm);
   Mainloop<V, Mask, kPaged> mainloop(p, sm, Mask{p.mask_arg});
-  if constexpr (kEpilogueUnderS<V>) {  // each work tile's epilogue under the next one's first S
-    float o[kOTiles][4];
-    OnlineSoftmax smx;
-    // Hand-out n's O, from its slot (kept until now: no second WorkInfo held in registers), which
-    // is then released.
-    auto store = [&](int n) {
-      const WorkInfo& done = sched.kept(n);
-      epilogue_store<V, OutT>(p, sm, done, mainloop.row0(done), o, smx);
-      sched.release_kept(n);
-    };
-    int n = 0;
-    for (;; ++n) {
-      const WorkInfo& k = sched.take_kept(n);
-      if (!k.valid) break;
-      mainloop.run(k, o, smx, [&] {
-        if (n > 0) store(n - 1);
-      });
-    }
-    if (n > 0) store(n - 1);
-    sched.release_kept(n);
-    return;
-  }
   for (int n = 0;; ++n) {
     WorkInfo k;
     sched.take(n, k);

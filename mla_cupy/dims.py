@@ -20,4 +20,4 @@ KEY_TILE = 128
 #: whose rows' keys have no lower end (the causal mask and no mask): the default of the kernel's
 #: ``MLA_SM90_FP8_CONSUMERS`` (kernels/sm90/config.cuh), which a slow CPU test holds to this value
 #: (:func:`mla_cupy.fp8.fp8_query_block`).
-FP8_CONSUMERS = 2
+FP8_CONSUMERS = 3

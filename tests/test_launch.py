@@ -93,9 +93,11 @@ def test_hopper_module_exports_its_parameter_struct_and_geometry(variant):
     for name, (_, row) in reg.SM90_VARIANTS.items():
         geom = dict(zip(_geometry.SM90_GEOMETRY, rows[row].tolist()))
         assert 100 * 1024 < geom["smem"] <= 227 * 1024, (name, geom)
-        assert geom["threads"] == 384 and geom["block_m"] == geom["block_n"] == 128, geom
+        want_m = fp8.fp8_query_block(CausalMask()) if name in FP8_VARIANTS else dims.QUERY_BLOCK
+        assert geom["block_m"] == want_m and geom["block_n"] == dims.KEY_TILE, geom
+        assert geom["threads"] == 128 * (1 + want_m // dims.HALF_BLOCK), geom
         assert geom["scale_box"] >= geom["block_n"], geom  # a tile's key scales and the aligned start
-        assert geom["q_rows"] * 2 == geom["block_m"], geom  # each consumer's Q rows, loaded apart
+        assert geom["q_rows"] == dims.HALF_BLOCK, geom  # each consumer's Q rows, loaded apart
 
 
 def _sm90_block_rows(mask, defines=()):
@@ -127,13 +129,15 @@ def test_geometry_rows_are_the_references_query_blocks(mask):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("consumers", [2, 3])
 @pytest.mark.parametrize("mask", [CausalMask(), SlidingWindowCausalMask(100)], ids=lambda m: type(m).__name__)
-def test_three_fp8_consumers_widen_the_unbounded_masks_only(mask):
-    """Built with MLA_SM90_FP8_CONSUMERS 3: the fp8 variants take 192 rows (three consumers) under
-    a mask without a lower bound, 128 under the others; the 16-bit variants stay at 128."""
-    rows = _sm90_block_rows(mask, (("MLA_SM90_FP8_CONSUMERS", "3"),))
+def test_fp8_consumers_widen_the_unbounded_masks_only(mask, consumers):
+    """Built with MLA_SM90_FP8_CONSUMERS 3 (the default) the fp8 variants take 192 rows (three
+    consumers) under a mask without a lower bound, with 2 they take 128; 128 under the other masks,
+    and the 16-bit variants stay at 128."""
+    rows = _sm90_block_rows(mask, (("MLA_SM90_FP8_CONSUMERS", str(consumers)),))
     for name, (block_m, threads, _) in rows.items():
-        want = 192 if name in FP8_VARIANTS and not mask.bounded_below else 128
+        want = 64 * consumers if name in FP8_VARIANTS and not mask.bounded_below else 128
         assert (block_m, threads) == (want, 128 + 2 * want), (name, block_m, threads)
 
 

@@ -500,9 +500,9 @@ def test_fp8_nan_reaches_what_the_contract_says(where):
 
 @pytest.mark.parametrize("consumers", [2, 3])
 def test_fp8_nan_in_v_reaches_the_query_blocks_of_the_kernel_build(monkeypatch, consumers):
-    """Under the causal mask the fp8 variants' query blocks are ``fp8.fp8_query_block`` rows: 128, or
-    192 when the kernels are built with three fp8 consumers (MLA_CUPY_DEFINES;
-    fp8.fp8_consumers follows it); the window and chunked masks keep 128."""
+    """Under the causal mask the fp8 variants' query blocks are ``fp8.fp8_query_block`` rows: 192
+    with three fp8 consumers (the default), 128 when the kernels are built with two
+    (MLA_CUPY_DEFINES; fp8.fp8_consumers follows it); the window and chunked masks keep 128."""
     from mla_cupy import jit
 
     monkeypatch.setattr(jit, "DEFINES", {"MLA_SM90_FP8_CONSUMERS": str(consumers)})  # as MLA_CUPY_DEFINES sets it

@@ -90,7 +90,9 @@ struct VariantE4m3 : VariantFp8 {
 
 constexpr int kNumVariants = 4;
 
-// fp8 with three consumer warpgroups (MLA_SM90_FP8_CONSUMERS 3): 192-row work tiles, so that each
+// fp8 with three consumer warpgroups (MLA_SM90_FP8_CONSUMERS 3, the default; 2 keeps them at two,
+// as the window and chunked masks are: measured 6-11% faster at 1x8192, 3-7% at 4x2048, 2-3%
+// slower at 16x512; benchmarks/NOTES.md): 192-row work tiles, so that each
 // K/V tile loaded serves 50% more query rows and three softmaxes interleave with the GEMMs. The
 // register file then allows 160 per consumer thread and 32 per producer thread (below), so:
 //   * P V is completed before S is issued (MLA_SM90_FP8_OVERLAP's 0: one GEMM in flight);
@@ -103,7 +105,7 @@ constexpr int kNumVariants = 4;
 //   * the causal and null masks only (a row's keys have one end); the window and chunked masks,
 //     whose second bound takes registers, keep two (a third spills).
 #ifndef MLA_SM90_FP8_CONSUMERS
-#define MLA_SM90_FP8_CONSUMERS 2
+#define MLA_SM90_FP8_CONSUMERS 3
 #endif
 template <class V>
 struct Wide : V {
@@ -221,24 +223,15 @@ template <class V> constexpr bool kFp8Overlap = MLA_SM90_FP8_OVERLAP && V::kCons
 #define MLA_SM90_HALF_TILE 1
 #endif
 
-// The previous work tile's epilogue under the next one's first S (16-bit variants): a consumer
-// takes work tile n + 1, issues its first S = Q K^T, then normalizes and stores work tile n's O
-// while the tensor cores compute it, and only then waits for S. Off: the epilogue, then S with
-// nothing beside it (at a work tile's boundary both consumers otherwise leave the tensor pipe idle).
-// The first S is then always whole (a half tile's S by m64n64 is not issued ahead).
-#ifndef MLA_SM90_EPILOGUE_UNDER_S
-#define MLA_SM90_EPILOGUE_UNDER_S 0
-#endif
-template <class V> constexpr bool kEpilogueUnderS = MLA_SM90_EPILOGUE_UNDER_S && !V::kPingpong;
-// Slots of the work tiles handed out (scheduler.cuh), a power of two: 4 under
-// MLA_SM90_EPILOGUE_UNDER_S, where a consumer keeps a work tile's slot until the next one's
-// epilogue has stored it, so that the scheduler still publishes tiles ahead while two are kept.
-constexpr int kWorkSlots = MLA_SM90_EPILOGUE_UNDER_S ? 4 : 2;
+// Slots of the work tiles handed out (scheduler.cuh), a power of two.
+constexpr int kWorkSlots = 2;
 // A consumer releases its Q rows as soon as its work tile's last S is complete (1), instead of after
-// that tile's softmax (0): the Q warp's load of the next rows starts a softmax earlier.
+// that tile's softmax (0): the Q warp's load of the next rows starts a softmax earlier. 16-bit
+// variants (measured 0.2-0.5% faster; not yet measured in fp8, which keeps 0).
 #ifndef MLA_SM90_Q_EARLY_RELEASE
-#define MLA_SM90_Q_EARLY_RELEASE 0
+#define MLA_SM90_Q_EARLY_RELEASE 1
 #endif
+template <class V> constexpr bool kQEarlyRelease = MLA_SM90_Q_EARLY_RELEASE && !V::kFp8;
 
 // Arrivals each consumer-released barrier expects: one per consumer warp, or one per thread.
 template <class V> constexpr int kConsumerArrivals = MLA_SM90_ELECTED_ARRIVE ? kConsumerWarps<V> : kConsumerThreads<V>;

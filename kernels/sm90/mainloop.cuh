@@ -1,4 +1,4 @@
-// The consumer mainloop: two warpgroups (three in fp8 with MLA_SM90_FP8_CONSUMERS 3), 64 query
+// The consumer mainloop: two warpgroups (three in fp8 under the causal and no mask), 64 query
 // rows each. Per key tile, S = Q K^T by wgmma with both operands in shared memory, the online
 // softmax in registers, and O += P V with P from registers and V read transposed from shared
 // memory (fp8: e4m3 P and V^T).
@@ -20,9 +20,6 @@
 //     by a tenth. The first-tile and last-P V paths of either shape complete their wgmma before
 //     the paths join; a loop copy for the S of a longer work tile's half tile made ptxas
 //     serialize the wgmma of several families (C7511).
-//   * The epilogue under the next S (MLA_SM90_EPILOGUE_UNDER_S, 16-bit variants): run() issues a
-//     work tile's first S, then calls `previous` (the kernel: store the previous work tile's O),
-//     then zeroes O and waits for S; the first S is then always whole.
 //   * fp8 per token: the consumers take turns issuing their GEMMs (pingpong, named barriers), so
 //     that one's softmax runs under the others' GEMMs. Consumer 0 has the first turn; all run the
 //     same GEMM blocks (same work tiles and counts; an idle consumer its turns alone), so turns go
@@ -55,11 +52,6 @@ __device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 32; ++kk) WgmmaE4m3::rs(o, pa[kk], desc_add(dv, kk * 32));
 }
-
-// Mainloop::run's default `previous`: nothing to store before a work tile.
-struct NoPrevious {
-  __device__ __forceinline__ void operator()() const {}
-};
 
 template <class V, class Mask, bool kPaged>
 struct Mainloop {
@@ -123,11 +115,11 @@ struct Mainloop {
   }
 
   // This consumer's Q rows released to the Q warp once every S of the work tile is complete: with
-  // MLA_SM90_Q_EARLY_RELEASE as soon as the last one is (kAtLastS, `last`: that S was the work
+  // kQEarlyRelease<V> as soon as the last one is (kAtLastS, `last`: that S was the work
   // tile's last), else after the last tile's softmax (the call after the loop).
   template <bool kAtLastS>
   __device__ __forceinline__ void release_q(bool last = true) const {
-    if (kAtLastS == bool(MLA_SM90_Q_EARLY_RELEASE) && last) TileHandout::release(sm.q_empty(cw));
+    if (kAtLastS == kQEarlyRelease<V> && last) TileHandout::release(sm.q_empty(cw));
   }
 
   // One work tile in flight: what the per-tile steps below share.
@@ -135,7 +127,7 @@ struct Mainloop {
     const WorkInfo& k;
     int wr0;                         // first sequence row of this warpgroup
     int r0;                          // sequence row of this thread's row g
-    int num_tiles;                   // k.num_tiles (k may be a shared-memory slot: kEpilogueUnderS)
+    int num_tiles;                   // k.num_tiles
     int key_lo[2], key_hi[2];        // visible keys of rows g, g + 8 from n_begin (row_key_ranges)
     float row_scale[2];              // softmax scale (times log2 e) of the thread's two rows
     float sacc[kSTiles][4];          // S of the current key tile, then its P
@@ -369,46 +361,21 @@ struct Mainloop {
   }
 
   // The mainloop of work tile k: O (unnormalized; fp8: times kPScale) and the softmax state of this
-  // thread's two rows. With kEpilogueUnderS<V>, `previous()` first stores the previous work tile's
-  // O and softmax state (o and smx as they come in), once this tile's first S is issued.
-  template <class Previous = NoPrevious>
-  __device__ __forceinline__ void run(const WorkInfo& k, float (&o)[kOTiles][4], OnlineSoftmax& smx,
-                                      Previous&& previous = {}) {
-    if constexpr (kEpilogueUnderS<V>) {
-      if (k.num_tiles == 0) previous();
-    }
-    if (!kEpilogueUnderS<V> || k.num_tiles == 0) {
+  // thread's two rows.
+  __device__ __forceinline__ void run(const WorkInfo& k, float (&o)[kOTiles][4], OnlineSoftmax& smx) {
 #pragma unroll
-      for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-      smx.init();
-      if (k.num_tiles == 0) return;
-    }
+    for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    smx.init();
+    if (k.num_tiles == 0) return;
     Tile x{k};
     x.tile_flags = 0;
-    int t_lo, t_hi, half;
+    int t_lo, t_hi;
+    const int half = prepare(x, t_lo, t_hi);
+    wait_q(x);
     // Tile 0: S only (O is still zero, nothing to rescale).
-    if constexpr (kEpilogueUnderS<V>) {
-      // S_0 issued whole; the previous work tile stored while the tensor cores compute it (o and
-      // smx are its own until then; the accumulators in flight are S's alone), and this tile's
-      // row state found after that store, so that it does not live across it
-      static_assert(!V::kFp8, "the epilogue under S: 16-bit variants");
-      wait_q(x);
-      issue_qk(x, it);
-      previous();
-#pragma unroll
-      for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-      smx.init();
-      half = prepare(x, t_lo, t_hi);
-      wgmma_wait<0>();
-      release_q<true>(x.num_tiles == 1);
-      scores_to_p<kMaskApply>(x, smx, 0, it);
-    } else {
-      half = prepare(x, t_lo, t_hi);
-      wait_q(x);
-      if (kScalesEarly) wait_k(it), key_scales(x, 0, it);
-      if (kHalfTiles && half && k.num_tiles == 1) first_tile<kHalfTiles>(x, smx, it);
-      else first_tile<false>(x, smx, it);
-    }
+    if (kScalesEarly) wait_k(it), key_scales(x, 0, it);
+    if (kHalfTiles && half && k.num_tiles == 1) first_tile<kHalfTiles>(x, smx, it);
+    else first_tile<false>(x, smx, it);
     pack_probabilities<V>(x.sacc, x.pa);
     ++it;
     int t = 1;
@@ -431,32 +398,41 @@ struct Mainloop {
     TileHandout::release(sm.v_empty(last));
   }
 
+  // Threads of the consumers that run work tile k (not run_idle), which zero V's tail together:
+  // every consumer's with two; with three, the idle ones (the last by rows) stay out of that
+  // barrier, since an aligned bar.sync must be one instruction for all its threads (compute-
+  // sanitizer's synccheck: "divergent threads in block" when run_idle had a copy of it).
+  __device__ __forceinline__ int zeroing_threads(const WorkInfo& k) const {
+    if constexpr (V::kConsumers == 3) return 128 * min(V::kConsumers, (k.w.sq - k.m0 + kWgRows - 1) / kWgRows);
+    else return kConsumerThreads<V>;
+  }
   // Waits for the last key tile's V (ring stage `last`) and zeroes its rows past the span's end (the
-  // neighbour's keys), by every consumer together, the stores made visible to wgmma before any
-  // consumer reads V.
+  // neighbour's keys), by the consumers that run the work tile together, the stores made visible
+  // to wgmma before any of them reads V.
   __device__ __forceinline__ void zero_v_tail(const WorkInfo& k, int last, u32 parity) const {
     mbar_wait(sm.v_full(last), parity);
     const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBlockN);
     if (valid < kBlockN) {
-      const int tid = thread_index_here() - 128;  // 0 .. kConsumerThreads - 1 across the consumers
+      const int tid = thread_index_here() - 128;  // 0 .. zeroing threads - 1 (the consumers in order)
+      const int nthreads = zeroing_threads(k);
       if constexpr (V::kFp8) {
-        zero_vt_keys_from(sm.v(last), valid, tid, kConsumerThreads<V>);  // V^T: key columns
+        zero_vt_keys_from(sm.v(last), valid, tid, nthreads);  // V^T: key columns
       } else {
-        for (int i = tid; i < (kBlockN - valid) * (kDv / 8); i += kConsumerThreads<V>) {
+        for (int i = tid; i < (kBlockN - valid) * (kDv / 8); i += nthreads) {
           const int r = valid + i / (kDv / 8);
           const int c = i % (kDv / 8);  // 16-byte chunk: block c / 8, chunk c % 8 of the row
           sts128(sm.v(last) + (c / 8) * kBlk + r * 128 + (c % 8) * 16, 0u, 0u, 0u, 0u);
         }
       }
       fence_proxy_async();
-      named_barrier_sync(kVZeroBar, kConsumerThreads<V>);
+      named_barrier_sync(kVZeroBar, nthreads);
     }
   }
 
   // A work tile in which this consumer has no row (idle): no GEMM, the barrier protocol of run
   // only, step for step, so that every count agrees: its Q rows taken and released, per key tile
   // a turn and the K stage released once full, V released once full a tile later, the last
-  // tile's V zeroing and turn, its V released.
+  // tile's turn and its V released once full (the others zero its tail: zeroing_threads).
   __device__ __forceinline__ void run_idle(const WorkInfo& k) {
     if (k.num_tiles == 0) return;
     mbar_wait(sm.q_full(cw), nq & 1);
@@ -477,7 +453,7 @@ struct Mainloop {
       prev_s = s;
       prev_parity = (it / kS) & 1;
     }
-    zero_v_tail(k, prev_s, prev_parity);
+    mbar_wait(sm.v_full(prev_s), prev_parity);
     turn_wait();
     turn_pass();
     TileHandout::release(sm.v_empty(prev_s));

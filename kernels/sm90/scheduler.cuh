@@ -72,7 +72,7 @@ struct TileHandout {
   // Hand-out n's slot, and the parity of that slot's pass (its n / kWorkSlots-th use).
   static_assert((kWorkSlots & (kWorkSlots - 1)) == 0, "a power of two: the slot and pass are bits of n");
   static __device__ __forceinline__ int slot_of(int n) { return n & (kWorkSlots - 1); }
-  static __device__ __forceinline__ u32 pass_of(int n) { return (n / kWorkSlots) & 1; }
+  static __device__ __forceinline__ u32 pass_of(int n) { return (static_cast<u32>(n) / kWorkSlots) & 1u; }
 
   // One thread, before the CTA's first __syncthreads (with the other mbarrier inits).
   template <class V>
@@ -146,18 +146,6 @@ struct TileHandout {
     k = slots[s];
     release(empty(s));
   }
-  // take() that returns hand-out n's slot itself, kept until release_kept(n): a consumer that
-  // stores a work tile's O under the next one's first S (kEpilogueUnderS) reads either tile's
-  // fields from its slot where it uses them, so that no WorkInfo is held whole in registers across
-  // the epilogue (ptxas then spills). The scheduler publishes hand-out n + kWorkSlots in that slot
-  // after the release.
-  __device__ __forceinline__ const WorkInfo& take_kept(int n) const {
-    mbar_wait(full(slot_of(n)), pass_of(n));
-    asm volatile("" ::: "memory");  // the slot is read after the wait
-    return slots[slot_of(n)];
-  }
-  __device__ __forceinline__ const WorkInfo& kept(int n) const { return slots[slot_of(n)]; }  // after take_kept(n)
-  __device__ __forceinline__ void release_kept(int n) const { release(empty(slot_of(n))); }
   // A reader warp's arrival on a barrier counted in kConsumerArrivals<V> units.
   static __device__ __forceinline__ void release(u32 bar) {
     if constexpr (MLA_SM90_ELECTED_ARRIVE) {
