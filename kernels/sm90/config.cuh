@@ -136,14 +136,26 @@ template <class V> constexpr int kOutStageBytes = V::kConsumers * kWgRows * kOut
 // takes them from the counter and publishes them, the rope warp keeps a tile's page lookups in
 // registers (at 56 ptxas spills in the fp8 variants); the consumers need no more than 224 (no
 // spills). With three: 160 each, and the decoding moves to the scheduler warp (kSchedulerWarp).
-template <class V> constexpr int kProducerRegs = V::kConsumers == 3 ? 32 : 72;
-template <class V> constexpr int kConsumerRegs = V::kConsumers == 3 ? 160 : 216;
+// Q in registers for the 16-bit S (MLA_SM90_Q_IN_REGS 1; default 0): each consumer reads its 64 Q
+// rows from shared memory once per work tile (ldmatrix: 48 registers) and issues S with A from
+// registers (wgmma RS), so that S reads a third less shared memory, and it releases its Q rows at
+// once: the Q warp loads the next work tile's rows during this one, not at the boundary. The 48
+// registers come from the producer warpgroup, at 32 with the scheduler warp decoding (as with
+// three consumers): 240 per consumer. Not the fp8-rope variant (its rope warp dequantizes: it
+// spills at 32). Plain-rope kernels under the causal, window and no mask compile clean; the
+// chunked masks' and the float32-output paged causal kernels spill (a measurement switch).
+#ifndef MLA_SM90_Q_IN_REGS
+#define MLA_SM90_Q_IN_REGS 0
+#endif
+template <class V> constexpr bool kQInRegs = MLA_SM90_Q_IN_REGS && !V::kFp8 && !V::kRope8;  // Variant16
+template <class V> constexpr int kProducerRegs = V::kConsumers == 3 || kQInRegs<V> ? 32 : 72;
+template <class V> constexpr int kConsumerRegs = V::kConsumers == 3 ? 160 : kQInRegs<V> ? 240 : 216;
 template <class V>
 constexpr bool kRegisterBudget = 128 * (kProducerRegs<V> + V::kConsumers * kConsumerRegs<V>) <= 65536;
 static_assert(kRegisterBudget<Variant16<__half>> && kRegisterBudget<VariantFp8> &&
                   kRegisterBudget<Wide<VariantFp8>>, "register budget");
 // A warp of the producer warpgroup that only decodes and hands out the work tiles (three consumers).
-template <class V> constexpr bool kSchedulerWarp = V::kConsumers == 3;
+template <class V> constexpr bool kSchedulerWarp = V::kConsumers == 3 || kQInRegs<V>;
 constexpr int kSchedWarp = 3;
 
 // Bytes of one tile in shared memory:
