@@ -238,12 +238,12 @@ template <class V> constexpr bool kFp8Overlap = MLA_SM90_FP8_OVERLAP && V::kCons
 // Slots of the work tiles handed out (scheduler.cuh), a power of two.
 constexpr int kWorkSlots = 2;
 // A consumer releases its Q rows as soon as its work tile's last S is complete (1), instead of after
-// that tile's softmax (0): the Q warp's load of the next rows starts a softmax earlier. 16-bit
-// variants (measured 0.2-0.5% faster; not yet measured in fp8, which keeps 0).
+// that tile's softmax (0): the Q warp's load of the next rows starts a softmax earlier. 1: the
+// 16-bit variants (measured 0.2-0.5% faster); 2: the fp8 variants too (not yet measured).
 #ifndef MLA_SM90_Q_EARLY_RELEASE
 #define MLA_SM90_Q_EARLY_RELEASE 1
 #endif
-template <class V> constexpr bool kQEarlyRelease = MLA_SM90_Q_EARLY_RELEASE && !V::kFp8;
+template <class V> constexpr bool kQEarlyRelease = MLA_SM90_Q_EARLY_RELEASE == 2 || (MLA_SM90_Q_EARLY_RELEASE == 1 && !V::kFp8);
 
 // Arrivals each consumer-released barrier expects: one per consumer warp, or one per thread.
 template <class V> constexpr int kConsumerArrivals = MLA_SM90_ELECTED_ARRIVE ? kConsumerWarps<V> : kConsumerThreads<V>;
