@@ -1,7 +1,7 @@
 // The consumer mainloop: two warpgroups (three in fp8 under the causal and no mask), 64 query
-// rows each. Per key tile, S = Q K^T by wgmma with both operands in shared memory, the online
-// softmax in registers, and O += P V with P from registers and V read transposed from shared
-// memory (fp8: e4m3 P and V^T).
+// rows each. Per key tile, S = Q K^T by wgmma with both operands in shared memory (Q from
+// registers with MLA_SM90_Q_IN_REGS), the online softmax in registers, and O += P V with P from
+// registers and V read transposed from shared memory (fp8: e4m3 P and V^T).
 //
 //   * Intra-warpgroup overlap: a consumer issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, waits
 //     for S_t only, and runs the softmax of tile t while the tensor cores still work on P V; only
@@ -127,7 +127,6 @@ struct Mainloop {
     const WorkInfo& k;
     int wr0;                         // first sequence row of this warpgroup
     int r0;                          // sequence row of this thread's row g
-    int num_tiles;                   // k.num_tiles
     int key_lo[2], key_hi[2];        // visible keys of rows g, g + 8 from n_begin (row_key_ranges)
     float row_scale[2];              // softmax scale (times log2 e) of the thread's two rows
     float sacc[kSTiles][4];          // S of the current key tile, then its P
@@ -149,7 +148,7 @@ struct Mainloop {
 #pragma unroll
     for (int kk = 0; kk < kQkSteps; ++kk) {
       const int chunk = (kk % 4) * 2 + lane / 16;  // 16-byte chunk of the row in its column block
-      ldmatrix_x4(qa[kk], sm.q() + (kk / 4) * kQBlk<V> + r * 128 + ((chunk ^ (r % 8)) << 4));
+      ldmatrix_x4(qa[kk], sm.q() + (kk / 4) * kQBlk<V> + swizzle128(r, 16 * chunk));
     }
   }
   // Waits for key tile `it` (its K stage, rope rows and fp8 key scales included).
@@ -271,7 +270,7 @@ struct Mainloop {
     turn_pass();
     if (!kScalesEarly) key_scales(x, 0, it);
     wgmma_wait<0>();
-    release_q<true>(x.num_tiles == 1);
+    release_q<true>(x.k.num_tiles == 1);
     scores_to_p<kMaskApply, kHalf>(x, smx, 0, it);
   }
   // The last tile's P V, issued and completed.
@@ -312,7 +311,7 @@ struct Mainloop {
         issue_qk(x, it);
         turn_pass();
         wgmma_wait<0>();
-        release_q<true>(t + 1 == x.num_tiles);
+        release_q<true>(t + 1 == x.k.num_tiles);
         key_scales(x, t, it);
         scores_to_p<kMode>(x, smx, t, it);
         rescale_o(o, x.corr);
@@ -326,7 +325,7 @@ struct Mainloop {
         turn_pass();
         if (!kScalesEarly) key_scales(x, t, it);
         wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
-        release_q<true>(t + 1 == x.num_tiles);
+        release_q<true>(t + 1 == x.k.num_tiles);
         scores_to_p<kMode>(x, smx, t, it);
         wgmma_wait<0>();
         fence_operands(o);
@@ -348,7 +347,6 @@ struct Mainloop {
     const WorkTile& w = k.w;
     x.wr0 = k.m0 + cw * kWgRows;
     x.r0 = row0(k);
-    x.num_tiles = k.num_tiles;
     row_key_ranges(mask, w, x.r0, k.n_begin, k.n_end, x.key_lo, x.key_hi);
     if constexpr (kScalesInPlace) x.scale_at = static_cast<u32>(4 * key_scale_index(w.kv_row0 + k.n_begin));  // bytes
     // fp8: S_ij = q_scale[i] k_scales[j] raw_ij; k_scales[j] multiplies the scores (before the mask:

@@ -129,23 +129,19 @@ struct TileHandout {
       idx = next(idx);
     }
   }
-  // Warp 0's thread with the scheduler warp: hand-out n, one arrival.
-  __device__ __forceinline__ void take_one(int n, WorkInfo& k) const {
+  // Hand-out n into k once published; returns its slot, for the reader's release.
+  __device__ __forceinline__ int read(int n, WorkInfo& k) const {
     const int s = slot_of(n);
     mbar_wait(full(s), pass_of(n));
     asm volatile("" ::: "memory");  // the slot is read after the wait
     k = slots[s];
-    mbar_arrive(empty(s));
+    return s;
   }
+  // Warp 0's thread with the scheduler warp: hand-out n, one arrival.
+  __device__ __forceinline__ void take_one(int n, WorkInfo& k) const { mbar_arrive(empty(read(n, k))); }
   // Reader threads (whole warps): hand-out n. One lane per warp releases the slot once every lane
   // has read it (or every lane, with kConsumerArrivals<V> counting threads).
-  __device__ __forceinline__ void take(int n, WorkInfo& k) const {
-    const int s = slot_of(n);
-    mbar_wait(full(s), pass_of(n));
-    asm volatile("" ::: "memory");  // the slot is read after the wait
-    k = slots[s];
-    release(empty(s));
-  }
+  __device__ __forceinline__ void take(int n, WorkInfo& k) const { release(empty(read(n, k))); }
   // A reader warp's arrival on a barrier counted in kConsumerArrivals<V> units.
   static __device__ __forceinline__ void release(u32 bar) {
     if constexpr (MLA_SM90_ELECTED_ARRIVE) {
