@@ -131,31 +131,24 @@ template <class V> constexpr int kConsumerWarps = kConsumerThreads<V> / 32;
 template <class V> constexpr int kQBlk = kBlockM<V> * 128;  // one column block of the Q tile
 template <class V> constexpr int kEpilogueBar = kTurnBar + V::kConsumers;
 template <class V> constexpr int kOutStageBytes = V::kConsumers * kWgRows * kOutStageRowBytes;  // 16 KiB for 2
-// Registers per thread after setmaxnreg (128 * (producer + consumers * consumer) <= 64 K). With two
+// Registers per thread after setmaxnreg (within what the launch gives: kRegisterBudget). With two
 // consumers the producer warps get more than a bare TMA issuer's 24: warp 0 decodes the work tiles,
 // takes them from the counter and publishes them, the rope warp keeps a tile's page lookups in
 // registers (at 56 ptxas spills in the fp8 variants); the consumers need no more than 224 (no
 // spills). With three: 160 each, and the decoding moves to the scheduler warp (kSchedulerWarp).
-// Q in registers for the 16-bit S (MLA_SM90_Q_IN_REGS 1; default 0): each consumer reads its 64 Q
-// rows from shared memory once per work tile (ldmatrix: 48 registers) and issues S with A from
-// registers (wgmma RS), so that S reads a third less shared memory, and it releases its Q rows at
-// once: the Q warp loads the next work tile's rows during this one, not at the boundary. The 48
-// registers come from the producer warpgroup, at 32 with the scheduler warp decoding (as with
-// three consumers): 240 per consumer. Not the fp8-rope variant (its rope warp dequantizes: it
-// spills at 32). Plain-rope kernels under the causal, window and no mask compile clean; the
-// chunked masks' and the float32-output paged causal kernels spill (a measurement switch).
-#ifndef MLA_SM90_Q_IN_REGS
-#define MLA_SM90_Q_IN_REGS 0
-#endif
-template <class V> constexpr bool kQInRegs = MLA_SM90_Q_IN_REGS && !V::kFp8 && !V::kRope8;  // Variant16
-template <class V> constexpr int kProducerRegs = V::kConsumers == 3 || kQInRegs<V> ? 32 : 72;
-template <class V> constexpr int kConsumerRegs = V::kConsumers == 3 ? 160 : kQInRegs<V> ? 240 : 216;
+template <class V> constexpr int kProducerRegs = V::kConsumers == 3 ? 32 : 72;
+template <class V> constexpr int kConsumerRegs = V::kConsumers == 3 ? 160 : 216;
+// The launch gives every thread the most registers __launch_bounds__(kThreads<V>, 1) allows, a
+// multiple of 8 (168 for 384 threads, 128 for 512), and setmaxnreg.inc waits until the CTA's pool
+// holds what it asks: the counts after the reallocation must fit in what the launch gave, or the
+// consumers wait forever (e.g. 32 + 2 x 240 > 3 x 168; FlashAttention-3 pairs 240 with 24).
+template <class V> constexpr int kLaunchRegs = 65536 / kThreads<V> / 8 * 8;
 template <class V>
-constexpr bool kRegisterBudget = 128 * (kProducerRegs<V> + V::kConsumers * kConsumerRegs<V>) <= 65536;
+constexpr bool kRegisterBudget = kProducerRegs<V> + V::kConsumers * kConsumerRegs<V> <= (1 + V::kConsumers) * kLaunchRegs<V>;
 static_assert(kRegisterBudget<Variant16<__half>> && kRegisterBudget<VariantFp8> &&
                   kRegisterBudget<Wide<VariantFp8>>, "register budget");
 // A warp of the producer warpgroup that only decodes and hands out the work tiles (three consumers).
-template <class V> constexpr bool kSchedulerWarp = V::kConsumers == 3 || kQInRegs<V>;
+template <class V> constexpr bool kSchedulerWarp = V::kConsumers == 3;
 constexpr int kSchedWarp = 3;
 
 // Bytes of one tile in shared memory:
@@ -237,13 +230,14 @@ template <class V> constexpr bool kFp8Overlap = MLA_SM90_FP8_OVERLAP && V::kCons
 
 // Slots of the work tiles handed out (scheduler.cuh), a power of two.
 constexpr int kWorkSlots = 2;
-// A consumer releases its Q rows as soon as its work tile's last S is complete (1), instead of after
-// that tile's softmax (0): the Q warp's load of the next rows starts a softmax earlier. 1: the
-// 16-bit variants (measured 0.2-0.5% faster); 2: the fp8 variants too (not yet measured).
+// A 16-bit consumer releases its Q rows as soon as its work tile's last S is complete (1), instead
+// of after that tile's softmax (0): the Q warp's load of the next rows starts a softmax earlier
+// (measured 0.2-0.5% faster). The fp8 variants release after the softmax (the early release
+// measured 0.3-1.5% slower in the three-consumer all-e4m3 kernel).
 #ifndef MLA_SM90_Q_EARLY_RELEASE
 #define MLA_SM90_Q_EARLY_RELEASE 1
 #endif
-template <class V> constexpr bool kQEarlyRelease = MLA_SM90_Q_EARLY_RELEASE == 2 || (MLA_SM90_Q_EARLY_RELEASE == 1 && !V::kFp8);
+template <class V> constexpr bool kQEarlyRelease = MLA_SM90_Q_EARLY_RELEASE == 1 && !V::kFp8;
 
 // Arrivals each consumer-released barrier expects: one per consumer warp, or one per thread.
 template <class V> constexpr int kConsumerArrivals = MLA_SM90_ELECTED_ARRIVE ? kConsumerWarps<V> : kConsumerThreads<V>;

@@ -1,7 +1,7 @@
 // The consumer mainloop: two warpgroups (three in fp8 under the causal and no mask), 64 query
-// rows each. Per key tile, S = Q K^T by wgmma with both operands in shared memory (Q from
-// registers with MLA_SM90_Q_IN_REGS), the online softmax in registers, and O += P V with P from
-// registers and V read transposed from shared memory (fp8: e4m3 P and V^T).
+// rows each. Per key tile, S = Q K^T by wgmma with both operands in shared memory, the online
+// softmax in registers, and O += P V with P from registers and V read transposed from shared
+// memory (fp8: e4m3 P and V^T).
 //
 //   * Intra-warpgroup overlap: a consumer issues S_t = Q K_t^T and then O += P_{t-1} V_{t-1}, waits
 //     for S_t only, and runs the softmax of tile t while the tensor cores still work on P V; only
@@ -119,7 +119,7 @@ struct Mainloop {
   // tile's last), else after the last tile's softmax (the call after the loop).
   template <bool kAtLastS>
   __device__ __forceinline__ void release_q(bool last = true) const {
-    if (!kQInRegs<V> && kAtLastS == kQEarlyRelease<V> && last) TileHandout::release(sm.q_empty(cw));
+    if (kAtLastS == kQEarlyRelease<V> && last) TileHandout::release(sm.q_empty(cw));
   }
 
   // One work tile in flight: what the per-tile steps below share.
@@ -131,7 +131,6 @@ struct Mainloop {
     float row_scale[2];              // softmax scale (times log2 e) of the thread's two rows
     float sacc[kSTiles][4];          // S of the current key tile, then its P
     u32 pa[kPvSteps<V>][4];          // P of the previous tile, waiting for its P V
-    u32 qa[kQInRegs<V> ? kQkSteps : 1][4];  // kQInRegs: this warp's 16 Q rows as wgmma A fragments
     float ksc[V::kFp8 && !kScalesInPlace ? kSTiles : 1][2];  // fp8: key scales of the thread's columns
     u32 scale_at;                    // kScalesInPlace: bytes from a scale box to the thread's first scale
     float corr[2];                   // rescale factors of O from the last softmax step
@@ -140,17 +139,6 @@ struct Mainloop {
     u32 prev_parity;
   };
 
-  // kQInRegs: this warp's 16 rows of the consumer's Q as the A fragments of S's 12 k-steps (those of
-  // mma.m16n8k16 per warp): ldmatrix x4 of the rows r and r + 8 (lanes 0-15) and their next 8
-  // columns (lanes 16-31) of k-step kk, in the 128-byte swizzled column block kk / 4.
-  __device__ __forceinline__ void load_q(u32 (&qa)[kQkSteps][4]) const {
-    const int r = cw * kWgRows + warp_in_wg * 16 + lane % 16;  // this lane's row of the Q tile
-#pragma unroll
-    for (int kk = 0; kk < kQkSteps; ++kk) {
-      const int chunk = (kk % 4) * 2 + lane / 16;  // 16-byte chunk of the row in its column block
-      ldmatrix_x4(qa[kk], sm.q() + (kk / 4) * kQBlk<V> + swizzle128(r, 16 * chunk));
-    }
-  }
   // Waits for key tile `it` (its K stage, rope rows and fp8 key scales included).
   __device__ __forceinline__ void wait_k(int it) const { mbar_wait(sm.k_full(it % kS), (it / kS) & 1); }
   // One k-step of S: its 128 columns, or (kHalf) the first 64 only.
@@ -158,12 +146,6 @@ struct Mainloop {
   static __device__ __forceinline__ void qk16(float (&d)[kSTiles][4], unsigned long long da, unsigned long long db, int acc) {
     if constexpr (kHalf) Wgmma<T>::ss_n64(d, da, db, acc);
     else Wgmma<T>::ss(d, da, db, acc);
-  }
-  // The same with Q's k-step from registers (kQInRegs).
-  template <bool kHalf>
-  static __device__ __forceinline__ void qk16(float (&d)[kSTiles][4], const u32 (&a)[4], unsigned long long db, int acc) {
-    if constexpr (kHalf) Wgmma<T>::rs_n64(d, a, db, acc);
-    else Wgmma<T>::rs(d, a, db, acc);
   }
   // Issues S = Q K^T of key tile `it`, committed as one group, after waiting for it (with
   // kScalesEarly the caller waited before reading the key scales). kHalf: the tile's first 64 keys
@@ -201,8 +183,7 @@ struct Mainloop {
         // 128-byte swizzled row
         const u32 step = (kk % 4) * 32;
         const unsigned long long dkk = kk / 4 < 2 ? desc_add(dk, (kk / 4) * kBlk + step) : desc_add(dr, step);
-        if constexpr (kQInRegs<V>) qk16<kHalf>(x.sacc, x.qa[kk], dkk, kk > 0);
-        else qk16<kHalf>(x.sacc, desc_add(dq, (kk / 4) * kQBlk<V> + step), dkk, kk > 0);
+        qk16<kHalf>(x.sacc, desc_add(dq, (kk / 4) * kQBlk<V> + step), dkk, kk > 0);
       }
     }
     wgmma_commit();
@@ -369,15 +350,10 @@ struct Mainloop {
     // (consumer 0 on a causal diagonal), so its S and P V take the first 64 keys.
     return kHalfTiles ? last_tile_is_half(mask, w, x.wr0, k.n_begin, k.num_tiles, t_hi) : 0;
   }
-  // Waits for this consumer's Q rows of the work tile (kQInRegs: reads them into registers and
-  // releases them); key tile 0's ring position becomes "previous".
+  // Waits for this consumer's Q rows of the work tile; key tile 0's ring position becomes "previous".
   __device__ __forceinline__ void wait_q(Tile& x) {
     mbar_wait(sm.q_full(cw), nq & 1);
     ++nq;
-    if constexpr (kQInRegs<V>) {
-      load_q(x.qa);
-      TileHandout::release(sm.q_empty(cw));
-    }
     x.prev_s = it % kS;
     x.prev_parity = (it / kS) & 1;
   }

@@ -188,24 +188,6 @@ template <typename T> struct Wgmma;
                    : MLA_ACC8(d)                                                                           \
                    : "l"(da), "l"(db), "r"(accumulate));                                                   \
     }                                                                                                      \
-    /* D[64x128] (+)= A[64x16] (registers) * B[16x128] (smem, K-major: stored [n][k]) */                   \
-    static __device__ __forceinline__ void rs(float (&d)[16][4], const u32 (&a)[4], unsigned long long db, \
-                                              int accumulate) {                                            \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                           \
-                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTXT "." PTXT " " MLA_D64                 \
-                   ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                       \
-                   : MLA_ACC16(d)                                                                          \
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));               \
-    }                                                                                                      \
-    /* rs on the first 64 columns (B's first 64 rows), d[8..15] untouched */                               \
-    static __device__ __forceinline__ void rs_n64(float (&d)[16][4], const u32 (&a)[4], unsigned long long db, \
-                                                  int accumulate) {                                        \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                           \
-                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXT "." PTXT " " MLA_D32                  \
-                   ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                       \
-                   : MLA_ACC8(d)                                                                           \
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));               \
-    }                                                                                                      \
     /* D[64x128] += A[64x16] (registers) * B[16x128] (smem, MN-major: stored [k][n], transposed) */        \
     static __device__ __forceinline__ void rs_tb(float (&d)[16][4], const u32 (&a)[4], unsigned long long db) { \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                            \
