@@ -90,7 +90,10 @@ SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask(), False),
                  ("MLA_SM90_LAZY_RESCALE", "1", "fp8", CausalMask(), False),
                  ("MLA_SM90_FP8_CONSUMERS", "2", "fp8", CausalMask(), True),
                  ("MLA_SM90_FP8_CONSUMERS", "2", "e4m3", CausalMask(), False),
-                 ("MLA_SM90_Q_EARLY_RELEASE", "0", "bf16", CausalMask(), True)]
+                 ("MLA_SM90_Q_EARLY_RELEASE", "0", "bf16", CausalMask(), True),
+                 ("MLA_SM90_FP8_TURNS", "2", "fp8", CausalMask(), True),
+                 ("MLA_SM90_FP8_TURNS", "2", "e4m3", CausalMask(), False),
+                 ("MLA_SM90_FP8_TURNS", "0", "e4m3", CausalMask(), False)]
 
 
 @pytest.mark.slow

@@ -107,9 +107,16 @@ constexpr int kNumVariants = 4;
 #ifndef MLA_SM90_FP8_CONSUMERS
 #define MLA_SM90_FP8_CONSUMERS 3
 #endif
+// How the three consumers share the tensor pipe: in turns, each issuing its P V and then, once P V
+// is complete, its S before passing the turn (1); in turns that cover P V's issue only, S issued
+// after the turn has passed (2); or without turns, each issuing as soon as it is ready (0).
+#ifndef MLA_SM90_FP8_TURNS
+#define MLA_SM90_FP8_TURNS 1
+#endif
 template <class V>
 struct Wide : V {
   static constexpr int kConsumers = 3;
+  static constexpr bool kPingpong = MLA_SM90_FP8_TURNS != 0;
 };
 // Variant V as it is compiled under Mask: Wide<V> where the switch above asks for it.
 template <class V, class Mask, bool kWide = V::kFp8 && !Mask::kBoundedBelow && MLA_SM90_FP8_CONSUMERS == 3>

@@ -23,7 +23,8 @@
 //   * fp8 per token: the consumers take turns issuing their GEMMs (pingpong, named barriers), so
 //     that one's softmax runs under the others' GEMMs. Consumer 0 has the first turn; all run the
 //     same GEMM blocks (same work tiles and counts; an idle consumer its turns alone), so turns go
-//     round exactly, and consumer 0 takes the last pass after the loop.
+//     round exactly, and consumer 0 takes the last pass after the loop. (MLA_SM90_FP8_TURNS: what a
+//     turn covers with three consumers, or no turns.)
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows, or zeros past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
 //     before P V (fp8: their V^T columns), so a neighbour's NaN can never reach this sequence.
@@ -70,6 +71,8 @@ struct Mainloop {
   // variants: their chunked-mask kernels would spill (they run at the register limit), and their
   // time goes to the softmax, which a half tile does not shorten.
   static constexpr bool kHalfTiles = MLA_SM90_HALF_TILE && MLA_SM90_SPLIT_MASKED && Mask::kBoundedAbove && !V::kFp8;
+  // Three fp8 consumers with MLA_SM90_FP8_TURNS 2: a turn covers P V's issue only (steps).
+  static constexpr bool kTurnCoversPvOnly = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_TURNS == 2;
 
   const Params& p;          // the kernel's __grid_constant__ parameter
   const Smem<V> sm;         // by value, as the mask: a reference member would put them on the stack
@@ -284,13 +287,14 @@ struct Mainloop {
         turn_wait();
         mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
         issue_pv(x, o, x.prev_s);
+        if (kTurnCoversPvOnly) turn_pass();
         wgmma_wait<0>();
         fence_operands(o);
         fence_operands(x.pa);
         TileHandout::release(sm.v_empty(x.prev_s));
         if (kScalesEarly) wait_k(it);
         issue_qk(x, it);
-        turn_pass();
+        if (!kTurnCoversPvOnly) turn_pass();
         wgmma_wait<0>();
         release_q<true>(t + 1 == x.k.num_tiles);
         key_scales(x, t, it);
