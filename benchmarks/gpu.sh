@@ -26,6 +26,8 @@
 #   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
 #                            bench case (`mla-cupy bench --list`) or fp8 / e4m3 / bf16 / paged / pagedP (pages of P;
 #                            1x8192, H = 128)
+#   probe [ARGS...]          benchmarks/pipe_probe.py ARGS: cycles per key tile of the Hopper consumer loop
+#                            without its loads, its parts alone and together (JSON into --out)
 #   compile                  `mla-cupy compile`: every kernel family into CuPy's on-disk cache
 #   verify STEP [ARGS...]    the reliability evidence, one step per GPU command (each within --timeout),
 #                            records in --out, then one summary:
@@ -68,7 +70,7 @@ done
 [ $# -ge 1 ] || usage 2
 MODE=$1; shift
 case "$MODE" in
-  suite|fuzz|sanitize|bench|host|e2e|ab|ncu|compile|verify) ;;
+  suite|fuzz|sanitize|bench|host|e2e|ab|ncu|probe|compile|verify) ;;
   *) echo "gpu.sh: unknown mode $MODE" >&2; usage 2 ;;
 esac
 
@@ -200,6 +202,9 @@ case "$MODE" in
     "$NCU" --import "$OUT_DIR/$name.ncu-rep" --page source --csv --print-source sass > "$OUT_DIR/$name-sass.csv" 2>&1
     grep -E "Duration|SM Frequency|Elapsed Cycles|Tensor|DRAM Throughput|L2 Hit Rate|Executed Instructions  " \
       "$OUT_DIR/$name-details.txt" | head -12 ;;
+  probe)
+    step probe "$PY" benchmarks/pipe_probe.py --json "$OUT_DIR/probe.json" "$@"
+    cat "$OUT_DIR/probe.log" ;;
   compile)
     step compile "$PY" -m mla_cupy compile
     tail -5 "$OUT_DIR/compile.log" ;;

@@ -35,10 +35,12 @@ __all__ = [
     "KERNEL_DIR",
     "KernelCompileError",
     "kernel_source",
+    "source_with_includes",
     "get_function",
     "get_global",
     "compile_offline",
     "compile_offline_with_log",
+    "compile_source_offline_with_log",
     "OfflineBuild",
     "PtxasFunction",
     "parse_ptxas_log",
@@ -98,7 +100,20 @@ def kernel_source(filename: str, defines: Optional[Dict[str, str]] = None) -> st
 
     A local ``#include "x"`` is resolved against the including file's folder, as a C++ compiler
     does (``"../common.cuh"`` from ``sm90/config.cuh`` is ``common.cuh``)."""
-    seen: set = set()
+    if filename not in _RAW_SOURCES:
+        raise FileNotFoundError(f"mla_cupy kernel source {filename!r} not found in {KERNEL_DIR}")
+    return source_with_includes(_RAW_SOURCES[filename], filename, defines)
+
+
+def source_with_includes(text: str, filename: str, defines: Optional[Dict[str, str]] = None) -> str:
+    """:func:`kernel_source` for a text that is not one of the package's sources (a benchmark's
+    probe kernel): its local includes are resolved as if it were ``kernels/<filename>``."""
+    seen: set = {filename}
+
+    def inline(text: str, name: str) -> str:
+        folder = posixpath.dirname(name)
+        return _INCLUDE_RE.sub(lambda m: expand(posixpath.normpath(posixpath.join(folder, m.group(1)))),
+                               text.replace("#pragma once", ""))
 
     def expand(name: str) -> str:
         if name not in _RAW_SOURCES:
@@ -106,12 +121,10 @@ def kernel_source(filename: str, defines: Optional[Dict[str, str]] = None) -> st
         if name in seen:
             return ""
         seen.add(name)
-        text = _RAW_SOURCES[name].replace("#pragma once", "")
-        folder = posixpath.dirname(name)
-        return _INCLUDE_RE.sub(lambda m: expand(posixpath.normpath(posixpath.join(folder, m.group(1)))), text)
+        return inline(_RAW_SOURCES[name], name)
 
     merged = {**DEFINES, **(defines or {})}
-    return _define_lines(merged) + f"// ---- {filename} (local includes inlined) ----\n" + expand(filename)
+    return _define_lines(merged) + f"// ---- {filename} (local includes inlined) ----\n" + inline(text, filename)
 
 
 class KernelCompileError(RuntimeError):
@@ -361,6 +374,13 @@ def compile_offline_with_log(filename: str, name_expressions: Sequence[str], arc
     KernelCompileError
         NVRTC rejected the source; the message names the instantiations and carries the log.
     """
+    return compile_source_offline_with_log(kernel_source(filename, defines), filename, name_expressions, arch, method)
+
+
+def compile_source_offline_with_log(source: str, filename: str, name_expressions: Sequence[str], arch: str,
+                                    method: str = "cubin") -> OfflineBuild:
+    """:func:`compile_offline_with_log` of a whole source text (:func:`kernel_source`,
+    :func:`source_with_includes`); ``filename`` names it in messages."""
     import io
 
     from cupy._core.core import assemble_cupy_compiler_options
@@ -371,8 +391,7 @@ def compile_offline_with_log(filename: str, name_expressions: Sequence[str], arc
         opts = tuple(o.replace("-arch=sm_", "-arch=compute_") for o in opts)
     elif method == "cubin":
         opts += (_PTXAS_VERBOSE,)
-    prog = compiler._NVRTCProgram(kernel_source(filename, defines), filename, name_expressions=list(name_expressions),
-                                  method=method)
+    prog = compiler._NVRTCProgram(source, filename, name_expressions=list(name_expressions), method=method)
     log = io.StringIO()
     try:
         out, mapping = prog.compile(opts, log_stream=log)

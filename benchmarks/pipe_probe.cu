@@ -1,0 +1,189 @@
+// The Hopper consumer loop without its loads: what one key tile of the loop costs when the data
+// is already in shared memory, and which of its parts (the GEMMs, the softmax, the turns) set that
+// cost. Driven by pipe_probe.py; the kernel's own pieces (wgmma, softmax, P packing) from
+// kernels/sm90, the loop shape of kernels/sm90/mainloop.cuh (steps) rebuilt without barriers of
+// the K/V ring: one K stage and one V stage, written once at the start, read by every tile.
+//
+// Every CTA (one per SM) runs V::kConsumers consumer warpgroups of 64 rows beside an idle producer
+// warpgroup (the kernel's register split), `iters` key tiles each; each consumer's first thread
+// writes its cycles (clock64) and nanoseconds (globaltimer) over the loop. The work is the
+// kernel's per key tile: fp8 (three consumers) P V completed, then S issued and completed, then
+// the key scales read where they multiply, the softmax, O's rescale and P packed to e4m3; 16-bit
+// (two consumers) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V. kParts leaves out the
+// GEMMs or the softmax; kActive < kConsumers runs only the first kActive consumers (no turns).
+#include "sm90/softmax.cuh"
+
+namespace probe {
+using namespace mla;
+using namespace mla::sm90;
+
+constexpr int kGemms = 1;    // kParts bit: P V and S by wgmma
+constexpr int kSoftmax = 2;  // kParts bit: key scales (fp8), softmax, O's rescale, P packed
+
+template <class V> constexpr int kQOffset = 0;
+template <class V> constexpr int kKOffset = (kQBytes<V> + 1023) / 1024 * 1024;
+template <class V> constexpr int kVOffset = kKOffset<V> + (kKBytes<V> + 1023) / 1024 * 1024;
+template <class V> constexpr int kSmemBytes = kVOffset<V> + kVBytes<V>;
+static_assert(kSmemBytes<Wide<VariantE4m3>> <= 227 * 1024 && kSmemBytes<Variant16<__nv_bfloat16>> <= 227 * 1024, "shared memory");
+
+// Small finite values in every byte of the tiles (e4m3 below 1, 16-bit in [-1, 1)) and key scales of
+// about 1/16, so that the softmax sees ordinary scores.
+template <class V>
+__device__ __forceinline__ void fill(unsigned char* smem) {
+  u32* w = reinterpret_cast<u32*>(smem);
+  for (int i = threadIdx.x; i < kSmemBytes<V> / 4; i += blockDim.x) {
+    u32 h = (i + 1) * 2654435761u;
+    h ^= h >> 15;
+    w[i] = V::kFp8 ? (h & 0xB7B7B7B7u) : (h & 0x80FF80FFu) | 0x3C003C00u;  // e4m3 |x| < 1; bf16 2^-7 <= |x| < 2^-5
+  }
+  if constexpr (V::kFp8) {
+    float* sc = reinterpret_cast<float*>(smem + kKOffset<V> + kKScalesOffset<V>);
+    for (int i = threadIdx.x; i < kScaleBox; i += blockDim.x) sc[i] = 0.0625f * (1.f + (i % 7) / 8.f);
+  }
+}
+
+__device__ __forceinline__ long long globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+template <class V, int kParts, int kTurns, int kPoly, int kActive>
+__global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, long long* nanos, int iters) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  static_assert(kTurns == 0 || (V::kFp8 && V::kConsumers == 3 && kActive == V::kConsumers), "turns: three fp8 consumers");
+  constexpr bool kG = kParts & kGemms, kSm = kParts & kSoftmax;
+  fill<V>(smem);
+  fence_proxy_async();  // the generic stores made visible to wgmma
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    regs_dealloc<kProducerRegs<V>>();
+    return;
+  }
+  regs_alloc<kConsumerRegs<V>>();
+  const int cw = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) - 1;  // warp-uniform (uniform registers)
+  if (cw >= kActive) return;
+  const u32 base = __shfl_sync(0xffffffffu, smem_addr(smem), 0);  // uniform, as cw: descriptors in uniform registers
+  const u32 q = base + kQOffset<V>, k = base + kKOffset<V>, v = base + kVOffset<V>;
+  const unsigned long long dq = make_desc(q + cw * kWgRows * 128, 16, 1024);
+  const unsigned long long dk = make_desc(k, 16, 1024);
+  const unsigned long long dv = V::kFp8 ? make_desc(v, 16, 1024) : make_desc(v, kBlk, 1024);
+  // the rope blocks (all-e4m3: 64-byte rows, 64-byte swizzle; 16-bit: the third 128-byte block)
+  const unsigned long long dqr = make_desc(q + kQBlk<V> + cw * kWgRows * kDr, 16, 512, kDescSwizzle64);
+  const unsigned long long dkr = make_desc(k + kBlk, 16, 512, kDescSwizzle64);
+  const u32 scale_at = k + kKScalesOffset<V> + 4 * key_scale_index(0);
+  // Turns as the kernel's (mainloop.cuh): consumer c waits on kTurnBar + c and passes to c + 1.
+  auto turn_wait = [&] { if constexpr (kTurns != 0) named_barrier_sync(kTurnBar + cw, kTurnThreads); };
+  auto turn_pass = [&] { if constexpr (kTurns != 0) named_barrier_arrive(kTurnBar + (threadIdx.x / 128) % 3, kTurnThreads); };
+
+  float o[kOTiles][4], sacc[kSTiles][4];
+  u32 pa[kPvSteps<V>][4];
+#pragma unroll
+  for (int i = 0; i < kSTiles; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[i][e] = 0.f, sacc[i][e] = 0.25f * e - 0.5f;
+#pragma unroll
+  for (int i = 0; i < kPvSteps<V>; ++i) pa[i][0] = pa[i][1] = pa[i][2] = pa[i][3] = 0x30303030u;
+  OnlineSoftmax smx;
+  smx.init();
+  const float row_scale[2] = {0.0625f, 0.0625f};
+  float corr[2];
+  constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0;
+  float s_seen = 0.f;  // without the softmax, one value of each S is used, or ptxas drops the S wgmma
+  auto use_s = [&] { if constexpr (!kSm) s_seen += sacc[0][0]; };
+
+  auto issue_s = [&] {
+    fence_operands(sacc);
+    wgmma_fence();
+    if constexpr (V::kFp8) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) WgmmaE4m3::ss(sacc, desc_add(dqr, kk * 32), desc_add(dkr, kk * 32), 1);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kQkSteps; ++kk) {
+        const u32 step = (kk / 4) * kBlk + (kk % 4) * 32;
+        Wgmma<typename V::Elem>::ss(sacc, desc_add(dq, (kk / 4) * kQBlk<V> + (kk % 4) * 32), desc_add(dk, step), kk > 0);
+      }
+    }
+    wgmma_commit();
+  };
+  auto issue_pv = [&] {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kPvSteps<V>; ++kk) {
+      if constexpr (V::kFp8) WgmmaE4m3::rs(o, pa[kk], desc_add(dv, kk * 32));
+      else Wgmma<typename V::Elem>::rs_tb(o, pa[kk], desc_add(dv, kk * 2048));
+    }
+    wgmma_commit();
+  };
+  auto softmax = [&] {
+    fence_operands(sacc);
+    if constexpr (V::kFp8) dequantize_scores_at(sacc, scale_at);
+    smx.update_scores<kLog2P, kPoly>(sacc, row_scale, corr);
+  };
+
+  if (kTurns != 0 && cw == V::kConsumers - 1) turn_pass();
+  named_barrier_sync(kVZeroBar, 128 * kActive);
+  // the start times go to global memory at once: four registers held across the loop would make
+  // the three-consumer loop spill at 160 (the kernel's own has no spare register either)
+  const int slot = blockIdx.x * V::kConsumers + cw;
+  if (threadIdx.x % 128 == 0) {
+    cycles[slot] = clock64();
+    nanos[slot] = globaltimer();
+  }
+  for (int it = 0; it < iters; ++it) {
+    if constexpr (V::kFp8) {  // three consumers: one GEMM in flight (mainloop.cuh: steps)
+      turn_wait();
+      if constexpr (kG) issue_pv();
+      if (kTurns == 2) turn_pass();
+      if constexpr (kG) {
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(pa);
+        issue_s();
+      }
+      if (kTurns == 1) turn_pass();
+      if constexpr (kG) wgmma_wait<0>(), use_s();
+      if constexpr (kSm) {
+        softmax();
+        OnlineSoftmax::rescale(o, corr);
+        pack_probabilities<V>(sacc, pa);
+      }
+    } else {  // two consumers: S_t beside P_{t-1} V_{t-1}, the softmax of t under P V
+      if constexpr (kG) {
+        issue_s();
+        issue_pv();
+        wgmma_wait<1>();
+        use_s();
+      }
+      if constexpr (kSm) softmax();
+      if constexpr (kG) {
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(pa);
+      }
+      if constexpr (kSm) {
+        OnlineSoftmax::rescale(o, corr);
+        pack_probabilities<V>(sacc, pa);
+      }
+    }
+    fence_operands(o);
+  }
+  const long long c1 = clock64(), t1 = globaltimer();
+  if (kTurns != 0 && cw == 0) turn_wait();  // the last pass, so that every turn barrier ends balanced
+  // the loop's results feed a store the compiler cannot rule out
+  float sink = smx.row_sum[0] + smx.row_sum[1] + s_seen;
+#pragma unroll
+  for (int i = 0; i < kOTiles; ++i) sink += o[i][0] + o[i][3];  // not S: it would stay live across P V
+#pragma unroll
+  for (int i = 0; i < kPvSteps<V>; ++i) sink += __uint_as_float(pa[i][0] & 0x3f3f3f3fu);
+  if (threadIdx.x % 128 == 0) {
+    cycles[slot] = c1 - cycles[slot];
+    nanos[slot] = t1 - nanos[slot];
+  }
+  if (sink == 1234.5f) cycles[slot] = -1;
+}
+
+}  // namespace probe

@@ -1,0 +1,182 @@
+"""The Hopper consumer loop without its loads (``pipe_probe.cu``): cycles per key tile of the loop's
+parts alone and together, to tell what bounds the kernel's loop (the tensor pipe, the softmax, the
+turns) apart from what its loads, barriers and work-tile boundaries add.
+
+Every probe runs one CTA per SM, each consumer warpgroup ``--iters`` key tiles on tiles already in
+shared memory; the result is cycles per key tile (``clock64``: independent of the SM clock, which
+the power cap moves), the median over CTAs of their slowest consumer, and the SM clock the run saw
+(cycles over ``globaltimer`` nanoseconds). "pipe" is the tensor pipe's share of those cycles at the
+full wgmma rate: a consumer's key tile is 10 e4m3 wgmma m64n128k32 (S 6, P V 4) or 20 16-bit
+m64n128k16 (S 12, P V 8), 64 cycles each for the SM.
+
+Usage (GPU)::
+
+    PYTHONPATH=. python3 benchmarks/pipe_probe.py [--probes NAME,...] [--iters N] [--json FILE]
+
+``--check`` compiles every probe for sm_90a with NVRTC (no GPU) and fails on spills or serialized
+wgmma, as the kernel's own compile test does. ``--list`` prints the probes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+from mla_cupy import jit
+
+SOURCE = Path(__file__).with_name("pipe_probe.cu")
+GEMMS, SOFTMAX = 1, 2  # kParts bits (pipe_probe.cu)
+WGMMA_CYCLES = 64      # one m64n128k32 e4m3 or m64n128k16 16-bit wgmma at the full rate of an SM
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    variant: str       # traits type of kernels/sm90/config.cuh
+    consumers: int     # the variant's consumer warpgroups
+    parts: int         # GEMMS | SOFTMAX
+    turns: int = 0     # fp8: 0 none, 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS)
+    poly: int = 0      # fp8: n-tiles of 16 with exp2 on the FMA pipe (MLA_SM90_EXP2_POLY)
+    active: int = 0    # consumers that run (0: all)
+
+    @property
+    def runners(self) -> int:
+        return self.active or self.consumers
+
+    @property
+    def expression(self) -> str:
+        return f"probe::pipe_probe<{self.variant}, {self.parts}, {self.turns}, {self.poly}, {self.runners}>"
+
+    @property
+    def tensor_cycles(self) -> int:
+        """Tensor-pipe cycles of one key tile of all running consumers at the full rate."""
+        steps = 10 if "E4m3" in self.variant or "Fp8" in self.variant else 20
+        return self.runners * steps * WGMMA_CYCLES if self.parts & GEMMS else 0
+
+
+E4M3 = "mla::sm90::Wide<mla::sm90::VariantE4m3>"
+B16 = "mla::sm90::Variant16<__nv_bfloat16>"
+PROBES: Dict[str, Probe] = {p.name: p for p in (
+    Probe("e4m3-gemm", E4M3, 3, GEMMS, turns=1),
+    Probe("e4m3-gemm-noturns", E4M3, 3, GEMMS),
+    Probe("e4m3-softmax-1wg", E4M3, 3, SOFTMAX, active=1),
+    Probe("e4m3-softmax", E4M3, 3, SOFTMAX),
+    Probe("e4m3-loop-1wg", E4M3, 3, GEMMS | SOFTMAX, active=1),
+    Probe("e4m3-loop", E4M3, 3, GEMMS | SOFTMAX, turns=1),
+    Probe("e4m3-loop-turns2", E4M3, 3, GEMMS | SOFTMAX, turns=2),
+    Probe("e4m3-loop-noturns", E4M3, 3, GEMMS | SOFTMAX),
+    Probe("e4m3-loop-poly2", E4M3, 3, GEMMS | SOFTMAX, turns=1, poly=2),
+    Probe("e4m3-loop-poly4", E4M3, 3, GEMMS | SOFTMAX, turns=1, poly=4),
+    Probe("bf16-gemm", B16, 2, GEMMS),
+    Probe("bf16-softmax", B16, 2, SOFTMAX),
+    Probe("bf16-loop-1wg", B16, 2, GEMMS | SOFTMAX, active=1),
+    Probe("bf16-loop", B16, 2, GEMMS | SOFTMAX),
+)}
+
+
+def source() -> str:
+    return jit.source_with_includes(SOURCE.read_text(encoding="utf-8"), SOURCE.name)
+
+
+def check(probes: Sequence[Probe]) -> int:
+    """Compile every probe for sm_90a (NVRTC, no GPU) and print its loop's instructions per warp and
+    key tile by class (``sass.py``: cuobjdump); 1 when one spills or has serialized wgmma."""
+    import tempfile
+
+    sys.path.insert(0, str(SOURCE.parent))
+    import sass
+
+    build = jit.compile_source_offline_with_log(source(), SOURCE.name, [p.expression for p in probes], "sm_90a")
+    funcs = build.functions()
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(build.binary)
+        f.flush()
+        code = sass.parse_sass(sass._run([sass.find_tool("cuobjdump"), "-sass", f.name]))
+    shown = ("GMMA", "EX2", "FFMA", "FMUL", "FADD", "FMNMX", "LDS/STS", "U*", "INT")
+    bad = 0
+    for p in probes:
+        lowered = build.lowered[p.expression]
+        f = funcs[lowered]
+        loop = max(sass.find_loops(code[lowered]), key=lambda lp: (lp.gmma, lp.total))
+        counts = " ".join(f"{c} {loop.classes[c]}" for c in shown)
+        print(f"{p.name:20s} spills {f.spill_stores}/{f.spill_loads}  loop {loop.total:4d}: {counts}")
+        bad |= f.spills
+    for adv in build.serialized_wgmma():
+        print("serialized wgmma:", adv)
+        bad = 1
+    return bad
+
+
+def run(probes: Sequence[Probe], iters: int, repeats: int) -> List[dict]:
+    import cupy as cp
+
+    dev = cp.cuda.Device()
+    sms = dev.attributes["MultiProcessorCount"]
+    smem = dev.attributes["MaxSharedMemoryPerBlockOptin"]
+    module = cp.RawModule(code=source(), options=("-std=c++17", "-arch=sm_90a"),
+                          name_expressions=[p.expression for p in probes])
+    rows = []
+    for p in probes:
+        fn = module.get_function(p.expression)
+        fn.max_dynamic_shared_size_bytes = smem
+        threads = 128 * (1 + p.consumers)
+        cyc = cp.zeros(sms * p.consumers, cp.int64)
+        ns = cp.zeros_like(cyc)
+        per_tile, mhz = [], []
+        for r in range(repeats + 1):  # the first launch warms up
+            cyc.fill(0)
+            fn((sms,), (threads,), (cyc, ns, cp.int32(iters)), shared_mem=smem)
+            dev.synchronize()
+            if r == 0:
+                continue
+            c = cyc.get().reshape(sms, p.consumers)[:, :p.runners]
+            t = ns.get().reshape(sms, p.consumers)[:, :p.runners]
+            if (c <= 0).any():
+                raise RuntimeError(f"{p.name}: a consumer reported no cycles")
+            per_tile.append(float(statistics.median(c.max(axis=1))) / iters)
+            mhz.append(float(statistics.median((c / t).ravel())) * 1e3)
+        cycles = statistics.median(per_tile)
+        row = {"probe": p.name, "cycles_per_tile": cycles, "spread": [min(per_tile), max(per_tile)],
+               "mhz": statistics.median(mhz), "tensor_cycles": p.tensor_cycles,
+               "pipe": p.tensor_cycles / cycles if p.tensor_cycles else None}
+        rows.append(row)
+        pipe = f"{row['pipe']:6.1%}" if row["pipe"] is not None else "     -"
+        print(f"{p.name:22s} {cycles:8.0f} cycles/tile ({min(per_tile):.0f}-{max(per_tile):.0f})  "
+              f"pipe {pipe}  {row['mhz']:5.0f} MHz", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--probes", default=",".join(PROBES), help="comma separated (--list)")
+    ap.add_argument("--iters", type=int, default=4096, help="key tiles per consumer and launch")
+    ap.add_argument("--repeats", type=int, default=3, help="timed launches per probe (median)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--check", action="store_true", help="compile only (no GPU): spills and serialized wgmma")
+    ap.add_argument("--list", action="store_true")
+    a = ap.parse_args(argv)
+    if a.list:
+        for p in PROBES.values():
+            print(f"{p.name:22s} {p.expression}")
+        return 0
+    names = [n for n in a.probes.split(",") if n]
+    unknown = [n for n in names if n not in PROBES]
+    if unknown:
+        ap.error(f"unknown probe(s) {unknown}: see --list")
+    probes = [PROBES[n] for n in names]
+    if a.check:
+        return check(probes)
+    if a.iters < 1 or a.repeats < 1:
+        ap.error("--iters and --repeats must be at least 1")
+    rows = run(probes, a.iters, a.repeats)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
