@@ -7,10 +7,11 @@
 // Every CTA (one per SM) runs V::kConsumers consumer warpgroups of 64 rows beside an idle producer
 // warpgroup (the kernel's register split), `iters` key tiles each; each consumer's first thread
 // writes its cycles (clock64) and nanoseconds (globaltimer) over the loop. The work is the
-// kernel's per key tile: fp8 (three consumers) P V completed, then S issued and completed, then
-// the key scales read where they multiply, the softmax, O's rescale and P packed to e4m3; 16-bit
-// (two consumers) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V. kParts leaves out the
-// GEMMs or the softmax; kActive < kConsumers runs only the first kActive consumers (no turns).
+// kernel's per key tile: with three consumers (fp8) P V completed, then S issued and completed,
+// then the key scales read where they multiply (fp8), the softmax, O's rescale and P packed; with
+// two (16-bit) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V. Three 16-bit consumers
+// (Wide<Variant16>, no kernel today) take the three-consumer order. kParts leaves out the GEMMs or
+// the softmax; kActive < kConsumers runs only the first kActive consumers (no turns).
 #include "sm90/softmax.cuh"
 
 namespace probe {
@@ -24,7 +25,8 @@ template <class V> constexpr int kQOffset = 0;
 template <class V> constexpr int kKOffset = (kQBytes<V> + 1023) / 1024 * 1024;
 template <class V> constexpr int kVOffset = kKOffset<V> + (kKBytes<V> + 1023) / 1024 * 1024;
 template <class V> constexpr int kSmemBytes = kVOffset<V> + kVBytes<V>;
-static_assert(kSmemBytes<Wide<VariantE4m3>> <= 227 * 1024 && kSmemBytes<Variant16<__nv_bfloat16>> <= 227 * 1024, "shared memory");
+static_assert(kSmemBytes<Wide<VariantE4m3>> <= 227 * 1024 && kSmemBytes<Wide<Variant16<__nv_bfloat16>>> <= 227 * 1024,
+              "shared memory");
 
 // Small finite values in every byte of the tiles (e4m3 below 1, 16-bit in [-1, 1)) and key scales of
 // about 1/16, so that the softmax sees ordinary scores.
@@ -51,7 +53,10 @@ __device__ __forceinline__ long long globaltimer() {
 template <class V, int kParts, int kTurns, int kPoly, int kActive>
 __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, long long* nanos, int iters) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  static_assert(kTurns == 0 || (V::kFp8 && V::kConsumers == 3 && kActive == V::kConsumers), "turns: three fp8 consumers");
+  static_assert(kTurns == 0 || (V::kConsumers == 3 && kActive == V::kConsumers), "turns: three consumers, all running");
+  // the kernel's order: with three consumers P V is completed before S is issued (at 160
+  // registers the two in flight spill and serialize every wgmma, here as in the fp8 kernel)
+  constexpr bool kOverlap = V::kConsumers == 2;
   constexpr bool kG = kParts & kGemms, kSm = kParts & kSoftmax;
   fill<V>(smem);
   fence_proxy_async();  // the generic stores made visible to wgmma
@@ -134,7 +139,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     nanos[slot] = globaltimer();
   }
   for (int it = 0; it < iters; ++it) {
-    if constexpr (V::kFp8) {  // three consumers: one GEMM in flight (mainloop.cuh: steps)
+    if constexpr (!kOverlap) {  // P V completed before S: one GEMM in flight (three fp8 consumers)
       turn_wait();
       if constexpr (kG) issue_pv();
       if (kTurns == 2) turn_pass();
@@ -151,13 +156,11 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
         OnlineSoftmax::rescale(o, corr);
         pack_probabilities<V>(sacc, pa);
       }
-    } else {  // two consumers: S_t beside P_{t-1} V_{t-1}, the softmax of t under P V
-      if constexpr (kG) {
-        issue_s();
-        issue_pv();
-        wgmma_wait<1>();
-        use_s();
-      }
+    } else {  // S_t beside P_{t-1} V_{t-1}, the softmax of t under P V (two consumers; fp8: in one turn)
+      turn_wait();
+      if constexpr (kG) issue_s(), issue_pv();
+      turn_pass();
+      if constexpr (kG) wgmma_wait<1>(), use_s();
       if constexpr (kSm) softmax();
       if constexpr (kG) {
         wgmma_wait<0>();

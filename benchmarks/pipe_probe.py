@@ -39,7 +39,7 @@ class Probe:
     variant: str       # traits type of kernels/sm90/config.cuh
     consumers: int     # the variant's consumer warpgroups
     parts: int         # GEMMS | SOFTMAX
-    turns: int = 0     # fp8: 0 none, 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS)
+    turns: int = 0     # three consumers: 0 none, 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS)
     poly: int = 0      # fp8: n-tiles of 16 with exp2 on the FMA pipe (MLA_SM90_EXP2_POLY)
     active: int = 0    # consumers that run (0: all)
 
@@ -60,6 +60,7 @@ class Probe:
 
 E4M3 = "mla::sm90::Wide<mla::sm90::VariantE4m3>"
 B16 = "mla::sm90::Variant16<__nv_bfloat16>"
+B16X3 = "mla::sm90::Wide<mla::sm90::Variant16<__nv_bfloat16>>"  # three 16-bit consumers (not a kernel today)
 PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-gemm", E4M3, 3, GEMMS, turns=1),
     Probe("e4m3-gemm-noturns", E4M3, 3, GEMMS),
@@ -75,6 +76,8 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("bf16-softmax", B16, 2, SOFTMAX),
     Probe("bf16-loop-1wg", B16, 2, GEMMS | SOFTMAX, active=1),
     Probe("bf16-loop", B16, 2, GEMMS | SOFTMAX),
+    Probe("bf16x3-gemm", B16X3, 3, GEMMS, turns=1),
+    Probe("bf16x3-loop", B16X3, 3, GEMMS | SOFTMAX, turns=1),
 )}
 
 
@@ -83,8 +86,9 @@ def source() -> str:
 
 
 def check(probes: Sequence[Probe]) -> int:
-    """Compile every probe for sm_90a (NVRTC, no GPU) and print its loop's instructions per warp and
-    key tile by class (``sass.py``: cuobjdump); 1 when one spills or has serialized wgmma."""
+    """Compile every probe for sm_90a (NVRTC, no GPU) and print its spills and, where cuobjdump is
+    found (``sass.py``), its loop's instructions per warp by class; 1 when one spills or has
+    serialized wgmma."""
     import tempfile
 
     sys.path.insert(0, str(SOURCE.parent))
@@ -92,18 +96,26 @@ def check(probes: Sequence[Probe]) -> int:
 
     build = jit.compile_source_offline_with_log(source(), SOURCE.name, [p.expression for p in probes], "sm_90a")
     funcs = build.functions()
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(build.binary)
-        f.flush()
-        code = sass.parse_sass(sass._run([sass.find_tool("cuobjdump"), "-sass", f.name]))
+    try:
+        tool = sass.find_tool("cuobjdump")
+    except FileNotFoundError as exc:
+        print(f"(no loop counts: {exc})")
+        code = {}
+    else:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(build.binary)
+            f.flush()
+            code = sass.parse_sass(sass._run([tool, "-sass", f.name]))
     shown = ("GMMA", "EX2", "FFMA", "FMUL", "FADD", "FMNMX", "LDS/STS", "U*", "INT")
     bad = 0
     for p in probes:
         lowered = build.lowered[p.expression]
         f = funcs[lowered]
-        loop = max(sass.find_loops(code[lowered]), key=lambda lp: (lp.gmma, lp.total))
-        counts = " ".join(f"{c} {loop.classes[c]}" for c in shown)
-        print(f"{p.name:20s} spills {f.spill_stores}/{f.spill_loads}  loop {loop.total:4d}: {counts}")
+        line = f"{p.name:20s} spills {f.spill_stores}/{f.spill_loads}"
+        if code:
+            loop = max(sass.find_loops(code[lowered]), key=lambda lp: (lp.gmma, lp.total))
+            line += f"  loop {loop.total:4d}: " + " ".join(f"{c} {loop.classes[c]}" for c in shown)
+        print(line)
         bad |= f.spills
     for adv in build.serialized_wgmma():
         print("serialized wgmma:", adv)
@@ -115,8 +127,8 @@ def run(probes: Sequence[Probe], iters: int, repeats: int) -> List[dict]:
     import cupy as cp
 
     dev = cp.cuda.Device()
-    sms = dev.attributes["MultiProcessorCount"]
-    smem = dev.attributes["MaxSharedMemoryPerBlockOptin"]
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    sms, smem = int(props["multiProcessorCount"]), int(props["sharedMemPerBlockOptin"])
     module = cp.RawModule(code=source(), options=("-std=c++17", "-arch=sm_90a"),
                           name_expressions=[p.expression for p in probes])
     rows = []
