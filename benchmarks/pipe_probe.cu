@@ -1,6 +1,6 @@
 // The Hopper consumer loop without its loads: what one key tile of the loop costs when the data
 // is already in shared memory, and which of its parts (the GEMMs, the softmax, the turns) set that
-// cost. Driven by pipe_probe.py; the kernel's own pieces (wgmma, softmax, P packing) from
+// cost. Driven by pipe_probe.py; the kernel's own pieces (wgmma, P V, softmax, P packing) from
 // kernels/sm90, the loop shape of kernels/sm90/mainloop.cuh (steps) rebuilt without barriers of
 // the K/V ring: one K stage and one V stage, written once at the start, read by every tile.
 //
@@ -12,7 +12,7 @@
 // two (16-bit) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V. Three 16-bit consumers
 // (Wide<Variant16>, no kernel today) take the three-consumer order. kParts leaves out the GEMMs or
 // the softmax; kActive < kConsumers runs only the first kActive consumers (no turns).
-#include "sm90/softmax.cuh"
+#include "sm90/mainloop.cuh"
 
 namespace probe {
 using namespace mla;
@@ -28,15 +28,15 @@ template <class V> constexpr int kSmemBytes = kVOffset<V> + kVBytes<V>;
 static_assert(kSmemBytes<Wide<VariantE4m3>> <= 227 * 1024 && kSmemBytes<Wide<Variant16<__nv_bfloat16>>> <= 227 * 1024,
               "shared memory");
 
-// Small finite values in every byte of the tiles (e4m3 below 1, 16-bit in [-1, 1)) and key scales of
-// about 1/16, so that the softmax sees ordinary scores.
+// Small finite values in every byte of the tiles (e4m3 |x| < 1, 16-bit 2^-7 <= |x| < 2^-5) and key
+// scales of about 1/16, so that the softmax sees ordinary scores.
 template <class V>
 __device__ __forceinline__ void fill(unsigned char* smem) {
   u32* w = reinterpret_cast<u32*>(smem);
   for (int i = threadIdx.x; i < kSmemBytes<V> / 4; i += blockDim.x) {
     u32 h = (i + 1) * 2654435761u;
     h ^= h >> 15;
-    w[i] = V::kFp8 ? (h & 0xB7B7B7B7u) : (h & 0x80FF80FFu) | 0x3C003C00u;  // e4m3 |x| < 1; bf16 2^-7 <= |x| < 2^-5
+    w[i] = V::kFp8 ? (h & 0xB7B7B7B7u) : (h & 0x80FF80FFu) | 0x3C003C00u;
   }
   if constexpr (V::kFp8) {
     float* sc = reinterpret_cast<float*>(smem + kKOffset<V> + kKScalesOffset<V>);
@@ -72,7 +72,6 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   const u32 q = base + kQOffset<V>, k = base + kKOffset<V>, v = base + kVOffset<V>;
   const unsigned long long dq = make_desc(q + cw * kWgRows * 128, 16, 1024);
   const unsigned long long dk = make_desc(k, 16, 1024);
-  const unsigned long long dv = V::kFp8 ? make_desc(v, 16, 1024) : make_desc(v, kBlk, 1024);
   // the rope blocks (all-e4m3: 64-byte rows, 64-byte swizzle; 16-bit: the third 128-byte block)
   const unsigned long long dqr = make_desc(q + kQBlk<V> + cw * kWgRows * kDr, 16, 512, kDescSwizzle64);
   const unsigned long long dkr = make_desc(k + kBlk, 16, 512, kDescSwizzle64);
@@ -116,11 +115,8 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   };
   auto issue_pv = [&] {
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kPvSteps<V>; ++kk) {
-      if constexpr (V::kFp8) WgmmaE4m3::rs(o, pa[kk], desc_add(dv, kk * 32));
-      else Wgmma<typename V::Elem>::rs_tb(o, pa[kk], desc_add(dv, kk * 2048));
-    }
+    if constexpr (V::kFp8) pv_mma_e4m3(o, pa, v);
+    else pv_mma<typename V::Elem>(o, pa, v);
     wgmma_commit();
   };
   auto softmax = [&] {
