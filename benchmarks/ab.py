@@ -8,6 +8,15 @@ over rounds of its time divided by the BASE implementation's time in the same ro
 spread (min, max) over rounds. An NVML thread samples the SM clock and the board power at
 ``--nvml-hz`` (20 by default) during the run; the table reports the clock and power per case.
 
+With ``--energy S``, each round also runs every implementation back to back for about S seconds
+and reads the board's energy counter around that window: energy per call (J), mean power, the SM
+clock in the window and the wall time per call, hence thousands of SM cycles per call (ms x MHz).
+Under the power cap the card runs at the clock its power limit allows, so on long cases the time of
+two kernels doing the same work stands in the ratio of their energies per call; cycles per call
+take the clock out of a comparison that the cap's drift would otherwise blur. The second table
+gives, per implementation, the medians over rounds and the medians of per-round ratios to the
+base's J and cycles.
+
 Implementations (``--impls``, comma separated; the first is the base):
 
   ours              16-bit Hopper kernel (``mla_prefill``, out= given, validate=False)
@@ -111,8 +120,18 @@ class NvmlSampler:
     def mark(self) -> int:
         return len(self.samples)
 
-    def summary(self, since: int = 0) -> dict:
-        s = self.samples[since:]
+    def energy_mj(self):
+        """The board's energy counter (mJ since the driver loaded), or None without NVML or where
+        the card does not count it."""
+        if self._nv is None:
+            return None
+        try:
+            return float(self._nv.nvmlDeviceGetTotalEnergyConsumption(self._h))
+        except Exception:
+            return None
+
+    def summary(self, since: int = 0, until=None) -> dict:
+        s = self.samples[since:until]
         if not s:
             return {"n": 0}
         clk = [x[1] for x in s]
@@ -488,8 +507,49 @@ def rel_err(ref, out) -> float:
     return float(cp.linalg.norm(got - want) / cp.linalg.norm(want))
 
 
+def energy_window(call: Callable[[int], object], n_sets: int, calls: int, sampler, sync: Callable[[], object],
+                  clock: Callable[[], float] = time.perf_counter) -> dict:
+    """``calls`` calls ``call(i % n_sets)`` back to back from an idle device, with the energy
+    counter read on both sides (the device synchronized before each read): joules per call, mean
+    watts, the SM clock sampled in the window (median), wall ms per call and thousands of SM cycles
+    per call (wall ms x MHz). Energy fields are None where the counter is not available."""
+    sync()
+    e0, m0, t0 = sampler.energy_mj(), sampler.mark(), clock()
+    for i in range(calls):
+        call(i % n_sets)
+    sync()
+    t1, m1, e1 = clock(), sampler.mark(), sampler.energy_mj()
+    wall_s = t1 - t0
+    ms = wall_s * 1e3 / calls
+    clk = sampler.summary(m0, m1)
+    mhz = clk.get("sm_mhz_median") if clk.get("n") else None
+    joules = None if e0 is None or e1 is None else (e1 - e0) / 1e3
+    return {"calls": calls, "wall_s": wall_s, "ms_per_call": ms,
+            "j_per_call": None if joules is None else joules / calls,
+            "watts": None if joules is None or wall_s <= 0 else joules / wall_s,
+            "sm_mhz": mhz, "kcycles_per_call": None if mhz is None else ms * mhz}
+
+
+def energy_calls(ms_per_call: float, seconds: float, most: int = 20000) -> int:
+    """Calls that fill about ``seconds`` at ``ms_per_call`` (at least 3, at most ``most``)."""
+    return int(min(most, max(3, math.ceil(seconds * 1e3 / max(ms_per_call, 1e-6)))))
+
+
+def _ratios(vals: Dict[str, List], base: str) -> Dict[str, dict]:
+    """Per implementation: the median of its values and of its per-round ratios to ``base``'s
+    (rounds where either is missing are skipped)."""
+    out = {}
+    for s, v in vals.items():
+        got = [x for x in v if x is not None]
+        rr = [x / b for x, b in zip(v, vals[base]) if x is not None and b]
+        out[s] = {"median": statistics.median(got) if got else None,
+                  "ratio_median": statistics.median(rr) if rr else None,
+                  "ratio_min": min(rr) if rr else None, "ratio_max": max(rr) if rr else None}
+    return out
+
+
 def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler: NvmlSampler,
-             max_err: float) -> dict:
+             max_err: float, energy_s: float = 0.0) -> dict:
     """Times ``specs`` on ``case`` in interleaved rounds. An implementation whose output misses the
     reference (or that raises) is reported and left out of the timing, not the whole run."""
     import cupy as cp
@@ -524,11 +584,15 @@ def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler:
     if not specs:
         return {"case": case.name, "failed": failed, "impls": {}, "clock": {"n": 0}}
     times: Dict[str, List[float]] = {s: [] for s in specs}
+    windows: Dict[str, List[dict]] = {s: [] for s in specs}
     mark = sampler.mark()
+    sync = cp.cuda.Device().synchronize
     for r in range(rounds):
         order = specs if r % 2 == 0 else specs[::-1]
         for s in order:
             times[s].append(bench.time_ms(impls[s], n, warmup=2, reps=reps))
+            if energy_s > 0:
+                windows[s].append(energy_window(impls[s], n, energy_calls(times[s][-1], energy_s), sampler, sync))
     clock = sampler.summary(mark)
     base = specs[0]
     ratios = {s: [t / b for t, b in zip(times[s], times[base])] for s in specs}
@@ -540,6 +604,9 @@ def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler:
         res["impls"][s] = {"ms_rounds": times[s], "ms_median": med, "tflops": flops / med / 1e9,
                            "ratio_to_base_rounds": rr, "ratio_median": statistics.median(rr),
                            "ratio_min": min(rr), "ratio_max": max(rr), "rel_err": errors.get(s)}
+    if energy_s > 0:
+        for s, e in energy_summary(windows, base).items():
+            res["impls"][s]["energy"] = e
     del sets, impls
     cp.get_default_memory_pool().free_all_blocks()
     try:
@@ -549,6 +616,43 @@ def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler:
     except ImportError:
         pass
     return res
+
+
+def _median_of(windows: List[dict], key: str):
+    got = [w[key] for w in windows if w.get(key) is not None]
+    return statistics.median(got) if got else None
+
+
+def energy_summary(windows: Dict[str, List[dict]], base: str) -> Dict[str, dict]:
+    """Per implementation, from its energy windows (one per round, in round order): J and
+    kcycles per call (medians, and medians of per-round ratios to ``base``'s), the median watts,
+    SM clock and wall ms per call."""
+    joules = _ratios({s: [w["j_per_call"] for w in ws] for s, ws in windows.items()}, base)
+    cycles = _ratios({s: [w["kcycles_per_call"] for w in ws] for s, ws in windows.items()}, base)
+    return {s: {"windows": ws, "j_per_call": joules[s], "kcycles_per_call": cycles[s],
+                "watts_median": _median_of(ws, "watts"), "sm_mhz_median": _median_of(ws, "sm_mhz"),
+                "ms_per_call_median": _median_of(ws, "ms_per_call")} for s, ws in windows.items()}
+
+
+def format_energy(res: dict) -> List[str]:
+    """Rows of the energy table of one case (empty without ``--energy``)."""
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    def ratio(d):
+        return "-" if d["ratio_median"] is None else (
+            f"{d['ratio_median']:.3f} ({d['ratio_min']:.3f}-{d['ratio_max']:.3f})")
+
+    lines = []
+    for s, d in res["impls"].items():
+        e = d.get("energy")
+        if e is None:
+            continue
+        lines.append(f"| {res['case']} | {s} | {num(e['j_per_call']['median'], '.4f')} | {ratio(e['j_per_call'])} | "
+                     f"{num(e['kcycles_per_call']['median'], '.0f')} | {ratio(e['kcycles_per_call'])} | "
+                     f"{num(e['ms_per_call_median'], '.3f')} | {num(e['watts_median'], '.0f')} | "
+                     f"{num(e['sm_mhz_median'], '.0f')} |")
+    return lines
 
 
 def format_case(res: dict, base: str) -> List[str]:
@@ -574,6 +678,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="timed calls per implementation per round (median)")
     ap.add_argument("--nvml-hz", type=float, default=20.0)
     ap.add_argument("--max-err", type=float, default=2e-2, help="bf16 bound; x3 for fp8 implementations")
+    ap.add_argument("--energy", type=float, default=0.0, metavar="S",
+                    help="also run each implementation back to back for about S seconds per round and read "
+                         "the energy counter: J and SM cycles per call (0: off)")
     ap.add_argument("--out", default=None, help="write every round's numbers here (JSON)")
     ap.add_argument("--profile", action="store_true",
                     help="no timing: run each implementation three times per case (for ncu: --launch-skip 2 "
@@ -603,7 +710,7 @@ def main(argv=None) -> int:
               f"| rel err | clock during the case |", flush=True)
         print("|---|---|---|---|---|---|---|", flush=True)
         for case in cases:
-            res = run_case(case, specs, a.rounds, a.reps, sampler, a.max_err)
+            res = run_case(case, specs, a.rounds, a.reps, sampler, a.max_err, a.energy)
             results.append(res)
             print("\n".join(format_case(res, specs[0])), flush=True)
             if a.out:
@@ -611,6 +718,12 @@ def main(argv=None) -> int:
                     json.dump({"impls": specs, "rounds": a.rounds, "reps": a.reps, "results": results,
                                "clock_all": sampler.summary()}, f, indent=1)
         whole = sampler.summary()
+    if a.energy > 0:
+        print(f"\n| case | impl | J per call | J / J of {specs[0]} (median of {a.rounds} rounds, min-max) | "
+              f"kcycles per call | cycles / cycles of {specs[0]} | wall ms per call | W | SM MHz |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for res in results:
+            print("\n".join(format_energy(res)))
     if whole.get("n"):
         print(f"clock over the run: SM median {whole['sm_mhz_median']:.0f} MHz "
               f"({whole['sm_mhz_min']:.0f}-{whole['sm_mhz_max']:.0f}), power median {whole['power_w_median']:.0f} W, "

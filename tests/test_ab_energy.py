@@ -1,0 +1,88 @@
+"""benchmarks/ab.py's energy windows on the CPU: joules, watts, clock and cycles per call from a
+counter and clock samples whose values are known, and the per-round ratios to the base."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "ab.py"
+_spec = importlib.util.spec_from_file_location("ab_energy_tool", _PATH)
+ab = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = ab
+_spec.loader.exec_module(ab)
+
+
+class _Card:
+    """A card whose calls each take ``ms`` of wall time and ``joules``, at ``mhz``: one clock
+    sample per call."""
+
+    def __init__(self, sampler, ms, joules, mhz, counts_energy=True):
+        self.sampler, self.ms, self.joules, self.mhz = sampler, ms, joules, mhz
+        self.t, self.mj, self.calls = 100.0, 5.0e6, []
+        sampler.energy_mj = (lambda: self.mj) if counts_energy else (lambda: None)
+
+    def call(self, i):
+        self.calls.append(i)
+        self.t += self.ms / 1e3
+        self.mj += self.joules * 1e3
+        self.sampler.samples.append((self.t, self.mhz, 600.0))
+
+    def clock(self):
+        return self.t
+
+
+def _sampler():
+    s = ab.NvmlSampler.__new__(ab.NvmlSampler)  # no NVML thread: the samples are the card's
+    s.samples, s._nv = [(0.0, 1980.0, 100.0)], None
+    return s
+
+
+def test_window_reports_joules_watts_clock_and_cycles_per_call():
+    s = _sampler()
+    card = _Card(s, ms=4.0, joules=2.5, mhz=1800.0)
+    synced = []
+    w = ab.energy_window(card.call, 3, 10, s, lambda: synced.append(len(card.calls)), clock=card.clock)
+    assert card.calls == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]
+    assert synced == [0, 10], "the device is synchronized before the first and after the last call"
+    assert w["calls"] == 10
+    assert w["j_per_call"] == pytest.approx(2.5)
+    assert w["watts"] == pytest.approx(625.0)
+    assert w["ms_per_call"] == pytest.approx(4.0)
+    assert w["sm_mhz"] == 1800.0, "the clock sampled before the window must not count"
+    assert w["kcycles_per_call"] == pytest.approx(7200.0)
+
+
+def test_window_without_an_energy_counter_keeps_time_and_cycles():
+    s = _sampler()
+    card = _Card(s, ms=2.0, joules=1.0, mhz=1500.0, counts_energy=False)
+    w = ab.energy_window(card.call, 1, 4, s, lambda: None, clock=card.clock)
+    assert w["j_per_call"] is None and w["watts"] is None
+    assert w["kcycles_per_call"] == pytest.approx(3000.0)
+
+
+def test_calls_fill_the_window_within_bounds():
+    assert ab.energy_calls(4.0, 1.0) == 250
+    assert ab.energy_calls(3.7, 1.0) == 271
+    assert ab.energy_calls(5000.0, 1.0) == 3
+    assert ab.energy_calls(1e-4, 1.0) == 20000
+
+
+def test_ratios_are_per_round_and_skip_missing_rounds():
+    r = ab._ratios({"a": [2.0, 4.0, 3.0], "b": [1.0, None, 3.3]}, "a")
+    assert r["a"]["ratio_median"] == 1.0
+    assert r["b"]["median"] == pytest.approx(2.15)
+    assert r["b"]["ratio_min"] == pytest.approx(0.5) and r["b"]["ratio_max"] == pytest.approx(1.1)
+    assert r["b"]["ratio_median"] == pytest.approx(0.8)
+
+
+def test_energy_rows_format_every_field():
+    s = _sampler()
+    windows = {}
+    for name, joules, mhz in (("ours", 2.0, 1800.0), ("fa3", 2.2, 1700.0)):
+        card = _Card(s, ms=4.0, joules=joules, mhz=mhz)
+        windows[name] = [ab.energy_window(card.call, 1, 5, s, lambda: None, clock=card.clock)]
+    res = {"case": "1x8192", "impls": {k: {"energy": e} for k, e in ab.energy_summary(windows, "ours").items()}}
+    rows = ab.format_energy(res)
+    assert rows[0] == "| 1x8192 | ours | 2.0000 | 1.000 (1.000-1.000) | 7200 | 1.000 (1.000-1.000) | 4.000 | 500 | 1800 |"
+    assert rows[1] == "| 1x8192 | fa3 | 2.2000 | 1.100 (1.100-1.100) | 6800 | 0.944 (0.944-0.944) | 4.000 | 550 | 1700 |"
