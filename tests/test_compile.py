@@ -93,7 +93,8 @@ SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask(), False),
                  ("MLA_SM90_Q_EARLY_RELEASE", "0", "bf16", CausalMask(), True),
                  ("MLA_SM90_FP8_TURNS", "2", "fp8", CausalMask(), True),
                  ("MLA_SM90_FP8_TURNS", "2", "e4m3", CausalMask(), False),
-                 ("MLA_SM90_FP8_TURNS", "0", "e4m3", CausalMask(), False)]
+                 ("MLA_SM90_FP8_TURNS", "0", "e4m3", CausalMask(), False),
+                 ("MLA_SM90_16BIT_TURNS", "1", "bf16", CausalMask(), True)]
 
 
 @pytest.mark.slow

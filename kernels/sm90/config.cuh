@@ -40,6 +40,12 @@ constexpr int kOutStageRowBytes = kOutStageHalf * 2;                // 128
 // depth, and whether the two consumers take turns issuing their GEMMs.
 // ---------------------------------------------------------------------------------------------
 
+// 16-bit: the two consumers take turns issuing their GEMMs (a turn covers S_t's and P_{t-1}
+// V_{t-1}'s issue), as the fp8 variants do (1), instead of each issuing as soon as it is ready (0).
+#ifndef MLA_SM90_16BIT_TURNS
+#define MLA_SM90_16BIT_TURNS 0
+#endif
+
 // 16-bit q, k, v and rope (bf16 or fp16): 2-stage ring of 80 KiB stages.
 template <typename T>
 struct Variant16 {
@@ -50,7 +56,7 @@ struct Variant16 {
   static constexpr bool kRopeE4m3 = false;          // e4m3 q / k rope under the per-token scales
   static constexpr int kNopeBlocks = 2;             // column blocks of a row's 128 nope values
   static constexpr int kStages = 2;
-  static constexpr bool kPingpong = false;
+  static constexpr bool kPingpong = MLA_SM90_16BIT_TURNS != 0;
   static constexpr int kConsumers = 2;              // consumer warpgroups of kWgRows query rows
 };
 

@@ -24,7 +24,7 @@
 //     that one's softmax runs under the others' GEMMs. Consumer 0 has the first turn; all run the
 //     same GEMM blocks (same work tiles and counts; an idle consumer its turns alone), so turns go
 //     round exactly, and consumer 0 takes the last pass after the loop. (MLA_SM90_FP8_TURNS: what a
-//     turn covers with three consumers, or no turns.)
+//     turn covers with three consumers, or no turns; MLA_SM90_16BIT_TURNS: turns in 16-bit.)
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows, or zeros past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
 //     before P V (fp8: their V^T columns), so a neighbour's NaN can never reach this sequence.
