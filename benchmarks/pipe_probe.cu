@@ -9,7 +9,8 @@
 // writes its cycles (clock64) and nanoseconds (globaltimer) over the loop. The work is the
 // kernel's per key tile: with three consumers (fp8) P V completed, then S issued and completed,
 // then the key scales read where they multiply (fp8), the softmax, O's rescale and P packed; with
-// two (16-bit) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V. Three 16-bit consumers
+// two (16-bit) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V (with turns: both issued in
+// one turn, as MLA_SM90_16BIT_TURNS has them). Three 16-bit consumers
 // (Wide<Variant16>, no kernel today) take the three-consumer order. kParts leaves out the GEMMs or
 // the softmax; kActive < kConsumers runs only the first kActive consumers (no turns).
 #include "sm90/mainloop.cuh"
@@ -53,7 +54,8 @@ __device__ __forceinline__ long long globaltimer() {
 template <class V, int kParts, int kTurns, int kPoly, int kActive>
 __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, long long* nanos, int iters) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  static_assert(kTurns == 0 || (V::kConsumers == 3 && kActive == V::kConsumers), "turns: three consumers, all running");
+  static_assert(kTurns == 0 || (kActive == V::kConsumers && (kTurns == 1 || V::kConsumers == 3)),
+                "turns: every consumer running; a turn of P V's issue only with three");
   // the kernel's order: with three consumers P V is completed before S is issued (at 160
   // registers the two in flight spill and serialize every wgmma, here as in the fp8 kernel)
   constexpr bool kOverlap = V::kConsumers == 2;
@@ -76,9 +78,12 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   const unsigned long long dqr = make_desc(q + kQBlk<V> + cw * kWgRows * kDr, 16, 512, kDescSwizzle64);
   const unsigned long long dkr = make_desc(k + kBlk, 16, 512, kDescSwizzle64);
   const u32 scale_at = k + kKScalesOffset<V> + 4 * key_scale_index(0);
-  // Turns as the kernel's (mainloop.cuh): consumer c waits on kTurnBar + c and passes to c + 1.
+  // Turns as the kernel's (mainloop.cuh): consumer c waits on kTurnBar + c and passes to c + 1
+  // (modulo the consumers: warpgroup cw + 1 is consumer cw).
   auto turn_wait = [&] { if constexpr (kTurns != 0) named_barrier_sync(kTurnBar + cw, kTurnThreads); };
-  auto turn_pass = [&] { if constexpr (kTurns != 0) named_barrier_arrive(kTurnBar + (threadIdx.x / 128) % 3, kTurnThreads); };
+  auto turn_pass = [&] {
+    if constexpr (kTurns != 0) named_barrier_arrive(kTurnBar + (threadIdx.x / 128) % V::kConsumers, kTurnThreads);
+  };
 
   float o[kOTiles][4], sacc[kSTiles][4];
   u32 pa[kPvSteps<V>][4];

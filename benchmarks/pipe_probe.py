@@ -39,7 +39,8 @@ class Probe:
     variant: str       # traits type of kernels/sm90/config.cuh
     consumers: int     # the variant's consumer warpgroups
     parts: int         # GEMMS | SOFTMAX
-    turns: int = 0     # three consumers: 0 none, 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS)
+    turns: int = 0     # 0 none; three consumers: 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS);
+                       # two: 1 S and P V issued in one turn (MLA_SM90_16BIT_TURNS)
     poly: int = 0      # fp8: n-tiles of 16 with exp2 on the FMA pipe (MLA_SM90_EXP2_POLY)
     active: int = 0    # consumers that run (0: all)
 
@@ -76,6 +77,7 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("bf16-softmax", B16, 2, SOFTMAX),
     Probe("bf16-loop-1wg", B16, 2, GEMMS | SOFTMAX, active=1),
     Probe("bf16-loop", B16, 2, GEMMS | SOFTMAX),
+    Probe("bf16-loop-turns", B16, 2, GEMMS | SOFTMAX, turns=1),
     Probe("bf16x3-gemm", B16X3, 3, GEMMS, turns=1),
     Probe("bf16x3-loop", B16X3, 3, GEMMS | SOFTMAX, turns=1),
 )}
