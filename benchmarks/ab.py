@@ -70,9 +70,9 @@ from typing import Callable, Dict, List, Tuple
 import numpy as np
 
 from mla_cupy import bench
+from mla_cupy.dims import DV
 from mla_cupy.bench import BenchCase, DEFAULT_CASES
 
-DQK, DV, DR = 192, 128, 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,24 +165,10 @@ def parse_case(name: str) -> BenchCase:
     raise SystemExit(f"unknown case {name!r}: one of {sorted(DEFAULT_CASES)}, BxN, H16-1xN or ragged-A+B+C")
 
 
-def n_input_sets(case: BenchCase) -> int:
-    set_bytes = (sum(case.sq) * DQK + 2 * sum(case.sk) * DV) * case.heads * 2
-    return int(min(8, max(1, math.ceil(bench.L2_DEFEAT_BYTES / max(set_bytes, 1)))))
-
-
 # ---------------------------------------------------------------------------------------------
 # implementations: each factory returns (call(i), output(i) -> device array [Tq, H, 128] for the check)
 # ---------------------------------------------------------------------------------------------
 Impl = Tuple[Callable[[int], object], Callable[[int], object]]
-
-
-def _fa3_module():
-    for name in ("fa3_fwd_interface", "flash_attn_interface"):
-        try:
-            return __import__(name)
-        except ImportError:
-            continue
-    return None
 
 
 def _paged(k_rope, page: int, shift: int, package, seed: int = 1):
@@ -337,11 +323,14 @@ def _torch_sets(sets):
     return [{k: torch.from_dlpack(v) for k, v in x.items()} for x in sets]
 
 
-def _build_k(t, heads):
-    import torch
+class _KBuiltEachCall:
+    """``ks[i]``: K of set i built at 192 width when indexed, inside the timed call (``+kbuild``)."""
 
-    tk = t["k"].shape[0]
-    return torch.cat([t["k"], t["k_rope"].expand(tk, heads, DR)], dim=-1)
+    def __init__(self, tx, heads: int):
+        self.tx, self.heads = tx, heads
+
+    def __getitem__(self, i):
+        return bench.k192_of(self.tx[i], self.heads)
 
 
 def _from_torch(outs: List[object]) -> Callable[[int], object]:
@@ -356,51 +345,28 @@ def _from_torch(outs: List[object]) -> Callable[[int], object]:
 
 
 def _fa3(case: BenchCase, sets, opts, *, kbuild: bool, fp8: bool = False) -> Impl:
-    import torch
-
-    mod = _fa3_module()
-    if mod is None:
-        raise RuntimeError("FlashAttention-3 is not importable (fa3_fwd_interface / flash_attn_interface)")
+    """FlashAttention-3's varlen call (``bench.fa3_varlen_call``) on K at 192 width, built before
+    the timed calls or (``kbuild``) inside each; ``fp8``: q, K and v in e4m3 with descales per
+    (sequence, head) (``bench.quantize_per_batch_head``, not timed)."""
+    found = bench.fa3_function()
+    if found is None:
+        raise LeftOut(f"FlashAttention-3 does not import (one of {bench.FA3_MODULES})")
+    fn = found[0]
     tx = _torch_sets(sets)
     vl, cro = case.offsets()
-    cu_q = torch.tensor(vl.astype(np.int32), device="cuda")
-    cu_k = torch.tensor(cro.astype(np.int32), device="cuda")
-    mq, mk = max(case.sq), max(case.sk)
-    scale = 1.0 / math.sqrt(DQK)
-    k192 = [_build_k(t, case.heads) for t in tx]
-    outs: List[object] = [None] * len(sets)
-    extra = {}
+    k192 = [bench.k192_of(t, case.heads) for t in tx]
+    qs, ks, vs = [t["q"] for t in tx], (_KBuiltEachCall(tx, case.heads) if kbuild else k192), [t["v"] for t in tx]
+    kw_of = lambda i: {}  # noqa: E731
     if fp8:
-        e4 = torch.float8_e4m3fn
-        b = len(case.sq)
-
-        def quant_bh(x, offs):  # per (batch, head) scale = amax / 448, as [B, H] descales
-            xs, ds = torch.empty_like(x, dtype=e4), torch.empty((b, case.heads), dtype=torch.float32, device="cuda")
-            for j in range(b):
-                seg = x[int(offs[j]):int(offs[j + 1])].float()
-                amax = seg.abs().amax(dim=(0, 2)).clamp_min(1e-12) if seg.numel() else torch.ones(case.heads, device="cuda")
-                s = amax / 448.0
-                xs[int(offs[j]):int(offs[j + 1])] = (seg / s[None, :, None]).to(e4)
-                ds[j] = s
-            return xs, ds
-
-        extra = [dict(zip(("q", "qd", "k", "kd", "v", "vd"),
-                          (*quant_bh(t["q"], vl), *quant_bh(k192[i], cro), *quant_bh(t["v"], cro))))
-                 for i, t in enumerate(tx)]
+        q8, k8, v8 = ([bench.quantize_per_batch_head(x, offs) for x in xs]
+                      for xs, offs in ((qs, vl), (k192, cro), (vs, cro)))
+        qs, ks, vs = [q for q, _ in q8], [k for k, _ in k8], [v for v, _ in v8]
+        kw_of = lambda i: dict(q_descale=q8[i][1], k_descale=k8[i][1], v_descale=v8[i][1])  # noqa: E731
+    fa3 = bench.fa3_varlen_call(case, fn, qs, ks, vs, kw_of)
+    outs: List[object] = [None] * len(sets)
 
     def call(i):
-        t = tx[i]
-        with torch.no_grad():
-            if fp8:
-                e = extra[i]
-                r = mod.flash_attn_varlen_func(e["q"], e["k"], e["v"], cu_q, cu_k, mq, mk, softmax_scale=scale,
-                                               causal=case.causal, q_descale=e["qd"], k_descale=e["kd"],
-                                               v_descale=e["vd"])
-            else:
-                kk = _build_k(t, case.heads) if kbuild else k192[i]
-                r = mod.flash_attn_varlen_func(t["q"], kk, t["v"], cu_q, cu_k, mq, mk, softmax_scale=scale,
-                                               causal=case.causal)
-        outs[i] = r[0] if isinstance(r, tuple) else r
+        outs[i] = fa3(i)
         return outs[i]
 
     return call, _from_torch(outs)
@@ -411,13 +377,13 @@ def _cudnn(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     tx = _torch_sets(sets)
-    k192 = [_build_k(t, case.heads) for t in tx]
+    k192 = [bench.k192_of(t, case.heads) for t in tx]
     outs: List[object] = [None] * len(sets)
 
     def call(i):
         t = tx[i]
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), torch.no_grad():
-            outs[i] = bench.sdpa_per_sequence(case, t, _build_k(t, case.heads) if kbuild else k192[i])
+            outs[i] = bench.sdpa_per_sequence(case, t, bench.k192_of(t, case.heads) if kbuild else k192[i])
         return outs[i]
 
     def output(i):
@@ -444,13 +410,13 @@ def _cudnn_ragged(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
     import torch
 
     tx = _torch_sets(sets)
-    k192 = [_build_k(t, case.heads) for t in tx]
+    k192 = [bench.k192_of(t, case.heads) for t in tx]
     outs: List[object] = [None] * len(sets)
 
     def call(i):
         t = tx[i]
         with torch.no_grad():
-            outs[i] = attn(t["q"], _build_k(t, case.heads) if kbuild else k192[i], t["v"])
+            outs[i] = attn(t["q"], bench.k192_of(t, case.heads) if kbuild else k192[i], t["v"])
         return outs[i]
 
     return call, _from_torch(outs)
@@ -458,7 +424,7 @@ def _cudnn_ragged(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
 
 def _kbuild(case: BenchCase, sets, opts) -> Impl:
     tx = _torch_sets(sets)
-    return (lambda i: _build_k(tx[i], case.heads)), None
+    return (lambda i: bench.k192_of(tx[i], case.heads)), None
 
 
 FACTORIES: Dict[str, Callable[..., Impl]] = {
@@ -554,7 +520,7 @@ def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler:
     reference (or that raises) is reported and left out of the timing, not the whole run."""
     import cupy as cp
 
-    n = n_input_sets(case)
+    n = bench.n_input_sets(case)
     sets = [bench._inputs(case, seed) for seed in range(n)]
     impls = {}
     errors = {}

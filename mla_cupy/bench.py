@@ -33,11 +33,19 @@ from .reference import visible_pairs
 from .validation import DQK, DR, DV
 
 __all__ = ["BenchCase", "DEFAULT_CASES", "EXTRA_CASES", "CPU_CASES", "ALL_CASES", "resolve_cases", "CaseRun",
-           "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "fa3_function", "cudnn_sdpa_function", "cudnn_ragged_args",
+           "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "fa3_function", "fa3_varlen_call", "k192_of", "n_input_sets",
+           "quantize_per_batch_head", "dequantize_per_batch_head", "cudnn_sdpa_function", "cudnn_ragged_args",
            "cudnn_ragged_fn", "per_call_us", "host_us", "device_info", "run", "run_cpu", "format_table", "write_csv",
            "plot"]
 
 L2_DEFEAT_BYTES = 256 << 20  # rotate input sets until their total passes this (H100/H200 L2: 50-60 MB)
+
+
+def n_input_sets(case: "BenchCase") -> int:
+    """Input sets a case's timed calls rotate through (1 to 8): enough 16-bit q, k and v that their
+    total passes :data:`L2_DEFEAT_BYTES`, so that no call finds its inputs in L2."""
+    set_bytes = (sum(case.sq) * DQK + 2 * sum(case.sk) * DV) * case.heads * 2
+    return int(min(8, max(1, math.ceil(L2_DEFEAT_BYTES / max(set_bytes, 1)))))
 
 
 @dataclass(frozen=True)
@@ -341,20 +349,22 @@ class CaseRun:
         return self._torch
 
     def k192(self):
-        """(K built at 192 width for every set, the median time of that build in ms): ``torch.cat``
-        of ``k[Tk, H, 128]`` and ``k_rope`` broadcast to ``[Tk, H, 64]``, what the peers need."""
+        """(K built at 192 width for every set, the median time of that build in ms): :func:`k192_of`
+        of each set, what the peers need."""
         if self._k192 is None:
-            import torch
-
             h = self.case.heads
-
-            def build(t):
-                return torch.cat([t["k"], t["k_rope"].expand(t["k"].shape[0], h, DR)], dim=-1)
-
             tx = self.torch_sets()
-            ms = time_ms(lambda i: build(tx[i]), len(tx), reps=self.reps)
-            self._k192 = ([build(t) for t in tx], ms)
+            ms = time_ms(lambda i: k192_of(tx[i], h), len(tx), reps=self.reps)
+            self._k192 = ([k192_of(t, h) for t in tx], ms)
         return self._k192
+
+
+def k192_of(t, heads: int):
+    """K at the 192 width the peers take: ``torch.cat`` of ``t["k"]`` ``[Tk, H, 128]`` and
+    ``t["k_rope"]`` ``[Tk, 1, 64]`` broadcast to ``[Tk, H, 64]`` (torch tensors)."""
+    import torch
+
+    return torch.cat([t["k"], t["k_rope"].expand(t["k"].shape[0], heads, DR)], dim=-1)
 
 
 def _failed(run: CaseRun, impl: str, exc: Exception, group: str = "16-bit") -> Row:
@@ -583,18 +593,18 @@ def fa3_function():
     return None
 
 
-def _fa3_timed_call(run: CaseRun, fn, qs, ks, vs, kw_of: Callable[[int], dict] = lambda i: {}):
-    """``call(i)``: one FlashAttention-3 varlen call over set i's whole batch (``qs[i]``, ``ks[i]``,
-    ``vs[i]``, keywords ``kw_of(i)``), the offsets built once, not timed. FA3's causal mask is
-    bottom-right aligned, as ours; the output is returned whether the version gives ``out`` or
-    ``(out, lse)``."""
+def fa3_varlen_call(case: BenchCase, fn, qs, ks, vs, kw_of: Callable[[int], dict] = lambda i: {}):
+    """``call(i)``: one FlashAttention-3 varlen call ``fn`` (:func:`fa3_function`) over set i's whole
+    batch of ``case`` (``qs[i]``, ``ks[i]``, ``vs[i]``: torch tensors, K at 192; keywords
+    ``kw_of(i)``), the offsets built once, not timed. FA3's causal mask is bottom-right aligned, as
+    ours; the output is returned whether the version gives ``out`` or ``(out, lse)``."""
     import torch
 
-    vl, cro = run.case.offsets()
+    vl, cro = case.offsets()
     dev = qs[0].device
     cu_q, cu_k = torch.tensor(vl.astype(np.int32), device=dev), torch.tensor(cro.astype(np.int32), device=dev)
-    scale, causal = 1.0 / math.sqrt(DQK), run.case.causal
-    mq, mk = max(run.case.sq), max(run.case.sk)
+    scale, causal = 1.0 / math.sqrt(DQK), case.causal
+    mq, mk = max(case.sq), max(case.sk)
 
     def call(i):
         res = fn(qs[i], ks[i], vs[i], cu_q, cu_k, mq, mk, softmax_scale=scale, causal=causal, **kw_of(i))
@@ -611,7 +621,7 @@ def bench_fa3(run: CaseRun) -> List[Row]:
     fn, module = found
     try:
         tx, (kfull, _) = run.torch_sets(), run.k192()
-        call = _fa3_timed_call(run, fn, [t["q"] for t in tx], kfull, [t["v"] for t in tx])
+        call = fa3_varlen_call(run.case, fn, [t["q"] for t in tx], kfull, [t["v"] for t in tx])
         return _timed_rows(run, "fa3", call, call(0), note=f"{module}.flash_attn_varlen_func")
     except Exception as exc:
         return [_failed(run, "fa3", exc)]
@@ -705,7 +715,7 @@ def bench_cudnn_ragged(run: CaseRun) -> List[Row]:
         return [_failed(run, "cudnn-ragged", exc)]
 
 
-def _quantize_per_batch_head(x, offsets):
+def quantize_per_batch_head(x, offsets):
     """e4m3 of ``x[T, H, D]`` (torch) with one scale per (sequence, head): ``(x8, descale[B, H]
     float32)``, ``descale = amax / 448`` over the sequence's rows and all D values (1 when 0)."""
     import torch
@@ -722,8 +732,8 @@ def _quantize_per_batch_head(x, offsets):
     return x8, descale
 
 
-def _dequantize_per_batch_head(x8, descale, offsets):
-    """float64 CuPy values of :func:`_quantize_per_batch_head`'s output."""
+def dequantize_per_batch_head(x8, descale, offsets):
+    """float64 CuPy values of :func:`quantize_per_batch_head`'s output."""
     import cupy as cp
 
     x = e4m3_to_f64(x8)
@@ -742,18 +752,18 @@ def bench_fa3_fp8(run: CaseRun) -> List[Row]:
     vl, cro = run.case.offsets()
     try:
         tx, (kfull, _) = run.torch_sets(), run.k192()
-        q8 = [_quantize_per_batch_head(t["q"], vl) for t in tx]
-        k8 = [_quantize_per_batch_head(kf, cro) for kf in kfull]
-        v8 = [_quantize_per_batch_head(t["v"], cro) for t in tx]
-        call = _fa3_timed_call(run, fn, [q for q, _ in q8], [k for k, _ in k8], [v for v, _ in v8],
+        q8 = [quantize_per_batch_head(t["q"], vl) for t in tx]
+        k8 = [quantize_per_batch_head(kf, cro) for kf in kfull]
+        v8 = [quantize_per_batch_head(t["v"], cro) for t in tx]
+        call = fa3_varlen_call(run.case, fn, [q for q, _ in q8], [k for k, _ in k8], [v for v, _ in v8],
                                lambda i: dict(q_descale=q8[i][1], k_descale=k8[i][1], v_descale=v8[i][1]))
         out = call(0)
         ms = time_ms(call, len(run.sets), reps=run.reps)
     except Exception as exc:
         return [_failed(run, "fa3-fp8", exc, "fp8")]
-    k_deq = _dequantize_per_batch_head(*k8[0], cro)
-    ref8 = run.reference(_dequantize_per_batch_head(*q8[0], vl), k_deq[:, :, :DV],
-                         _dequantize_per_batch_head(*v8[0], cro), k_deq[:, :, DV:])
+    k_deq = dequantize_per_batch_head(*k8[0], cro)
+    ref8 = run.reference(dequantize_per_batch_head(*q8[0], vl), k_deq[:, :, :DV],
+                         dequantize_per_batch_head(*v8[0], cro), k_deq[:, :, DV:])
     return [Row(run.case.name, "fa3-fp8", ms, run.case.flops() / ms / 1e9, run.error(out, ref8), None,
                 note=f"{module}, e4m3 per (sequence, head) descales; K build and quantization not timed",
                 err_vs_16bit=run.error(out), group="fp8")]
@@ -821,8 +831,7 @@ def run(cases: Sequence[BenchCase], *, peers: bool = True, fp8: bool = False, re
     builders = (PEER_ROWS if peers else []) + ((FP8_ROWS + (FP8_PEER_ROWS if peers else [])) if fp8 else [])
     rows: List[Row] = []
     for case in _progress(list(cases), "bench", progress):
-        set_bytes = (sum(case.sq) * DQK + 2 * sum(case.sk) * DV) * case.heads * 2
-        n_sets = int(min(8, max(1, math.ceil(L2_DEFEAT_BYTES / max(set_bytes, 1)))))
+        n_sets = n_input_sets(case)
         cr = CaseRun(case, [_inputs(case, seed) for seed in range(n_sets)], reps)
         ours = bench_ours(cr)
         ours.note = f"{n_sets} input set(s)"

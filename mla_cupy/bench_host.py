@@ -33,9 +33,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Sequence, Tuple
 
-from .bench import (CUDNN_FRONTEND_HINT, BenchCase, CaseRun, _fa3_timed_call, _inputs, cudnn_ragged_fn,
-                    cudnn_sdpa_function, device_info, fa3_function, per_call_us)
-from .dims import DR, DV
+from .bench import (CUDNN_FRONTEND_HINT, BenchCase, _inputs, cudnn_ragged_fn, cudnn_sdpa_function, device_info,
+                    fa3_function, fa3_varlen_call, k192_of, per_call_us)
+from .dims import DV
 
 __all__ = ["HOST_CASE", "HostCall", "HostRow", "host_calls", "time_calls", "run", "format_table"]
 
@@ -207,14 +207,14 @@ def host_calls(case: BenchCase = HOST_CASE, *, peers: bool = True) -> Tuple[List
     ]
     if not peers:
         return calls, left_out
-    k192 = torch.cat([tk_, tkr_.expand(tk_.shape[0], heads, DR)], dim=-1)  # built once, not timed
+    k192 = k192_of(t, heads)  # built once, not timed
     found = fa3_function()
     if found is None:
         left_out.append("FA3 row left out: neither fa3_fwd_interface nor flash_attn_interface imports")
     else:
         fn, module = found
         fa3_kw = {"out": tout} if _takes_out(fn) else {}
-        fa3 = _fa3_timed_call(CaseRun(case, [], 1), fn, [tq_], [k192], [tv_], lambda i: fa3_kw)
+        fa3 = fa3_varlen_call(case, fn, [tq_], [k192], [tv_], lambda i: fa3_kw)
         calls.append(HostCall("FA3 flash_attn_varlen_func (K at 192)", "peer", lambda i: fa3(0),
                               note=f"{module}; out= {'given' if fa3_kw else 'not taken'}"))
     sdpa = cudnn_sdpa_function()

@@ -1,16 +1,9 @@
 """benchmarks/ab.py's energy windows on the CPU: joules, watts, clock and cycles per call from a
 counter and clock samples whose values are known, and the per-round ratios to the base."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from _scripts import load_script
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "ab.py"
-_spec = importlib.util.spec_from_file_location("ab_energy_tool", _PATH)
-ab = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = ab
-_spec.loader.exec_module(ab)
+ab = load_script("benchmarks/ab.py", "ab_energy_tool")
 
 
 class _Card:

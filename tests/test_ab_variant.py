@@ -1,15 +1,11 @@
 """benchmarks/_variant.py on the CPU: switching the kernel sources forgets every cache derived from
 the compiled modules, the exported globals included (a variant with a larger shared memory must not
 launch with the base kernel's size)."""
-import importlib.util
-from pathlib import Path
+from _scripts import load_script
 
 from mla_cupy import _geometry, jit
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "_variant.py"
-_spec = importlib.util.spec_from_file_location("ab_variant", _PATH)
-variant = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(variant)
+variant = load_script("benchmarks/_variant.py", "ab_variant")
 
 
 def _fill():

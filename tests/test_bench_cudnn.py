@@ -1,26 +1,18 @@
 """cuDNN's ragged SDPA as a bench peer, on the CPU: the keywords it is called with, the masks it
 cannot express, and what happens when its module is not installed (``mla-cupy bench`` and
 ``benchmarks/ab.py``). Its GPU rows: ``tests/test_gpu_bench.py`` and ``gpu.sh --wheels DIR bench``."""
-import importlib.util
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 from mla_cupy import bench
 from mla_cupy.masks import ChunkedMask
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "ab.py"
-
-
 def _ab():
-    spec = importlib.util.spec_from_file_location("ab_tool", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/ab.py", "ab_tool")
 
 
 def test_causal_keywords_are_bottom_right_with_the_longest_sequences():

@@ -2,13 +2,11 @@
 against the notebook's own dense softmax; GPU: the kernels too), and the stored copy carries the
 outputs of such a run."""
 import importlib.util
-from pathlib import Path
 
 import pytest
-
+from _scripts import ROOT, load_script
 from conftest import gpu_count
 
-ROOT = Path(__file__).resolve().parent.parent
 NB = ROOT / "examples" / "quickstart.ipynb"
 
 MASK_NAMES = ("NullMask()", "CausalMask()", "SlidingWindowCausalMask(window=16)", "ChunkedMask(chunk=32)",
@@ -80,10 +78,7 @@ def _expected(gpu: bool, hopper: bool, torch: bool, torch_cuda: bool, transforme
 
 
 def _runner():
-    spec = importlib.util.spec_from_file_location("run_notebook", ROOT / "examples" / "run_notebook.py")
-    runner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runner)
-    return runner
+    return load_script("examples/run_notebook.py", "run_notebook")
 
 
 @pytest.fixture(scope="module")

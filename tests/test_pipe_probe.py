@@ -1,16 +1,9 @@
 """benchmarks/pipe_probe.py: the probe table and command line (no GPU), and (slow) every probe
 compiled for sm_90a with neither spills nor serialized wgmma, as the kernel itself."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from _scripts import load_script
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "pipe_probe.py"
-_spec = importlib.util.spec_from_file_location("pipe_probe_tool", _PATH)
-probe = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = probe  # dataclasses look their module up
-_spec.loader.exec_module(probe)
+probe = load_script("benchmarks/pipe_probe.py", "pipe_probe_tool")
 
 
 def test_tensor_cycles_per_key_tile():

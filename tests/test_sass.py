@@ -1,18 +1,12 @@
 """benchmarks/sass.py: the SASS parser, the loop finder and the opcode classes on a hand-written
 listing (no tools needed), and the whole path on a real family when cuobjdump is installed."""
-import importlib.util
 import json
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "sass.py"
-_spec = importlib.util.spec_from_file_location("sass_tool", _PATH)
-sass = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = sass  # dataclasses look their module up
-_spec.loader.exec_module(sass)
+sass = load_script("benchmarks/sass.py", "sass_tool")
 
 # An outer loop (0x20-0xb0) around an inner one (0x30-0x90) whose mbarrier wait retries out of line
 # (0x100-0x120, a small self loop that jumps back into the inner loop), then the exit and the

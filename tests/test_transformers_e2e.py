@@ -1,24 +1,19 @@
 """benchmarks/transformers_e2e.py without a GPU: its options and model configuration, ``--help``
 without torch or CuPy, and (with torch and transformers) the whole run on a tiny configuration on
 the CPU: the agreement check, a backend out of memory, a disagreement that stops it before timing."""
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from _scripts import ROOT, load_script
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "transformers_e2e.py"
 
 
 @pytest.fixture(scope="module")
 def e2e():
-    spec = importlib.util.spec_from_file_location("transformers_e2e", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/transformers_e2e.py", "transformers_e2e")
 
 
 def test_defaults_are_deepseek_v3_attention_at_1k_4k_16k(e2e):
