@@ -44,6 +44,9 @@ Implementations (``--impls``, comma separated; the first is the base):
                     cuDNN's ragged SDPA (``cudnn.sdpa_torch`` with ``cu_seqlens``, the nvidia-cudnn-frontend
                     wheel): one call per batch; left out of the run, with one line saying how to get it,
                     when the module does not import, and of a case whose mask it cannot express
+  cudnn-fp8         cuDNN's fp8 SDPA (a frontend graph, ``pygraph.sdpa_fp8``): e4m3 q, K at 192 and v with one
+                    descale per tensor, bf16 out, one execution per batch (ragged layout for unequal lengths);
+                    left out as cudnn-ragged is
   kbuild            the K build alone (``torch.cat``)
 
 Every implementation's output is checked against the float64 reference (two heads) once per case;
@@ -422,6 +425,28 @@ def _cudnn_ragged(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
     return call, _from_torch(outs)
 
 
+def _cudnn_fp8(case: BenchCase, sets, opts) -> Impl:
+    """cuDNN's fp8 SDPA graph (``bench.cudnn_fp8_fn``): q, K at 192 and v in e4m3 with one descale
+    per tensor (``bench.quantize_per_tensor``, not timed), bf16 out, one execution per batch."""
+    if bench.cudnn_sdpa_function() is None:
+        raise LeftOut(f"the cuDNN frontend (module cudnn) does not import; {bench.CUDNN_FRONTEND_HINT}")
+    try:
+        attn = bench.cudnn_fp8_fn(case, "cuda")
+    except ValueError as exc:
+        raise LeftOut(str(exc)) from None
+    import torch
+
+    tx = _torch_sets(sets)
+    q8, k8, v8 = ([bench.quantize_per_tensor(x) for x in xs]
+                  for xs in ([t["q"] for t in tx], [bench.k192_of(t, case.heads) for t in tx], [t["v"] for t in tx]))
+    outs = [torch.empty((sum(case.sq), case.heads, DV), dtype=torch.bfloat16, device="cuda") for _ in tx]
+
+    def call(i):
+        return attn(q8[i][0], k8[i][0], v8[i][0], q8[i][1], k8[i][1], v8[i][1], outs[i])
+
+    return call, _from_torch(outs)
+
+
 def _kbuild(case: BenchCase, sets, opts) -> Impl:
     tx = _torch_sets(sets)
     return (lambda i: bench.k192_of(tx[i], case.heads)), None
@@ -438,6 +463,7 @@ FACTORIES: Dict[str, Callable[..., Impl]] = {
     "cudnn+kbuild": lambda c, s, o: _cudnn(c, s, o, kbuild=True),
     "cudnn-ragged": lambda c, s, o: _cudnn_ragged(c, s, o, kbuild=False),
     "cudnn-ragged+kbuild": lambda c, s, o: _cudnn_ragged(c, s, o, kbuild=True),
+    "cudnn-fp8": _cudnn_fp8,
     "kbuild": _kbuild,
 }
 

@@ -34,7 +34,7 @@ from .validation import DQK, DR, DV
 
 __all__ = ["BenchCase", "DEFAULT_CASES", "EXTRA_CASES", "CPU_CASES", "ALL_CASES", "resolve_cases", "CaseRun",
            "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "fa3_function", "fa3_varlen_call", "k192_of", "n_input_sets",
-           "quantize_per_batch_head", "dequantize_per_batch_head", "cudnn_sdpa_function", "cudnn_ragged_args",
+           "quantize_per_batch_head", "dequantize_per_batch_head", "quantize_per_tensor", "cudnn_fp8_fn", "cudnn_sdpa_function", "cudnn_ragged_args",
            "cudnn_ragged_fn", "per_call_us", "host_us", "device_info", "run", "run_cpu", "format_table", "write_csv",
            "plot"]
 
@@ -769,6 +769,143 @@ def bench_fa3_fp8(run: CaseRun) -> List[Row]:
                 err_vs_16bit=run.error(out), group="fp8")]
 
 
+def quantize_per_tensor(x):
+    """e4m3 of ``x`` (torch) with one scale for the whole tensor, the form cuDNN's fp8 SDPA takes:
+    ``(x8, descale)``, ``descale`` a float32 ``[1, 1, 1, 1]`` tensor holding ``amax / 448`` (1 when
+    ``x`` is all zeros)."""
+    import torch
+
+    from .quant import E4M3_MAX
+
+    amax = x.float().abs().max()
+    descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).reshape(1, 1, 1, 1)
+    x8 = (x.float() / descale.reshape(())).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return x8, descale
+
+
+# Tensor ids of the cuDNN fp8 graph (cudnn_fp8_fn): inputs, scales, outputs, ragged layout.
+_CUDNN_FP8_UIDS = dict(q=0, k=1, v=2, o=3, q_descale=5, k_descale=6, v_descale=7, s_descale=8, s_scale=9, o_scale=10,
+                       o_amax=12, kv_len=13, q_len=14, q_off=17, k_off=18, v_off=19, o_off=20)
+
+
+def cudnn_fp8_fn(case: BenchCase, device):
+    """``attn(q8, k8, v8, q_descale, k_descale, v_descale, out) -> out``: one execution of a cuDNN
+    frontend graph of fp8 SDPA (``pygraph.sdpa_fp8``, built once here) over the whole batch of
+    ``case``: e4m3 ``q`` ``[Tq, H, 192]``, K at 192 and ``v`` ``[Tk, H, 128]`` torch tensors, one
+    descale per tensor (:func:`quantize_per_tensor`), P quantized under cuDNN's fixed scale of 448,
+    bf16 ``out`` ``[Tq, H, 128]``. Sequences of unequal lengths go through the ragged layout
+    (offsets per sequence, a padding mask); the causal mask is bottom-right aligned, as ours.
+
+    Raises
+    ------
+    ValueError
+        A mask cuDNN cannot express as ours does (:func:`cudnn_ragged_args`).
+    Exception
+        What the frontend raises when this cuDNN does not support the graph (e.g.
+        ``cudnn.cudnnGraphNotSupportedError``).
+    """
+    mask_kw = cudnn_ragged_args(case)
+    import cudnn
+    import torch
+
+    from .quant import E4M3_MAX
+
+    dt, uid = cudnn.data_type, _CUDNN_FP8_UIDS
+    b, h = len(case.sq), case.heads
+    s_q, s_kv = max(case.sq), max(case.sk)
+    ragged = len(set(case.sq)) > 1 or len(set(case.sk)) > 1
+    g = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT)
+
+    def rows(name, s, d, data_type=dt.FP8_E4M3):  # [T, H, d] rows as (b, h, s, d)
+        return g.tensor(uid=uid[name], dim=(b, h, s, d), stride=(s * h * d, d, h * d, 1), data_type=data_type)
+
+    def scalar(name):
+        return g.tensor(uid=uid[name], dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=dt.FLOAT)
+
+    q, k, v = rows("q", s_q, DQK), rows("k", s_kv, DQK), rows("v", s_kv, DV)
+    sc = {n: scalar(n) for n in ("q_descale", "k_descale", "v_descale", "s_descale", "s_scale", "o_scale")}
+    vl, cro = case.offsets()
+    fixed = {uid["s_scale"]: E4M3_MAX, uid["s_descale"]: 1.0 / E4M3_MAX, uid["o_scale"]: 1.0}
+    fixed = {u: torch.full((1, 1, 1, 1), x, dtype=torch.float32, device=device) for u, x in fixed.items()}
+    extra = dict(use_causal_mask_bottom_right=True) if mask_kw["is_causal"] else {}
+    offsets = {}
+    if ragged:  # per-sequence lengths (a padding mask) and element offsets of each sequence's rows
+        def ints(name, values, data_type):
+            fixed[uid[name]] = torch.tensor(values, device=device).reshape(len(values), 1, 1, 1)
+            return g.tensor(uid=uid[name], dim=(len(values), 1, 1, 1), stride=(1, 1, 1, 1), data_type=data_type)
+
+        extra.update(use_padding_mask=True, seq_len_q=ints("q_len", np.diff(vl).astype(np.int32), dt.INT32),
+                     seq_len_kv=ints("kv_len", np.diff(cro).astype(np.int32), dt.INT32))
+        for name, starts, width in (("q_off", vl, DQK), ("k_off", cro, DQK), ("v_off", cro, DV), ("o_off", vl, DV)):
+            offsets[name] = ints(name, starts.astype(np.int64) * h * width, dt.INT64)
+        for t, name in ((q, "q_off"), (k, "k_off"), (v, "v_off")):
+            t.set_ragged_offset(offsets[name])
+    o, _, _, amax_o = g.sdpa_fp8(q=q, k=k, v=v, descale_q=sc["q_descale"], descale_k=sc["k_descale"],
+                                 descale_v=sc["v_descale"], descale_s=sc["s_descale"], scale_s=sc["s_scale"],
+                                 scale_o=sc["o_scale"], generate_stats=False, attn_scale=mask_kw["scale"], **extra)
+    o.set_uid(uid["o"]).set_output(True).set_dim((b, h, s_q, DV)).set_stride((s_q * h * DV, DV, h * DV, 1))
+    o.set_data_type(dt.BFLOAT16)
+    if ragged:
+        o.set_ragged_offset(offsets["o_off"])
+    amax_o.set_uid(uid["o_amax"]).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(dt.FLOAT)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    handle = cudnn.create_handle()
+    workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device=device)
+    fixed[uid["o_amax"]] = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
+
+    def attn(q8, k8, v8, q_descale, k_descale, v_descale, out):
+        cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)  # a no-op once it is set
+        pack = {uid["q"]: q8, uid["k"]: k8, uid["v"]: v8, uid["q_descale"]: q_descale, uid["k_descale"]: k_descale,
+                uid["v_descale"]: v_descale, uid["o"]: out, **fixed}
+        g.execute(pack, workspace, handle=handle)
+        return out
+
+    return attn
+
+
+def bench_cudnn_fp8(run: CaseRun) -> List[Row]:
+    """cuDNN's fp8 SDPA (a frontend graph, :func:`cudnn_fp8_fn`): q, K built at 192 and v in e4m3
+    with one descale per tensor (not timed), bf16 output, one execution for the whole batch; left
+    out, with one line on stderr, when the frontend does not import."""
+    if cudnn_sdpa_function() is None:
+        _say_once(f"cudnn-fp8 rows left out: the cuDNN frontend (module cudnn) does not import; {CUDNN_FRONTEND_HINT}")
+        return []
+    try:
+        tx, (kfull, _) = run.torch_sets(), run.k192()
+        attn = cudnn_fp8_fn(run.case, tx[0]["q"].device)
+    except ValueError as exc:
+        return [Row(run.case.name, "cudnn-fp8", float("nan"), float("nan"), note=f"skipped: {exc}", group="fp8")]
+    except Exception as exc:  # this cuDNN does not take the graph
+        return [_failed(run, "cudnn-fp8", exc, "fp8")]
+    try:
+        import torch
+
+        q8, k8, v8 = ([quantize_per_tensor(x) for x in xs] for xs in ([t["q"] for t in tx], kfull, [t["v"] for t in tx]))
+        outs = [torch.empty((sum(run.case.sq), run.case.heads, DV), dtype=torch.bfloat16, device=tx[0]["q"].device)
+                for _ in tx]
+
+        def call(i):
+            return attn(q8[i][0], k8[i][0], v8[i][0], q8[i][1], k8[i][1], v8[i][1], outs[i])
+
+        out = call(0)
+        ms = time_ms(call, len(run.sets), reps=run.reps)
+    except Exception as exc:
+        return [_failed(run, "cudnn-fp8", exc, "fp8")]
+
+    def deq(x8, descale):
+        return e4m3_to_f64(x8) * float(descale.reshape(()))
+
+    k_deq = deq(*k8[0])
+    ref8 = run.reference(deq(*q8[0]), k_deq[:, :, :DV], deq(*v8[0]), k_deq[:, :, DV:])
+    return [Row(run.case.name, "cudnn-fp8", ms, run.case.flops() / ms / 1e9, run.error(out, ref8), None,
+                note="cuDNN frontend sdpa_fp8 graph, e4m3 per-tensor descales; K build and quantization not timed",
+                err_vs_16bit=run.error(out), group="fp8")]
+
+
 def bench_kbuild(run: CaseRun) -> List[Row]:
     """The K build the 16-bit peers need, on its own (when a peer built it)."""
     if run._k192 is None:
@@ -790,7 +927,7 @@ PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_sdpa, bench_cudnn_ragge
 FP8_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_ours_fp8, bench_ours_e4m3]
 
 #: The fp8 peers, run with ``fp8=True`` and ``peers=True``.
-FP8_PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_fa3_fp8]
+FP8_PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_fa3_fp8, bench_cudnn_fp8]
 
 
 def _set_ratios(rows: List[Row], roofline: Optional[float]) -> None:

@@ -245,8 +245,8 @@ wheel to a GPU machine without network access:
 
 \b
 cuDNN's ragged rows ("cudnn-ragged", "cudnn-ragged+kbuild": cudnn.sdpa_torch with cu_seqlens, one
-call per batch) appear when the cuDNN frontend imports (the nvidia-cudnn-frontend wheel, brought
-the same way; README, Performance).
+call per batch; with --fp8 also "cudnn-fp8", its fp8 SDPA graph) appear when the cuDNN frontend
+imports (the nvidia-cudnn-frontend wheel, brought the same way; README, Performance).
 """
 
 
@@ -327,7 +327,7 @@ def run_host(json_path: Optional[str], **kw) -> None:
 @click.option("--plot", "plot_path", default=None, help="Draw TFLOP/s per case and implementation to this PNG.")
 @click.option("--no-peers", is_flag=True, help="Time mla_cupy only.")
 @click.option("--fp8", is_flag=True, help="Add fp8 rows: ours per token (bf16 rope, and all e4m3: mla_cupy-fp8-e4m3) "
-                                          "and FA3 e4m3, with their errors against "
+                                          "and the fp8 peers (FA3 e4m3, cuDNN's fp8 graph), with their errors against "
                                           "the dequantized and the unquantized inputs.")
 @click.option("--reps", default=20, show_default=True, help="Timed repeats per measurement (median reported).")
 @click.option("--cpu", is_flag=True, help="No GPU: time the reference on tiny cases (what CI runs).")

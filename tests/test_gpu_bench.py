@@ -80,7 +80,8 @@ def test_bench_cudnn_ragged_rows_when_importable():
 
 
 def test_bench_fp8_rows():
-    """Ours per token (Hopper) and FA3 e4m3 when importable, each with both error columns."""
+    """Ours per token (Hopper), FA3 e4m3 and cuDNN's fp8 graph when importable, each with both error
+    columns."""
     pytest.importorskip("torch")
     if not _is_hopper():
         pytest.skip("the fp8 kernel runs on Hopper")
@@ -101,6 +102,13 @@ def test_bench_fp8_rows():
         fa3 = rows["fa3-fp8"]
         assert fa3["ms"] > 0 and fa3["rel_err"] < 6e-2 and fa3["err_vs_16bit"] < 1e-1, fa3
         assert math.isclose(ours["ratios"]["fa3-fp8"], fa3["ms"] / ours["ms"])
+    if bench.cudnn_sdpa_function() is not None:  # cuDNN's fp8 graph: checked where this cuDNN runs it
+        cud = rows["cudnn-fp8"]
+        if cud["ms"] == cud["ms"]:
+            assert cud["rel_err"] < 6e-2 and cud["err_vs_16bit"] < 1e-1, cud
+            assert math.isclose(ours["ratios"]["cudnn-fp8"], cud["ms"] / ours["ms"])
+        else:
+            assert cud["note"].startswith("failed: "), cud  # the frontend's reason, in the table
     text = bench.format_table(res)
     assert "err vs 16-bit" in text and "mla_cupy-fp8" in text
 
