@@ -27,7 +27,8 @@
 #                            bench case (`mla-cupy bench --list`) or fp8 / e4m3 / bf16 / paged / pagedP (pages of P;
 #                            1x8192, H = 128)
 #   probe [ARGS...]          benchmarks/pipe_probe.py ARGS: cycles per key tile of the Hopper consumer loop
-#                            without its loads, its parts alone and together (JSON into --out)
+#                            without its loads, its parts alone and together, and of its loads without
+#                            the consumers, from L2 and DRAM (JSON into --out)
 #   compile                  `mla-cupy compile`: every kernel family into CuPy's on-disk cache
 #   verify STEP [ARGS...]    the reliability evidence, one step per GPU command (each within --timeout),
 #                            records in --out, then one summary:

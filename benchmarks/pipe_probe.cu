@@ -190,4 +190,63 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   if (sink == 1234.5f) cycles[slot] = -1;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The loads without the consumers: how fast one CTA per SM brings key tiles into a ring of shared-
+// memory stages, as the kernel's producer does (bulk copies of 16 KiB blocks completing on the
+// stage's full mbarrier, the stage refilled once its empty mbarrier completes), and whether the ring
+// keeps up with the tensor work a tile feeds: the consumer warp holds each tile `hold` cycles
+// (clock64) before it releases it. Tile i of CTA c starts at byte (c * cta_step + i * tile_bytes)
+// modulo `span` of `src`: a span that fits the L2 with every CTA walking it from its own offset is
+// the kernel's case (the CTAs of an L2 section read the same heads' keys and values); a span past
+// the L2 with CTAs apart reads DRAM.
+// ---------------------------------------------------------------------------------------------
+constexpr int kMaxStages = 8;
+constexpr int kCopyBytes = 16384;  // one bulk copy: a 16 KiB column block of a K or V tile
+
+__device__ __forceinline__ void bulk_load(u32 dst, const unsigned char* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// 64 threads: warp 0's lane 0 loads, warp 1 consumes. tile_bytes: a multiple of kCopyBytes; stages *
+// tile_bytes within the dynamic shared memory.
+__global__ void __launch_bounds__(64, 1) load_probe(const unsigned char* src, long long span, long long cta_step,
+                                                    int tiles, int tile_bytes, int stages, int hold,
+                                                    long long* cycles, long long* nanos) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  __shared__ __align__(8) unsigned long long full[kMaxStages], empty[kMaxStages];
+  const u32 ring = smem_addr(smem);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(smem_addr(&full[s]), 1);
+      mbar_init(smem_addr(&empty[s]), 1);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+  const long long c0 = clock64(), t0 = globaltimer();
+  if (threadIdx.x == 0) {  // the producer: wait for the stage to be free, then load the tile into it
+    for (int i = 0; i < tiles; ++i) {
+      const int s = i % stages;
+      if (i >= stages) mbar_wait(smem_addr(&empty[s]), ((i / stages) - 1) & 1);
+      const u32 bar = smem_addr(&full[s]);
+      mbar_expect_tx(bar, tile_bytes);
+      const long long at = (blockIdx.x * cta_step + static_cast<long long>(i) * tile_bytes) % span;
+      for (int b = 0; b < tile_bytes; b += kCopyBytes)
+        bulk_load(ring + s * tile_bytes + b, src + (at + b) % span, kCopyBytes, bar);
+    }
+  } else if (threadIdx.x == 32) {  // the consumer: wait for the tile, hold it, release it
+    for (int i = 0; i < tiles; ++i) {
+      const int s = i % stages;
+      mbar_wait(smem_addr(&full[s]), (i / stages) & 1);
+      const long long h0 = clock64();
+      while (clock64() - h0 < hold) {
+      }
+      mbar_arrive(smem_addr(&empty[s]));
+    }
+    cycles[blockIdx.x] = clock64() - c0;
+    nanos[blockIdx.x] = globaltimer() - t0;
+  }
+}
+
 }  // namespace probe

@@ -1,6 +1,8 @@
-"""The Hopper consumer loop without its loads (``pipe_probe.cu``): cycles per key tile of the loop's
-parts alone and together, to tell what bounds the kernel's loop (the tensor pipe, the softmax, the
-turns) apart from what its loads, barriers and work-tile boundaries add.
+"""The Hopper kernel taken apart (``pipe_probe.cu``): the consumer loop without its loads, cycles per
+key tile of the loop's parts alone and together, to tell what bounds the kernel's loop (the tensor
+pipe, the softmax, the turns) apart from what its loads, barriers and work-tile boundaries add; and
+the loads without the consumers (``l2-*`` and ``dram-*`` probes), the rate at which one CTA per SM
+fills a ring of key-tile stages from L2 or DRAM, alone or against the tensor time a tile feeds.
 
 Every probe runs one CTA per SM, each consumer warpgroup ``--iters`` key tiles on tiles already in
 shared memory; the result is cycles per key tile (``clock64``: independent of the SM clock, which
@@ -8,6 +10,9 @@ the power cap moves), the median over CTAs of their slowest consumer, and the SM
 (cycles over ``globaltimer`` nanoseconds). "pipe" is the tensor pipe's share of those cycles at the
 full wgmma rate: a consumer's key tile is 10 e4m3 wgmma m64n128k32 (S 6, P V 4) or 20 16-bit
 m64n128k16 (S 12, P V 8), 64 cycles each for the SM.
+
+A load probe reports cycles per tile, bytes per cycle and SM, and the whole card's rate in TB/s
+(bytes of all CTAs over the slowest CTA's wall time).
 
 Usage (GPU)::
 
@@ -83,6 +88,37 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
 )}
 
 
+KIB, MIB = 1 << 10, 1 << 20
+
+
+@dataclass(frozen=True)
+class LoadProbe:
+    name: str
+    tile_bytes: int    # bytes of one key tile (16-bit: K nope 32 KiB + rope 16 + V 32 = 80 KiB)
+    stages: int        # the ring's depth (the 16-bit kernel: 2)
+    hold: int          # cycles the consumer holds each tile (the tensor time a tile feeds; 0: none)
+    span: int          # bytes of the source walked
+    shared: bool       # every CTA walks the same span from its own offset (an L2 section), or each its own
+
+    @property
+    def expression(self) -> str:
+        return "probe::load_probe"
+
+
+# The 16-bit kernel's key tile (80 KiB, 2 stages) and its tensor time at the full rate (two
+# consumers' S and P V: 2 x 20 x 64 = 2560 cycles), from an L2-sized span all CTAs share (a section
+# of heads) and from DRAM; then the same bytes in flight cut finer or coarser.
+LOAD_PROBES: Dict[str, LoadProbe] = {p.name: p for p in (
+    LoadProbe("l2-ring2", 80 * KIB, 2, 0, 16 * MIB, True),
+    LoadProbe("l2-ring2-hold", 80 * KIB, 2, 2560, 16 * MIB, True),
+    LoadProbe("l2-ring4x40", 40 * KIB, 4, 0, 16 * MIB, True),
+    LoadProbe("l2-ring2x48", 48 * KIB, 2, 0, 16 * MIB, True),
+    LoadProbe("l2-ring4x48", 48 * KIB, 4, 0, 16 * MIB, True),
+    LoadProbe("dram-ring2", 80 * KIB, 2, 0, 32 * MIB, False),
+)}
+COPY_BYTES = 16 * KIB  # one bulk copy (pipe_probe.cu: kCopyBytes)
+
+
 def source() -> str:
     return jit.source_with_includes(SOURCE.read_text(encoding="utf-8"), SOURCE.name)
 
@@ -96,7 +132,8 @@ def check(probes: Sequence[Probe]) -> int:
     sys.path.insert(0, str(SOURCE.parent))
     import sass
 
-    build = jit.compile_source_offline_with_log(source(), SOURCE.name, [p.expression for p in probes], "sm_90a")
+    build = jit.compile_source_offline_with_log(source(), SOURCE.name,
+                                                [p.expression for p in probes] + ["probe::load_probe"], "sm_90a")
     funcs = build.functions()
     try:
         tool = sass.find_tool("cuobjdump")
@@ -119,6 +156,9 @@ def check(probes: Sequence[Probe]) -> int:
             line += f"  loop {loop.total:4d}: " + " ".join(f"{c} {loop.classes[c]}" for c in shown)
         print(line)
         bad |= f.spills
+    f = funcs[build.lowered["probe::load_probe"]]
+    print(f"{'load_probe':20s} spills {f.spill_stores}/{f.spill_loads}")
+    bad |= f.spills
     for adv in build.serialized_wgmma():
         print("serialized wgmma:", adv)
         bad = 1
@@ -164,10 +204,64 @@ def run(probes: Sequence[Probe], iters: int, repeats: int) -> List[dict]:
     return rows
 
 
+def load_layout(p: LoadProbe, sms: int):
+    """(source bytes to allocate, each CTA's start offset step) of a load probe: a shared span is one
+    buffer the CTAs enter at offsets 7 tiles apart (so that they do not move in lock step); an own
+    span per CTA is ``span`` bytes of one buffer of ``sms * span``."""
+    for what, n in (("tile_bytes", p.tile_bytes), ("span", p.span)):
+        if n % COPY_BYTES:
+            raise ValueError(f"{p.name}: {what} {n} is not a multiple of {COPY_BYTES}")
+    if p.shared:
+        return p.span, 7 * p.tile_bytes
+    return sms * p.span, p.span
+
+
+def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dict]:
+    import cupy as cp
+
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    sms, smem = int(props["multiProcessorCount"]), int(props["sharedMemPerBlockOptin"])
+    module = cp.RawModule(code=source(), options=("-std=c++17", "-arch=sm_90a"), name_expressions=["probe::load_probe"])
+    fn = module.get_function("probe::load_probe")
+    rows = []
+    for p in probes:
+        ring = p.stages * p.tile_bytes
+        if p.stages > 8 or ring > smem - 1024:
+            raise ValueError(f"{p.name}: {p.stages} stages of {p.tile_bytes} B do not fit (at most 8, {smem - 1024} B)")
+        nbytes, step = load_layout(p, sms)
+        span = p.span if p.shared else nbytes
+        src = cp.ones(nbytes, cp.uint8)
+        fn.max_dynamic_shared_size_bytes = ring
+        cyc, ns = cp.zeros(sms, cp.int64), cp.zeros(sms, cp.int64)
+        per_tile, tbs = [], []
+        for r in range(repeats + 1):  # the first launch warms up (and brings a shared span into L2)
+            fn((sms,), (64,), (src, cp.int64(span), cp.int64(step), cp.int32(tiles), cp.int32(p.tile_bytes),
+                               cp.int32(p.stages), cp.int32(p.hold), cyc, ns), shared_mem=ring)
+            dev.synchronize()
+            if r == 0:
+                continue
+            c, t = cyc.get(), ns.get()
+            if (c <= 0).any():
+                raise RuntimeError(f"{p.name}: a CTA reported no cycles")
+            per_tile.append(float(statistics.median(c)) / tiles)
+            tbs.append(sms * tiles * p.tile_bytes / float(t.max()) / 1e3)  # bytes per ns = GB/s; / 1e3: TB/s
+            mhz = float(statistics.median(c / t)) * 1e3
+        cycles = statistics.median(per_tile)
+        row = {"probe": p.name, "cycles_per_tile": cycles, "spread": [min(per_tile), max(per_tile)],
+               "bytes_per_cycle_sm": p.tile_bytes / cycles, "tb_per_s": statistics.median(tbs), "mhz": mhz,
+               "hold": p.hold}
+        rows.append(row)
+        print(f"{p.name:22s} {cycles:8.0f} cycles/tile ({min(per_tile):.0f}-{max(per_tile):.0f})  "
+              f"{row['bytes_per_cycle_sm']:5.1f} B/cycle/SM  {row['tb_per_s']:5.2f} TB/s  {mhz:5.0f} MHz", flush=True)
+        del src
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--probes", default=",".join(PROBES), help="comma separated (--list)")
-    ap.add_argument("--iters", type=int, default=4096, help="key tiles per consumer and launch")
+    ap.add_argument("--probes", default=",".join([*PROBES, *LOAD_PROBES]), help="comma separated (--list)")
+    ap.add_argument("--iters", type=int, default=4096, help="key tiles per consumer (or per CTA: load probes) and launch")
     ap.add_argument("--repeats", type=int, default=3, help="timed launches per probe (median)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--check", action="store_true", help="compile only (no GPU): spills and serialized wgmma")
@@ -176,17 +270,21 @@ def main(argv=None) -> int:
     if a.list:
         for p in PROBES.values():
             print(f"{p.name:22s} {p.expression}")
+        for p in LOAD_PROBES.values():
+            print(f"{p.name:22s} {p.expression}: {p.stages} x {p.tile_bytes // KIB} KiB, hold {p.hold}, "
+                  f"{p.span // MIB} MiB {'shared' if p.shared else 'per CTA'}")
         return 0
     names = [n for n in a.probes.split(",") if n]
-    unknown = [n for n in names if n not in PROBES]
+    unknown = [n for n in names if n not in PROBES and n not in LOAD_PROBES]
     if unknown:
         ap.error(f"unknown probe(s) {unknown}: see --list")
-    probes = [PROBES[n] for n in names]
+    probes = [PROBES[n] for n in names if n in PROBES]
+    loads = [LOAD_PROBES[n] for n in names if n in LOAD_PROBES]
     if a.check:
         return check(probes)
     if a.iters < 1 or a.repeats < 1:
         ap.error("--iters and --repeats must be at least 1")
-    rows = run(probes, a.iters, a.repeats)
+    rows = (run(probes, a.iters, a.repeats) if probes else []) + (run_loads(loads, a.iters, a.repeats) if loads else [])
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -1,5 +1,5 @@
-"""benchmarks/pipe_probe.py: the probe table and command line (no GPU), and (slow) every probe
-compiled for sm_90a with neither spills nor serialized wgmma, as the kernel itself."""
+"""benchmarks/pipe_probe.py: the probe tables and command line (no GPU), the load probes' layout, and
+(slow) every probe compiled for sm_90a with neither spills nor serialized wgmma, as the kernel itself."""
 import pytest
 from _scripts import load_script
 
@@ -25,10 +25,25 @@ def test_expressions_name_the_template_arguments():
         assert q.turns == 0 or (q.runners == q.consumers and (q.turns == 1 or q.consumers == 3))
 
 
+def test_load_probes_walk_an_l2_span_together_or_dram_apart():
+    p = probe.LOAD_PROBES
+    ring2 = p["l2-ring2"]
+    assert ring2.tile_bytes == (32 + 16 + 32) * 1024 and ring2.stages == 2  # the 16-bit kernel's K/V stage
+    assert p["l2-ring2-hold"].hold == 2 * 20 * 64  # two consumers' wgmma of one key tile at the full rate
+    for q in p.values():
+        assert q.stages * q.tile_bytes <= 227 * 1024 - 1024  # the ring fits beside the barriers
+    nbytes, step = probe.load_layout(ring2, 132)
+    assert nbytes == ring2.span <= 25 * 2**20 and step == 7 * ring2.tile_bytes  # one span in L2, CTAs 7 tiles apart
+    nbytes, step = probe.load_layout(p["dram-ring2"], 132)
+    assert nbytes == 132 * p["dram-ring2"].span > 2**30 and step == p["dram-ring2"].span  # far past the L2
+    with pytest.raises(ValueError, match="multiple of 16384"):
+        probe.load_layout(probe.LoadProbe("odd", 1000, 2, 0, 2**20, True), 132)
+
+
 def test_command_line(capsys):
     assert probe.main(["--list"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in probe.PROBES)
+    assert all(name in out for name in [*probe.PROBES, *probe.LOAD_PROBES])
     with pytest.raises(SystemExit) as exc:
         probe.main(["--probes", "e4m3-loop,nope"])
     assert exc.value.code == 2 and "nope" in capsys.readouterr().err
@@ -41,6 +56,6 @@ def test_probes_compile_without_spills_nor_serialized_wgmma(capsys):
     pytest.importorskip("cupy")
     assert probe.main(["--check"]) == 0
     out = capsys.readouterr().out
-    assert out.count("spills 0/0") == len(probe.PROBES)
+    assert out.count("spills 0/0") == len(probe.PROBES) + 1  # and the load probe's kernel
     if "(no loop counts" not in out:  # cuobjdump found: one key tile per loop pass, the kernel's 66 exp2
         assert "e4m3-loop " in out and "GMMA 10 EX2 66" in out
