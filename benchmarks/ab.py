@@ -73,9 +73,8 @@ from typing import Callable, Dict, List, Tuple
 import numpy as np
 
 from mla_cupy import bench
-from mla_cupy.dims import DV
 from mla_cupy.bench import BenchCase, DEFAULT_CASES
-
+from mla_cupy.dims import DV
 
 
 # ---------------------------------------------------------------------------------------------

@@ -261,7 +261,8 @@ def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dic
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--probes", default=",".join([*PROBES, *LOAD_PROBES]), help="comma separated (--list)")
-    ap.add_argument("--iters", type=int, default=4096, help="key tiles per consumer (or per CTA: load probes) and launch")
+    ap.add_argument("--iters", type=int, default=4096,
+                    help="key tiles per consumer (load probes: per CTA) and launch")
     ap.add_argument("--repeats", type=int, default=3, help="timed launches per probe (median)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--check", action="store_true", help="compile only (no GPU): spills and serialized wgmma")

@@ -33,10 +33,10 @@ from .reference import visible_pairs
 from .validation import DQK, DR, DV
 
 __all__ = ["BenchCase", "DEFAULT_CASES", "EXTRA_CASES", "CPU_CASES", "ALL_CASES", "resolve_cases", "CaseRun",
-           "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "fa3_function", "fa3_varlen_call", "k192_of", "n_input_sets",
-           "quantize_per_batch_head", "dequantize_per_batch_head", "quantize_per_tensor", "cudnn_fp8_fn", "cudnn_sdpa_function", "cudnn_ragged_args",
-           "cudnn_ragged_fn", "per_call_us", "host_us", "device_info", "run", "run_cpu", "format_table", "write_csv",
-           "plot"]
+           "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "n_input_sets", "k192_of", "fa3_function", "fa3_varlen_call",
+           "quantize_per_batch_head", "dequantize_per_batch_head", "quantize_per_tensor", "cudnn_sdpa_function",
+           "cudnn_ragged_args", "cudnn_ragged_fn", "cudnn_fp8_fn", "per_call_us", "host_us", "device_info", "run",
+           "run_cpu", "format_table", "write_csv", "plot"]
 
 L2_DEFEAT_BYTES = 256 << 20  # rotate input sets until their total passes this (H100/H200 L2: 50-60 MB)
 
@@ -847,7 +847,8 @@ def cudnn_fp8_fn(case: BenchCase, device):
     o.set_data_type(dt.BFLOAT16)
     if ragged:
         o.set_ragged_offset(offsets["o_off"])
-    amax_o.set_uid(uid["o_amax"]).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(dt.FLOAT)
+    amax_o.set_uid(uid["o_amax"]).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1))
+    amax_o.set_data_type(dt.FLOAT)
     g.validate()
     g.build_operation_graph()
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
@@ -884,7 +885,8 @@ def bench_cudnn_fp8(run: CaseRun) -> List[Row]:
     try:
         import torch
 
-        q8, k8, v8 = ([quantize_per_tensor(x) for x in xs] for xs in ([t["q"] for t in tx], kfull, [t["v"] for t in tx]))
+        q8, k8, v8 = ([quantize_per_tensor(x) for x in xs]
+                      for xs in ([t["q"] for t in tx], kfull, [t["v"] for t in tx]))
         outs = [torch.empty((sum(run.case.sq), run.case.heads, DV), dtype=torch.bfloat16, device=tx[0]["q"].device)
                 for _ in tx]
 

@@ -77,5 +77,7 @@ def test_energy_rows_format_every_field():
         windows[name] = [ab.energy_window(card.call, 1, 5, s, lambda: None, clock=card.clock)]
     res = {"case": "1x8192", "impls": {k: {"energy": e} for k, e in ab.energy_summary(windows, "ours").items()}}
     rows = ab.format_energy(res)
-    assert rows[0] == "| 1x8192 | ours | 2.0000 | 1.000 (1.000-1.000) | 7200 | 1.000 (1.000-1.000) | 4.000 | 500 | 1800 |"
-    assert rows[1] == "| 1x8192 | fa3 | 2.2000 | 1.100 (1.100-1.100) | 6800 | 0.944 (0.944-0.944) | 4.000 | 550 | 1700 |"
+    assert rows[0] == ("| 1x8192 | ours | 2.0000 | 1.000 (1.000-1.000) | 7200 | 1.000 (1.000-1.000) | 4.000 | 500 "
+                       "| 1800 |")
+    assert rows[1] == ("| 1x8192 | fa3 | 2.2000 | 1.100 (1.100-1.100) | 6800 | 0.944 (0.944-0.944) | 4.000 | 550 "
+                       "| 1700 |")
