@@ -201,8 +201,8 @@ case "$MODE" in
       --import-source no -f -o "$OUT_DIR/$name" "$PY" "${DRIVER[@]}"
     "$NCU" --import "$OUT_DIR/$name.ncu-rep" --print-details all > "$OUT_DIR/$name-details.txt" 2>&1
     "$NCU" --import "$OUT_DIR/$name.ncu-rep" --page source --csv --print-source sass > "$OUT_DIR/$name-sass.csv" 2>&1
-    grep -E "Duration|SM Frequency|Elapsed Cycles|Tensor|DRAM Throughput|L2 Hit Rate|Executed Instructions  " \
-      "$OUT_DIR/$name-details.txt" | head -12 ;;
+    grep -E "Duration|SM Frequency|Elapsed Cycles|Tensor|Memory Throughput|DRAM Throughput|L2 Cache Throughput|L2 Hit Rate|Executed Instructions  " \
+      "$OUT_DIR/$name-details.txt" | head -16 ;;
   probe)
     step probe "$PY" benchmarks/pipe_probe.py --json "$OUT_DIR/probe.json" "$@"
     cat "$OUT_DIR/probe.log" ;;
