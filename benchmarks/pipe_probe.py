@@ -107,11 +107,13 @@ class LoadProbe:
 
 # The 16-bit kernel's key tile (80 KiB, 2 stages) and its tensor time at the full rate (two
 # consumers' S and P V: 2 x 20 x 64 = 2560 cycles), from an L2-sized span all CTAs share (a section
-# of heads) and from DRAM; then the same bytes in flight cut finer or coarser.
+# of heads) and from DRAM; then the same bytes in flight cut finer (64-key tiles in 4 stages, alone
+# and against their 1280 cycles of tensor work) or coarser.
 LOAD_PROBES: Dict[str, LoadProbe] = {p.name: p for p in (
     LoadProbe("l2-ring2", 80 * KIB, 2, 0, 16 * MIB, True),
     LoadProbe("l2-ring2-hold", 80 * KIB, 2, 2560, 16 * MIB, True),
     LoadProbe("l2-ring4x40", 40 * KIB, 4, 0, 16 * MIB, True),
+    LoadProbe("l2-ring4x40-hold", 40 * KIB, 4, 1280, 16 * MIB, True),
     LoadProbe("l2-ring2x48", 48 * KIB, 2, 0, 16 * MIB, True),
     LoadProbe("l2-ring4x48", 48 * KIB, 4, 0, 16 * MIB, True),
     LoadProbe("dram-ring2", 80 * KIB, 2, 0, 32 * MIB, False),
