@@ -195,23 +195,22 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
 // memory stages, as the kernel's producer does (bulk copies of 16 KiB blocks completing on the
 // stage's full mbarrier, the stage refilled once its empty mbarrier completes), and whether the ring
 // keeps up with the tensor work a tile feeds: the consumer warp holds each tile `hold` cycles
-// (clock64) before it releases it. Tile i of CTA c starts at byte (c * cta_step + i * tile_bytes)
-// modulo `span` of `src`: a span that fits the L2 with every CTA walking it from its own offset is
-// the kernel's case (the CTAs of an L2 section read the same heads' keys and values); a span past
-// the L2 with CTAs apart reads DRAM.
+// (clock64) before it releases it. Tile i of CTA c is tile (c * cta_step + i) modulo `span_tiles` of
+// `src`, loaded by bulk copies of `copy_bytes` (a column block of the kernel's K or V tile): a span
+// that fits the L2 with every CTA walking it from its own offset is the kernel's case (the CTAs of an
+// L2 section read the same heads' keys and values); a span past the L2 with CTAs apart reads DRAM.
 // ---------------------------------------------------------------------------------------------
 constexpr int kMaxStages = 8;
-constexpr int kCopyBytes = 16384;  // one bulk copy: a 16 KiB column block of a K or V tile
 
 __device__ __forceinline__ void bulk_load(u32 dst, const unsigned char* src, u32 bytes, u32 bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// 64 threads: warp 0's lane 0 loads, warp 1 consumes. tile_bytes: a multiple of kCopyBytes; stages *
-// tile_bytes within the dynamic shared memory.
-__global__ void __launch_bounds__(64, 1) load_probe(const unsigned char* src, long long span, long long cta_step,
-                                                    int tiles, int tile_bytes, int stages, int hold,
+// 64 threads: warp 0's lane 0 loads, warp 1 consumes. tile_bytes: a multiple of copy_bytes, itself a
+// multiple of 16; stages * tile_bytes within the dynamic shared memory.
+__global__ void __launch_bounds__(64, 1) load_probe(const unsigned char* src, long long span_tiles, long long cta_step,
+                                                    int tiles, int tile_bytes, int copy_bytes, int stages, int hold,
                                                     long long* cycles, long long* nanos) {
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full[kMaxStages], empty[kMaxStages];
@@ -231,9 +230,8 @@ __global__ void __launch_bounds__(64, 1) load_probe(const unsigned char* src, lo
       if (i >= stages) mbar_wait(smem_addr(&empty[s]), ((i / stages) - 1) & 1);
       const u32 bar = smem_addr(&full[s]);
       mbar_expect_tx(bar, tile_bytes);
-      const long long at = (blockIdx.x * cta_step + static_cast<long long>(i) * tile_bytes) % span;
-      for (int b = 0; b < tile_bytes; b += kCopyBytes)
-        bulk_load(ring + s * tile_bytes + b, src + (at + b) % span, kCopyBytes, bar);
+      const unsigned char* tile = src + (blockIdx.x * cta_step + i) % span_tiles * tile_bytes;
+      for (int b = 0; b < tile_bytes; b += copy_bytes) bulk_load(ring + s * tile_bytes + b, tile + b, copy_bytes, bar);
     }
   } else if (threadIdx.x == 32) {  // the consumer: wait for the tile, hold it, release it
     for (int i = 0; i < tiles; ++i) {

@@ -95,6 +95,7 @@ KIB, MIB = 1 << 10, 1 << 20
 class LoadProbe:
     name: str
     tile_bytes: int    # bytes of one key tile (16-bit: K nope 32 KiB + rope 16 + V 32 = 80 KiB)
+    copy_bytes: int    # bytes of one bulk copy (the kernel's column blocks: 16 KiB for 128 keys)
     stages: int        # the ring's depth (the 16-bit kernel: 2)
     hold: int          # cycles the consumer holds each tile (the tensor time a tile feeds; 0: none)
     span: int          # bytes of the source walked
@@ -107,18 +108,25 @@ class LoadProbe:
 
 # The 16-bit kernel's key tile (80 KiB, 2 stages) and its tensor time at the full rate (two
 # consumers' S and P V: 2 x 20 x 64 = 2560 cycles), from an L2-sized span all CTAs share (a section
-# of heads) and from DRAM; then the same bytes in flight cut finer (64-key tiles in 4 stages, alone
-# and against their 1280 cycles of tensor work) or coarser.
+# of heads) and from DRAM; the same bytes in flight cut finer (64-key tiles in 4 stages, alone and
+# against their 1280 cycles of tensor work) or coarser; and the 96-key tile of three 16-bit consumers
+# (60 KiB, 12 KiB blocks) against its tensor time (3 x (12 x 48 + 6 x 64) = 2880 cycles).
+def _whole(tile: int, about: int) -> int:
+    """The largest span of whole tiles within ``about`` bytes."""
+    return tile * (about // tile)
+
+
+L2_SPAN, DRAM_SPAN = 16 * MIB, 40 * MIB  # an L2 section's keys and values; per CTA, 132 of them far past the L2
 LOAD_PROBES: Dict[str, LoadProbe] = {p.name: p for p in (
-    LoadProbe("l2-ring2", 80 * KIB, 2, 0, 16 * MIB, True),
-    LoadProbe("l2-ring2-hold", 80 * KIB, 2, 2560, 16 * MIB, True),
-    LoadProbe("l2-ring4x40", 40 * KIB, 4, 0, 16 * MIB, True),
-    LoadProbe("l2-ring4x40-hold", 40 * KIB, 4, 1280, 16 * MIB, True),
-    LoadProbe("l2-ring2x48", 48 * KIB, 2, 0, 16 * MIB, True),
-    LoadProbe("l2-ring4x48", 48 * KIB, 4, 0, 16 * MIB, True),
-    LoadProbe("dram-ring2", 80 * KIB, 2, 0, 32 * MIB, False),
+    LoadProbe("l2-ring2", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True),
+    LoadProbe("l2-ring2-hold", 80 * KIB, 16 * KIB, 2, 2560, _whole(80 * KIB, L2_SPAN), True),
+    LoadProbe("l2-ring4x40", 40 * KIB, 8 * KIB, 4, 0, _whole(40 * KIB, L2_SPAN), True),
+    LoadProbe("l2-ring4x40-hold", 40 * KIB, 8 * KIB, 4, 1280, _whole(40 * KIB, L2_SPAN), True),
+    LoadProbe("l2-ring2x48", 48 * KIB, 16 * KIB, 2, 0, _whole(48 * KIB, L2_SPAN), True),
+    LoadProbe("l2-ring4x48", 48 * KIB, 16 * KIB, 4, 0, _whole(48 * KIB, L2_SPAN), True),
+    LoadProbe("l2-ring2x60-hold", 60 * KIB, 12 * KIB, 2, 2880, _whole(60 * KIB, L2_SPAN), True),
+    LoadProbe("dram-ring2", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, DRAM_SPAN), False),
 )}
-COPY_BYTES = 16 * KIB  # one bulk copy (pipe_probe.cu: kCopyBytes)
 
 
 def source() -> str:
@@ -207,15 +215,16 @@ def run(probes: Sequence[Probe], iters: int, repeats: int) -> List[dict]:
 
 
 def load_layout(p: LoadProbe, sms: int):
-    """(source bytes to allocate, each CTA's start offset step) of a load probe: a shared span is one
-    buffer the CTAs enter at offsets 7 tiles apart (so that they do not move in lock step); an own
-    span per CTA is ``span`` bytes of one buffer of ``sms * span``."""
-    for what, n in (("tile_bytes", p.tile_bytes), ("span", p.span)):
-        if n % COPY_BYTES:
-            raise ValueError(f"{p.name}: {what} {n} is not a multiple of {COPY_BYTES}")
-    if p.shared:
-        return p.span, 7 * p.tile_bytes
-    return sms * p.span, p.span
+    """(tiles of the source, tiles between CTAs' first tiles) of a load probe: a shared span is one
+    buffer the CTAs enter 7 tiles apart (so that they do not move in lock step); an own span per CTA
+    is ``span`` bytes of one buffer of ``sms * span``."""
+    if p.copy_bytes % 16 or p.tile_bytes % p.copy_bytes:
+        raise ValueError(f"{p.name}: a tile of {p.tile_bytes} B is not whole copies of {p.copy_bytes} B "
+                         "(a multiple of 16)")
+    if p.span % p.tile_bytes:
+        raise ValueError(f"{p.name}: a span of {p.span} B is not whole tiles of {p.tile_bytes} B")
+    per = p.span // p.tile_bytes
+    return (per, 7) if p.shared else (sms * per, per)
 
 
 def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dict]:
@@ -231,15 +240,14 @@ def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dic
         ring = p.stages * p.tile_bytes
         if p.stages > 8 or ring > smem - 1024:
             raise ValueError(f"{p.name}: {p.stages} stages of {p.tile_bytes} B do not fit (at most 8, {smem - 1024} B)")
-        nbytes, step = load_layout(p, sms)
-        span = p.span if p.shared else nbytes
-        src = cp.ones(nbytes, cp.uint8)
+        span_tiles, step = load_layout(p, sms)
+        src = cp.ones(span_tiles * p.tile_bytes, cp.uint8)
         fn.max_dynamic_shared_size_bytes = ring
         cyc, ns = cp.zeros(sms, cp.int64), cp.zeros(sms, cp.int64)
         per_tile, tbs = [], []
         for r in range(repeats + 1):  # the first launch warms up (and brings a shared span into L2)
-            fn((sms,), (64,), (src, cp.int64(span), cp.int64(step), cp.int32(tiles), cp.int32(p.tile_bytes),
-                               cp.int32(p.stages), cp.int32(p.hold), cyc, ns), shared_mem=ring)
+            fn((sms,), (64,), (src, cp.int64(span_tiles), cp.int64(step), cp.int32(tiles), cp.int32(p.tile_bytes),
+                               cp.int32(p.copy_bytes), cp.int32(p.stages), cp.int32(p.hold), cyc, ns), shared_mem=ring)
             dev.synchronize()
             if r == 0:
                 continue
@@ -274,7 +282,8 @@ def main(argv=None) -> int:
         for p in PROBES.values():
             print(f"{p.name:22s} {p.expression}")
         for p in LOAD_PROBES.values():
-            print(f"{p.name:22s} {p.expression}: {p.stages} x {p.tile_bytes // KIB} KiB, hold {p.hold}, "
+            print(f"{p.name:22s} {p.expression}: {p.stages} x {p.tile_bytes // KIB} KiB "
+                  f"({p.copy_bytes // KIB} KiB copies), hold {p.hold}, "
                   f"{p.span // MIB} MiB {'shared' if p.shared else 'per CTA'}")
         return 0
     names = [n for n in a.probes.split(",") if n]

@@ -30,14 +30,20 @@ def test_load_probes_walk_an_l2_span_together_or_dram_apart():
     ring2 = p["l2-ring2"]
     assert ring2.tile_bytes == (32 + 16 + 32) * 1024 and ring2.stages == 2  # the 16-bit kernel's K/V stage
     assert p["l2-ring2-hold"].hold == 2 * 20 * 64  # two consumers' wgmma of one key tile at the full rate
+    wide = p["l2-ring2x60-hold"]  # three consumers, 96-key tiles: S 12 x m64n96 (48 cycles), P V 6 x m64n128
+    assert wide.tile_bytes == 96 * (128 + 64 + 128) * 2 and wide.hold == 3 * (12 * 48 + 6 * 64)
     for q in p.values():
         assert q.stages * q.tile_bytes <= 227 * 1024 - 1024  # the ring fits beside the barriers
-    nbytes, step = probe.load_layout(ring2, 132)
-    assert nbytes == ring2.span <= 25 * 2**20 and step == 7 * ring2.tile_bytes  # one span in L2, CTAs 7 tiles apart
-    nbytes, step = probe.load_layout(p["dram-ring2"], 132)
-    assert nbytes == 132 * p["dram-ring2"].span > 2**30 and step == p["dram-ring2"].span  # far past the L2
-    with pytest.raises(ValueError, match="multiple of 16384"):
-        probe.load_layout(probe.LoadProbe("odd", 1000, 2, 0, 2**20, True), 132)
+        probe.load_layout(q, 132)  # whole copies, whole tiles
+    tiles, step = probe.load_layout(ring2, 132)
+    assert tiles * ring2.tile_bytes == ring2.span <= 25 * 2**20 and step == 7  # one span in L2, CTAs 7 tiles apart
+    dram = p["dram-ring2"]
+    tiles, step = probe.load_layout(dram, 132)
+    assert tiles * dram.tile_bytes == 132 * dram.span > 2**30 and step == dram.span // dram.tile_bytes
+    with pytest.raises(ValueError, match="whole copies"):
+        probe.load_layout(probe.LoadProbe("odd", 40960, 16384, 2, 0, 40960, True), 132)
+    with pytest.raises(ValueError, match="whole tiles"):
+        probe.load_layout(probe.LoadProbe("odd", 32768, 16384, 2, 0, 2**20 + 16384, True), 132)
 
 
 def test_command_line(capsys):
