@@ -41,7 +41,7 @@ __device__ __forceinline__ void fill(unsigned char* smem) {
   }
   if constexpr (V::kFp8) {
     float* sc = reinterpret_cast<float*>(smem + kKOffset<V> + kKScalesOffset<V>);
-    for (int i = threadIdx.x; i < kScaleBox; i += blockDim.x) sc[i] = 0.0625f * (1.f + (i % 7) / 8.f);
+    for (int i = threadIdx.x; i < kScaleBox<V>; i += blockDim.x) sc[i] = 0.0625f * (1.f + (i % 7) / 8.f);
   }
 }
 
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   const unsigned long long dk = make_desc(k, 16, 1024);
   // the rope blocks (all-e4m3: 64-byte rows, 64-byte swizzle; 16-bit: the third 128-byte block)
   const unsigned long long dqr = make_desc(q + kQBlk<V> + cw * kWgRows * kDr, 16, 512, kDescSwizzle64);
-  const unsigned long long dkr = make_desc(k + kBlk, 16, 512, kDescSwizzle64);
+  const unsigned long long dkr = make_desc(k + kBlk<V>, 16, 512, kDescSwizzle64);
   const u32 scale_at = k + kKScalesOffset<V> + 4 * key_scale_index(0);
   // Turns as the kernel's (mainloop.cuh): consumer c waits on kTurnBar + c and passes to c + 1
   // (modulo the consumers: warpgroup cw + 1 is consumer cw).
@@ -85,10 +85,10 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     if constexpr (kTurns != 0) named_barrier_arrive(kTurnBar + (threadIdx.x / 128) % V::kConsumers, kTurnThreads);
   };
 
-  float o[kOTiles][4], sacc[kSTiles][4];
+  float o[kOTiles][4], sacc[kSTiles<V>][4];
   u32 pa[kPvSteps<V>][4];
 #pragma unroll
-  for (int i = 0; i < kSTiles; ++i)
+  for (int i = 0; i < kSTiles<V>; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[i][e] = 0.f, sacc[i][e] = 0.25f * e - 0.5f;
 #pragma unroll
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     } else {
 #pragma unroll
       for (int kk = 0; kk < kQkSteps; ++kk) {
-        const u32 step = (kk / 4) * kBlk + (kk % 4) * 32;
+        const u32 step = (kk / 4) * kBlk<V> + (kk % 4) * 32;
         Wgmma<typename V::Elem>::ss(sacc, desc_add(dq, (kk / 4) * kQBlk<V> + (kk % 4) * 32), desc_add(dk, step), kk > 0);
       }
     }

@@ -58,15 +58,25 @@ class Probe:
         return f"probe::pipe_probe<{self.variant}, {self.parts}, {self.turns}, {self.poly}, {self.runners}>"
 
     @property
+    def keys(self) -> int:
+        """Keys of the variant's key tile (Wide16: 96, else 128)."""
+        return 96 if "Wide16" in self.variant else 128
+
+    @property
     def tensor_cycles(self) -> int:
-        """Tensor-pipe cycles of one key tile of all running consumers at the full rate."""
-        steps = 10 if "E4m3" in self.variant or "Fp8" in self.variant else 20
-        return self.runners * steps * WGMMA_CYCLES if self.parts & GEMMS else 0
+        """Tensor-pipe cycles of one key tile of all running consumers at the full rate: S's k-steps
+        of N = keys columns (N / 2 cycles each) and P V's keys / k k-steps of 128 columns (64 each)."""
+        if not self.parts & GEMMS:
+            return 0
+        fp8 = "E4m3" in self.variant or "Fp8" in self.variant
+        s_steps, k = (6, 32) if fp8 else (12, 16)
+        return self.runners * (s_steps * self.keys // 2 + self.keys // k * WGMMA_CYCLES)
 
 
 E4M3 = "mla::sm90::Wide<mla::sm90::VariantE4m3>"
 B16 = "mla::sm90::Variant16<__nv_bfloat16>"
-B16X3 = "mla::sm90::Wide<mla::sm90::Variant16<__nv_bfloat16>>"  # three 16-bit consumers (not a kernel today)
+B16X3 = "mla::sm90::Wide<mla::sm90::Variant16<__nv_bfloat16>>"  # three 16-bit consumers on 128-key tiles (no kernel)
+B16W = "mla::sm90::Wide16<mla::sm90::Variant16<__nv_bfloat16>>"  # MLA_SM90_16BIT_CONSUMERS 3's: 96-key tiles
 PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-gemm", E4M3, 3, GEMMS, turns=1),
     Probe("e4m3-gemm-noturns", E4M3, 3, GEMMS),
@@ -85,6 +95,8 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("bf16-loop-turns", B16, 2, GEMMS | SOFTMAX, turns=1),
     Probe("bf16x3-gemm", B16X3, 3, GEMMS, turns=1),
     Probe("bf16x3-loop", B16X3, 3, GEMMS | SOFTMAX, turns=1),
+    Probe("bf16w-gemm", B16W, 3, GEMMS, turns=1),
+    Probe("bf16w-loop", B16W, 3, GEMMS | SOFTMAX, turns=1),
 )}
 
 

@@ -40,7 +40,7 @@ namespace sm90 {
 // key tile, floats of the fp8 key-scale box, rows of a Q box (one consumer's).
 constexpr int kGeometryFields = 6;
 #define MLA_SM90_GEOMETRY(V) kSmemBytes<ForMask<V, Mask>>, kThreads<ForMask<V, Mask>>, kBlockM<ForMask<V, Mask>>, \
-                             kBlockN, kScaleBox, kWgRows
+                             ForMask<V, Mask>::kBlockN, kScaleBox<ForMask<V, Mask>>, kWgRows
 template <class Mask>
 __device__ const int kGeometry[kNumVariants][kGeometryFields] = {
     {MLA_SM90_GEOMETRY(Variant16<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantFp8)},

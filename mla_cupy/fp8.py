@@ -22,7 +22,7 @@ from .dims import DR, DV, FP8_CONSUMERS, HALF_BLOCK, QUERY_BLOCK
 
 __all__ = ["VT_ALIGN", "VT_SIGMA", "TransposedV", "fp8_bytes", "check_fp8_arrays", "check_fp8_layout",
            "check_q_scale_values", "check_transposed_v_offsets", "vt_columns", "vt_shape", "transpose_v_host",
-           "untranspose_v_host", "transpose_v", "fp8_consumers", "fp8_query_block"]
+           "untranspose_v_host", "transpose_v", "fp8_consumers", "fp8_query_block", "wide_16bit"]
 
 
 class E4m3HostView(np.ndarray):
@@ -99,7 +99,7 @@ def check_q_scale_values(q_scale) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The Hopper kernel's query blocks in the fp8 variants (the reference's NaN reach follows them)
+# The Hopper kernel's query blocks (the reference's NaN reach follows them)
 
 def fp8_consumers() -> int:
     """Consumer warpgroups of the Hopper kernel's fp8 variants (per token, all-e4m3) under a mask
@@ -116,6 +116,17 @@ def fp8_query_block(mask) -> int:
     :data:`~mla_cupy.dims.HALF_BLOCK` rows per consumer warpgroup, :func:`fp8_consumers` of them
     under a mask without a lower bound (the causal mask, no mask), two under the others."""
     return QUERY_BLOCK if mask.bounded_below else HALF_BLOCK * fp8_consumers()
+
+
+def wide_16bit(mask, rope8: bool = False) -> bool:
+    """Whether the Hopper kernel's 16-bit variant (``rope8``: the one with an e4m3 rope, which
+    keeps two) runs three consumer warpgroups under ``mask`` (192-row work tiles, 96-key tiles, no
+    half tiles): only where this process builds it with ``MLA_SM90_16BIT_CONSUMERS`` 3 (a
+    measurement switch; ``MLA_CUPY_DEFINES``), under a mask without a lower bound (the causal
+    mask, no mask)."""
+    from .jit import DEFINES
+
+    return not rope8 and not mask.bounded_below and int(DEFINES.get("MLA_SM90_16BIT_CONSUMERS", 2)) == 3
 
 
 # ---------------------------------------------------------------------------------------------

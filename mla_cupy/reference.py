@@ -23,7 +23,9 @@ Non-finite inputs (the contract's rule, which the kernels follow):
   span holds key j (``0 * NaN``), rows that see no key included; the fp8 variants (per token,
   all-e4m3) start the span on a multiple of 16 keys, and their blocks are
   :func:`~mla_cupy.fp8.fp8_query_block` rows (192 under the causal mask and no mask when the kernel is
-  built with three fp8 consumers). In the 16-bit variants, a
+  built with three fp8 consumers); the 16-bit variants' blocks are 192 rows without half tiles under
+  those masks when the kernel is built with three 16-bit consumers (a measurement switch:
+  :func:`~mla_cupy.fp8.wide_16bit`). Otherwise, in the 16-bit variants, a
   :data:`~mla_cupy.dims.HALF_BLOCK`-row half of a block whose last row would see no key position
   past the middle of the span's last :data:`~mla_cupy.dims.KEY_TILE`-key tile ends its span there.
   This is the upper bound of the contract's reach, which the Hopper kernel meets exactly; the
@@ -41,7 +43,7 @@ import numpy as np
 from ._arrays import FP8_E4M3, to_host
 from ._progress import Progress
 from .dims import DR, DV, HALF_BLOCK, KEY_TILE, QUERY_BLOCK
-from .fp8 import VT_ALIGN, fp8_bytes, fp8_query_block
+from .fp8 import VT_ALIGN, fp8_bytes, fp8_query_block, wide_16bit
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
 from .validation import Problem, check_inputs, check_merge_inputs, check_merge_outputs
@@ -420,9 +422,12 @@ class _Blocks(NamedTuple):
     qb: int
 
     @staticmethod
-    def of(fp8: bool, mask: Mask) -> "_Blocks":
-        """The fp8 variants' (per token, all-e4m3) or the 16-bit ones' under ``mask``."""
-        return _Blocks(VT_ALIGN, False, fp8_query_block(mask)) if fp8 else _Blocks(1, True, QUERY_BLOCK)
+    def of(fp8: bool, mask: Mask, rope8: bool = False) -> "_Blocks":
+        """The fp8 variants' (per token, all-e4m3) or the 16-bit ones' (``rope8``: with an e4m3
+        rope) under ``mask``."""
+        if fp8:
+            return _Blocks(VT_ALIGN, False, fp8_query_block(mask))
+        return _Blocks(1, False, 3 * HALF_BLOCK) if wide_16bit(mask, rope8) else _Blocks(1, True, QUERY_BLOCK)
 
 
 def _work(p: Problem, lay: _Layout, bl: _Blocks) -> float:
@@ -511,7 +516,7 @@ def _run(p: Problem, src: _Inputs, lay: _Layout, out, lse, return_lse: bool, acc
          progress: Optional[bool], desc: str):
     """The attention of a call, blocked as the Hopper kernel of the variant (``fp8``: per token or
     all-e4m3) computes it (_Blocks)."""
-    bl = _Blocks.of(fp8, p.mask)
+    bl = _Blocks.of(fp8, p.mask, p.rope_scaled_e4m3)
     xp = src.xp
     res = out if out is not None else xp.zeros((p.tq, p.heads, DV), p.out_dtype)
     res_lse = lse if lse is not None else (xp.full((p.tq, p.heads), -np.inf) if return_lse else None)

@@ -9,7 +9,7 @@ import pytest
 from mla_cupy import _registry as reg
 from mla_cupy import jit
 from mla_cupy._registry import family_label
-from mla_cupy.masks import MASKS, CausalMask, Mask
+from mla_cupy.masks import MASKS, CausalMask, Mask, NullMask
 
 FAMILIES = reg.all_families()
 
@@ -94,7 +94,9 @@ SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask(), False),
                  ("MLA_SM90_FP8_TURNS", "2", "fp8", CausalMask(), True),
                  ("MLA_SM90_FP8_TURNS", "2", "e4m3", CausalMask(), False),
                  ("MLA_SM90_FP8_TURNS", "0", "e4m3", CausalMask(), False),
-                 ("MLA_SM90_16BIT_TURNS", "1", "bf16", CausalMask(), True)]
+                 ("MLA_SM90_16BIT_TURNS", "1", "bf16", CausalMask(), True),
+                 ("MLA_SM90_16BIT_CONSUMERS", "3", "bf16", CausalMask(), True),
+                 ("MLA_SM90_16BIT_CONSUMERS", "3", "bf16", NullMask(), False)]
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 from mla_cupy import _geometry, _packing, _registry as reg, dims, fp8, jit
 from mla_cupy._arrays import BF16, FP16
 from mla_cupy._launch import F32, I32, I64, PTR, TENSOR_MAP_DTYPE, ArgPack, PreparedLaunch
-from mla_cupy.masks import MASKS, CausalMask, ChunkedMask, SlidingWindowCausalMask
+from mla_cupy.masks import MASKS, CausalMask, ChunkedMask, NullMask, SlidingWindowCausalMask
 
 
 class _NoKernel:
@@ -93,15 +93,15 @@ def test_hopper_module_exports_its_parameter_struct_and_geometry(variant):
     for name, (_, row) in reg.SM90_VARIANTS.items():
         geom = dict(zip(_geometry.SM90_GEOMETRY, rows[row].tolist()))
         assert 100 * 1024 < geom["smem"] <= 227 * 1024, (name, geom)
-        want_m = fp8.fp8_query_block(CausalMask()) if name in FP8_VARIANTS else dims.QUERY_BLOCK
-        assert geom["block_m"] == want_m and geom["block_n"] == dims.KEY_TILE, geom
+        want_m, want_n = _want_blocks(name, CausalMask())
+        assert geom["block_m"] == want_m and geom["block_n"] == want_n, geom
         assert geom["threads"] == 128 * (1 + want_m // dims.HALF_BLOCK), geom
         assert geom["scale_box"] >= geom["block_n"], geom  # a tile's key scales and the aligned start
         assert geom["q_rows"] == dims.HALF_BLOCK, geom  # each consumer's Q rows, loaded apart
 
 
 def _sm90_block_rows(mask, defines=()):
-    """variant -> (block_m, threads, q_rows) of the Hopper module's geometry table for ``mask``."""
+    """variant -> (block_m, threads, q_rows, block_n) of the Hopper module's geometry table for ``mask``."""
     fam = reg.prefill_sm90(BF16, mask, "fp8")
     exports = reg.sm90_exports(mask)
     table = np.frombuffer(_ptx_globals(fam, exports, defines=defines)[exports[2]], np.int32)
@@ -109,11 +109,20 @@ def _sm90_block_rows(mask, defines=()):
     out = {}
     for name, (_, row) in reg.SM90_VARIANTS.items():
         geom = dict(zip(_geometry.SM90_GEOMETRY, rows[row].tolist()))
-        out[name] = (geom["block_m"], geom["threads"], geom["q_rows"])
+        out[name] = (geom["block_m"], geom["threads"], geom["q_rows"], geom["block_n"])
     return out
 
 
 FP8_VARIANTS = (reg.VARIANT_FP8, reg.VARIANT_E4M3)  # the Hopper kernel's fp8 traits (VariantFp8 and kin)
+
+
+def _want_blocks(name, mask):
+    """(query rows, keys) of a work tile and key tile of variant ``name`` under ``mask`` as the
+    reference sees the build (fp8.fp8_query_block, fp8.wide_16bit)."""
+    if name in FP8_VARIANTS:
+        return fp8.fp8_query_block(mask), dims.KEY_TILE
+    wide = fp8.wide_16bit(mask, rope8=name == reg.VARIANT_FP8_ROPE)
+    return (3 * dims.HALF_BLOCK, 96) if wide else (dims.QUERY_BLOCK, dims.KEY_TILE)
 
 
 @pytest.mark.slow
@@ -123,8 +132,8 @@ def test_geometry_rows_are_the_references_query_blocks(mask):
     are the reference's (fp8.fp8_query_block, which shapes the reach of a NaN in v), 64 per consumer
     warpgroup, one producer warpgroup beside them. A default of MLA_SM90_FP8_CONSUMERS other than
     dims.FP8_CONSUMERS fails here."""
-    for name, (block_m, threads, q_rows) in _sm90_block_rows(mask).items():
-        assert block_m == (fp8.fp8_query_block(mask) if name in FP8_VARIANTS else dims.QUERY_BLOCK), (name, block_m)
+    for name, (block_m, threads, q_rows, block_n) in _sm90_block_rows(mask).items():
+        assert (block_m, block_n) == _want_blocks(name, mask), (name, block_m, block_n)
         assert q_rows == dims.HALF_BLOCK and threads == 128 * (1 + block_m // q_rows), (name, threads)
 
 
@@ -136,9 +145,23 @@ def test_fp8_consumers_widen_the_unbounded_masks_only(mask, consumers):
     consumers) under a mask without a lower bound, with 2 they take 128; 128 under the other masks,
     and the 16-bit variants stay at 128."""
     rows = _sm90_block_rows(mask, (("MLA_SM90_FP8_CONSUMERS", str(consumers)),))
-    for name, (block_m, threads, _) in rows.items():
+    for name, (block_m, threads, _, _) in rows.items():
         want = 64 * consumers if name in FP8_VARIANTS and not mask.bounded_below else 128
         assert (block_m, threads) == (want, 128 + 2 * want), (name, block_m, threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", [CausalMask(), NullMask(), SlidingWindowCausalMask(100)], ids=lambda m: type(m).__name__)
+def test_16bit_consumers_widen_the_16bit_variant_under_the_unbounded_masks_only(mask):
+    """Built with MLA_SM90_16BIT_CONSUMERS 3 the 16-bit variant takes 192 rows and 96-key tiles
+    under a mask without a lower bound (fp8.wide_16bit, which the reference's NaN reach follows);
+    the e4m3-rope variant, the fp8 ones and every variant under the other masks keep theirs."""
+    rows = _sm90_block_rows(mask, (("MLA_SM90_16BIT_CONSUMERS", "3"),))
+    for name, (block_m, threads, _, block_n) in rows.items():
+        wide = name == reg.VARIANT_16 and not mask.bounded_below
+        want_m = 192 if wide or (name in FP8_VARIANTS and not mask.bounded_below) else 128
+        assert (block_m, threads) == (want_m, 128 + 2 * want_m), (name, block_m, threads)
+        assert block_n == (96 if wide else 128), (name, block_n)
 
 
 def test_portable_module_and_pre_pass_export_theirs():

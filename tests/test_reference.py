@@ -520,6 +520,29 @@ def test_fp8_nan_in_v_reaches_the_query_blocks_of_the_kernel_build(monkeypatch, 
     assert_reach(out, lse, clean_out, clean_lse, want, d, lse_nan=False)
 
 
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_16bit_nan_in_v_reaches_the_query_blocks_of_the_kernel_build(monkeypatch, consumers):
+    """Built with three 16-bit consumers (MLA_SM90_16BIT_CONSUMERS 3, a measurement switch) the
+    16-bit variant's causal blocks are 192 rows without half tiles; with two (the default) 128 rows
+    with them. The window mask keeps 128 either way, and the e4m3-rope variant keeps two consumers."""
+    from mla_cupy import jit
+
+    monkeypatch.setattr(jit, "DEFINES", {"MLA_SM90_16BIT_CONSUMERS": str(consumers)})  # as MLA_CUPY_DEFINES sets it
+    mask = CausalMask()
+    assert fp8.wide_16bit(mask) == (consumers == 3)
+    assert not fp8.wide_16bit(SlidingWindowCausalMask(37)) and not fp8.wide_16bit(mask, rope8=True)
+    c = nan_case()
+    clean_out, clean_lse = run_ref(c, mask)
+    j, h, d = 100, 1, 5  # rows from 130 see key 100; a 192-row block 0 spans it, a 128-row one does not
+    c.v[j, h, d] = np.nan
+    want = np.zeros(clean_lse.shape, bool)
+    want[:300, h] = (reach_of_v(c, mask, j, half_tiles=False, block=192) if consumers == 3
+                     else reach_of_v(c, mask, j))
+    assert want[:128, h].any() == (consumers == 3) and want[140:300, h].all()
+    out, lse = run_ref(c, mask)
+    assert_reach(out, lse, clean_out, clean_lse, want, d, lse_nan=False)
+
+
 def test_fp8_rope_nan_reaches_the_rows_that_see_its_key():
     from mla_cupy import quant
 

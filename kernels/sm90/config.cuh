@@ -10,18 +10,12 @@ namespace sm90 {
 constexpr int kDv = 128;                            // values and the per-head ("nope") part of q / k
 constexpr int kDr = 64;                             // the rope part every head shares
 constexpr int kDqk = kDv + kDr;                     // 192
-constexpr int kBlockN = 128;                        // keys per key tile
 constexpr int kWgRows = 64;                         // query rows of a consumer warpgroup: one wgmma M
 constexpr int kQWarp = 2;                           // the producer warpgroup's Q loader (warp 1 may be the rope warp)
 constexpr int kColBlock = 64;                       // 16-bit elements per 128-byte swizzled column block
-constexpr int kBlk = kBlockN * 128;                 // one column block of a K or V tile: 16 KiB
-constexpr int kSTiles = kBlockN / 8;                // n-tiles of 8 keys in S (16)
 constexpr int kOTiles = kDv / 8;                    // n-tiles of 8 values in O (16)
 constexpr int kQkSteps = kDqk / 16;                 // 16-bit wgmma k-steps of S (12)
-// fp8: a tile's key scales come as one TMA box of kScaleBox floats starting at the 16-byte boundary
-// at or before the tile's first key (a 1-D box must start 16-byte aligned).
-constexpr int kScaleBox = kBlockN + 4;
-constexpr int kKeyWords = kBlockN / 32;             // rope warp: a readable bit per key of a tile (key 32 w + b: word w, bit b)
+constexpr int kKeyWordsMax = 4;                     // rope warp: words of readable bits a stage holds (one 16-byte load)
 constexpr u32 kTileUnreadable = 1u;  // rope warp: the tile's flags word
 
 // Named barriers (0 is __syncthreads): the consumers after zeroing V rows, the consumers' turns
@@ -58,6 +52,7 @@ struct Variant16 {
   static constexpr int kStages = 2;
   static constexpr bool kPingpong = MLA_SM90_16BIT_TURNS != 0;
   static constexpr int kConsumers = 2;              // consumer warpgroups of kWgRows query rows
+  static constexpr int kBlockN = 128;               // keys per key tile
 };
 
 // fp8 per token: e4m3 q_nope, k and V^T (the pre-pass of transpose_v.cu) with float32 scales per
@@ -74,6 +69,7 @@ struct VariantFp8 {
   static constexpr int kStages = 3;
   static constexpr bool kPingpong = true;
   static constexpr int kConsumers = 2;
+  static constexpr int kBlockN = 128;
 };
 
 // 16-bit q, k, v with an e4m3 rope and one float32 scale per key, dequantized by the rope warp:
@@ -124,16 +120,52 @@ struct Wide : V {
   static constexpr int kConsumers = 3;
   static constexpr bool kPingpong = MLA_SM90_FP8_TURNS != 0;
 };
-// Variant V as it is compiled under Mask: Wide<V> where the switch above asks for it.
-template <class V, class Mask, bool kWide = V::kFp8 && !Mask::kBoundedBelow && MLA_SM90_FP8_CONSUMERS == 3>
+
+// 16-bit with three consumer warpgroups (MLA_SM90_16BIT_CONSUMERS 3; a measurement switch, 2 by
+// default): 192-row work tiles, so that each K/V tile loaded serves 50% more query rows. A 128 x 128
+// step of the two-consumer kernel reads 80 KiB of keys and values for 10.5 MFLOP, about 6 TB/s from
+// L2 at the long cases' rate (benchmarks/NOTES.md, "The loads without the consumers"); 192 x 96
+// reads 60 KiB for 11.8 MFLOP, 35% fewer bytes per FLOP. Key tiles of 96 keys: Q (72 KiB for 192 rows)
+// beside two 128-key stages (160 KiB) does not fit the shared memory, beside two of 96 (120 KiB) it
+// does, with the output staging. Otherwise as the three-consumer fp8 kernels: turns, P V completed
+// before S, 160 registers per consumer and 32 per producer thread with a scheduler warp; the causal
+// and null masks only; no half tiles (the diagonal of 192 rows does not fall on 96-key tiles). Not the
+// fp8-rope variant: its rope warp, dequantizing rows at 32 registers, spills.
+#ifndef MLA_SM90_16BIT_CONSUMERS
+#define MLA_SM90_16BIT_CONSUMERS 2
+#endif
+template <class V>
+struct Wide16 : V {
+  static constexpr int kConsumers = 3;
+  static constexpr bool kPingpong = true;
+  static constexpr int kBlockN = 96;
+};
+// The three-consumer form of variant V.
+template <class V, bool kFp8 = V::kFp8> struct WideOf { using type = Wide<V>; };
+template <class V> struct WideOf<V, false> { using type = Wide16<V>; };
+// Variant V as it is compiled under Mask: its three-consumer form where the switches above ask for it.
+template <class V, class Mask>
+constexpr bool kWideFor = !Mask::kBoundedBelow &&
+                          (V::kFp8 ? MLA_SM90_FP8_CONSUMERS == 3 : MLA_SM90_16BIT_CONSUMERS == 3 && !V::kRope8);
+template <class V, class Mask, bool kWide = kWideFor<V, Mask>>
 struct ForMaskT {
   using type = V;
 };
 template <class V, class Mask>
 struct ForMaskT<V, Mask, true> {
-  using type = Wide<V>;
+  using type = typename WideOf<V>::type;
 };
 template <class V, class Mask> using ForMask = typename ForMaskT<V, Mask>::type;
+
+// The key tile of variant V: V::kBlockN keys, S in kSTiles<V> n-tiles of 8 keys, each 128-byte
+// swizzled column block of a K or V tile kBlk<V> bytes (16 KiB for 128 keys), the rope warp's
+// readable bits in kKeyWords<V> words (key 32 w + b: word w, bit b). fp8: a tile's key scales come as
+// one TMA box of kScaleBox<V> floats starting at the 16-byte boundary at or before the tile's first
+// key (a 1-D box must start 16-byte aligned).
+template <class V> constexpr int kSTiles = V::kBlockN / 8;
+template <class V> constexpr int kBlk = V::kBlockN * 128;
+template <class V> constexpr int kKeyWords = V::kBlockN / 32;
+template <class V> constexpr int kScaleBox = V::kBlockN + 4;
 
 // The work tile and the warpgroups of variant V: V::kConsumers consumer warpgroups of kWgRows rows
 // beside the producer warpgroup.
@@ -159,7 +191,7 @@ template <class V> constexpr int kLaunchRegs = 65536 / kThreads<V> / 8 * 8;
 template <class V>
 constexpr bool kRegisterBudget = kProducerRegs<V> + V::kConsumers * kConsumerRegs<V> <= (1 + V::kConsumers) * kLaunchRegs<V>;
 static_assert(kRegisterBudget<Variant16<__half>> && kRegisterBudget<VariantFp8> &&
-                  kRegisterBudget<Wide<VariantFp8>>, "register budget");
+                  kRegisterBudget<Wide<VariantFp8>> && kRegisterBudget<Wide16<Variant16<__half>>>, "register budget");
 // A warp of the producer warpgroup that only decodes and hands out the work tiles (three consumers).
 template <class V> constexpr bool kSchedulerWarp = V::kConsumers == 3;
 constexpr int kSchedWarp = 3;
@@ -171,12 +203,12 @@ constexpr int kSchedWarp = 3;
 // The rope block: 128 rows of 64 16-bit values (16 KiB, 128-byte swizzle), or of 64 e4m3 bytes
 // (8 KiB, 64-byte swizzle: VariantE4m3). VariantE4m3: Q 24 KiB, K 25 KiB, V 16 KiB.
 template <class V> constexpr int kRopeRowBytes = V::kRopeE4m3 ? kDr : 2 * kDr;
-template <class V> constexpr int kRopeBytes = kBlockN * kRopeRowBytes<V>;
+template <class V> constexpr int kRopeBytes = V::kBlockN * kRopeRowBytes<V>;
 template <class V> constexpr int kQBytes = V::kNopeBlocks * kQBlk<V> + kBlockM<V> * kRopeRowBytes<V>;
-template <class V> constexpr int kKScalesOffset = V::kNopeBlocks * kBlk + kRopeBytes<V>;  // fp8: the key scales
+template <class V> constexpr int kKScalesOffset = V::kNopeBlocks * kBlk<V> + kRopeBytes<V>;  // fp8: the key scales
 template <class V> constexpr int kKBytes = kKScalesOffset<V> + (V::kFp8 ? 1024 : 0);
-template <class V> constexpr int kVBytes = V::kNopeBlocks * kBlk;
-template <class V> constexpr int kPvSteps = V::kFp8 ? kBlockN / 32 : kBlockN / 16;  // wgmma k-steps of O
+template <class V> constexpr int kVBytes = V::kNopeBlocks * kBlk<V>;
+template <class V> constexpr int kPvSteps = V::kFp8 ? V::kBlockN / 32 : V::kBlockN / 16;  // wgmma k-steps of O
 // A rope warp flags each key tile's unreadable keys (paged cache) and writes an fp8 rope's rows
 // dequantized into the K stages; every other rope (plain, or a paged 16-bit one gathered into key
 // rows before the launch: rope_gather.cu) comes by warp 0's TMA.
@@ -231,8 +263,9 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #ifndef MLA_SM90_LAZY_RESCALE
 #define MLA_SM90_LAZY_RESCALE 0
 #endif
-// The overlap in the fp8 variants of V: with two consumers as the switch says; never with three.
-template <class V> constexpr bool kFp8Overlap = MLA_SM90_FP8_OVERLAP && V::kConsumers == 2;
+// S_t issued beside P_{t-1} V_{t-1} (the overlap): with two consumers, in fp8 as the switch above
+// says; never with three (P V completed before S).
+template <class V> constexpr bool kOverlap = V::kConsumers == 2 && (!V::kFp8 || MLA_SM90_FP8_OVERLAP);
 
 // A work tile's last key tile as a half tile for a warpgroup that sees none of its second half
 // (consumer 0 on a causal diagonal): P V over 4 of its 8 k-steps, and S by m64n64 wgmma when it

@@ -47,8 +47,8 @@ constexpr float kPScale = 1 << kLog2PScale;
 
 // kPScale * P of k-step kk (keys 32 kk .. 32 kk + 31, n-tiles 4 kk .. 4 kk + 3 of the S
 // accumulator) as the e4m3 A fragment, in the k order of the file comment.
-template <int kSTiles>
-__device__ __forceinline__ void pack_p_e4m3(const float (&s)[kSTiles][4], int kk, u32 (&a)[4]) {
+template <int kNT>
+__device__ __forceinline__ void pack_p_e4m3(const float (&s)[kNT][4], int kk, u32 (&a)[4]) {
   const int j = 4 * kk;
   a[0] = e4m3x4(s[j][0], s[j][1], s[j + 1][0], s[j + 1][1]);          // row g, keys 2t, 2t+1, 8+2t, 9+2t
   a[1] = e4m3x4(s[j][2], s[j][3], s[j + 1][2], s[j + 1][3]);          // row g + 8

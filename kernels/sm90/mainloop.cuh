@@ -1,5 +1,5 @@
-// The consumer mainloop: two warpgroups (three in fp8 under the causal and no mask), 64 query
-// rows each. Per key tile, S = Q K^T by wgmma with both operands in shared memory, the online
+// The consumer mainloop: two warpgroups (three in fp8 under the causal and no mask, and in 16-bit
+// with MLA_SM90_16BIT_CONSUMERS 3), 64 query rows each. Per key tile, S = Q K^T by wgmma with both operands in shared memory, the online
 // softmax in registers, and O += P V with P from registers and V read transposed from shared
 // memory (fp8: e4m3 P and V^T).
 //
@@ -37,27 +37,32 @@
 namespace mla {
 namespace sm90 {
 
-// O[64x128] += P[64x128] V[128x128]: P from registers (8 k-steps of 16 keys), V from the stage's
-// shared memory read transposed. Keys 16kk .. 16kk+15 are rows of V: 16 rows x 128 bytes = 2048
-// bytes per k-step; V's two 64-wide column blocks are one block (16 KiB) apart (the LBO).
-// kKeys: the tile's first kKeys keys only (the rest of P is zero: a half tile, Mainloop::run).
-template <typename T, int kKeys = kBlockN>
-__device__ __forceinline__ void pv_mma(float (&o)[kOTiles][4], const u32 (&pa)[kBlockN / 16][4], u32 v_stage) {
-  const unsigned long long dv = make_desc(v_stage, kBlk, 1024);
+// O[64x128] += P[64xN] V[Nx128] for a key tile of N = 16 kSteps keys: P from registers (kSteps
+// k-steps of 16 keys), V from the stage's shared memory read transposed. Keys 16kk .. 16kk+15 are
+// rows of V: 16 rows x 128 bytes = 2048 bytes per k-step; V's two 64-wide column blocks are one
+// block (N x 128 bytes: 16 KiB for 128 keys) apart (the LBO). kKeys: the tile's first kKeys keys
+// only (the rest of P is zero: a half tile, Mainloop::run).
+template <typename T, int kKeys = 0, int kSteps>
+__device__ __forceinline__ void pv_mma(float (&o)[kOTiles][4], const u32 (&pa)[kSteps][4], u32 v_stage) {
+  const unsigned long long dv = make_desc(v_stage, kSteps * 16 * 128, 1024);
 #pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk) Wgmma<T>::rs_tb(o, pa[kk], desc_add(dv, kk * 2048));
+  for (int kk = 0; kk < (kKeys ? kKeys : 16 * kSteps) / 16; ++kk) Wgmma<T>::rs_tb(o, pa[kk], desc_add(dv, kk * 2048));
 }
 // fp8: O += P V with V^T (rows = values, 128 k positions of one byte) K-major: 4 k-steps of 32 bytes.
-__device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&pa)[kBlockN / 32][4], u32 vt_stage) {
+template <int kSteps>
+__device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&pa)[kSteps][4], u32 vt_stage) {
+  static_assert(kSteps == 4, "V^T stages hold 128 keys (vt_layout.cuh)");
   const unsigned long long dv = make_desc(vt_stage, 16, 1024);
 #pragma unroll
-  for (int kk = 0; kk < kBlockN / 32; ++kk) WgmmaE4m3::rs(o, pa[kk], desc_add(dv, kk * 32));
+  for (int kk = 0; kk < kSteps; ++kk) WgmmaE4m3::rs(o, pa[kk], desc_add(dv, kk * 32));
 }
 
 template <class V, class Mask, bool kPaged>
 struct Mainloop {
   using T = typename V::Elem;
   static constexpr int kS = V::kStages;
+  static constexpr int kBN = V::kBlockN;      // keys per key tile
+  static constexpr int kST = kSTiles<V>;      // n-tiles of 8 keys in S
   static constexpr bool kRW = kRopeWarp<V, kPaged>;
   // fp8 key scales: read from shared memory where they multiply with three consumers
   // (dequantize_scores_at), else into registers before the GEMMs (MLA_SM90_KSCALE_EARLY) or after
@@ -70,7 +75,9 @@ struct Mainloop {
   // A work tile's last key tile may be a half tile (softmax.cuh: last_tile_is_half). Not in the fp8
   // variants: their chunked-mask kernels would spill (they run at the register limit), and their
   // time goes to the softmax, which a half tile does not shorten.
-  static constexpr bool kHalfTiles = MLA_SM90_HALF_TILE && MLA_SM90_SPLIT_MASKED && Mask::kBoundedAbove && !V::kFp8;
+  // Nor with three 16-bit consumers (Wide16: 96-key tiles, which a 192-row diagonal does not halve).
+  static constexpr bool kHalfTiles =
+      MLA_SM90_HALF_TILE && MLA_SM90_SPLIT_MASKED && Mask::kBoundedAbove && !V::kFp8 && V::kConsumers == 2;
   // Three fp8 consumers with MLA_SM90_FP8_TURNS 2: a turn covers P V's issue only (steps).
   static constexpr bool kTurnCoversPvOnly = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_TURNS == 2;
 
@@ -132,9 +139,9 @@ struct Mainloop {
     int r0;                          // sequence row of this thread's row g
     int key_lo[2], key_hi[2];        // visible keys of rows g, g + 8 from n_begin (row_key_ranges)
     float row_scale[2];              // softmax scale (times log2 e) of the thread's two rows
-    float sacc[kSTiles][4];          // S of the current key tile, then its P
+    float sacc[kST][4];              // S of the current key tile, then its P
     u32 pa[kPvSteps<V>][4];          // P of the previous tile, waiting for its P V
-    float ksc[V::kFp8 && !kScalesInPlace ? kSTiles : 1][2];  // fp8: key scales of the thread's columns
+    float ksc[V::kFp8 && !kScalesInPlace ? kST : 1][2];  // fp8: key scales of the thread's columns
     u32 scale_at;                    // kScalesInPlace: bytes from a scale box to the thread's first scale
     float corr[2];                   // rescale factors of O from the last softmax step
     u32 tile_flags;                  // the rope warp's flags of the current key tile (kRW)
@@ -146,7 +153,7 @@ struct Mainloop {
   __device__ __forceinline__ void wait_k(int it) const { mbar_wait(sm.k_full(it % kS), (it / kS) & 1); }
   // One k-step of S: its 128 columns, or (kHalf) the first 64 only.
   template <bool kHalf>
-  static __device__ __forceinline__ void qk16(float (&d)[kSTiles][4], unsigned long long da, unsigned long long db, int acc) {
+  static __device__ __forceinline__ void qk16(float (&d)[kST][4], unsigned long long da, unsigned long long db, int acc) {
     if constexpr (kHalf) Wgmma<T>::ss_n64(d, da, db, acc);
     else Wgmma<T>::ss(d, da, db, acc);
   }
@@ -161,7 +168,7 @@ struct Mainloop {
     // the rope warp's flags: read now, used after S, so the load's latency passes under the GEMMs
     // (the rope warp fenced its rows for wgmma before it arrived)
     if (kRW) x.tile_flags = sm.s.tile_flags[s];
-    fence_operands_first<kHalf ? kSTiles / 2 : kSTiles>(x.sacc);
+    fence_operands_first<kHalf ? kST / 2 : kST>(x.sacc);
     const unsigned long long dk = make_desc(sm.k(s), 16, 1024), dr = make_desc(sm.rope(s), 16, 1024);
     wgmma_fence();
     if constexpr (V::kRopeE4m3) {
@@ -185,7 +192,7 @@ struct Mainloop {
         // k-step kk: column block kk / 4 (nope, nope, rope), 32-byte step kk % 4 inside the
         // 128-byte swizzled row
         const u32 step = (kk % 4) * 32;
-        const unsigned long long dkk = kk / 4 < 2 ? desc_add(dk, (kk / 4) * kBlk + step) : desc_add(dr, step);
+        const unsigned long long dkk = kk / 4 < 2 ? desc_add(dk, (kk / 4) * kBlk<V> + step) : desc_add(dr, step);
         qk16<kHalf>(x.sacc, desc_add(dq, (kk / 4) * kQBlk<V> + step), dkk, kk > 0);
       }
     }
@@ -195,7 +202,7 @@ struct Mainloop {
   template <bool kHalf = false>
   __device__ __forceinline__ void issue_pv(Tile& x, float (&o)[kOTiles][4], int s) const {
     static_assert(!(kHalf && V::kFp8), "half tiles: 16-bit variants only");
-    constexpr int kKeys = kHalf ? kBlockN / 2 : kBlockN;
+    constexpr int kKeys = kHalf ? kBN / 2 : kBN;
     wgmma_fence();
     if constexpr (V::kFp8) pv_mma_e4m3(o, x.pa, sm.v(s));
     else pv_mma<T, kKeys>(o, x.pa, sm.v(s));
@@ -205,22 +212,22 @@ struct Mainloop {
   __device__ __forceinline__ void key_scales(Tile& x, int t, int it) const {
     if constexpr (V::kFp8 && !kScalesInPlace)
       load_key_scales(reinterpret_cast<const float*>(sm.s.stage[it % kS].k + kKScalesOffset<V>),
-                      x.k.w.kv_row0 + x.k.n_begin + t * kBlockN, x.ksc);
+                      x.k.w.kv_row0 + x.k.n_begin + t * kBN, x.ksc);
   }
   // S of key tile t (ring position it) into probabilities: dequantized (fp8), masked as kMode says,
   // its K stage (with the rope rows and their flags) released. kHalf: S holds the tile's first 64
   // keys; the rest of the tile is set to -inf here.
   template <int kMode, bool kHalf = false>
   __device__ __forceinline__ void scores_to_p(Tile& x, OnlineSoftmax& smx, int t, int it) const {
-    constexpr int kTiles = kHalf ? kSTiles / 2 : kSTiles;  // n-tiles of S the GEMM wrote
+    constexpr int kTiles = kHalf ? kST / 2 : kST;  // n-tiles of S the GEMM wrote
     fence_operands_first<kTiles>(x.sacc);
     const int s = it % kS;
     if constexpr (kScalesInPlace) dequantize_scores_at<kTiles>(x.sacc, sm.k_scales(s) + x.scale_at);
     else if constexpr (V::kFp8) dequantize_scores<kTiles>(x.sacc, x.ksc);
 #pragma unroll
-    for (int nt = kTiles; nt < kSTiles; ++nt) x.sacc[nt][0] = x.sacc[nt][1] = x.sacc[nt][2] = x.sacc[nt][3] = neg_inf();
+    for (int nt = kTiles; nt < kST; ++nt) x.sacc[nt][0] = x.sacc[nt][1] = x.sacc[nt][2] = x.sacc[nt][3] = neg_inf();
     bool masked = kMode == kMaskApply;
-    if (kMode == kMaskTest) masked = tile_needs_mask(x.key_lo, x.key_hi, t);
+    if (kMode == kMaskTest) masked = tile_needs_mask<kBN>(x.key_lo, x.key_hi, t);
     if (masked) mask_tile(x.sacc, x.key_lo, x.key_hi, t);
     // a key of the tile could not be read (rare): its own mask, branch-free, so that the loops keep
     // the plain rope's code (a byte flag per score under the key-range test tripled them)
@@ -274,16 +281,17 @@ struct Mainloop {
     OnlineSoftmax::rescale(o, corr);
   }
   // Key tiles t .. end - 1: S_t and P_{t-1} V_{t-1} in flight together; the softmax of S_t
-  // overlaps P V. fp8 with MLA_SM90_FP8_OVERLAP 0: P_{t-1} V_{t-1} issued and completed, then S_t,
-  // and the key scales read after it: one GEMM in flight per warpgroup and nothing of tile t - 1
-  // across the softmax of tile t (the register budget of a third consumer warpgroup: with both
-  // GEMMs in flight at 160 registers ptxas serializes every wgmma, C7512).
+  // overlaps P V. Without the overlap (three consumers, or fp8 with MLA_SM90_FP8_OVERLAP 0):
+  // P_{t-1} V_{t-1} issued and completed, then S_t (fp8: the key scales read after it): one GEMM in
+  // flight per warpgroup and nothing of tile t - 1 across the softmax of tile t (the register budget
+  // of a third consumer warpgroup: with both GEMMs in flight at 160 registers ptxas serializes every
+  // wgmma, C7512).
   template <int kMode>
   __device__ __forceinline__ void steps(Tile& x, float (&o)[kOTiles][4], OnlineSoftmax& smx, int& t, int end) {
     for (; t < end; ++t, ++it) {
       const int s = it % kS;
       const u32 parity = (it / kS) & 1;
-      if constexpr (V::kFp8 && !kFp8Overlap<V>) {
+      if constexpr (!kOverlap<V>) {
         turn_wait();
         mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
         issue_pv(x, o, x.prev_s);
@@ -349,10 +357,10 @@ struct Mainloop {
       }
     }
     t_lo = t_hi = 0;
-    if constexpr (MLA_SM90_SPLIT_MASKED) full_tile_range(mask, w, x.wr0, k.n_begin, k.n_end, k.num_tiles, t_lo, t_hi);
+    if constexpr (MLA_SM90_SPLIT_MASKED) full_tile_range<kBN>(mask, w, x.wr0, k.n_begin, k.n_end, k.num_tiles, t_lo, t_hi);
     // A half last tile: none of this warpgroup's rows sees the second half of the last key tile
     // (consumer 0 on a causal diagonal), so its S and P V take the first 64 keys.
-    return kHalfTiles ? last_tile_is_half(mask, w, x.wr0, k.n_begin, k.num_tiles, t_hi) : 0;
+    return kHalfTiles ? last_tile_is_half<kBN>(mask, w, x.wr0, k.n_begin, k.num_tiles, t_hi) : 0;
   }
   // Waits for this consumer's Q rows of the work tile; key tile 0's ring position becomes "previous".
   __device__ __forceinline__ void wait_q(Tile& x) {
@@ -413,17 +421,17 @@ struct Mainloop {
   // to wgmma before any of them reads V.
   __device__ __forceinline__ void zero_v_tail(const WorkInfo& k, int last, u32 parity) const {
     mbar_wait(sm.v_full(last), parity);
-    const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBlockN);
-    if (valid < kBlockN) {
+    const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBN);
+    if (valid < kBN) {
       const int tid = thread_index_here() - 128;  // 0 .. zeroing threads - 1 (the consumers in order)
       const int nthreads = zeroing_threads(k);
       if constexpr (V::kFp8) {
         zero_vt_keys_from(sm.v(last), valid, tid, nthreads);  // V^T: key columns
       } else {
-        for (int i = tid; i < (kBlockN - valid) * (kDv / 8); i += nthreads) {
+        for (int i = tid; i < (kBN - valid) * (kDv / 8); i += nthreads) {
           const int r = valid + i / (kDv / 8);
           const int c = i % (kDv / 8);  // 16-byte chunk: block c / 8, chunk c % 8 of the row
-          sts128(sm.v(last) + (c / 8) * kBlk + r * 128 + (c % 8) * 16, 0u, 0u, 0u, 0u);
+          sts128(sm.v(last) + (c / 8) * kBlk<V> + r * 128 + (c % 8) * 16, 0u, 0u, 0u, 0u);
         }
       }
       fence_proxy_async();

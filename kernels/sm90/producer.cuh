@@ -27,7 +27,7 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
   // full, its missing rows zero-filled): the nope block(s), the rope block unless the rope warp
   // writes it (16 KiB of 16-bit rows, or 8 KiB of e4m3 rows), the key scales (fp8). Q's (q_load)
   // is its nope block(s) and rope block, by the same rule, a consumer's share at a time.
-  constexpr int kKTxBytes = V::kNopeBlocks * kBlk + (kRopeTma ? kRopeBytes<V> : 0) + (V::kFp8 ? kScaleBox * 4 : 0);
+  constexpr int kKTxBytes = V::kNopeBlocks * kBlk<V> + (kRopeTma ? kRopeBytes<V> : 0) + (V::kFp8 ? kScaleBox<V> * 4 : 0);
   int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
   int idx = blockIdx.x;
   for (int n = 0;; ++n) {
@@ -46,19 +46,19 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
       auto load_tile = [&](int t) {
         const int s = it % kS;
         const u32 empty_parity = ((it / kS) & 1) ^ 1;  // the first pass over the ring does not wait
-        const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * kBlockN);
+        const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * V::kBlockN);
         mbar_wait(sm.k_empty(s), empty_parity);
         mbar_expect_tx(sm.k_full(s), kKTxBytes);
         for (int c = 0; c < V::kNopeBlocks; ++c)
-          tma_load_3d(sm.k(s) + c * kBlk, &p.tm_k, sm.k_full(s), c * kColBlock, w.h, row);
+          tma_load_3d(sm.k(s) + c * kBlk<V>, &p.tm_k, sm.k_full(s), c * kColBlock, w.h, row);
         if (kRopeTma) tma_load_2d(sm.rope(s), &p.tm_rope, sm.k_full(s), 0, row);
         if (V::kFp8) tma_load_1d(sm.k_scales(s), &p.tm_k_scales, sm.k_full(s), row & ~3);  // 16-byte aligned start
         mbar_wait(sm.v_empty(s), empty_parity);
         mbar_expect_tx(sm.v_full(s), kVBytes<V>);
         if constexpr (V::kFp8) {  // V^T: 128 values x 128 key columns (16-byte aligned: the tile starts on a group)
-          tma_load_3d(sm.v(s), &p.tm_v, sm.v_full(s), static_cast<int>(vt_col + t * kBlockN), 0, w.h);
+          tma_load_3d(sm.v(s), &p.tm_v, sm.v_full(s), static_cast<int>(vt_col + t * V::kBlockN), 0, w.h);
         } else {
-          for (int c = 0; c < 2; ++c) tma_load_3d(sm.v(s) + c * kBlk, &p.tm_v, sm.v_full(s), c * kColBlock, w.h, row);
+          for (int c = 0; c < 2; ++c) tma_load_3d(sm.v(s) + c * kBlk<V>, &p.tm_v, sm.v_full(s), c * kColBlock, w.h, row);
         }
       };
       if constexpr (kSchedulerWarp<V>) {

@@ -23,7 +23,7 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
   using T = typename V::Elem;
   using Paged = RopeSource<true>;
   constexpr int kS = V::kStages;
-  constexpr int kRopeRows = kBlockN / 32;  // rows per lane: keys lane + 32 i
+  constexpr int kRopeRows = kKeyWords<V>;  // rows per lane: keys lane + 32 i (one readable-bit word each)
   const int lane = threadIdx.x % 32;
   const RopeArgs ra{p.rope_base, p.rope_row_stride, p.rope_block_stride, p.lookup, p.lookup_stride,
                     p.log2_page_size, p.num_blocks, p.max_pages};
@@ -39,15 +39,15 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
     auto lookup_rows = [&](int t) {
 #pragma unroll
       for (int i = 0; i < kRopeRows; ++i) {
-        const int j = k.n_begin + t * kBlockN + lane + 32 * i;
+        const int j = k.n_begin + t * V::kBlockN + lane + 32 * i;
         blk[i] = j >= k.n_end ? kNoBlock : (kPaged ? Paged::block(ra, w.b, w.k_pos0 + j) : 0u);
       }
     };
     if (k.num_tiles > 0) lookup_rows(0);
     for (int t = 0; t < k.num_tiles; ++t, ++it) {
       const int s = it % kS;
-      const int n0 = k.n_begin + t * kBlockN;
-      const int rows = min(kBlockN, k.n_end - n0);  // keys of the span in this tile
+      const int n0 = k.n_begin + t * V::kBlockN;
+      const int rows = min(V::kBlockN, k.n_end - n0);  // keys of the span in this tile
       const i64 t0 = w.k_pos0 + n0;                 // cache position of the tile's row 0
       bool bad = false;                             // a key of the span cannot be read
 #pragma unroll

@@ -36,7 +36,7 @@ struct alignas(16) WorkInfo {
   WorkTile w;          // sequence, head, query block; row offsets and positions
   int m0;              // the tile's first query row in its sequence
   int n_begin, n_end;  // keys [n_begin, n_end) of the sequence that some row of the tile may see
-  int num_tiles;       // key tiles of kBlockN keys from n_begin (0: nothing visible)
+  int num_tiles;       // key tiles of the variant's kBlockN keys from n_begin (0: nothing visible)
   int valid;           // 0: no more work for this CTA
 };
 
@@ -55,7 +55,7 @@ __device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int
   visible_key_span(mask, k.w, k.w.q_pos0 + k.m0, k.w.q_pos0 + k.m0 + rows - 1, k.n_begin, k.n_end);
   // fp8 per token: key tiles start on a multiple of kVtAlign keys (V^T's layout); the keys added are masked
   if (V::kFp8) k.n_begin &= ~(kVtAlign - 1);
-  k.num_tiles = (k.n_end - k.n_begin + kBlockN - 1) / kBlockN;
+  k.num_tiles = (k.n_end - k.n_begin + V::kBlockN - 1) / V::kBlockN;
   k.valid = 1;
   return true;
 }

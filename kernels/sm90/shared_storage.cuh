@@ -34,7 +34,7 @@ struct alignas(1024) SharedStorage {
   WorkInfo work[kWorkSlots];
   // rope warp only, per K stage s: key_ok[s], a readable bit per key (read by the consumers only
   // when the tile has an unreadable key), and tile_flags[s]: kTileUnreadable or 0
-  alignas(16) u32 key_ok[V::kStages][kKeyWords];
+  alignas(16) u32 key_ok[V::kStages][kKeyWordsMax];  // words past kKeyWords<V> unused
   u32 tile_flags[V::kStages];
 };
 static_assert(kKBytes<VariantFp8> % 1024 == 0 && kKBytes<Variant16<__half>> % 1024 == 0 &&
@@ -62,7 +62,7 @@ struct Smem {
   }
   __device__ __forceinline__ u32 q() const { return at(s.q); }
   __device__ __forceinline__ u32 k(int st) const { return at(s.stage[st].k); }
-  __device__ __forceinline__ u32 rope(int st) const { return k(st) + V::kNopeBlocks * kBlk; }  // the K rope block
+  __device__ __forceinline__ u32 rope(int st) const { return k(st) + V::kNopeBlocks * kBlk<V>; }  // the K rope block
   __device__ __forceinline__ u32 k_scales(int st) const { return k(st) + kKScalesOffset<V>; }  // fp8
   __device__ __forceinline__ u32 v(int st) const { return at(s.stage[st].v); }
   __device__ __forceinline__ u32 q_full(int c) const { return at(&s.q_full[c]); }

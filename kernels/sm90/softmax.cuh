@@ -23,10 +23,11 @@ __device__ __forceinline__ i64 key_scale_index(i64 first_row) { return (first_ro
 // The key scales of this thread's columns of a tile, read from its K stage as soon as it is full,
 // before the GEMMs that would hold the shared memory (MLA_SM90_KSCALE_EARLY), so that their latency
 // stays off the softmax's path.
-__device__ __forceinline__ void load_key_scales(const float* box, i64 first_row, float (&ksc)[kSTiles][2]) {
+template <int kNT>
+__device__ __forceinline__ void load_key_scales(const float* box, i64 first_row, float (&ksc)[kNT][2]) {
   const float* p = box + key_scale_index(first_row);
 #pragma unroll
-  for (int nt = 0; nt < kSTiles; ++nt) ksc[nt][0] = p[nt * 8], ksc[nt][1] = p[nt * 8 + 1];
+  for (int nt = 0; nt < kNT; ++nt) ksc[nt][0] = p[nt * 8], ksc[nt][1] = p[nt * 8 + 1];
 }
 
 // An n-tile of S (rows g, g + 8; this thread's two columns) times its columns' key scales.
@@ -38,26 +39,26 @@ __device__ __forceinline__ void scale_columns(float (&s)[4], float even, float o
 }
 
 // fp8 per token: S_ij *= k_scales[j] (q_scale[i] is folded into the row's softmax scale), over the
-// first kTiles n-tiles (a half tile: the first 8).
-template <int kTiles = kSTiles>
-__device__ __forceinline__ void dequantize_scores(float (&s)[kSTiles][4], const float (&ksc)[kSTiles][2]) {
+// first kTiles n-tiles of S's kNT (all of them by default).
+template <int kTiles = 0, int kNT>
+__device__ __forceinline__ void dequantize_scores(float (&s)[kNT][4], const float (&ksc)[kNT][2]) {
 #pragma unroll
-  for (int nt = 0; nt < kTiles; ++nt) scale_columns(s[nt], ksc[nt][0], ksc[nt][1]);
+  for (int nt = 0; nt < (kTiles ? kTiles : kNT); ++nt) scale_columns(s[nt], ksc[nt][0], ksc[nt][1]);
 }
 
 // dequantize_scores with the key scales read from shared memory where they multiply: `addr` is
 // the shared address of this thread's first scale (4 key_scale_index bytes into the box). Three
 // fp8 consumers: at 160 registers S, O and a tile's 32 scales do not fit together.
-template <int kTiles = kSTiles>
-__device__ __forceinline__ void dequantize_scores_at(float (&s)[kSTiles][4], u32 addr) {
+template <int kTiles = 0, int kNT>
+__device__ __forceinline__ void dequantize_scores_at(float (&s)[kNT][4], u32 addr) {
 #pragma unroll
-  for (int nt = 0; nt < kTiles; ++nt)
+  for (int nt = 0; nt < (kTiles ? kTiles : kNT); ++nt)
     scale_columns(s[nt], __uint_as_float(lds32(addr + 32 * nt)), __uint_as_float(lds32(addr + 32 * nt + 4)));
 }
 
 // P (kPScale * P in fp8) as the A fragments of the kPvSteps k-steps of P V.
 template <class V>
-__device__ __forceinline__ void pack_probabilities(const float (&s)[kSTiles][4], u32 (&pa)[kPvSteps<V>][4]) {
+__device__ __forceinline__ void pack_probabilities(const float (&s)[kSTiles<V>][4], u32 (&pa)[kPvSteps<V>][4]) {
 #pragma unroll
   for (int kk = 0; kk < kPvSteps<V>; ++kk) {
     if constexpr (V::kFp8) pack_p_e4m3(s, kk, pa[kk]);
@@ -87,15 +88,17 @@ __device__ __forceinline__ void row_key_ranges(const Mask& mask, const WorkTile&
   }
 }
 
-// Sets to -inf the scores of key tile t outside each row's [lo, hi) (row_key_ranges). Returns
-// nothing to rescale: the softmax treats a row with nothing visible yet as empty.
-__device__ __forceinline__ void mask_tile(float (&s)[kSTiles][4], const int (&lo)[2], const int (&hi)[2], int t) {
+// Sets to -inf the scores of key tile t (of 8 kNT keys) outside each row's [lo, hi)
+// (row_key_ranges). Returns nothing to rescale: the softmax treats a row with nothing visible yet as
+// empty.
+template <int kNT>
+__device__ __forceinline__ void mask_tile(float (&s)[kNT][4], const int (&lo)[2], const int (&hi)[2], int t) {
   const int c0 = 2 * (threadIdx.x % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int l = lo[r] - t * kBlockN - c0, h = hi[r] - t * kBlockN - c0;  // this thread's columns: c0 + 8 nt + e
+    const int l = lo[r] - t * 8 * kNT - c0, h = hi[r] - t * 8 * kNT - c0;  // this thread's columns: c0 + 8 nt + e
 #pragma unroll
-    for (int nt = 0; nt < kSTiles; ++nt) {
+    for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = nt * 8 + e;
@@ -108,13 +111,14 @@ __device__ __forceinline__ void mask_tile(float (&s)[kSTiles][4], const int (&lo
 // Sets to -inf the scores of the tile's unreadable keys: `ok` holds a readable bit per key (key
 // 32 w + b: word w, bit b). The thread's columns c0 + 8 nt + e sit in word nt / 4 at bit
 // 8 (nt % 4) + c0 + e, so one shift per word puts them on constant bits.
-__device__ __forceinline__ void mask_unreadable(float (&s)[kSTiles][4], const u32 (&ok)[kKeyWords]) {
-  static_assert(kSTiles == 4 * kKeyWords && kKeyWords == 4, "four 8-column groups per 32-key word; one 16-byte load");
+template <int kNT>
+__device__ __forceinline__ void mask_unreadable(float (&s)[kNT][4], const u32 (&ok)[kKeyWordsMax]) {
+  static_assert(kNT % 4 == 0 && kNT / 4 <= kKeyWordsMax, "four 8-column groups per 32-key word; one 16-byte load");
   const int c0 = 2 * (threadIdx.x % 4);
   const uint4 w4 = *reinterpret_cast<const uint4*>(ok);
-  const u32 w[kKeyWords] = {w4.x >> c0, w4.y >> c0, w4.z >> c0, w4.w >> c0};
+  const u32 w[kKeyWordsMax] = {w4.x >> c0, w4.y >> c0, w4.z >> c0, w4.w >> c0};
 #pragma unroll
-  for (int nt = 0; nt < kSTiles; ++nt) {
+  for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       if (!((w[nt / 4] >> (8 * (nt % 4) + e)) & 1u)) s[nt][e] = s[nt][2 + e] = neg_inf();
@@ -122,17 +126,18 @@ __device__ __forceinline__ void mask_unreadable(float (&s)[kSTiles][4], const u3
   }
 }
 
-// Whether key tile t needs mask_tile for this thread's rows.
+// Whether key tile t (of kBlockN keys) needs mask_tile for this thread's rows.
+template <int kBlockN>
 __device__ __forceinline__ bool tile_needs_mask(const int (&lo)[2], const int (&hi)[2], int t) {
   const int a = t * kBlockN, b = a + kBlockN;
   return lo[0] > a || hi[0] < b || lo[1] > a || hi[1] < b;
 }
 
-// The tiles [t_lo, t_hi) of a work tile's num_tiles key tiles that every row of a warpgroup sees
-// whole: inside the keys common to its first and last row (mask.cuh: common_key_range) and the
-// span [n_begin, n_end). Rows wr0 .. of the sequence (none when wr0 >= sq: then nothing is stored
-// and nothing needs masking).
-template <class Mask>
+// The tiles [t_lo, t_hi) of a work tile's num_tiles key tiles (of kBlockN keys) that every row of a
+// warpgroup sees whole: inside the keys common to its first and last row (mask.cuh:
+// common_key_range) and the span [n_begin, n_end). Rows wr0 .. of the sequence (none when wr0 >= sq:
+// then nothing is stored and nothing needs masking).
+template <int kBlockN, class Mask>
 __device__ __forceinline__ void full_tile_range(const Mask& mask, const WorkTile& w, int wr0, int n_begin, int n_end,
                                                 int num_tiles, int& t_lo, int& t_hi) {
   t_lo = 0;
@@ -154,7 +159,7 @@ __device__ __forceinline__ void full_tile_range(const Mask& mask, const WorkTile
 // second half. The warpgroup's last visible key is its last row's (a query's last visible key never
 // decreases: mask.cuh). Rows wr0 .. of the sequence; none (wr0 >= sq): not half. Its rows past sq
 // (never stored) are not consulted: keys of the second half they might see score -inf.
-template <class Mask>
+template <int kBlockN, class Mask>
 __device__ __forceinline__ int last_tile_is_half(const Mask& mask, const WorkTile& w, int wr0, int n_begin,
                                                  int num_tiles, int t_hi) {
   if (wr0 >= w.sq || t_hi >= num_tiles) return 0;
