@@ -19,6 +19,12 @@ namespace probe {
 using namespace mla;
 using namespace mla::sm90;
 
+// The 16-bit variant on 64-key tiles (MLA_SM90_16BIT_KEYS 64's), whatever the build's default.
+struct Narrow16 : Variant16<__nv_bfloat16> {
+  static constexpr int kBlockN = 64;
+  static constexpr int kStages = 4;
+};
+
 constexpr int kGemms = 1;    // kParts bit: P V and S by wgmma
 constexpr int kSoftmax = 2;  // kParts bit: key scales (fp8), softmax, O's rescale, P packed
 

@@ -59,8 +59,8 @@ class Probe:
 
     @property
     def keys(self) -> int:
-        """Keys of the variant's key tile (Wide16: 96, else 128)."""
-        return 96 if "Wide16" in self.variant else 128
+        """Keys of the variant's key tile (Wide16: 96, Narrow16: 64, else 128)."""
+        return 96 if "Wide16" in self.variant else 64 if "Narrow16" in self.variant else 128
 
     @property
     def tensor_cycles(self) -> int:
@@ -77,6 +77,7 @@ E4M3 = "mla::sm90::Wide<mla::sm90::VariantE4m3>"
 B16 = "mla::sm90::Variant16<__nv_bfloat16>"
 B16X3 = "mla::sm90::Wide<mla::sm90::Variant16<__nv_bfloat16>>"  # three 16-bit consumers on 128-key tiles (no kernel)
 B16W = "mla::sm90::Wide16<mla::sm90::Variant16<__nv_bfloat16>>"  # MLA_SM90_16BIT_CONSUMERS 3's: 96-key tiles
+B16N = "probe::Narrow16"  # MLA_SM90_16BIT_KEYS 64's: two consumers on 64-key tiles
 PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-gemm", E4M3, 3, GEMMS, turns=1),
     Probe("e4m3-gemm-noturns", E4M3, 3, GEMMS),
@@ -97,6 +98,7 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("bf16x3-loop", B16X3, 3, GEMMS | SOFTMAX, turns=1),
     Probe("bf16w-gemm", B16W, 3, GEMMS, turns=1),
     Probe("bf16w-loop", B16W, 3, GEMMS | SOFTMAX, turns=1),
+    Probe("bf16n-loop", B16N, 2, GEMMS | SOFTMAX),
 )}
 
 

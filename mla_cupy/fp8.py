@@ -18,11 +18,11 @@ import numpy as np
 
 from ._arrays import BF16, FP8_E4M3, FP32, as_device, checkable, device_pointer, is_device, is_torch, to_host
 from ._checks import OFFSET_DTYPES, U8, check_aligned, check_array, check_layout, check_offsets_layout, check_offsets_values, check_shape
-from .dims import DR, DV, FP8_CONSUMERS, HALF_BLOCK, QUERY_BLOCK
+from .dims import DR, DV, FP8_CONSUMERS, HALF_BLOCK, KEY_TILE, QUERY_BLOCK
 
 __all__ = ["VT_ALIGN", "VT_SIGMA", "TransposedV", "fp8_bytes", "check_fp8_arrays", "check_fp8_layout",
            "check_q_scale_values", "check_transposed_v_offsets", "vt_columns", "vt_shape", "transpose_v_host",
-           "untranspose_v_host", "transpose_v", "fp8_consumers", "fp8_query_block", "wide_16bit"]
+           "untranspose_v_host", "transpose_v", "fp8_consumers", "fp8_query_block", "blocks_16bit"]
 
 
 class E4m3HostView(np.ndarray):
@@ -118,15 +118,19 @@ def fp8_query_block(mask) -> int:
     return QUERY_BLOCK if mask.bounded_below else HALF_BLOCK * fp8_consumers()
 
 
-def wide_16bit(mask, rope8: bool = False) -> bool:
-    """Whether the Hopper kernel's 16-bit variant (``rope8``: the one with an e4m3 rope, which
-    keeps two) runs three consumer warpgroups under ``mask`` (192-row work tiles, 96-key tiles, no
-    half tiles): only where this process builds it with ``MLA_SM90_16BIT_CONSUMERS`` 3 (a
-    measurement switch; ``MLA_CUPY_DEFINES``), under a mask without a lower bound (the causal
-    mask, no mask)."""
+def blocks_16bit(mask, rope8: bool = False) -> Tuple[int, int, bool]:
+    """(query rows of a work tile, keys of a key tile, half tiles) of the Hopper kernel's 16-bit
+    variant (``rope8``: the one with an e4m3 rope) under ``mask``: 128, 128 and half tiles as it
+    ships. Two measurement switches change them where this process builds the kernels with them
+    (``MLA_CUPY_DEFINES``): ``MLA_SM90_16BIT_CONSUMERS`` 3 gives three consumer warpgroups, 192 rows
+    and 96-key tiles under a mask without a lower bound (the causal mask, no mask; not ``rope8``),
+    ``MLA_SM90_16BIT_KEYS`` 64 key tiles of 64 keys; neither has half tiles."""
     from .jit import DEFINES
 
-    return not rope8 and not mask.bounded_below and int(DEFINES.get("MLA_SM90_16BIT_CONSUMERS", 2)) == 3
+    if not rope8 and not mask.bounded_below and int(DEFINES.get("MLA_SM90_16BIT_CONSUMERS", 2)) == 3:
+        return 3 * HALF_BLOCK, 96, False
+    keys = int(DEFINES.get("MLA_SM90_16BIT_KEYS", KEY_TILE))
+    return QUERY_BLOCK, keys, keys == KEY_TILE
 
 
 # ---------------------------------------------------------------------------------------------

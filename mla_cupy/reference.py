@@ -24,8 +24,9 @@ Non-finite inputs (the contract's rule, which the kernels follow):
   all-e4m3) start the span on a multiple of 16 keys, and their blocks are
   :func:`~mla_cupy.fp8.fp8_query_block` rows (192 under the causal mask and no mask when the kernel is
   built with three fp8 consumers); the 16-bit variants' blocks are 192 rows without half tiles under
-  those masks when the kernel is built with three 16-bit consumers (a measurement switch:
-  :func:`~mla_cupy.fp8.wide_16bit`). Otherwise, in the 16-bit variants, a
+  those masks when the kernel is built with three 16-bit consumers, and 128 rows without half tiles
+  when it is built with 64-key tiles (measurement switches: :func:`~mla_cupy.fp8.blocks_16bit`).
+  Otherwise, in the 16-bit variants, a
   :data:`~mla_cupy.dims.HALF_BLOCK`-row half of a block whose last row would see no key position
   past the middle of the span's last :data:`~mla_cupy.dims.KEY_TILE`-key tile ends its span there.
   This is the upper bound of the contract's reach, which the Hopper kernel meets exactly; the
@@ -43,7 +44,7 @@ import numpy as np
 from ._arrays import FP8_E4M3, to_host
 from ._progress import Progress
 from .dims import DR, DV, HALF_BLOCK, KEY_TILE, QUERY_BLOCK
-from .fp8 import VT_ALIGN, fp8_bytes, fp8_query_block, wide_16bit
+from .fp8 import VT_ALIGN, blocks_16bit, fp8_bytes, fp8_query_block
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
 from .validation import Problem, check_inputs, check_merge_inputs, check_merge_outputs
@@ -427,7 +428,8 @@ class _Blocks(NamedTuple):
         rope) under ``mask``."""
         if fp8:
             return _Blocks(VT_ALIGN, False, fp8_query_block(mask))
-        return _Blocks(1, False, 3 * HALF_BLOCK) if wide_16bit(mask, rope8) else _Blocks(1, True, QUERY_BLOCK)
+        qb, _, half_tiles = blocks_16bit(mask, rope8)
+        return _Blocks(1, half_tiles, qb)
 
 
 def _work(p: Problem, lay: _Layout, bl: _Blocks) -> float:

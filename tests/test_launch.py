@@ -118,11 +118,10 @@ FP8_VARIANTS = (reg.VARIANT_FP8, reg.VARIANT_E4M3)  # the Hopper kernel's fp8 tr
 
 def _want_blocks(name, mask):
     """(query rows, keys) of a work tile and key tile of variant ``name`` under ``mask`` as the
-    reference sees the build (fp8.fp8_query_block, fp8.wide_16bit)."""
+    reference sees the build (fp8.fp8_query_block, fp8.blocks_16bit)."""
     if name in FP8_VARIANTS:
         return fp8.fp8_query_block(mask), dims.KEY_TILE
-    wide = fp8.wide_16bit(mask, rope8=name == reg.VARIANT_FP8_ROPE)
-    return (3 * dims.HALF_BLOCK, 96) if wide else (dims.QUERY_BLOCK, dims.KEY_TILE)
+    return fp8.blocks_16bit(mask, rope8=name == reg.VARIANT_FP8_ROPE)[:2]
 
 
 @pytest.mark.slow
@@ -152,16 +151,21 @@ def test_fp8_consumers_widen_the_unbounded_masks_only(mask, consumers):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mask", [CausalMask(), NullMask(), SlidingWindowCausalMask(100)], ids=lambda m: type(m).__name__)
-def test_16bit_consumers_widen_the_16bit_variant_under_the_unbounded_masks_only(mask):
+@pytest.mark.parametrize("define", ["MLA_SM90_16BIT_CONSUMERS=3", "MLA_SM90_16BIT_KEYS=64"])
+def test_16bit_switches_shape_the_16bit_work_tiles_as_the_reference_sees_them(monkeypatch, mask, define):
     """Built with MLA_SM90_16BIT_CONSUMERS 3 the 16-bit variant takes 192 rows and 96-key tiles
-    under a mask without a lower bound (fp8.wide_16bit, which the reference's NaN reach follows);
-    the e4m3-rope variant, the fp8 ones and every variant under the other masks keep theirs."""
-    rows = _sm90_block_rows(mask, (("MLA_SM90_16BIT_CONSUMERS", "3"),))
+    under a mask without a lower bound; with MLA_SM90_16BIT_KEYS 64 the 16-bit variants (the e4m3
+    rope's too) take 64-key tiles under every mask. The exported geometry is what fp8.blocks_16bit
+    says (the reference's NaN reach follows it); the fp8 variants keep theirs."""
+    name_, value = define.split("=")
+    monkeypatch.setattr(jit, "DEFINES", {name_: value})  # as MLA_CUPY_DEFINES sets it
+    rows = _sm90_block_rows(mask, ((name_, value),))
     for name, (block_m, threads, _, block_n) in rows.items():
-        wide = name == reg.VARIANT_16 and not mask.bounded_below
-        want_m = 192 if wide or (name in FP8_VARIANTS and not mask.bounded_below) else 128
-        assert (block_m, threads) == (want_m, 128 + 2 * want_m), (name, block_m, threads)
-        assert block_n == (96 if wide else 128), (name, block_n)
+        assert (block_m, block_n) == _want_blocks(name, mask), (name, block_m, block_n)
+        assert threads == 128 + 2 * block_m, (name, threads)
+        wide = name == reg.VARIANT_16 and not mask.bounded_below and name_ == "MLA_SM90_16BIT_CONSUMERS"
+        narrow = name in (reg.VARIANT_16, reg.VARIANT_FP8_ROPE) and name_ == "MLA_SM90_16BIT_KEYS"
+        assert block_n == (96 if wide else 64 if narrow else 128), (name, block_n)
 
 
 def test_portable_module_and_pre_pass_export_theirs():

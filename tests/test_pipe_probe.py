@@ -13,6 +13,7 @@ def test_tensor_cycles_per_key_tile():
     assert p["bf16-loop"].tensor_cycles == 2 * 20 * 64  # S 12 + P V 8 16-bit k16 steps
     assert p["bf16x3-loop"].tensor_cycles == 3 * 20 * 64
     assert p["bf16w-loop"].tensor_cycles == 3 * (12 * 48 + 6 * 64)  # 96-key tiles: S m64n96 (48 cycles)
+    assert p["bf16n-loop"].tensor_cycles == 2 * (12 * 32 + 4 * 64)  # 64-key tiles: S m64n64 (32 cycles)
     assert p["e4m3-softmax"].tensor_cycles == 0 and p["bf16-softmax"].tensor_cycles == 0
 
 

@@ -529,8 +529,8 @@ def test_16bit_nan_in_v_reaches_the_query_blocks_of_the_kernel_build(monkeypatch
 
     monkeypatch.setattr(jit, "DEFINES", {"MLA_SM90_16BIT_CONSUMERS": str(consumers)})  # as MLA_CUPY_DEFINES sets it
     mask = CausalMask()
-    assert fp8.wide_16bit(mask) == (consumers == 3)
-    assert not fp8.wide_16bit(SlidingWindowCausalMask(37)) and not fp8.wide_16bit(mask, rope8=True)
+    assert fp8.blocks_16bit(mask) == ((192, 96, False) if consumers == 3 else (128, 128, True))
+    assert fp8.blocks_16bit(SlidingWindowCausalMask(37)) == fp8.blocks_16bit(mask, rope8=True) == (128, 128, True)
     c = nan_case()
     clean_out, clean_lse = run_ref(c, mask)
     j, h, d = 100, 1, 5  # rows from 130 see key 100; a 192-row block 0 spans it, a 128-row one does not
@@ -539,6 +539,25 @@ def test_16bit_nan_in_v_reaches_the_query_blocks_of_the_kernel_build(monkeypatch
     want[:300, h] = (reach_of_v(c, mask, j, half_tiles=False, block=192) if consumers == 3
                      else reach_of_v(c, mask, j))
     assert want[:128, h].any() == (consumers == 3) and want[140:300, h].all()
+    out, lse = run_ref(c, mask)
+    assert_reach(out, lse, clean_out, clean_lse, want, d, lse_nan=False)
+
+
+def test_16bit_nan_in_v_on_64_key_tiles_reaches_whole_blocks(monkeypatch):
+    """Built with 64-key tiles (MLA_SM90_16BIT_KEYS 64, a measurement switch) the 16-bit variants
+    have no half tiles: a NaN in v reaches every row of each 128-row block whose span holds it."""
+    from mla_cupy import jit
+
+    monkeypatch.setattr(jit, "DEFINES", {"MLA_SM90_16BIT_KEYS": "64"})  # as MLA_CUPY_DEFINES sets it
+    mask = CausalMask()
+    assert fp8.blocks_16bit(mask) == fp8.blocks_16bit(mask, rope8=True) == (128, 64, False)
+    c = nan_case()
+    clean_out, clean_lse = run_ref(c, mask)
+    j, h, d = 200, 1, 5
+    c.v[j, h, d] = np.nan
+    want = np.zeros(clean_lse.shape, bool)
+    want[:300, h] = reach_of_v(c, mask, j, half_tiles=False)
+    assert (want[:300, h] != reach_of_v(c, mask, j)).any()  # the half-tile cut would have spared rows
     out, lse = run_ref(c, mask)
     assert_reach(out, lse, clean_out, clean_lse, want, d, lse_nan=False)
 

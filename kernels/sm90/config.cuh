@@ -40,7 +40,14 @@ constexpr int kOutStageRowBytes = kOutStageHalf * 2;                // 128
 #define MLA_SM90_16BIT_TURNS 0
 #endif
 
-// 16-bit q, k, v and rope (bf16 or fp16): 2-stage ring of 80 KiB stages.
+// 16-bit: keys per key tile, 128 (2 stages of 80 KiB) or, as a measurement switch, 64 (4 stages of
+// 40 KiB: the same bytes in flight in finer stages, each released after half the tensor work).
+#ifndef MLA_SM90_16BIT_KEYS
+#define MLA_SM90_16BIT_KEYS 128
+#endif
+static_assert(MLA_SM90_16BIT_KEYS == 128 || MLA_SM90_16BIT_KEYS == 64, "16-bit key tiles of 128 or 64 keys");
+
+// 16-bit q, k, v and rope (bf16 or fp16): 2-stage ring of 80 KiB stages (MLA_SM90_16BIT_KEYS: 4 of 40).
 template <typename T>
 struct Variant16 {
   using Elem = T;
@@ -49,10 +56,10 @@ struct Variant16 {
   static constexpr bool kRope8 = false;             // e4m3 rope with one scale per key
   static constexpr bool kRopeE4m3 = false;          // e4m3 q / k rope under the per-token scales
   static constexpr int kNopeBlocks = 2;             // column blocks of a row's 128 nope values
-  static constexpr int kStages = 2;
+  static constexpr int kBlockN = MLA_SM90_16BIT_KEYS;  // keys per key tile
+  static constexpr int kStages = kBlockN == 64 ? 4 : 2;
   static constexpr bool kPingpong = MLA_SM90_16BIT_TURNS != 0;
   static constexpr int kConsumers = 2;              // consumer warpgroups of kWgRows query rows
-  static constexpr int kBlockN = 128;               // keys per key tile
 };
 
 // fp8 per token: e4m3 q_nope, k and V^T (the pre-pass of transpose_v.cu) with float32 scales per
@@ -139,6 +146,7 @@ struct Wide16 : V {
   static constexpr int kConsumers = 3;
   static constexpr bool kPingpong = true;
   static constexpr int kBlockN = 96;
+  static constexpr int kStages = 2;
 };
 // The three-consumer form of variant V.
 template <class V, bool kFp8 = V::kFp8> struct WideOf { using type = Wide<V>; };

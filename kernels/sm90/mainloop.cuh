@@ -75,9 +75,10 @@ struct Mainloop {
   // A work tile's last key tile may be a half tile (softmax.cuh: last_tile_is_half). Not in the fp8
   // variants: their chunked-mask kernels would spill (they run at the register limit), and their
   // time goes to the softmax, which a half tile does not shorten.
-  // Nor with three 16-bit consumers (Wide16: 96-key tiles, which a 192-row diagonal does not halve).
-  static constexpr bool kHalfTiles =
-      MLA_SM90_HALF_TILE && MLA_SM90_SPLIT_MASKED && Mask::kBoundedAbove && !V::kFp8 && V::kConsumers == 2;
+  // Nor with three 16-bit consumers (Wide16: 96-key tiles, which a 192-row diagonal does not halve),
+  // nor on 64-key tiles (MLA_SM90_16BIT_KEYS 64: a tile is a half block's diagonal already).
+  static constexpr bool kHalfTiles = MLA_SM90_HALF_TILE && MLA_SM90_SPLIT_MASKED && Mask::kBoundedAbove && !V::kFp8 &&
+                                     V::kConsumers == 2 && V::kBlockN == 128;
   // Three fp8 consumers with MLA_SM90_FP8_TURNS 2: a turn covers P V's issue only (steps).
   static constexpr bool kTurnCoversPvOnly = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_TURNS == 2;
 

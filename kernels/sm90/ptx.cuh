@@ -204,6 +204,15 @@ template <typename T> struct Wgmma;
                    : MLA_ACC12(d)                                                                          \
                    : "l"(da), "l"(db), "r"(accumulate));                                                   \
     }                                                                                                      \
+    /* D[64x64] (+)= A[64x16] * B[16x64]: S of a 64-key tile */                                          \
+    static __device__ __forceinline__ void ss(float (&d)[8][4], unsigned long long da, unsigned long long db, \
+                                              int accumulate) {                                            \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                           \
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXT "." PTXT " " MLA_D32                  \
+                   ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                       \
+                   : MLA_ACC8(d)                                                                           \
+                   : "l"(da), "l"(db), "r"(accumulate));                                                   \
+    }                                                                                                      \
     /* D[64x64] (+)= A[64x16] * B[16x64]: ss on the first 64 columns (B's first 64 rows), d[8..15] untouched */ \
     static __device__ __forceinline__ void ss_n64(float (&d)[16][4], unsigned long long da, unsigned long long db, \
                                                   int accumulate) {                                        \
