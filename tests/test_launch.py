@@ -101,7 +101,7 @@ def test_hopper_module_exports_its_parameter_struct_and_geometry(variant):
 
 
 def _sm90_block_rows(mask, defines=()):
-    """variant -> (block_m, threads, q_rows, block_n) of the Hopper module's geometry table for ``mask``."""
+    """variant -> (block_m, threads, q_rows, block_n, smem) of the Hopper module's geometry table for ``mask``."""
     fam = reg.prefill_sm90(BF16, mask, "fp8")
     exports = reg.sm90_exports(mask)
     table = np.frombuffer(_ptx_globals(fam, exports, defines=defines)[exports[2]], np.int32)
@@ -109,7 +109,7 @@ def _sm90_block_rows(mask, defines=()):
     out = {}
     for name, (_, row) in reg.SM90_VARIANTS.items():
         geom = dict(zip(_geometry.SM90_GEOMETRY, rows[row].tolist()))
-        out[name] = (geom["block_m"], geom["threads"], geom["q_rows"], geom["block_n"])
+        out[name] = (geom["block_m"], geom["threads"], geom["q_rows"], geom["block_n"], geom["smem"])
     return out
 
 
@@ -131,7 +131,7 @@ def test_geometry_rows_are_the_references_query_blocks(mask):
     are the reference's (fp8.fp8_query_block, which shapes the reach of a NaN in v), 64 per consumer
     warpgroup, one producer warpgroup beside them. A default of MLA_SM90_FP8_CONSUMERS other than
     dims.FP8_CONSUMERS fails here."""
-    for name, (block_m, threads, q_rows, block_n) in _sm90_block_rows(mask).items():
+    for name, (block_m, threads, q_rows, block_n, _) in _sm90_block_rows(mask).items():
         assert (block_m, block_n) == _want_blocks(name, mask), (name, block_m, block_n)
         assert q_rows == dims.HALF_BLOCK and threads == 128 * (1 + block_m // q_rows), (name, threads)
 
@@ -144,7 +144,7 @@ def test_fp8_consumers_widen_the_unbounded_masks_only(mask, consumers):
     consumers) under a mask without a lower bound, with 2 they take 128; 128 under the other masks,
     and the 16-bit variants stay at 128."""
     rows = _sm90_block_rows(mask, (("MLA_SM90_FP8_CONSUMERS", str(consumers)),))
-    for name, (block_m, threads, _, _) in rows.items():
+    for name, (block_m, threads, _, _, _) in rows.items():
         want = 64 * consumers if name in FP8_VARIANTS and not mask.bounded_below else 128
         assert (block_m, threads) == (want, 128 + 2 * want), (name, block_m, threads)
 
@@ -160,9 +160,10 @@ def test_16bit_switches_shape_the_16bit_work_tiles_as_the_reference_sees_them(mo
     name_, value = define.split("=")
     monkeypatch.setattr(jit, "DEFINES", {name_: value})  # as MLA_CUPY_DEFINES sets it
     rows = _sm90_block_rows(mask, ((name_, value),))
-    for name, (block_m, threads, _, block_n) in rows.items():
+    for name, (block_m, threads, _, block_n, smem) in rows.items():
         assert (block_m, block_n) == _want_blocks(name, mask), (name, block_m, block_n)
         assert threads == 128 + 2 * block_m, (name, threads)
+        assert smem <= 227 * 1024, (name, smem)  # what a Hopper CTA may have
         wide = name == reg.VARIANT_16 and not mask.bounded_below and name_ == "MLA_SM90_16BIT_CONSUMERS"
         narrow = name in (reg.VARIANT_16, reg.VARIANT_FP8_ROPE) and name_ == "MLA_SM90_16BIT_KEYS"
         assert block_n == (96 if wide else 64 if narrow else 128), (name, block_n)
