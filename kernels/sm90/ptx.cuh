@@ -182,45 +182,30 @@ template <int N> __device__ __forceinline__ void fence_operands(u32 (&a)[N][4]) 
   "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "     \
   "%62, %63}"
 
+// S's k-step on a key tile of N = 8 NT keys (operands: D's 4 NT registers, then da, db and the
+// accumulate flag, numbered DA, DB, P).
+#define MLA_WGMMA_SS(PTXT, NT, N, ACC, D, DA, DB, P)                                                      \
+  static __device__ __forceinline__ void ss(float (&d)[NT][4], unsigned long long da, unsigned long long db,\
+                                            int accumulate) {                                             \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" P ", 0;\n"                                          \
+                 "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." PTXT "." PTXT " " D                     \
+                 ", %" DA ", %" DB ", p, 1, 1, 0, 0;\n}\n"                                                \
+                 : ACC(d)                                                                                 \
+                 : "l"(da), "l"(db), "r"(accumulate));                                                    \
+  }
+
 template <typename T> struct Wgmma;
 
 #define MLA_DEFINE_WGMMA(TYPE, PTXT)                                                                       \
   template <> struct Wgmma<TYPE> {                                                                         \
-    /* D[64x128] (+)= A[64x16] (smem, K-major) * B[16x128] (smem, K-major: stored [n][k]) */               \
-    static __device__ __forceinline__ void ss(float (&d)[16][4], unsigned long long da, unsigned long long db, \
-                                              int accumulate) {                                            \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                           \
-                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTXT "." PTXT " " MLA_D64                 \
-                   ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                       \
-                   : MLA_ACC16(d)                                                                          \
-                   : "l"(da), "l"(db), "r"(accumulate));                                                   \
-    }                                                                                                      \
-    /* D[64x96] (+)= A[64x16] * B[16x96]: S of a 96-key tile */                                          \
-    static __device__ __forceinline__ void ss(float (&d)[12][4], unsigned long long da, unsigned long long db, \
-                                              int accumulate) {                                            \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"                                           \
-                   "wgmma.mma_async.sync.aligned.m64n96k16.f32." PTXT "." PTXT " " MLA_D48                  \
-                   ", %48, %49, p, 1, 1, 0, 0;\n}\n"                                                       \
-                   : MLA_ACC12(d)                                                                          \
-                   : "l"(da), "l"(db), "r"(accumulate));                                                   \
-    }                                                                                                      \
-    /* D[64x64] (+)= A[64x16] * B[16x64]: S of a 64-key tile */                                          \
-    static __device__ __forceinline__ void ss(float (&d)[8][4], unsigned long long da, unsigned long long db, \
-                                              int accumulate) {                                            \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                           \
-                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXT "." PTXT " " MLA_D32                  \
-                   ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                       \
-                   : MLA_ACC8(d)                                                                           \
-                   : "l"(da), "l"(db), "r"(accumulate));                                                   \
-    }                                                                                                      \
+    /* D[64xN] (+)= A[64x16] * B[16xN], both K-major in shared memory (B stored [n][k]): S of a key tile */\
+    MLA_WGMMA_SS(PTXT, 16, "128", MLA_ACC16, MLA_D64, "64", "65", "66")                                   \
+    MLA_WGMMA_SS(PTXT, 12, "96", MLA_ACC12, MLA_D48, "48", "49", "50")                                    \
+    MLA_WGMMA_SS(PTXT, 8, "64", MLA_ACC8, MLA_D32, "32", "33", "34")                                      \
     /* D[64x64] (+)= A[64x16] * B[16x64]: ss on the first 64 columns (B's first 64 rows), d[8..15] untouched */ \
     static __device__ __forceinline__ void ss_n64(float (&d)[16][4], unsigned long long da, unsigned long long db, \
                                                   int accumulate) {                                        \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                           \
-                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXT "." PTXT " " MLA_D32                  \
-                   ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                       \
-                   : MLA_ACC8(d)                                                                           \
-                   : "l"(da), "l"(db), "r"(accumulate));                                                   \
+      ss(reinterpret_cast<float(&)[8][4]>(d), da, db, accumulate);                                          \
     }                                                                                                      \
     /* D[64x128] += A[64x16] (registers) * B[16x128] (smem, MN-major: stored [k][n], transposed) */        \
     static __device__ __forceinline__ void rs_tb(float (&d)[16][4], const u32 (&a)[4], unsigned long long db) { \
