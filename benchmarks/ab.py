@@ -355,13 +355,11 @@ def _fa3(case: BenchCase, sets, opts, *, kbuild: bool, fp8: bool = False) -> Imp
         raise LeftOut(f"FlashAttention-3 does not import (one of {bench.FA3_MODULES})")
     fn = found[0]
     tx = _torch_sets(sets)
-    vl, cro = case.offsets()
     k192 = [bench.k192_of(t, case.heads) for t in tx]
     qs, ks, vs = [t["q"] for t in tx], (_KBuiltEachCall(tx, case.heads) if kbuild else k192), [t["v"] for t in tx]
     kw_of = lambda i: {}  # noqa: E731
     if fp8:
-        q8, k8, v8 = ([bench.quantize_per_batch_head(x, offs) for x in xs]
-                      for xs, offs in ((qs, vl), (k192, cro), (vs, cro)))
+        q8, k8, v8 = bench.quantize_inputs(case, qs, k192, vs)
         qs, ks, vs = [q for q, _ in q8], [k for k, _ in k8], [v for v, _ in v8]
         kw_of = lambda i: dict(q_descale=q8[i][1], k_descale=k8[i][1], v_descale=v8[i][1])  # noqa: E731
     fa3 = bench.fa3_varlen_call(case, fn, qs, ks, vs, kw_of)
@@ -433,15 +431,15 @@ def _cudnn_fp8(case: BenchCase, sets, opts) -> Impl:
         attn = bench.cudnn_fp8_fn(case, "cuda")
     except ValueError as exc:
         raise LeftOut(str(exc)) from None
-    import torch
-
     tx = _torch_sets(sets)
-    q8, k8, v8 = ([bench.quantize_per_tensor(x) for x in xs]
-                  for xs in ([t["q"] for t in tx], [bench.k192_of(t, case.heads) for t in tx], [t["v"] for t in tx]))
-    outs = [torch.empty((sum(case.sq), case.heads, DV), dtype=torch.bfloat16, device="cuda") for _ in tx]
+    q8, k8, v8 = bench.quantize_inputs(case, [t["q"] for t in tx], [bench.k192_of(t, case.heads) for t in tx],
+                                       [t["v"] for t in tx], per_tensor=True)
+    cudnn = bench.cudnn_fp8_call(case, attn, q8, k8, v8)
+    outs: List[object] = [None] * len(sets)
 
     def call(i):
-        return attn(q8[i][0], k8[i][0], v8[i][0], q8[i][1], k8[i][1], v8[i][1], outs[i])
+        outs[i] = cudnn(i)
+        return outs[i]
 
     return call, _from_torch(outs)
 

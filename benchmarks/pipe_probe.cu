@@ -22,7 +22,7 @@ using namespace mla::sm90;
 // The 16-bit variant on 64-key tiles (MLA_SM90_16BIT_KEYS 64's), whatever the build's default.
 struct Narrow16 : Variant16<__nv_bfloat16> {
   static constexpr int kBlockN = 64;
-  static constexpr int kStages = 4;
+  static constexpr int kStages = kStages16<kBlockN>;
 };
 
 constexpr int kGemms = 1;    // kParts bit: P V and S by wgmma

@@ -34,8 +34,8 @@ from .validation import DQK, DR, DV
 
 __all__ = ["BenchCase", "DEFAULT_CASES", "EXTRA_CASES", "CPU_CASES", "ALL_CASES", "resolve_cases", "CaseRun",
            "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "n_input_sets", "k192_of", "fa3_function", "fa3_varlen_call",
-           "quantize_per_batch_head", "dequantize_per_batch_head", "quantize_per_tensor", "cudnn_sdpa_function",
-           "cudnn_ragged_args", "cudnn_ragged_fn", "cudnn_fp8_fn", "per_call_us", "host_us", "device_info", "run",
+           "quantize_per_batch_head", "dequantize_per_batch_head", "quantize_per_tensor", "quantize_inputs", "cudnn_sdpa_function",
+           "cudnn_ragged_args", "cudnn_ragged_fn", "cudnn_fp8_fn", "cudnn_fp8_call", "per_call_us", "host_us", "device_info", "run",
            "run_cpu", "format_table", "write_csv", "plot"]
 
 L2_DEFEAT_BYTES = 256 << 20  # rotate input sets until their total passes this (H100/H200 L2: 50-60 MB)
@@ -742,6 +742,18 @@ def dequantize_per_batch_head(x8, descale, offsets):
     return x * d[rows][:, :, None]
 
 
+def quantize_inputs(case: BenchCase, qs, ks, vs, per_tensor: bool = False):
+    """(q8, k8, v8): each set's q, K at 192 and v (torch) in e4m3, lists of ``(x8, descale)``, with one
+    descale per (sequence, head) (:func:`quantize_per_batch_head`, FlashAttention-3's) or per tensor
+    (:func:`quantize_per_tensor`, cuDNN's). Not timed."""
+    vl, cro = case.offsets()
+
+    def one(x, offsets):
+        return quantize_per_tensor(x) if per_tensor else quantize_per_batch_head(x, offsets)
+
+    return tuple([one(x, offsets) for x in xs] for xs, offsets in ((qs, vl), (ks, cro), (vs, cro)))
+
+
 def bench_fa3_fp8(run: CaseRun) -> List[Row]:
     """FlashAttention-3 e4m3: q, K built at 192 and v quantized per (sequence, head) (not timed),
     ``q_descale`` / ``k_descale`` / ``v_descale`` of shape [B, H], bf16 output."""
@@ -752,9 +764,7 @@ def bench_fa3_fp8(run: CaseRun) -> List[Row]:
     vl, cro = run.case.offsets()
     try:
         tx, (kfull, _) = run.torch_sets(), run.k192()
-        q8 = [quantize_per_batch_head(t["q"], vl) for t in tx]
-        k8 = [quantize_per_batch_head(kf, cro) for kf in kfull]
-        v8 = [quantize_per_batch_head(t["v"], cro) for t in tx]
+        q8, k8, v8 = quantize_inputs(run.case, [t["q"] for t in tx], kfull, [t["v"] for t in tx])
         call = fa3_varlen_call(run.case, fn, [q for q, _ in q8], [k for k, _ in k8], [v for v, _ in v8],
                                lambda i: dict(q_descale=q8[i][1], k_descale=k8[i][1], v_descale=v8[i][1]))
         out = call(0)
@@ -868,6 +878,19 @@ def cudnn_fp8_fn(case: BenchCase, device):
     return attn
 
 
+def cudnn_fp8_call(case: BenchCase, attn, q8, k8, v8):
+    """``call(i)``: cuDNN's fp8 graph ``attn`` (:func:`cudnn_fp8_fn`) on set i's e4m3 inputs
+    (:func:`quantize_inputs` with ``per_tensor``), into a bf16 output of that set's own."""
+    import torch
+
+    outs = [torch.empty((sum(case.sq), case.heads, DV), dtype=torch.bfloat16, device=q[0].device) for q in q8]
+
+    def call(i):
+        return attn(q8[i][0], k8[i][0], v8[i][0], q8[i][1], k8[i][1], v8[i][1], outs[i])
+
+    return call
+
+
 def bench_cudnn_fp8(run: CaseRun) -> List[Row]:
     """cuDNN's fp8 SDPA (a frontend graph, :func:`cudnn_fp8_fn`): q, K built at 192 and v in e4m3
     with one descale per tensor (not timed), bf16 output, one execution for the whole batch; left
@@ -883,16 +906,8 @@ def bench_cudnn_fp8(run: CaseRun) -> List[Row]:
     except Exception as exc:  # this cuDNN does not take the graph
         return [_failed(run, "cudnn-fp8", exc, "fp8")]
     try:
-        import torch
-
-        q8, k8, v8 = ([quantize_per_tensor(x) for x in xs]
-                      for xs in ([t["q"] for t in tx], kfull, [t["v"] for t in tx]))
-        outs = [torch.empty((sum(run.case.sq), run.case.heads, DV), dtype=torch.bfloat16, device=tx[0]["q"].device)
-                for _ in tx]
-
-        def call(i):
-            return attn(q8[i][0], k8[i][0], v8[i][0], q8[i][1], k8[i][1], v8[i][1], outs[i])
-
+        q8, k8, v8 = quantize_inputs(run.case, [t["q"] for t in tx], kfull, [t["v"] for t in tx], per_tensor=True)
+        call = cudnn_fp8_call(run.case, attn, q8, k8, v8)
         out = call(0)
         ms = time_ms(call, len(run.sets), reps=run.reps)
     except Exception as exc:

@@ -43,7 +43,7 @@ import numpy as np
 
 from ._arrays import FP8_E4M3, to_host
 from ._progress import Progress
-from .dims import DR, DV, HALF_BLOCK, KEY_TILE, QUERY_BLOCK
+from .dims import DR, DV, HALF_BLOCK, KEY_TILE
 from .fp8 import VT_ALIGN, blocks_16bit, fp8_bytes, fp8_query_block
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache

@@ -210,3 +210,19 @@ def test_per_tensor_quantization_maps_the_largest_value_to_448():
     assert float((x8.float() * d - x.float()).abs().max() / x.float().abs().max()) < 2 ** -3
     z8, zd = bench.quantize_per_tensor(torch.zeros(3, 1, 4))
     assert float(zd) == 1.0 and not z8.float().any()
+
+
+def test_cudnn_fp8_call_gives_the_graph_each_sets_inputs_and_descales():
+    torch = pytest.importorskip("torch")
+    case = bench.BenchCase("r", (3, 5), (4, 6), heads=2, causal=True)
+    g = torch.Generator().manual_seed(2)
+    sets = [[torch.randn(n, 2, d, generator=g) for n, d in ((8, 192), (10, 192), (10, 128))] for _ in range(2)]
+    q8, k8, v8 = bench.quantize_inputs(case, *zip(*sets), per_tensor=True)
+    assert all(tuple(d.shape) == (1, 1, 1, 1) for x in (q8, k8, v8) for _, d in x)
+    seen = []
+    call = bench.cudnn_fp8_call(case, lambda *a: seen.append(a) or a[-1], q8, k8, v8)
+    out = call(1)
+    (a,) = seen
+    assert all(x is y for x, y in zip(a[:6], (q8[1][0], k8[1][0], v8[1][0], q8[1][1], k8[1][1], v8[1][1])))
+    assert out is a[6] and tuple(out.shape) == (8, 2, 128) and out.dtype == torch.bfloat16
+    assert call(0) is not out  # an output of each set's own

@@ -46,6 +46,8 @@ constexpr int kOutStageRowBytes = kOutStageHalf * 2;                // 128
 #define MLA_SM90_16BIT_KEYS 128
 #endif
 static_assert(MLA_SM90_16BIT_KEYS == 128 || MLA_SM90_16BIT_KEYS == 64, "16-bit key tiles of 128 or 64 keys");
+// The 16-bit ring's depth for key tiles of kKeys keys: the same shared memory in stages of either size.
+template <int kKeys> constexpr int kStages16 = kKeys == 64 ? 4 : 2;
 
 // 16-bit q, k, v and rope (bf16 or fp16): 2-stage ring of 80 KiB stages (MLA_SM90_16BIT_KEYS: 4 of 40).
 template <typename T>
@@ -57,7 +59,7 @@ struct Variant16 {
   static constexpr bool kRopeE4m3 = false;          // e4m3 q / k rope under the per-token scales
   static constexpr int kNopeBlocks = 2;             // column blocks of a row's 128 nope values
   static constexpr int kBlockN = MLA_SM90_16BIT_KEYS;  // keys per key tile
-  static constexpr int kStages = kBlockN == 64 ? 4 : 2;
+  static constexpr int kStages = kStages16<kBlockN>;
   static constexpr bool kPingpong = MLA_SM90_16BIT_TURNS != 0;
   static constexpr int kConsumers = 2;              // consumer warpgroups of kWgRows query rows
 };
