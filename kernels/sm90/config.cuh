@@ -124,6 +124,16 @@ constexpr int kNumVariants = 4;
 #ifndef MLA_SM90_FP8_TURNS
 #define MLA_SM90_FP8_TURNS 1
 #endif
+// fp8 with three consumers: P stored into the consumer's own 8 KiB of the output staging (unused
+// in the mainloop: 64 rows x 128 e4m3 keys, the 128-byte swizzle) and P V read from there (both
+// operands in shared memory), so that a turn issues P V and S back to back and one wait completes
+// both, and the tensor pipe never drains inside a turn (1; a turn then covers both issues, whatever
+// MLA_SM90_FP8_TURNS 2 says); or P V from registers, completed before S is issued (0: with both in
+// flight and P in registers, 160 registers do not hold O, S and P: ptxas serializes every wgmma,
+// C7512). A measurement switch (benchmarks/NOTES.md).
+#ifndef MLA_SM90_FP8_P_SMEM
+#define MLA_SM90_FP8_P_SMEM 0
+#endif
 template <class V>
 struct Wide : V {
   static constexpr int kConsumers = 3;
