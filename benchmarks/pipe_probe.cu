@@ -10,9 +10,7 @@
 // kernel's per key tile: with three consumers (fp8) P V completed, then S issued and completed,
 // then the key scales read where they multiply (fp8), the softmax, O's rescale and P packed; with
 // two (16-bit) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V (with turns: both issued in
-// one turn, as MLA_SM90_16BIT_TURNS has them). Turns 3 (three fp8 consumers, MLA_SM90_FP8_P_SMEM's
-// order): P stored into a tile of shared memory per consumer, then P V read from there and S issued
-// in one turn, one wait for both. Three 16-bit consumers
+// one turn, as MLA_SM90_16BIT_TURNS has them). Three 16-bit consumers
 // (Wide<Variant16>, no kernel today) take the three-consumer order. kParts leaves out the GEMMs or
 // the softmax; kActive < kConsumers runs only the first kActive consumers (no turns).
 #include "sm90/mainloop.cuh"
@@ -64,8 +62,6 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   extern __shared__ __align__(1024) unsigned char smem[];
   static_assert(kTurns == 0 || (kActive == V::kConsumers && (kTurns == 1 || V::kConsumers == 3)),
                 "turns: every consumer running; a turn of P V's issue only with three");
-  static_assert(kTurns != 3 || V::kFp8, "P through shared memory: fp8");
-  constexpr bool kPSmem = kTurns == 3;
   // the kernel's order: with three consumers P V is completed before S is issued (at 160
   // registers the two in flight spill and serialize every wgmma, here as in the fp8 kernel)
   constexpr bool kOverlap = V::kConsumers == 2;
@@ -88,8 +84,6 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   const unsigned long long dqr = make_desc(q + kQBlk<V> + cw * kWgRows * kDr, 16, 512, kDescSwizzle64);
   const unsigned long long dkr = make_desc(k + kBlk<V>, 16, 512, kDescSwizzle64);
   const u32 scale_at = k + kKScalesOffset<V> + 4 * key_scale_index(0);
-  const u32 ptiles = base + (kSmemBytes<V> + 1023) / 1024 * 1024;  // kPSmem: 8 KiB of P per consumer
-  const unsigned long long dp = make_desc(ptiles + cw * (kWgRows * kOutStageRowBytes), 16, 1024);
   // Turns as the kernel's (mainloop.cuh): consumer c waits on kTurnBar + c and passes to c + 1
   // (modulo the consumers: warpgroup cw + 1 is consumer cw).
   auto turn_wait = [&] { if constexpr (kTurns != 0) named_barrier_sync(kTurnBar + cw, kTurnThreads); };
@@ -136,16 +130,6 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     else pv_mma<typename V::Elem>(o, pa, v);
     wgmma_commit();
   };
-  auto issue_pv_ss = [&] {
-    wgmma_fence();
-    pv_mma_e4m3_ss(o, dp, v);
-    wgmma_commit();
-  };
-  auto store_p = [&] {
-    store_p_e4m3(p_tile_at(ptiles), pa);
-    fence_proxy_async();
-    named_barrier_sync(kEpilogueBar<V> + cw, 128);
-  };
   auto softmax = [&] {
     fence_operands(sacc);
     if constexpr (V::kFp8) dequantize_scores_at(sacc, scale_at);
@@ -153,7 +137,6 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   };
 
   if (kTurns != 0 && cw == V::kConsumers - 1) turn_pass();
-  if constexpr (kPSmem) store_p();  // P's tile holds data from the start (the GEMMs alone keep it)
   named_barrier_sync(kVZeroBar, 128 * kActive);
   // the start times go to global memory at once: four registers held across the loop would make
   // the three-consumer loop spill at 160 (the kernel's own has no spare register either)
@@ -163,18 +146,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     nanos[slot] = globaltimer();
   }
   for (int it = 0; it < iters; ++it) {
-    if constexpr (kPSmem) {  // P from shared memory: P V and S issued in one turn, one wait
-      if constexpr (kSm) store_p();
-      turn_wait();
-      if constexpr (kG) issue_pv_ss(), issue_s();
-      turn_pass();
-      if constexpr (kG) wgmma_wait<0>(), fence_operands(o), use_s();
-      if constexpr (kSm) {
-        softmax();
-        OnlineSoftmax::rescale(o, corr);
-        pack_probabilities<V>(sacc, pa);
-      }
-    } else if constexpr (!kOverlap) {  // P V completed before S: one GEMM in flight (three fp8 consumers)
+    if constexpr (!kOverlap) {  // P V completed before S: one GEMM in flight (three fp8 consumers)
       turn_wait();
       if constexpr (kG) issue_pv();
       if (kTurns == 2) turn_pass();

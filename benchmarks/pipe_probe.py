@@ -44,8 +44,7 @@ class Probe:
     variant: str       # traits type of kernels/sm90/config.cuh
     consumers: int     # the variant's consumer warpgroups
     parts: int         # GEMMS | SOFTMAX
-    turns: int = 0     # 0 none; three consumers: 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS),
-                       # 3 P V from shared memory and S in one turn (MLA_SM90_FP8_P_SMEM);
+    turns: int = 0     # 0 none; three consumers: 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS);
                        # two: 1 S and P V issued in one turn (MLA_SM90_16BIT_TURNS)
     poly: int = 0      # fp8: n-tiles of 16 with exp2 on the FMA pipe (MLA_SM90_EXP2_POLY)
     active: int = 0    # consumers that run (0: all)
@@ -90,8 +89,6 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-loop-noturns", E4M3, 3, GEMMS | SOFTMAX),
     Probe("e4m3-loop-poly2", E4M3, 3, GEMMS | SOFTMAX, turns=1, poly=2),
     Probe("e4m3-loop-poly4", E4M3, 3, GEMMS | SOFTMAX, turns=1, poly=4),
-    Probe("e4m3-gemm-psmem", E4M3, 3, GEMMS, turns=3),
-    Probe("e4m3-loop-psmem", E4M3, 3, GEMMS | SOFTMAX, turns=3),
     Probe("bf16-gemm", B16, 2, GEMMS),
     Probe("bf16-softmax", B16, 2, SOFTMAX),
     Probe("bf16-loop-1wg", B16, 2, GEMMS | SOFTMAX, active=1),

@@ -41,7 +41,8 @@ constexpr int kOutStageRowBytes = kOutStageHalf * 2;                // 128
 #endif
 
 // 16-bit: keys per key tile, 128 (2 stages of 80 KiB) or, as a measurement switch, 64 (4 stages of
-// 40 KiB: the same bytes in flight in finer stages, each released after half the tensor work).
+// 40 KiB: the same bytes in flight in finer stages, each released after half the tensor work; the
+// load and loop probes found both slower: benchmarks/NOTES.md).
 #ifndef MLA_SM90_16BIT_KEYS
 #define MLA_SM90_16BIT_KEYS 128
 #endif
@@ -124,16 +125,6 @@ constexpr int kNumVariants = 4;
 #ifndef MLA_SM90_FP8_TURNS
 #define MLA_SM90_FP8_TURNS 1
 #endif
-// fp8 with three consumers: P stored into the consumer's own 8 KiB of the output staging (unused
-// in the mainloop: 64 rows x 128 e4m3 keys, the 128-byte swizzle) and P V read from there (both
-// operands in shared memory), so that a turn issues P V and S back to back and one wait completes
-// both, and the tensor pipe never drains inside a turn (1; a turn then covers both issues, whatever
-// MLA_SM90_FP8_TURNS 2 says); or P V from registers, completed before S is issued (0: with both in
-// flight and P in registers, 160 registers do not hold O, S and P: ptxas serializes every wgmma,
-// C7512). A measurement switch (benchmarks/NOTES.md).
-#ifndef MLA_SM90_FP8_P_SMEM
-#define MLA_SM90_FP8_P_SMEM 0
-#endif
 template <class V>
 struct Wide : V {
   static constexpr int kConsumers = 3;
@@ -141,9 +132,10 @@ struct Wide : V {
 };
 
 // 16-bit with three consumer warpgroups (MLA_SM90_16BIT_CONSUMERS 3; a measurement switch, 2 by
-// default): 192-row work tiles, so that each K/V tile loaded serves 50% more query rows. A 128 x 128
-// step of the two-consumer kernel reads 80 KiB of keys and values for 10.5 MFLOP, about 6 TB/s from
-// L2 at the long cases' rate (benchmarks/NOTES.md, "The loads without the consumers"); 192 x 96
+// default; measured 5-10% slower: its two 60 KiB stages are not fed fast enough, benchmarks/NOTES.md):
+// 192-row work tiles, so that each K/V tile loaded serves 50% more query rows. A 128 x 128 step of
+// the two-consumer kernel reads 80 KiB of keys and values for 10.5 MFLOP, about 6 TB/s from L2 at the
+// long cases' rate (benchmarks/NOTES.md, "The loads without the consumers"); 192 x 96
 // reads 60 KiB for 11.8 MFLOP, 35% fewer bytes per FLOP. Key tiles of 96 keys: Q (72 KiB for 192 rows)
 // beside two 128-key stages (160 KiB) does not fit the shared memory, beside two of 96 (120 KiB) it
 // does, with the output staging. Otherwise as the three-consumer fp8 kernels: turns, P V completed

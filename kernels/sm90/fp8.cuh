@@ -27,7 +27,7 @@ struct WgmmaE4m3 {
                  : MLA_ACC16(d)
                  : "l"(da), "l"(db), "r"(accumulate));
   }
-  // A (P) from registers (see pack_p_e4m3), B from shared memory.
+  // A from registers (see pack_p_e4m3), B from shared memory.
   static __device__ __forceinline__ void rs(float (&d)[16][4], const u32 (&a)[4], unsigned long long db) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " MLA_D64
@@ -54,31 +54,6 @@ __device__ __forceinline__ void pack_p_e4m3(const float (&s)[kNT][4], int kk, u3
   a[1] = e4m3x4(s[j][2], s[j][3], s[j + 1][2], s[j + 1][3]);          // row g + 8
   a[2] = e4m3x4(s[j + 2][0], s[j + 2][1], s[j + 3][0], s[j + 3][1]);  // row g, keys 16 + ...
   a[3] = e4m3x4(s[j + 2][2], s[j + 2][3], s[j + 3][2], s[j + 3][3]);  // row g + 8, keys 16 + ...
-}
-
-// P's A fragments (pack_p_e4m3) stored as a 64 x 128-byte K-major tile with the 128-byte swizzle,
-// what a wgmma descriptor of P then reads: of k-step kk, register 0 holds row g's bytes 32 kk + 4t ..
-// + 3, 1 row g + 8's, 2 and 3 the same 16 bytes on. stmatrix x4 stores four 8 x 16-byte matrices in
-// that fragment layout (thread t: row t / 4, bytes 4 (t % 4) ..), lane l giving row l % 8 of
-// matrix l / 8: matrix m covers rows 8 (m % 2) .. of the warp's 16, bytes 32 kk + 16 (m / 2) ..,
-// whose 16-byte chunk 2 kk + m / 2 lands at chunk (2 kk + m / 2) ^ (row % 8) = 2 kk ^ c with
-// c = (m / 2) ^ (row % 8). So one address per thread and k-step kk's at that address ^ 32 kk (bits
-// 5-6; the tile is 1 KiB aligned). Consumer warpgroup c's tile at `tiles` + 8 KiB c: thread
-// tid = 128 (c + 1) + 32 w + lane writes row 16 w + lane % 8 + 8 (m % 2), whose byte offset with the
-// tile's is 2 KiB (tid / 32) - 8 KiB + 1 KiB (m % 2) + 128 (lane % 8). The thread index is read
-// where it is used, so that no address lives across the mainloop (the consumers run at their
-// register limit).
-__device__ __forceinline__ u32 p_tile_at(u32 tiles) {
-  const u32 tid = static_cast<u32>(thread_index_here());
-  const u32 row_bytes = ((tid >> 5) << 11) + (((tid >> 3) & 1u) << 10) + ((tid & 7u) << 7);
-  return tiles - 8192u + row_bytes + (((((tid >> 4) & 1u) ^ tid) & 7u) << 4);
-}
-template <int kSteps>
-__device__ __forceinline__ void store_p_e4m3(u32 at, const u32 (&pa)[kSteps][4]) {
-#pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk)
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(at ^ (32u * kk)),
-                 "r"(pa[kk][0]), "r"(pa[kk][1]), "r"(pa[kk][2]), "r"(pa[kk][3]));
 }
 
 // Byte offset of (row, byte) in a tile of 128-byte rows with the 128-byte swizzle (16-byte chunk c

@@ -24,8 +24,7 @@
 //     that one's softmax runs under the others' GEMMs. Consumer 0 has the first turn; all run the
 //     same GEMM blocks (same work tiles and counts; an idle consumer its turns alone), so turns go
 //     round exactly, and consumer 0 takes the last pass after the loop. (MLA_SM90_FP8_TURNS: what a
-//     turn covers with three consumers, or no turns; MLA_SM90_16BIT_TURNS: turns in 16-bit;
-//     MLA_SM90_FP8_P_SMEM: three fp8 consumers' P through shared memory, P V and S in one turn.)
+//     turn covers with three consumers, or no turns; MLA_SM90_16BIT_TURNS: turns in 16-bit.)
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows, or zeros past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
 //     before P V (fp8: their V^T columns), so a neighbour's NaN can never reach this sequence.
@@ -58,13 +57,6 @@ __device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&
   for (int kk = 0; kk < kSteps; ++kk) WgmmaE4m3::rs(o, pa[kk], desc_add(dv, kk * 32));
 }
 
-// The same with P from shared memory: a 64 x 128-byte K-major tile of descriptor dp (fp8.cuh: store_p_e4m3).
-__device__ __forceinline__ void pv_mma_e4m3_ss(float (&o)[kOTiles][4], unsigned long long dp, u32 vt_stage) {
-  const unsigned long long dv = make_desc(vt_stage, 16, 1024);
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(o, desc_add(dp, kk * 32), desc_add(dv, kk * 32), 1);
-}
-
 template <class V, class Mask, bool kPaged>
 struct Mainloop {
   using T = typename V::Elem;
@@ -89,9 +81,6 @@ struct Mainloop {
                                      V::kConsumers == 2 && V::kBlockN == 128;
   // Three fp8 consumers with MLA_SM90_FP8_TURNS 2: a turn covers P V's issue only (steps).
   static constexpr bool kTurnCoversPvOnly = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_TURNS == 2;
-  // Three fp8 consumers with MLA_SM90_FP8_P_SMEM: P in shared memory, P V and S issued in one turn.
-  static constexpr bool kPSmem = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_P_SMEM;
-  static_assert(!kPSmem || V::kBlockN == kOutStageRowBytes, "a row of P (one byte a key) fills a row of the staging");
 
   const Params& p;          // the kernel's __grid_constant__ parameter
   const Smem<V> sm;         // by value, as the mask: a reference member would put them on the stack
@@ -216,23 +205,9 @@ struct Mainloop {
     static_assert(!(kHalf && V::kFp8), "half tiles: 16-bit variants only");
     constexpr int kKeys = kHalf ? kBN / 2 : kBN;
     wgmma_fence();
-    if constexpr (kPSmem) pv_mma_e4m3_ss(o, make_desc(p_tile(), 16, 1024), sm.v(s));
-    else if constexpr (V::kFp8) pv_mma_e4m3(o, x.pa, sm.v(s));
+    if constexpr (V::kFp8) pv_mma_e4m3(o, x.pa, sm.v(s));
     else pv_mma<T, kKeys>(o, x.pa, sm.v(s));
     wgmma_commit();
-  }
-  // kPSmem: this consumer's P tile (its 8 KiB of the output staging), and P stored there for the
-  // next P V: stmatrix, then the stores made visible to wgmma and the warpgroup synchronized (every
-  // thread's part read by the one wgmma). `first`: the work tile's first P, written where the last
-  // epilogue's threads may still read their rows, so the warpgroup synchronizes before as well.
-  __device__ __forceinline__ u32 p_tile() const { return sm.at(sm.s.out_stage) + cw * (kWgRows * kOutStageRowBytes); }
-  __device__ __forceinline__ void store_p(Tile& x, bool first) const {
-    if constexpr (kPSmem) {
-      if (first) named_barrier_sync(kEpilogueBar<V> + cw, 128);
-      store_p_e4m3(p_tile_at(sm.at(sm.s.out_stage)), x.pa);
-      fence_proxy_async();
-      named_barrier_sync(kEpilogueBar<V> + cw, 128);
-    }
   }
   // fp8: the key scales of key tile t (ring position it) into registers (kScalesEarly: before the GEMMs).
   __device__ __forceinline__ void key_scales(Tile& x, int t, int it) const {
@@ -317,23 +292,7 @@ struct Mainloop {
     for (; t < end; ++t, ++it) {
       const int s = it % kS;
       const u32 parity = (it / kS) & 1;
-      if constexpr (kPSmem) {
-        // one turn: P_{t-1} V_{t-1} and S_t issued back to back (P read from shared memory), one
-        // wait for both
-        store_p(x, t == 1);
-        turn_wait();
-        mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
-        issue_pv(x, o, x.prev_s);
-        issue_qk(x, it);
-        turn_pass();
-        wgmma_wait<0>();
-        fence_operands(o);
-        TileHandout::release(sm.v_empty(x.prev_s));
-        release_q<true>(t + 1 == x.k.num_tiles);
-        scores_to_p<kMode>(x, smx, t, it);
-        rescale_o(o, x.corr);
-        pack_probabilities<V>(x.sacc, x.pa);
-      } else if constexpr (!kOverlap<V>) {
+      if constexpr (!kOverlap<V>) {
         turn_wait();
         mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
         issue_pv(x, o, x.prev_s);
@@ -443,11 +402,10 @@ struct Mainloop {
     // The last tile's P V, after its V rows past the span's end are zeroed.
     const int last = x.prev_s;
     zero_v_tail(k, last, x.prev_parity);
-    store_p(x, k.num_tiles == 1);
     if (kHalfTiles && half) last_pv<kHalfTiles>(x, o, last);
     else last_pv<false>(x, o, last);
     fence_operands(o);
-    if constexpr (!kPSmem) fence_operands(x.pa);
+    fence_operands(x.pa);
     TileHandout::release(sm.v_empty(last));
   }
 
