@@ -25,7 +25,8 @@
 #   ab [ARGS...]             benchmarks/ab.py ARGS (implementations timed in one process)
 #   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
 #                            bench case (`mla-cupy bench --list`) or fp8 / e4m3 / bf16 / paged / pagedP (pages of P;
-#                            1x8192, H = 128)
+#                            1x8192, H = 128), or FlashAttention-3's kernel on 1x8192: fa3 (bf16, K at 192) / fa3-fp8
+#                            (e4m3; needs --wheels)
 #   probe [ARGS...]          benchmarks/pipe_probe.py ARGS: cycles per key tile of the Hopper consumer loop
 #                            without its loads, its parts alone and together, and of its loads without
 #                            the consumers, from L2 and DRAM (JSON into --out)
@@ -192,12 +193,15 @@ case "$MODE" in
     [ $# -ge 1 ] || usage 2
     NCU=$(find_tool ncu "${NCU:-}" NCU) || exit 1
     CASE=$1; name=ncu-${CASE//[^A-Za-z0-9._-]/_}
+    KERNEL=(-k regex:mla_prefill)
     case "$CASE" in
       fp8|e4m3|bf16|paged|paged[0-9]*) DRIVER=(benchmarks/ncu_fp8.py "$CASE") ;;
+      fa3|fa3-fp8) DRIVER=(benchmarks/ab.py --impls "$CASE" --cases 1x8192 --profile)
+                   KERNEL=(--kernel-name-base demangled -k regex:FlashAttnFwd) ;;
       *) DRIVER=(benchmarks/ncu_case.py "$CASE") ;;
     esac
     # The drivers launch the kernel three times; the third launch is profiled.
-    step "$name" "$NCU" --clock-control none -k regex:mla_prefill --launch-skip 2 --launch-count 1 --set full \
+    step "$name" "$NCU" --clock-control none "${KERNEL[@]}" --launch-skip 2 --launch-count 1 --set full \
       --import-source no -f -o "$OUT_DIR/$name" "$PY" "${DRIVER[@]}"
     "$NCU" --import "$OUT_DIR/$name.ncu-rep" --print-details all > "$OUT_DIR/$name-details.txt" 2>&1
     "$NCU" --import "$OUT_DIR/$name.ncu-rep" --page source --csv --print-source sass > "$OUT_DIR/$name-sass.csv" 2>&1

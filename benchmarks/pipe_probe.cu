@@ -201,10 +201,20 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
 // memory stages, as the kernel's producer does (bulk copies of 16 KiB blocks completing on the
 // stage's full mbarrier, the stage refilled once its empty mbarrier completes), and whether the ring
 // keeps up with the tensor work a tile feeds: the consumer warp holds each tile `hold` cycles
-// (clock64) before it releases it. Tile i of CTA c is tile (c * cta_step + i) modulo `span_tiles` of
-// `src`, loaded by bulk copies of `copy_bytes` (a column block of the kernel's K or V tile): a span
-// that fits the L2 with every CTA walking it from its own offset is the kernel's case (the CTAs of an
-// L2 section read the same heads' keys and values); a span past the L2 with CTAs apart reads DRAM.
+// (clock64) before it releases it. Tile i of group g is tile (g * cta_step + i) modulo `span_tiles`
+// of `src`, loaded by bulk copies of `copy_bytes` (a column block of the kernel's K or V tile): a
+// span that fits the L2 with every group walking it from its own offset is the kernel's case (the
+// CTAs of an L2 section read the same heads' keys and values); a span past the L2 with groups apart
+// reads DRAM.
+//
+// kCluster CTAs form a cluster (kCluster 1: none to speak of). Without multicast every CTA is its
+// own group and loads its whole tile. With multicast the cluster is one group: its CTAs take the
+// tile's copies in turn, each copy delivered into every CTA's stage and completing on every CTA's
+// full mbarrier (each CTA's producer expects the whole tile), so that the L2 is read once per
+// cluster and tile while every SM still takes the whole tile in; a stage is refilled only once the
+// consumers of all the cluster's CTAs released it (the empty mbarrier counts kCluster arrivals, one
+// from each CTA's consumer). The two rates say whether an SM's ~30 B/cycle from L2 is the L2's
+// output or the SM's intake.
 // ---------------------------------------------------------------------------------------------
 constexpr int kMaxStages = 8;
 
@@ -212,45 +222,85 @@ __device__ __forceinline__ void bulk_load(u32 dst, const unsigned char* src, u32
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+// The same copy delivered at the same offsets of every CTA of `mask` (dst and bar: this CTA's).
+__device__ __forceinline__ void bulk_load_multicast(u32 dst, const unsigned char* src, u32 bytes, u32 bar,
+                                                    unsigned short mask) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1], %2, [%3], %4;\n" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(mask) : "memory");
+}
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Arrive on the mbarrier at this CTA's shared address `bar` in the cluster's CTA `cta`.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(cta));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {  // every thread of every CTA of the cluster
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
 
-// 64 threads: warp 0's lane 0 loads, warp 1 consumes. tile_bytes: a multiple of copy_bytes, itself a
-// multiple of 16; stages * tile_bytes within the dynamic shared memory.
-__global__ void __launch_bounds__(64, 1) load_probe(const unsigned char* src, long long span_tiles, long long cta_step,
-                                                    int tiles, int tile_bytes, int copy_bytes, int stages, int hold,
-                                                    long long* cycles, long long* nanos) {
+// 64 threads: warp 0's lane 0 loads, warp 1 consumes and writes its cycles, nanoseconds and start
+// (globaltimer). tile_bytes: a multiple of copy_bytes, itself a multiple of 16; stages * tile_bytes
+// within the dynamic shared memory; the grid a multiple of kCluster.
+template <int kCluster, bool kMulticast>
+__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(64, 1)
+    load_probe(const unsigned char* src, long long span_tiles, long long cta_step, int tiles, int tile_bytes,
+               int copy_bytes, int stages, int hold, long long* cycles, long long* nanos, long long* starts) {
+  static_assert(kCluster >= 1 && kCluster <= 8, "a portable cluster has at most 8 CTAs");
+  static_assert(!kMulticast || kCluster > 1, "multicast needs a cluster");
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full[kMaxStages], empty[kMaxStages];
   const u32 ring = smem_addr(smem);
+  const u32 rank = kMulticast ? cluster_rank() : 0;
+  const long long group = kMulticast ? blockIdx.x / kCluster : blockIdx.x;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(smem_addr(&full[s]), 1);
-      mbar_init(smem_addr(&empty[s]), 1);
+      mbar_init(smem_addr(&empty[s]), kMulticast ? kCluster : 1);
     }
     fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kCluster > 1) cluster_sync();  // no copy nor arrival reaches a peer's barriers before their init
+  else __syncthreads();
   const long long c0 = clock64(), t0 = globaltimer();
-  if (threadIdx.x == 0) {  // the producer: wait for the stage to be free, then load the tile into it
+  if (threadIdx.x == 0) {  // the producer: wait for the stage to be free, then load the tile (its part) into it
     for (int i = 0; i < tiles; ++i) {
       const int s = i % stages;
       if (i >= stages) mbar_wait(smem_addr(&empty[s]), ((i / stages) - 1) & 1);
       const u32 bar = smem_addr(&full[s]);
-      mbar_expect_tx(bar, tile_bytes);
-      const unsigned char* tile = src + (blockIdx.x * cta_step + i) % span_tiles * tile_bytes;
-      for (int b = 0; b < tile_bytes; b += copy_bytes) bulk_load(ring + s * tile_bytes + b, tile + b, copy_bytes, bar);
+      mbar_expect_tx(bar, tile_bytes);  // the whole tile, whichever CTA's copies bring it
+      const unsigned char* tile = src + (group * cta_step + i) % span_tiles * tile_bytes;
+      for (int b = 0, j = 0; b < tile_bytes; b += copy_bytes, ++j) {
+        if constexpr (kMulticast) {
+          if (j % kCluster == int(rank))
+            bulk_load_multicast(ring + s * tile_bytes + b, tile + b, copy_bytes, bar, (1u << kCluster) - 1);
+        } else {
+          bulk_load(ring + s * tile_bytes + b, tile + b, copy_bytes, bar);
+        }
+      }
     }
-  } else if (threadIdx.x == 32) {  // the consumer: wait for the tile, hold it, release it
+  } else if (threadIdx.x == 32) {  // the consumer: wait for the tile, hold it, release it (in every CTA it came to)
     for (int i = 0; i < tiles; ++i) {
       const int s = i % stages;
       mbar_wait(smem_addr(&full[s]), (i / stages) & 1);
       const long long h0 = clock64();
       while (clock64() - h0 < hold) {
       }
-      mbar_arrive(smem_addr(&empty[s]));
+      if constexpr (kMulticast) {
+        for (int c = 0; c < kCluster; ++c) mbar_arrive_cluster(smem_addr(&empty[s]), c);
+      } else {
+        mbar_arrive(smem_addr(&empty[s]));
+      }
     }
     cycles[blockIdx.x] = clock64() - c0;
     nanos[blockIdx.x] = globaltimer() - t0;
+    starts[blockIdx.x] = t0;
   }
+  if constexpr (kCluster > 1) cluster_sync();  // no CTA leaves while a peer's copies or arrivals may still reach it
 }
 
 }  // namespace probe

@@ -11,8 +11,10 @@ the power cap moves), the median over CTAs of their slowest consumer, and the SM
 full wgmma rate: a consumer's key tile is 10 e4m3 wgmma m64n128k32 (S 6, P V 4) or 20 16-bit
 m64n128k16 (S 12, P V 8), 64 cycles each for the SM.
 
-A load probe reports cycles per tile, bytes per cycle and SM, and the whole card's rate in TB/s
-(bytes of all CTAs over the slowest CTA's wall time).
+A load probe reports cycles per tile, bytes per cycle and SM taken in (and read from L2: a cluster
+sharing by multicast reads each tile once), and the whole card's intake in TB/s (bytes of all CTAs
+over the launch's wall time, first start to last end); CTAs of clusters that waited for SMs (a later
+wave) are counted as late and left out of the cycles per tile.
 
 Usage (GPU)::
 
@@ -113,18 +115,26 @@ class LoadProbe:
     stages: int        # the ring's depth (the 16-bit kernel: 2)
     hold: int          # cycles the consumer holds each tile (the tensor time a tile feeds; 0: none)
     span: int          # bytes of the source walked
-    shared: bool       # every CTA walks the same span from its own offset (an L2 section), or each its own
+    shared: bool       # every group walks the same span from its own offset (an L2 section), or each its own
+    cluster: int = 1   # CTAs of a cluster (1: none)
+    multicast: bool = False  # the cluster's CTAs share each tile: one L2 read delivered into all of them
 
     @property
     def expression(self) -> str:
-        return "probe::load_probe"
+        return f"probe::load_probe<{self.cluster}, {'true' if self.multicast else 'false'}>"
+
+    def groups(self, ctas: int) -> int:
+        """Groups of ``ctas`` CTAs that walk the span apart: the clusters with multicast, else every CTA."""
+        return ctas // self.cluster if self.multicast else ctas
 
 
 # The 16-bit kernel's key tile (80 KiB, 2 stages) and its tensor time at the full rate (two
 # consumers' S and P V: 2 x 20 x 64 = 2560 cycles), from an L2-sized span all CTAs share (a section
 # of heads) and from DRAM; the same bytes in flight cut finer (64-key tiles in 4 stages, alone and
 # against their 1280 cycles of tensor work) or coarser; and the 96-key tile of three 16-bit consumers
-# (60 KiB, 12 KiB blocks) against its tensor time (3 x (12 x 48 + 6 x 64) = 2880 cycles).
+# (60 KiB, 12 KiB blocks) against its tensor time (3 x (12 x 48 + 6 x 64) = 2880 cycles); the 16-bit
+# tile in clusters of 2 CTAs each loading its own (the clusters' placement alone), and in clusters of 2
+# and 4 sharing it by multicast, alone and against the tensor time (L2 output or SM intake).
 def _whole(tile: int, about: int) -> int:
     """The largest span of whole tiles within ``about`` bytes."""
     return tile * (about // tile)
@@ -140,6 +150,13 @@ LOAD_PROBES: Dict[str, LoadProbe] = {p.name: p for p in (
     LoadProbe("l2-ring4x48", 48 * KIB, 16 * KIB, 4, 0, _whole(48 * KIB, L2_SPAN), True),
     LoadProbe("l2-ring2x60-hold", 60 * KIB, 12 * KIB, 2, 2880, _whole(60 * KIB, L2_SPAN), True),
     LoadProbe("dram-ring2", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, DRAM_SPAN), False),
+    LoadProbe("l2-ring2-c2", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True, cluster=2),
+    LoadProbe("l2-ring2-mc2", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True, cluster=2, multicast=True),
+    LoadProbe("l2-ring2-mc2-hold", 80 * KIB, 16 * KIB, 2, 2560, _whole(80 * KIB, L2_SPAN), True, cluster=2,
+              multicast=True),
+    LoadProbe("l2-ring2-mc4", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True, cluster=4, multicast=True),
+    LoadProbe("l2-ring2-mc4-hold", 80 * KIB, 16 * KIB, 2, 2560, _whole(80 * KIB, L2_SPAN), True, cluster=4,
+              multicast=True),
 )}
 
 
@@ -156,8 +173,9 @@ def check(probes: Sequence[Probe]) -> int:
     sys.path.insert(0, str(SOURCE.parent))
     import sass
 
-    build = jit.compile_source_offline_with_log(source(), SOURCE.name,
-                                                [p.expression for p in probes] + ["probe::load_probe"], "sm_90a")
+    loads = sorted({p.expression for p in LOAD_PROBES.values()})
+    build = jit.compile_source_offline_with_log(source(), SOURCE.name, [p.expression for p in probes] + loads,
+                                                "sm_90a")
     funcs = build.functions()
     try:
         tool = sass.find_tool("cuobjdump")
@@ -180,9 +198,10 @@ def check(probes: Sequence[Probe]) -> int:
             line += f"  loop {loop.total:4d}: " + " ".join(f"{c} {loop.classes[c]}" for c in shown)
         print(line)
         bad |= f.spills
-    f = funcs[build.lowered["probe::load_probe"]]
-    print(f"{'load_probe':20s} spills {f.spill_stores}/{f.spill_loads}")
-    bad |= f.spills
+    for expr in loads:
+        f = funcs[build.lowered[expr]]
+        print(f"{expr:20s} spills {f.spill_stores}/{f.spill_loads}")
+        bad |= f.spills
     for adv in build.serialized_wgmma():
         print("serialized wgmma:", adv)
         bad = 1
@@ -228,17 +247,17 @@ def run(probes: Sequence[Probe], iters: int, repeats: int) -> List[dict]:
     return rows
 
 
-def load_layout(p: LoadProbe, sms: int):
-    """(tiles of the source, tiles between CTAs' first tiles) of a load probe: a shared span is one
-    buffer the CTAs enter 7 tiles apart (so that they do not move in lock step); an own span per CTA
-    is ``span`` bytes of one buffer of ``sms * span``."""
+def load_layout(p: LoadProbe, groups: int):
+    """(tiles of the source, tiles between groups' first tiles) of a load probe: a shared span is one
+    buffer the groups (CTAs, or clusters sharing by multicast) enter 7 tiles apart (so that they do not
+    move in lock step); an own span per group is ``span`` bytes of one buffer of ``groups * span``."""
     if p.copy_bytes % 16 or p.tile_bytes % p.copy_bytes:
         raise ValueError(f"{p.name}: a tile of {p.tile_bytes} B is not whole copies of {p.copy_bytes} B "
                          "(a multiple of 16)")
     if p.span % p.tile_bytes:
         raise ValueError(f"{p.name}: a span of {p.span} B is not whole tiles of {p.tile_bytes} B")
     per = p.span // p.tile_bytes
-    return (per, 7) if p.shared else (sms * per, per)
+    return (per, 7) if p.shared else (groups * per, per)
 
 
 def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dict]:
@@ -247,37 +266,47 @@ def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dic
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
     sms, smem = int(props["multiProcessorCount"]), int(props["sharedMemPerBlockOptin"])
-    module = cp.RawModule(code=source(), options=("-std=c++17", "-arch=sm_90a"), name_expressions=["probe::load_probe"])
-    fn = module.get_function("probe::load_probe")
+    module = cp.RawModule(code=source(), options=("-std=c++17", "-arch=sm_90a"),
+                          name_expressions=sorted({p.expression for p in probes}))
     rows = []
     for p in probes:
         ring = p.stages * p.tile_bytes
         if p.stages > 8 or ring > smem - 1024:
             raise ValueError(f"{p.name}: {p.stages} stages of {p.tile_bytes} B do not fit (at most 8, {smem - 1024} B)")
-        span_tiles, step = load_layout(p, sms)
+        ctas = sms // p.cluster * p.cluster  # whole clusters, at most one CTA per SM
+        span_tiles, step = load_layout(p, p.groups(ctas))
         src = cp.ones(span_tiles * p.tile_bytes, cp.uint8)
+        fn = module.get_function(p.expression)
         fn.max_dynamic_shared_size_bytes = ring
-        cyc, ns = cp.zeros(sms, cp.int64), cp.zeros(sms, cp.int64)
-        per_tile, tbs = [], []
+        cyc, ns, t0 = (cp.zeros(ctas, cp.int64) for _ in range(3))
+        per_tile, tbs, late = [], [], 0
         for r in range(repeats + 1):  # the first launch warms up (and brings a shared span into L2)
-            fn((sms,), (64,), (src, cp.int64(span_tiles), cp.int64(step), cp.int32(tiles), cp.int32(p.tile_bytes),
-                               cp.int32(p.copy_bytes), cp.int32(p.stages), cp.int32(p.hold), cyc, ns), shared_mem=ring)
+            fn((ctas,), (64,), (src, cp.int64(span_tiles), cp.int64(step), cp.int32(tiles), cp.int32(p.tile_bytes),
+                                cp.int32(p.copy_bytes), cp.int32(p.stages), cp.int32(p.hold), cyc, ns, t0),
+               shared_mem=ring)
             dev.synchronize()
             if r == 0:
                 continue
-            c, t = cyc.get(), ns.get()
+            c, t, start = cyc.get(), ns.get(), t0.get()
             if (c <= 0).any():
                 raise RuntimeError(f"{p.name}: a CTA reported no cycles")
-            per_tile.append(float(statistics.median(c)) / tiles)
-            tbs.append(sms * tiles * p.tile_bytes / float(t.max()) / 1e3)  # bytes per ns = GB/s; / 1e3: TB/s
+            # CTAs that started after half the others' time ran in a later wave (clusters that found no
+            # SMs free in one GPC): left out of the per-tile cycles, counted, and in the wall time.
+            first = start - start.min() < 0.5 * float(statistics.median(t))
+            late = max(late, int((~first).sum()))
+            per_tile.append(float(statistics.median(c[first])) / tiles)
+            tbs.append(ctas * tiles * p.tile_bytes / float((start + t).max() - start.min()) / 1e3)  # B/ns = GB/s; TB/s
             mhz = float(statistics.median(c / t)) * 1e3
         cycles = statistics.median(per_tile)
         row = {"probe": p.name, "cycles_per_tile": cycles, "spread": [min(per_tile), max(per_tile)],
                "bytes_per_cycle_sm": p.tile_bytes / cycles, "tb_per_s": statistics.median(tbs), "mhz": mhz,
-               "hold": p.hold}
+               "hold": p.hold, "ctas": ctas, "late_ctas": late,
+               "l2_bytes_per_cycle_sm": p.tile_bytes / cycles / (p.cluster if p.multicast else 1)}
         rows.append(row)
         print(f"{p.name:22s} {cycles:8.0f} cycles/tile ({min(per_tile):.0f}-{max(per_tile):.0f})  "
-              f"{row['bytes_per_cycle_sm']:5.1f} B/cycle/SM  {row['tb_per_s']:5.2f} TB/s  {mhz:5.0f} MHz", flush=True)
+              f"{row['bytes_per_cycle_sm']:5.1f} B/cycle/SM in ({row['l2_bytes_per_cycle_sm']:5.1f} from L2)  "
+              f"{row['tb_per_s']:5.2f} TB/s in  {mhz:5.0f} MHz  {ctas} CTAs" + (f", {late} late" if late else ""),
+              flush=True)
         del src
     return rows
 
@@ -298,7 +327,9 @@ def main(argv=None) -> int:
         for p in LOAD_PROBES.values():
             print(f"{p.name:22s} {p.expression}: {p.stages} x {p.tile_bytes // KIB} KiB "
                   f"({p.copy_bytes // KIB} KiB copies), hold {p.hold}, "
-                  f"{p.span // MIB} MiB {'shared' if p.shared else 'per CTA'}")
+                  f"{p.span // MIB} MiB {'shared' if p.shared else 'per group'}"
+                  + (f", clusters of {p.cluster}" + (" sharing by multicast" if p.multicast else "")
+                     if p.cluster > 1 else ""))
         return 0
     names = [n for n in a.probes.split(",") if n]
     unknown = [n for n in names if n not in PROBES and n not in LOAD_PROBES]

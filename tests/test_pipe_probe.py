@@ -48,6 +48,17 @@ def test_load_probes_walk_an_l2_span_together_or_dram_apart():
         probe.load_layout(probe.LoadProbe("odd", 32768, 16384, 2, 0, 2**20 + 16384, True), 132)
 
 
+def test_cluster_load_probes_share_by_multicast_or_place_alone():
+    p = probe.LOAD_PROBES
+    alone, mc2, mc4 = p["l2-ring2-c2"], p["l2-ring2-mc2"], p["l2-ring2-mc4-hold"]
+    assert alone.expression == "probe::load_probe<2, false>" and alone.groups(132) == 132  # each CTA its own tile
+    assert mc2.expression == "probe::load_probe<2, true>" and mc2.groups(132) == 66  # a cluster reads a tile once
+    assert mc4.groups(132) == 33 and mc4.hold == p["l2-ring2-hold"].hold
+    assert p["l2-ring2"].expression == "probe::load_probe<1, false>"
+    for q in (alone, mc2, mc4):  # the 16-bit tile and ring, as l2-ring2
+        assert (q.tile_bytes, q.copy_bytes, q.stages, q.span) == (80 * 1024, 16 * 1024, 2, p["l2-ring2"].span)
+
+
 def test_command_line(capsys):
     assert probe.main(["--list"]) == 0
     out = capsys.readouterr().out
@@ -64,6 +75,7 @@ def test_probes_compile_without_spills_nor_serialized_wgmma(capsys):
     pytest.importorskip("cupy")
     assert probe.main(["--check"]) == 0
     out = capsys.readouterr().out
-    assert out.count("spills 0/0") == len(probe.PROBES) + 1  # and the load probe's kernel
+    loads = {p.expression for p in probe.LOAD_PROBES.values()}  # the load probe's instances
+    assert out.count("spills 0/0") == len(probe.PROBES) + len(loads)
     if "(no loop counts" not in out:  # cuobjdump found: one key tile per loop pass, the kernel's 66 exp2
         assert "e4m3-loop " in out and "GMMA 10 EX2 66" in out
