@@ -118,6 +118,7 @@ class LoadProbe:
     shared: bool       # every group walks the same span from its own offset (an L2 section), or each its own
     cluster: int = 1   # CTAs of a cluster (1: none)
     multicast: bool = False  # the cluster's CTAs share each tile: one L2 read delivered into all of them
+    ctas: int = 0      # CTAs launched (one per SM); 0: as many as the card has SMs
 
     @property
     def expression(self) -> str:
@@ -134,7 +135,8 @@ class LoadProbe:
 # against their 1280 cycles of tensor work) or coarser; and the 96-key tile of three 16-bit consumers
 # (60 KiB, 12 KiB blocks) against its tensor time (3 x (12 x 48 + 6 x 64) = 2880 cycles); the 16-bit
 # tile in clusters of 2 CTAs each loading its own (the clusters' placement alone), and in clusters of 2
-# and 4 sharing it by multicast, alone and against the tensor time (L2 output or SM intake).
+# and 4 sharing it by multicast, alone and against the tensor time, and on 16 SMs alone (L2 output
+# or SM intake).
 def _whole(tile: int, about: int) -> int:
     """The largest span of whole tiles within ``about`` bytes."""
     return tile * (about // tile)
@@ -150,6 +152,7 @@ LOAD_PROBES: Dict[str, LoadProbe] = {p.name: p for p in (
     LoadProbe("l2-ring4x48", 48 * KIB, 16 * KIB, 4, 0, _whole(48 * KIB, L2_SPAN), True),
     LoadProbe("l2-ring2x60-hold", 60 * KIB, 12 * KIB, 2, 2880, _whole(60 * KIB, L2_SPAN), True),
     LoadProbe("dram-ring2", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, DRAM_SPAN), False),
+    LoadProbe("l2-ring2-x16", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True, ctas=16),
     LoadProbe("l2-ring2-c2", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True, cluster=2),
     LoadProbe("l2-ring2-mc2", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True, cluster=2, multicast=True),
     LoadProbe("l2-ring2-mc2-hold", 80 * KIB, 16 * KIB, 2, 2560, _whole(80 * KIB, L2_SPAN), True, cluster=2,
@@ -273,7 +276,7 @@ def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dic
         ring = p.stages * p.tile_bytes
         if p.stages > 8 or ring > smem - 1024:
             raise ValueError(f"{p.name}: {p.stages} stages of {p.tile_bytes} B do not fit (at most 8, {smem - 1024} B)")
-        ctas = sms // p.cluster * p.cluster  # whole clusters, at most one CTA per SM
+        ctas = min(p.ctas or sms, sms) // p.cluster * p.cluster  # whole clusters, at most one CTA per SM
         span_tiles, step = load_layout(p, p.groups(ctas))
         src = cp.ones(span_tiles * p.tile_bytes, cp.uint8)
         fn = module.get_function(p.expression)
@@ -329,7 +332,7 @@ def main(argv=None) -> int:
                   f"({p.copy_bytes // KIB} KiB copies), hold {p.hold}, "
                   f"{p.span // MIB} MiB {'shared' if p.shared else 'per group'}"
                   + (f", clusters of {p.cluster}" + (" sharing by multicast" if p.multicast else "")
-                     if p.cluster > 1 else ""))
+                     if p.cluster > 1 else "") + (f", {p.ctas} CTAs" if p.ctas else ""))
         return 0
     names = [n for n in a.probes.split(",") if n]
     unknown = [n for n in names if n not in PROBES and n not in LOAD_PROBES]

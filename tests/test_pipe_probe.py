@@ -54,7 +54,8 @@ def test_cluster_load_probes_share_by_multicast_or_place_alone():
     assert alone.expression == "probe::load_probe<2, false>" and alone.groups(132) == 132  # each CTA its own tile
     assert mc2.expression == "probe::load_probe<2, true>" and mc2.groups(132) == 66  # a cluster reads a tile once
     assert mc4.groups(132) == 33 and mc4.hold == p["l2-ring2-hold"].hold
-    assert p["l2-ring2"].expression == "probe::load_probe<1, false>"
+    assert p["l2-ring2"].expression == "probe::load_probe<1, false>" and p["l2-ring2"].ctas == 0  # every SM
+    assert p["l2-ring2-x16"].ctas == 16 and p["l2-ring2-x16"].expression == p["l2-ring2"].expression
     for q in (alone, mc2, mc4):  # the 16-bit tile and ring, as l2-ring2
         assert (q.tile_bytes, q.copy_bytes, q.stages, q.span) == (80 * 1024, 16 * 1024, 2, p["l2-ring2"].span)
 
