@@ -28,6 +28,7 @@ struct Narrow16 : Variant16<__nv_bfloat16> {
 constexpr int kGemms = 1;    // kParts bit: P V and S by wgmma
 constexpr int kSoftmax = 2;  // kParts bit: key scales (fp8), softmax, O's rescale, P packed
 constexpr int kNoScales = 4;  // kParts bit: fp8 without the key scales (one descale per head, as FlashAttention-3's)
+constexpr int kConstScales = 8;  // kParts bit: fp8 key scales as constants (their multiplies without their loads)
 
 template <class V> constexpr int kQOffset = 0;
 template <class V> constexpr int kKOffset = (kQBytes<V> + 1023) / 1024 * 1024;
@@ -133,7 +134,12 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   };
   auto softmax = [&] {
     fence_operands(sacc);
-    if constexpr (V::kFp8 && !(kParts & kNoScales)) dequantize_scores_at(sacc, scale_at);
+    if constexpr (V::kFp8 && (kParts & kConstScales)) {
+#pragma unroll
+      for (int nt = 0; nt < kSTiles<V>; ++nt) scale_columns(sacc[nt], 0.0625f + nt / 256.f, 0.0625f - nt / 256.f);
+    } else if constexpr (V::kFp8 && !(kParts & kNoScales)) {
+      dequantize_scores_at(sacc, scale_at);
+    }
     smx.update_scores<kLog2P, kPoly>(sacc, row_scale, corr);
   };
 

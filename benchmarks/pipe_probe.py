@@ -36,7 +36,7 @@ from typing import Dict, List, Sequence
 from mla_cupy import jit
 
 SOURCE = Path(__file__).with_name("pipe_probe.cu")
-GEMMS, SOFTMAX, NO_SCALES = 1, 2, 4  # kParts bits (pipe_probe.cu)
+GEMMS, SOFTMAX, NO_SCALES, CONST_SCALES = 1, 2, 4, 8  # kParts bits (pipe_probe.cu)
 WGMMA_CYCLES = 64      # one m64n128k32 e4m3 or m64n128k16 16-bit wgmma at the full rate of an SM
 
 
@@ -45,7 +45,8 @@ class Probe:
     name: str
     variant: str       # traits type of kernels/sm90/config.cuh
     consumers: int     # the variant's consumer warpgroups
-    parts: int         # GEMMS | SOFTMAX (| NO_SCALES: fp8 without the key scales' loads and multiplies)
+    parts: int         # GEMMS | SOFTMAX (fp8 | NO_SCALES: without the key scales' loads and multiplies;
+                       # | CONST_SCALES: their multiplies by constants, without the loads)
     turns: int = 0     # 0 none; three consumers: 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS);
                        # two: 1 S and P V issued in one turn (MLA_SM90_16BIT_TURNS)
     poly: int = 0      # fp8: n-tiles of 16 with exp2 on the FMA pipe (MLA_SM90_EXP2_POLY)
@@ -93,6 +94,7 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-loop-poly4", E4M3, 3, GEMMS | SOFTMAX, turns=1, poly=4),
     Probe("e4m3-softmax-noscales", E4M3, 3, SOFTMAX | NO_SCALES),
     Probe("e4m3-loop-noscales", E4M3, 3, GEMMS | SOFTMAX | NO_SCALES, turns=1),
+    Probe("e4m3-loop-constscales", E4M3, 3, GEMMS | SOFTMAX | CONST_SCALES, turns=1),
     Probe("bf16-gemm", B16, 2, GEMMS),
     Probe("bf16-softmax", B16, 2, SOFTMAX),
     Probe("bf16-loop-1wg", B16, 2, GEMMS | SOFTMAX, active=1),
