@@ -12,7 +12,8 @@
 // two (16-bit) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V (with turns: both issued in
 // one turn, as MLA_SM90_16BIT_TURNS has them). Three 16-bit consumers
 // (Wide<Variant16>, no kernel today) take the three-consumer order. kParts leaves out the GEMMs or
-// the softmax; kActive < kConsumers runs only the first kActive consumers (no turns).
+// the softmax, and in fp8 the key scales (or their loads only), or sums the rows on the tensor pipe;
+// kActive < kConsumers runs only the first kActive consumers (no turns).
 #include "sm90/mainloop.cuh"
 
 namespace probe {
@@ -29,6 +30,17 @@ constexpr int kGemms = 1;    // kParts bit: P V and S by wgmma
 constexpr int kSoftmax = 2;  // kParts bit: key scales (fp8), softmax, O's rescale, P packed
 constexpr int kNoScales = 4;  // kParts bit: fp8 without the key scales (one descale per head, as FlashAttention-3's)
 constexpr int kConstScales = 8;  // kParts bit: fp8 key scales as constants (their multiplies without their loads)
+constexpr int kRowSumMma = 16;   // kParts bit: fp8 row sums by the tensor pipe (P times a block of ones), not FADD
+
+// P times 8 columns of ones (an m64n8k32 e4m3 wgmma, A from registers): every column of d holds the
+// row sums of P's 32 keys of the k-step, accumulated as O is (kRowSumMma; the probe's B is any 1 KiB
+// of shared memory, the values do not change the time).
+__device__ __forceinline__ void rowsum_mma_e4m3(float (&d)[4], const u32 (&a)[4], unsigned long long db) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
 
 template <class V> constexpr int kQOffset = 0;
 template <class V> constexpr int kKOffset = (kQBytes<V> + 1023) / 1024 * 1024;
@@ -126,10 +138,17 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     }
     wgmma_commit();
   };
+  constexpr bool kRowSum = V::kFp8 && (kParts & kRowSumMma);
+  float lsum[4] = {0.f, 0.f, 0.f, 0.f};  // kRowSum: the row sums, columns of P times ones
+  const unsigned long long dones = make_desc(v, 16, 1024);
   auto issue_pv = [&] {
     wgmma_fence();
     if constexpr (V::kFp8) pv_mma_e4m3(o, pa, v);
     else pv_mma<typename V::Elem>(o, pa, v);
+    if constexpr (kRowSum) {
+#pragma unroll
+      for (int kk = 0; kk < kPvSteps<V>; ++kk) rowsum_mma_e4m3(lsum, pa[kk], desc_add(dones, kk * 32));
+    }
     wgmma_commit();
   };
   auto softmax = [&] {
@@ -140,7 +159,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     } else if constexpr (V::kFp8 && !(kParts & kNoScales)) {
       dequantize_scores_at(sacc, scale_at);
     }
-    smx.update_scores<kLog2P, kPoly>(sacc, row_scale, corr);
+    smx.update_scores<kLog2P, kPoly, !kRowSum>(sacc, row_scale, corr);
   };
 
   if (kTurns != 0 && cw == V::kConsumers - 1) turn_pass();
@@ -168,6 +187,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
       if constexpr (kSm) {
         softmax();
         OnlineSoftmax::rescale(o, corr);
+        if constexpr (kRowSum) lsum[0] *= corr[0], lsum[1] *= corr[0], lsum[2] *= corr[1], lsum[3] *= corr[1];
         pack_probabilities<V>(sacc, pa);
       }
     } else {  // S_t beside P_{t-1} V_{t-1}, the softmax of t under P V (two consumers; fp8: in one turn)
@@ -191,16 +211,22 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   const long long c1 = clock64(), t1 = globaltimer();
   if (kTurns != 0 && cw == 0) turn_wait();  // the last pass, so that every turn barrier ends balanced
   // the loop's results feed a store the compiler cannot rule out
-  float sink = smx.row_sum[0] + smx.row_sum[1] + s_seen;
+  float sink = smx.row_sum[0] + smx.row_sum[1] + s_seen + lsum[0];
 #pragma unroll
   for (int i = 0; i < kOTiles; ++i) sink += o[i][0] + o[i][3];  // not S: it would stay live across P V
 #pragma unroll
   for (int i = 0; i < kPvSteps<V>; ++i) sink += __uint_as_float(pa[i][0] & 0x3f3f3f3fu);
-  if (threadIdx.x % 128 == 0) {
-    cycles[slot] = c1 - cycles[slot];
-    nanos[slot] = t1 - nanos[slot];
+  // the slot found again from the special registers (volatile reads): held across the loop, its
+  // address spills in the tightest probe
+  u32 cta, tid;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int end_slot = cta * V::kConsumers + tid / 128 - 1;
+  if (tid % 128 == 0) {
+    cycles[end_slot] = c1 - cycles[end_slot];
+    nanos[end_slot] = t1 - nanos[end_slot];
   }
-  if (sink == 1234.5f) cycles[slot] = -1;
+  if (sink == 1234.5f) cycles[end_slot] = -1;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import Dict, List, Sequence
 from mla_cupy import jit
 
 SOURCE = Path(__file__).with_name("pipe_probe.cu")
-GEMMS, SOFTMAX, NO_SCALES, CONST_SCALES = 1, 2, 4, 8  # kParts bits (pipe_probe.cu)
+GEMMS, SOFTMAX, NO_SCALES, CONST_SCALES, ROWSUM_MMA = 1, 2, 4, 8, 16  # kParts bits (pipe_probe.cu)
 WGMMA_CYCLES = 64      # one m64n128k32 e4m3 or m64n128k16 16-bit wgmma at the full rate of an SM
 
 
@@ -46,7 +46,8 @@ class Probe:
     variant: str       # traits type of kernels/sm90/config.cuh
     consumers: int     # the variant's consumer warpgroups
     parts: int         # GEMMS | SOFTMAX (fp8 | NO_SCALES: without the key scales' loads and multiplies;
-                       # | CONST_SCALES: their multiplies by constants, without the loads)
+                       # | CONST_SCALES: their multiplies by constants, without the loads;
+                       # | ROWSUM_MMA: the row sums by P times ones on the tensor pipe, not FADD)
     turns: int = 0     # 0 none; three consumers: 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS);
                        # two: 1 S and P V issued in one turn (MLA_SM90_16BIT_TURNS)
     poly: int = 0      # fp8: n-tiles of 16 with exp2 on the FMA pipe (MLA_SM90_EXP2_POLY)
@@ -68,12 +69,14 @@ class Probe:
     @property
     def tensor_cycles(self) -> int:
         """Tensor-pipe cycles of one key tile of all running consumers at the full rate: S's k-steps
-        of N = keys columns (N / 2 cycles each) and P V's keys / k k-steps of 128 columns (64 each)."""
+        of N = keys columns (N / 2 cycles each), P V's keys / k k-steps of 128 columns (64 each) and,
+        with ROWSUM_MMA, as many of 8 columns (4 each)."""
         if not self.parts & GEMMS:
             return 0
         fp8 = "E4m3" in self.variant or "Fp8" in self.variant
         s_steps, k = (6, 32) if fp8 else (12, 16)
-        return self.runners * (s_steps * self.keys // 2 + self.keys // k * WGMMA_CYCLES)
+        rowsum = self.keys // k * 8 // 2 if self.parts & ROWSUM_MMA else 0  # m64n8k32 per P V k-step: 4 cycles
+        return self.runners * (s_steps * self.keys // 2 + self.keys // k * WGMMA_CYCLES + rowsum)
 
 
 E4M3 = "mla::sm90::Wide<mla::sm90::VariantE4m3>"
@@ -95,6 +98,8 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-softmax-noscales", E4M3, 3, SOFTMAX | NO_SCALES),
     Probe("e4m3-loop-noscales", E4M3, 3, GEMMS | SOFTMAX | NO_SCALES, turns=1),
     Probe("e4m3-loop-constscales", E4M3, 3, GEMMS | SOFTMAX | CONST_SCALES, turns=1),
+    Probe("e4m3-softmax-rowsum", E4M3, 3, SOFTMAX | ROWSUM_MMA),
+    Probe("e4m3-loop-rowsum", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1),
     Probe("bf16-gemm", B16, 2, GEMMS),
     Probe("bf16-softmax", B16, 2, SOFTMAX),
     Probe("bf16-loop-1wg", B16, 2, GEMMS | SOFTMAX, active=1),

@@ -84,7 +84,8 @@ struct OnlineSoftmax {
   // With kLog2P > 0 the probabilities (and row_sum) come out multiplied by 2^kLog2P, for free: the
   // exponent's reference is lowered by kLog2P (the fp8 kernel's kPScale). kPolyTiles of the kSTiles
   // n-tiles (spread evenly) take their exp2 from poly_exp2 instead of the special-function unit.
-  template <int kLog2P = 0, int kPolyTiles = 0, int kSTiles>
+  // kSum false leaves row_sum alone (a caller that sums the probabilities elsewhere: pipe_probe.cu).
+  template <int kLog2P = 0, int kPolyTiles = 0, bool kSum = true, int kSTiles>
   __device__ __forceinline__ void update_scores(float (&s)[kSTiles][4], const float (&scale_log2)[2],
                                                 float (&corr)[2]) {
 #pragma unroll
@@ -113,10 +114,10 @@ struct OnlineSoftmax {
           const float x = fmaf(s[nt][e], scale_log2[r], -ref_p);
           const bool poly = (nt * kPolyTiles) / kSTiles != ((nt + 1) * kPolyTiles) / kSTiles;
           s[nt][e] = poly ? poly_exp2(x) : fast_exp2(x);
-          sum += s[nt][e];
+          if constexpr (kSum) sum += s[nt][e];
         }
       }
-      row_sum[r] = row_sum[r] * corr[r] + sum;
+      if constexpr (kSum) row_sum[r] = row_sum[r] * corr[r] + sum;
     }
   }
 

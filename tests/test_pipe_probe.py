@@ -15,6 +15,9 @@ def test_tensor_cycles_per_key_tile():
     assert p["bf16w-loop"].tensor_cycles == 3 * (12 * 48 + 6 * 64)  # 96-key tiles: S m64n96 (48 cycles)
     assert p["bf16n-loop"].tensor_cycles == 2 * (12 * 32 + 4 * 64)  # 64-key tiles: S m64n64 (32 cycles)
     assert p["e4m3-softmax"].tensor_cycles == 0 and p["bf16-softmax"].tensor_cycles == 0
+    assert p["e4m3-loop-rowsum"].tensor_cycles == 3 * (10 * 64 + 4 * 4)  # and P times ones: m64n8k32, 4 cycles
+    for name in ("e4m3-loop-noscales", "e4m3-loop-constscales"):  # the scales' work is no tensor work
+        assert p[name].tensor_cycles == p["e4m3-loop"].tensor_cycles
 
 
 def test_expressions_name_the_template_arguments():

@@ -264,14 +264,6 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #define MLA_SM90_KSCALE_EARLY 1
 #endif
 
-// Three fp8 consumers: the first half of a key tile's scales read into registers right after S is
-// issued, so that their shared loads pass under S, and the second half where they multiply (1); or
-// all of them where they multiply (0). All of them read under S do not fit: with S in flight, O, S
-// and a tile's 32 scales spill at 160 registers.
-#ifndef MLA_SM90_FP8_KSCALE_SPLIT
-#define MLA_SM90_FP8_KSCALE_SPLIT 0
-#endif
-
 // fp8: S_t issued beside P_{t-1} V_{t-1} and the softmax of tile t run while P V works (1), or P V
 // completed before S is issued (0: one GEMM in flight, no tile t - 1 state across the softmax;
 // mainloop.cuh: steps).

@@ -68,8 +68,6 @@ struct Mainloop {
   // (dequantize_scores_at), else into registers before the GEMMs (MLA_SM90_KSCALE_EARLY) or after
   static constexpr bool kScalesInPlace = V::kFp8 && V::kConsumers == 3;
   static constexpr bool kScalesEarly = V::kFp8 && MLA_SM90_KSCALE_EARLY && !kScalesInPlace;
-  // ... of which the first half into registers while S runs (MLA_SM90_FP8_KSCALE_SPLIT)
-  static constexpr bool kScalesSplit = kScalesInPlace && MLA_SM90_FP8_KSCALE_SPLIT;
   // Three consumers with a rope warp: the softmax step compiled on each side of the unreadable-key
   // branch (scores_to_p), so that its two paths join after the softmax; joined before it (S masked
   // or not, then one softmax) ptxas spills 76-104 bytes in the consumers at 160 registers.
@@ -144,7 +142,7 @@ struct Mainloop {
     float row_scale[2];              // softmax scale (times log2 e) of the thread's two rows
     float sacc[kST][4];              // S of the current key tile, then its P
     u32 pa[kPvSteps<V>][4];          // P of the previous tile, waiting for its P V
-    float ksc[V::kFp8 && (!kScalesInPlace || kScalesSplit) ? kST : 1][2];  // fp8: key scales of the thread's columns
+    float ksc[V::kFp8 && !kScalesInPlace ? kST : 1][2];  // fp8: key scales of the thread's columns
     u32 scale_at;                    // kScalesInPlace: bytes from a scale box to the thread's first scale
     float corr[2];                   // rescale factors of O from the last softmax step
     u32 tile_flags;                  // the rope warp's flags of the current key tile (kRW)
@@ -211,14 +209,11 @@ struct Mainloop {
     else pv_mma<T, kKeys>(o, x.pa, sm.v(s));
     wgmma_commit();
   }
-  // fp8: the key scales of key tile t (ring position it) into registers (kScalesEarly: before the
-  // GEMMs), n-tiles kFrom .. kTo - 1 of them (kScalesSplit: the first half while S runs, the
-  // second once S is complete).
-  template <int kFrom = 0, int kTo = kST>
+  // fp8: the key scales of key tile t (ring position it) into registers (kScalesEarly: before the GEMMs).
   __device__ __forceinline__ void key_scales(Tile& x, int t, int it) const {
-    if constexpr (V::kFp8 && (!kScalesInPlace || kScalesSplit))
-      load_key_scales<kFrom, kTo>(reinterpret_cast<const float*>(sm.s.stage[it % kS].k + kKScalesOffset<V>),
-                                  x.k.w.kv_row0 + x.k.n_begin + t * kBN, x.ksc);
+    if constexpr (V::kFp8 && !kScalesInPlace)
+      load_key_scales(reinterpret_cast<const float*>(sm.s.stage[it % kS].k + kKScalesOffset<V>),
+                      x.k.w.kv_row0 + x.k.n_begin + t * kBN, x.ksc);
   }
   // S of key tile t (ring position it) into probabilities: dequantized (fp8), masked as kMode says,
   // its K stage (with the rope rows and their flags) released. kHalf: S holds the tile's first 64
@@ -228,7 +223,7 @@ struct Mainloop {
     constexpr int kTiles = kHalf ? kST / 2 : kST;  // n-tiles of S the GEMM wrote
     fence_operands_first<kTiles>(x.sacc);
     const int s = it % kS;
-    if constexpr (kScalesInPlace && !kScalesSplit) dequantize_scores_at<kTiles>(x.sacc, sm.k_scales(s) + x.scale_at);
+    if constexpr (kScalesInPlace) dequantize_scores_at<kTiles>(x.sacc, sm.k_scales(s) + x.scale_at);
     else if constexpr (V::kFp8) dequantize_scores<kTiles>(x.sacc, x.ksc);
 #pragma unroll
     for (int nt = kTiles; nt < kST; ++nt) x.sacc[nt][0] = x.sacc[nt][1] = x.sacc[nt][2] = x.sacc[nt][3] = neg_inf();
@@ -265,10 +260,8 @@ struct Mainloop {
     turn_wait();
     issue_qk<kHalf>(x, it);
     turn_pass();
-    if constexpr (kScalesSplit) key_scales<0, kST / 2>(x, 0, it);
-    else if (!kScalesEarly) key_scales(x, 0, it);
+    if (!kScalesEarly) key_scales(x, 0, it);
     wgmma_wait<0>();
-    if constexpr (kScalesSplit) key_scales<kST / 2, kST>(x, 0, it);
     release_q<true>(x.k.num_tiles == 1);
     scores_to_p<kMaskApply, kHalf>(x, smx, 0, it);
   }
@@ -311,11 +304,9 @@ struct Mainloop {
         if (kScalesEarly) wait_k(it);
         issue_qk(x, it);
         if (!kTurnCoversPvOnly) turn_pass();
-        if constexpr (kScalesSplit) key_scales<0, kST / 2>(x, t, it);
         wgmma_wait<0>();
         release_q<true>(t + 1 == x.k.num_tiles);
-        if constexpr (kScalesSplit) key_scales<kST / 2, kST>(x, t, it);
-        else key_scales(x, t, it);
+        key_scales(x, t, it);
         scores_to_p<kMode>(x, smx, t, it);
         rescale_o(o, x.corr);
         pack_probabilities<V>(x.sacc, x.pa);

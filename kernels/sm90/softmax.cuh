@@ -23,12 +23,11 @@ __device__ __forceinline__ i64 key_scale_index(i64 first_row) { return (first_ro
 // The key scales of this thread's columns of a tile, read from its K stage as soon as it is full,
 // before the GEMMs that would hold the shared memory (MLA_SM90_KSCALE_EARLY), so that their latency
 // stays off the softmax's path.
-// n-tiles kFrom .. kTo - 1 of them (all by default).
-template <int kFrom = 0, int kTo = 0, int kNT>
+template <int kNT>
 __device__ __forceinline__ void load_key_scales(const float* box, i64 first_row, float (&ksc)[kNT][2]) {
   const float* p = box + key_scale_index(first_row);
 #pragma unroll
-  for (int nt = kFrom; nt < (kTo ? kTo : kNT); ++nt) ksc[nt][0] = p[nt * 8], ksc[nt][1] = p[nt * 8 + 1];
+  for (int nt = 0; nt < kNT; ++nt) ksc[nt][0] = p[nt * 8], ksc[nt][1] = p[nt * 8 + 1];
 }
 
 // An n-tile of S (rows g, g + 8; this thread's two columns) times its columns' key scales.
