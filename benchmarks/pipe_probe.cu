@@ -32,16 +32,6 @@ constexpr int kNoScales = 4;  // kParts bit: fp8 without the key scales (one des
 constexpr int kConstScales = 8;  // kParts bit: fp8 key scales as constants (their multiplies without their loads)
 constexpr int kRowSumMma = 16;   // kParts bit: fp8 row sums by the tensor pipe (P times a block of ones), not FADD
 
-// P times 8 columns of ones (an m64n8k32 e4m3 wgmma, A from registers): every column of d holds the
-// row sums of P's 32 keys of the k-step, accumulated as O is (kRowSumMma; the probe's B is any 1 KiB
-// of shared memory, the values do not change the time).
-__device__ __forceinline__ void rowsum_mma_e4m3(float (&d)[4], const u32 (&a)[4], unsigned long long db) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-
 template <class V> constexpr int kQOffset = 0;
 template <class V> constexpr int kKOffset = (kQBytes<V> + 1023) / 1024 * 1024;
 template <class V> constexpr int kVOffset = kKOffset<V> + (kKBytes<V> + 1023) / 1024 * 1024;
@@ -138,8 +128,10 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     }
     wgmma_commit();
   };
+  // kRowSumMma as the kernel's MLA_SM90_FP8_ROWSUM_MMA: P times ones beside P V (any 1 KiB of shared
+  // memory as the ones: the values do not change the time), its sums added once P V is complete
   constexpr bool kRowSum = V::kFp8 && (kParts & kRowSumMma);
-  float lsum[4] = {0.f, 0.f, 0.f, 0.f};  // kRowSum: the row sums, columns of P times ones
+  float lsum[1][4];
   const unsigned long long dones = make_desc(v, 16, 1024);
   auto issue_pv = [&] {
     wgmma_fence();
@@ -147,9 +139,16 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     else pv_mma<typename V::Elem>(o, pa, v);
     if constexpr (kRowSum) {
 #pragma unroll
-      for (int kk = 0; kk < kPvSteps<V>; ++kk) rowsum_mma_e4m3(lsum, pa[kk], desc_add(dones, kk * 32));
+      for (int kk = 0; kk < kPvSteps<V>; ++kk) WgmmaE4m3::rs_n8(lsum, pa[kk], dones, kk > 0);
     }
     wgmma_commit();
+  };
+  auto add_sums = [&] {
+    if constexpr (kRowSum) {
+      fence_operands(lsum);
+      smx.row_sum[0] += lsum[0][0];
+      smx.row_sum[1] += lsum[0][2];
+    }
   };
   auto softmax = [&] {
     fence_operands(sacc);
@@ -180,6 +179,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
         wgmma_wait<0>();
         fence_operands(o);
         fence_operands(pa);
+        add_sums();
         issue_s();
       }
       if (kTurns == 1) turn_pass();
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
       if constexpr (kSm) {
         softmax();
         OnlineSoftmax::rescale(o, corr);
-        if constexpr (kRowSum) lsum[0] *= corr[0], lsum[1] *= corr[0], lsum[2] *= corr[1], lsum[3] *= corr[1];
+        if constexpr (kRowSum) smx.row_sum[0] *= corr[0], smx.row_sum[1] *= corr[1];
         pack_probabilities<V>(sacc, pa);
       }
     } else {  // S_t beside P_{t-1} V_{t-1}, the softmax of t under P V (two consumers; fp8: in one turn)
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   const long long c1 = clock64(), t1 = globaltimer();
   if (kTurns != 0 && cw == 0) turn_wait();  // the last pass, so that every turn barrier ends balanced
   // the loop's results feed a store the compiler cannot rule out
-  float sink = smx.row_sum[0] + smx.row_sum[1] + s_seen + lsum[0];
+  float sink = smx.row_sum[0] + smx.row_sum[1] + s_seen;
 #pragma unroll
   for (int i = 0; i < kOTiles; ++i) sink += o[i][0] + o[i][3];  // not S: it would stay live across P V
 #pragma unroll

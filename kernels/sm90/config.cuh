@@ -264,6 +264,16 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #define MLA_SM90_KSCALE_EARLY 1
 #endif
 
+// Three fp8 consumers: each row's sum of probabilities taken on the tensor pipe, P times a block of
+// ones (an m64n8k32 wgmma beside each of P V's k-steps, accumulated and rescaled as O is; the sums
+// then are of the e4m3 P that P V multiplies), instead of 64 FADD per thread and key tile in the
+// softmax (1); or summed in the softmax (0). A measurement switch (benchmarks/NOTES.md): the
+// per-token paged causal kernel spills 16 bytes with it.
+#ifndef MLA_SM90_FP8_ROWSUM_MMA
+#define MLA_SM90_FP8_ROWSUM_MMA 0
+#endif
+template <class V> constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_ROWSUM_MMA;
+
 // fp8: S_t issued beside P_{t-1} V_{t-1} and the softmax of tile t run while P V works (1), or P V
 // completed before S is issued (0: one GEMM in flight, no tile t - 1 state across the softmax;
 // mainloop.cuh: steps).

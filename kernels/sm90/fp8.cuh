@@ -35,6 +35,15 @@ struct WgmmaE4m3 {
                  : MLA_ACC16(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
   }
+  // m64n8k32, A from registers: P times 8 columns of B (kRowSumMma: ones, so every column of d
+  // holds the rows' sums of P over the k-steps since the last with accumulate 0).
+  static __device__ __forceinline__ void rs_n8(float (&d)[1][4], const u32 (&a)[4], unsigned long long db,
+                                               int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+  }
 };
 
 // P is computed as kPScale * P: probabilities in [0, 1] would leave most of a long row in e4m3's

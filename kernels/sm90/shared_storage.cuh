@@ -17,8 +17,13 @@ namespace sm90 {
 // The scheduler's mbarriers: full(0), full(1), empty(0), empty(1), and issued with the scheduler warp.
 template <class V> constexpr int kWorkBars = 2 * kWorkSlots + (kSchedulerWarp<V> ? 1 : 0);
 
+// The block of ones the row sums multiply P by (kRowSumMma: 8 rows of 128 e4m3 ones, 1 KiB, written
+// once per CTA before the roles start); an empty base otherwise, which takes no space.
+template <bool kOn> struct OnesBlock {};
+template <> struct OnesBlock<true> { alignas(1024) unsigned char ones[1024]; };
+
 template <class V>
-struct alignas(1024) SharedStorage {
+struct alignas(1024) SharedStorage : OnesBlock<kRowSumMma<V>> {
   struct alignas(1024) Stage {
     unsigned char k[kKBytes<V>];  // 1024-multiple: v stays 1 KiB aligned
     unsigned char v[kVBytes<V>];
@@ -72,6 +77,7 @@ struct Smem {
   __device__ __forceinline__ u32 k_empty(int st) const { return at(&s.k_empty[st]); }
   __device__ __forceinline__ u32 v_empty(int st) const { return at(&s.v_empty[st]); }
   __device__ __forceinline__ u32 work_bars() const { return at(s.work_bars); }
+  __device__ __forceinline__ u32 ones() const { return at(s.ones); }  // kRowSumMma
 };
 
 // The shared storage of this CTA: the dynamic shared memory's base rounded up to 1 KiB. With
