@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
       if constexpr (kSm) {
         softmax();
         OnlineSoftmax::rescale(o, corr);
-        if constexpr (kRowSum) smx.row_sum[0] *= corr[0], smx.row_sum[1] *= corr[1];
+        if constexpr (kRowSum) smx.rescale_sums(corr);
         pack_probabilities<V>(sacc, pa);
       }
     } else {  // S_t beside P_{t-1} V_{t-1}, the softmax of t under P V (two consumers; fp8: in one turn)

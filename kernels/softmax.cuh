@@ -84,7 +84,8 @@ struct OnlineSoftmax {
   // With kLog2P > 0 the probabilities (and row_sum) come out multiplied by 2^kLog2P, for free: the
   // exponent's reference is lowered by kLog2P (the fp8 kernel's kPScale). kPolyTiles of the kSTiles
   // n-tiles (spread evenly) take their exp2 from poly_exp2 instead of the special-function unit.
-  // kSum false leaves row_sum alone (a caller that sums the probabilities elsewhere: pipe_probe.cu).
+  // kSum false leaves row_sum alone: the caller sums the probabilities elsewhere and rescales the
+  // sums itself (rescale_sums; MLA_SM90_FP8_ROWSUM_MMA sums them on the tensor pipe).
   template <int kLog2P = 0, int kPolyTiles = 0, bool kSum = true, int kSTiles>
   __device__ __forceinline__ void update_scores(float (&s)[kSTiles][4], const float (&scale_log2)[2],
                                                 float (&corr)[2]) {
@@ -119,6 +120,12 @@ struct OnlineSoftmax {
       }
       if constexpr (kSum) row_sum[r] = row_sum[r] * corr[r] + sum;
     }
+  }
+
+  // The row sums rescaled by an update_scores<.., kSum = false>'s factors, as O is.
+  __device__ __forceinline__ void rescale_sums(const float (&corr)[2]) {
+    row_sum[0] *= corr[0];
+    row_sum[1] *= corr[1];
   }
 
   template <int kOTiles>

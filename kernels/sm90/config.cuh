@@ -265,9 +265,10 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #endif
 
 // Three fp8 consumers: each row's sum of probabilities taken on the tensor pipe, P times a block of
-// ones (an m64n8k32 wgmma beside each of P V's k-steps, accumulated and rescaled as O is; the sums
-// then are of the e4m3 P that P V multiplies), instead of 64 FADD per thread and key tile in the
-// softmax (1); or summed in the softmax (0). A measurement switch (benchmarks/NOTES.md): the
+// ones (an m64n8k32 wgmma beside each of P V's k-steps; once P V is complete its sums join the rows'
+// running sums, which O's rescale factors multiply; the sums then are of the e4m3 P that P V
+// multiplies), instead of 64 FADD per thread and key tile in the softmax (1); or summed in the
+// softmax (0). A measurement switch (benchmarks/NOTES.md): the
 // per-token paged causal kernel spills 16 bytes with it.
 #ifndef MLA_SM90_FP8_ROWSUM_MMA
 #define MLA_SM90_FP8_ROWSUM_MMA 0

@@ -326,7 +326,7 @@ struct Mainloop {
         key_scales(x, t, it);
         scores_to_p<kMode>(x, smx, t, it);
         rescale_o(o, x.corr);
-        if constexpr (kRowSumMma<V>) smx.row_sum[0] *= x.corr[0], smx.row_sum[1] *= x.corr[1];
+        if constexpr (kRowSumMma<V>) smx.rescale_sums(x.corr);
         pack_probabilities<V>(x.sacc, x.pa);
       } else {
         if (kScalesEarly) wait_k(it), key_scales(x, t, it);
