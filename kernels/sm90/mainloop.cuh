@@ -64,6 +64,7 @@ struct Mainloop {
   static constexpr int kBN = V::kBlockN;      // keys per key tile
   static constexpr int kST = kSTiles<V>;      // n-tiles of 8 keys in S
   static constexpr bool kRW = kRopeWarp<V, kPaged>;
+  static constexpr bool kSumMma = kRowSumMma<V, kPaged>;  // rows' sums of P on the tensor pipe
   // fp8 key scales: read from shared memory where they multiply with three consumers
   // (dequantize_scores_at), else into registers before the GEMMs (MLA_SM90_KSCALE_EARLY) or after
   static constexpr bool kScalesInPlace = V::kFp8 && V::kConsumers == 3;
@@ -145,7 +146,7 @@ struct Mainloop {
     float ksc[V::kFp8 && !kScalesInPlace ? kST : 1][2];  // fp8: key scales of the thread's columns
     u32 scale_at;                    // kScalesInPlace: bytes from a scale box to the thread's first scale
     float corr[2];                   // rescale factors of O from the last softmax step
-    float lsum[1][4];                // kRowSumMma: one P V's sums of P (rows g, g, g + 8, g + 8)
+    float lsum[1][4];                // kSumMma: one P V's sums of P (rows g, g, g + 8, g + 8)
     u32 tile_flags;                  // the rope warp's flags of the current key tile (kRW)
     int prev_s;                      // ring stage and phase of the previous key tile
     u32 prev_parity;
@@ -208,18 +209,18 @@ struct Mainloop {
     wgmma_fence();
     if constexpr (V::kFp8) pv_mma_e4m3(o, x.pa, sm.v(s));
     else pv_mma<T, kKeys>(o, x.pa, sm.v(s));
-    if constexpr (kRowSumMma<V>) {  // every byte of the block is one: the same descriptor for each k-step
+    if constexpr (kSumMma) {  // every byte of the block is one: the same descriptor for each k-step
       const unsigned long long d1 = make_desc(sm.ones(), 16, 1024);
 #pragma unroll
       for (int kk = 0; kk < kPvSteps<V>; ++kk) WgmmaE4m3::rs_n8(x.lsum, x.pa[kk], d1, kk > 0);
     }
     wgmma_commit();
   }
-  // kRowSumMma, after a P V is complete: its sums of P added to the rows' (relative to the same
+  // kSumMma, after a P V is complete: its sums of P added to the rows' (relative to the same
   // maximum as that P; row_sum is rescaled with O after each softmax step). Each lane of a quad holds
   // its rows' whole sums.
   __device__ __forceinline__ void add_row_sums(Tile& x, OnlineSoftmax& smx) const {
-    if constexpr (kRowSumMma<V>) {
+    if constexpr (kSumMma) {
       fence_operands(x.lsum);
       smx.row_sum[0] += x.lsum[0][0];
       smx.row_sum[1] += x.lsum[0][2];
@@ -266,7 +267,7 @@ struct Mainloop {
     TileHandout::release(sm.k_empty(s));
     // fp8: kPScale * P (fp8.cuh), part of the exp2 on the FMA pipe if MLA_SM90_EXP2_POLY says so
     constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0, kPoly = V::kFp8 ? MLA_SM90_EXP2_POLY : 0;
-    smx.update_scores<kLog2P, kPoly, !kRowSumMma<V>>(x.sacc, x.row_scale, x.corr);
+    smx.update_scores<kLog2P, kPoly, !kSumMma>(x.sacc, x.row_scale, x.corr);
   }
   // A work tile's first key tile: S issued, completed and made probabilities (masked). The paths
   // of a branch between wgmma shapes join with no wgmma in flight and S whole (here and in last_pv):
@@ -326,7 +327,7 @@ struct Mainloop {
         key_scales(x, t, it);
         scores_to_p<kMode>(x, smx, t, it);
         rescale_o(o, x.corr);
-        if constexpr (kRowSumMma<V>) smx.rescale_sums(x.corr);
+        if constexpr (kSumMma) smx.rescale_sums(x.corr);
         pack_probabilities<V>(x.sacc, x.pa);
       } else {
         if (kScalesEarly) wait_k(it), key_scales(x, t, it);
@@ -425,7 +426,7 @@ struct Mainloop {
     fence_operands(o);
     fence_operands(x.pa);
     TileHandout::release(sm.v_empty(last));
-    if constexpr (kRowSumMma<V>) {
+    if constexpr (kSumMma) {
       add_row_sums(x, smx);
       // each lane of a quad holds its rows' whole sums and the epilogue adds the quad's four
       // (row_weights: quad_sum), so each lane gives a quarter (exact: a power of two)
