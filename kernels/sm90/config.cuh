@@ -271,8 +271,8 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 // all-e4m3 kernels (measured 3.5% faster at 1x8192, 2.3% at 4x2048, level at 64x128;
 // benchmarks/NOTES.md); 2: in the per-token kernels with a plain rope too (3.3-3.6% faster), whose
 // paged forms keep the FADD sums (with the sums' accumulators their consumers spill 8-24 bytes), so
-// that a plain and a paged rope then give outputs equal to rounding, not bit for bit: a measurement
-// value; 0: the FADD sums everywhere.
+// that a plain and a paged rope then no longer give the same bits: a measurement value; 0: the FADD
+// sums everywhere.
 #ifndef MLA_SM90_FP8_ROWSUM_MMA
 #define MLA_SM90_FP8_ROWSUM_MMA 1
 #endif
