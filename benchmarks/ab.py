@@ -36,6 +36,7 @@ Implementations (``--impls``, comma separated; the first is the base):
   ours-fp8:vt=quant, ours-e4m3:vt=quant
                     the same given the quantizer's V^T (``quantize_per_token(..., cache_row_offsets=)``'s
                     ``TransposedV`` as v): each call launches the attention kernel alone, no V^T pre-pass
+  ours-fp8:paged=P  the per-token kernel with its (bf16, scaled) rope in a PagedKVCache, as ours:paged=P
   fa3, fa3+kbuild   FlashAttention-3 (``fa3_fwd_interface`` or ``flash_attn_interface``), kernel only / with
                     the K build at 192 width that it needs
   fa3-fp8           FlashAttention-3 e4m3 (per (batch, head) descales)
@@ -287,13 +288,16 @@ def _ours_fp8(case: BenchCase, sets, opts, e4m3_rope: bool = False) -> Impl:
     """Our fp8 per-token kernel through a plan (inputs quantized by ``quant.quantize_per_token``);
     the V^T pre-pass runs in every call (the plan owns its workspace), or with ``vt=quant`` none:
     each call is given the quantizer's V^T (made with the inputs, outside the timed calls). Other
-    options as ``ours``. ``e4m3_rope``: the all-e4m3 mode (an fp8 plan with ``fp8_rope=True``)."""
+    options as ``ours`` (``paged=P`` and ``shift=S``: the quantizer's bf16 rope in a PagedKVCache; per
+    token only). ``e4m3_rope``: the all-e4m3 mode (an fp8 plan with ``fp8_rope=True``)."""
     import cupy as cp
 
     import mla_cupy
     from mla_cupy import quant
     from mla_cupy._arrays import BF16
 
+    if "paged" in opts and (e4m3_rope or len(case.sq) > 1):
+        raise SystemExit("ours-fp8:paged=P takes one-sequence cases, per token (an e4m3 rope is plain only)")
     mask = case.mask
     if "pkg" in opts:
         mla_cupy = _package(opts["pkg"])
@@ -307,13 +311,20 @@ def _ours_fp8(case: BenchCase, sets, opts, e4m3_rope: bool = False) -> Impl:
     given = dict(cache_row_offsets=cro) if vt == "quant" else {}
     fs = [quant.quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"], e4m3_rope=e4m3_rope, **given) for x in sets]
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
+    ropes = [f["k_rope"] for f in fs]
+    kw = dict(fp8_rope=True) if e4m3_rope else {}
+    if "paged" in opts:
+        built = [_paged(r, int(opts["paged"]), int(opts.get("shift", 0)), mla_cupy) for r in ropes]
+        ropes = [b[0] for b in built]
+        kw = dict(page_table=ropes[0].lookup_table, page_size=ropes[0].page_size,
+                  cache_offsets=cp.asarray(np.array([built[0][1]], np.uint32)))
     pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=mask, q_max_seq_len=max(case.sq), fp8=True,
-                       **(dict(fp8_rope=True) if e4m3_rope else {}))
+                       **kw)
     v_of = "v_t" if vt == "quant" else "v"
 
     def call(i):
         f = fs[i]
-        return pl.run_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"], f[v_of], f["k_rope"],
+        return pl.run_fp8(f["q_nope"], f["q_rope"], f["q_scale"], f["k"], f["k_scales"], f[v_of], ropes[i],
                           out=outs[i])
 
     return _first_call_under_variant(call, opts), lambda i: outs[i]

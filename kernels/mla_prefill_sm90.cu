@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_ke
                                    (kSchedulerWarp<V> ? 1 : 0));
     fence_barrier_init();
   }
-  if constexpr (kRowSumMma<V, kPaged>) {  // e4m3 1.0 (0x38) in every byte of the ones block, for wgmma (the async proxy)
+  if constexpr (kRowSumMma<V>) {  // e4m3 1.0 (0x38) in every byte of the ones block, for wgmma (the async proxy)
     if (threadIdx.x < 64) {
       sts128(shared_storage<V, false>(smem_raw).ones() + 16 * threadIdx.x, 0x38383838u, 0x38383838u, 0x38383838u,
              0x38383838u);

@@ -37,3 +37,15 @@ def test_defines_and_restore_forget_every_compiled_cache():
         for c, s in zip(_caches(), saved):
             c.clear()
             c.update(s)
+
+
+def test_fp8_paged_rope_takes_one_sequence_per_token():
+    """ab.py's ``ours-fp8:paged=P`` refuses a batch and the all-e4m3 mode (whose rope is plain
+    only) before it quantizes anything."""
+    import pytest
+
+    ab = load_script("benchmarks/ab.py", "ab_paged_tool")
+    for impl, case in (("ours-fp8", "4x2048"), ("ours-e4m3", "1x8192")):
+        base, opts = ab.parse_impl(f"{impl}:paged=64")
+        with pytest.raises(SystemExit, match="one-sequence cases, per token"):
+            ab.FACTORIES[base](ab.parse_case(case), [], opts)

@@ -269,16 +269,16 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 // running sums, which O's rescale factors multiply; the sums then are of the e4m3 P that P V
 // multiplies), instead of 64 FADD per thread and key tile in the softmax. 1 (the default): in the
 // all-e4m3 kernels (measured 3.5% faster at 1x8192, 2.3% at 4x2048, level at 64x128;
-// benchmarks/NOTES.md); 2: in the per-token kernels with a plain rope too (3.3-3.6% faster), whose
-// paged forms keep the FADD sums (with the sums' accumulators their consumers spill 8-24 bytes), so
-// that a plain and a paged rope then no longer give the same bits: a measurement value; 0: the FADD
-// sums everywhere.
+// benchmarks/NOTES.md); 2: in the per-token kernels too, plain and paged (their plain kernels
+// measured 3.3-3.6% faster; the paged ones read the unreadable-key words one by one, without which
+// they spill); 0: the FADD sums everywhere. Every kernel of a variant sums alike, so that a paged
+// rope gives the plain rope's bits.
 #ifndef MLA_SM90_FP8_ROWSUM_MMA
 #define MLA_SM90_FP8_ROWSUM_MMA 1
 #endif
-template <class V, bool kPaged = false>
+template <class V>
 constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 &&
-                            (V::kRopeE4m3 ? MLA_SM90_FP8_ROWSUM_MMA != 0 : MLA_SM90_FP8_ROWSUM_MMA == 2 && !kPaged);
+                            (V::kRopeE4m3 ? MLA_SM90_FP8_ROWSUM_MMA != 0 : MLA_SM90_FP8_ROWSUM_MMA == 2);
 
 // fp8: S_t issued beside P_{t-1} V_{t-1} and the softmax of tile t run while P V works (1), or P V
 // completed before S is issued (0: one GEMM in flight, no tile t - 1 state across the softmax;

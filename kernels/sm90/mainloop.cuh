@@ -64,7 +64,7 @@ struct Mainloop {
   static constexpr int kBN = V::kBlockN;      // keys per key tile
   static constexpr int kST = kSTiles<V>;      // n-tiles of 8 keys in S
   static constexpr bool kRW = kRopeWarp<V, kPaged>;
-  static constexpr bool kSumMma = kRowSumMma<V, kPaged>;  // rows' sums of P on the tensor pipe
+  static constexpr bool kSumMma = kRowSumMma<V>;  // rows' sums of P on the tensor pipe
   // fp8 key scales: read from shared memory where they multiply with three consumers
   // (dequantize_scores_at), else into registers before the GEMMs (MLA_SM90_KSCALE_EARLY) or after
   static constexpr bool kScalesInPlace = V::kFp8 && V::kConsumers == 3;
@@ -252,13 +252,13 @@ struct Mainloop {
     const bool unreadable = kRW && (x.tile_flags & kTileUnreadable);
     if constexpr (kSoftmaxPerPath) {
       if (unreadable) {
-        mask_unreadable(x.sacc, sm.s.key_ok[s]);
+        mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
         softmax_step(x, smx, s);
       } else {
         softmax_step(x, smx, s);
       }
     } else {
-      if (unreadable) mask_unreadable(x.sacc, sm.s.key_ok[s]);
+      if (unreadable) mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
       softmax_step(x, smx, s);
     }
   }

@@ -18,8 +18,7 @@ namespace sm90 {
 template <class V> constexpr int kWorkBars = 2 * kWorkSlots + (kSchedulerWarp<V> ? 1 : 0);
 
 // The block of ones the row sums multiply P by (kRowSumMma: 8 rows of 128 e4m3 ones, 1 KiB, written
-// once per CTA before the roles start; the paged kernels of the variant leave it unused); an empty
-// base otherwise, which takes no space.
+// once per CTA before the roles start); an empty base otherwise, which takes no space.
 template <bool kOn> struct OnesBlock {};
 template <> struct OnesBlock<true> { alignas(1024) unsigned char ones[1024]; };
 

@@ -110,13 +110,21 @@ __device__ __forceinline__ void mask_tile(float (&s)[kNT][4], const int (&lo)[2]
 
 // Sets to -inf the scores of the tile's unreadable keys: `ok` holds a readable bit per key (key
 // 32 w + b: word w, bit b). The thread's columns c0 + 8 nt + e sit in word nt / 4 at bit
-// 8 (nt % 4) + c0 + e, so one shift per word puts them on constant bits.
-template <int kNT>
+// 8 (nt % 4) + c0 + e, so one shift per word puts them on constant bits. The words come in one
+// 16-byte load, or (kByWord) in four loads, which ptxas can schedule with fewer registers live (the
+// fp8 consumers with the row sums' accumulators at 160 registers: with the 16-byte load they spill).
+template <int kNT, bool kByWord = false>
 __device__ __forceinline__ void mask_unreadable(float (&s)[kNT][4], const u32 (&ok)[kKeyWordsMax]) {
   static_assert(kNT % 4 == 0 && kNT / 4 <= kKeyWordsMax, "four 8-column groups per 32-key word; one 16-byte load");
   const int c0 = 2 * (threadIdx.x % 4);
-  const uint4 w4 = *reinterpret_cast<const uint4*>(ok);
-  const u32 w[kKeyWordsMax] = {w4.x >> c0, w4.y >> c0, w4.z >> c0, w4.w >> c0};
+  u32 w[kKeyWordsMax];
+  if constexpr (kByWord) {
+#pragma unroll
+    for (int i = 0; i < kKeyWordsMax; ++i) w[i] = ok[i] >> c0;
+  } else {
+    const uint4 w4 = *reinterpret_cast<const uint4*>(ok);
+    w[0] = w4.x >> c0, w[1] = w4.y >> c0, w[2] = w4.z >> c0, w[3] = w4.w >> c0;
+  }
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
