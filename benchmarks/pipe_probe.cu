@@ -336,4 +336,72 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(64, 1)
   if constexpr (kCluster > 1) cluster_sync();  // no CTA leaves while a peer's copies or arrivals may still reach it
 }
 
+// The same loads into two rings, as the kernel's producer fills them: each tile's K part (k_bytes:
+// the nope blocks and the rope block) into a ring of k_stages stages and its V part (v_bytes) into a
+// ring of v_stages, each stage with its own full / empty mbarriers. The consumer takes the tiles in
+// the kernel's order: with v_lag 1 (the two 16-bit consumers: S of tile i issued beside P V of tile
+// i - 1) it waits for K of tile i and V of tile i - 1, holds k_hold cycles (S's tensor time) and
+// releases that K stage, then holds v_hold (P V's) and releases that V stage; with v_lag 0 it waits
+// for, holds and releases K of tile i, then V of tile i. Tiles are k_bytes + v_bytes long in `src`,
+// walked as load_probe walks them (no clusters).
+__global__ void __launch_bounds__(64, 1)
+    kv_probe(const unsigned char* src, long long span_tiles, long long cta_step, int tiles, int k_bytes, int v_bytes,
+             int copy_bytes, int k_stages, int v_stages, int k_hold, int v_hold, int v_lag, long long* cycles,
+             long long* nanos, long long* starts) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  __shared__ __align__(8) unsigned long long k_full[kMaxStages], k_empty[kMaxStages], v_full[kMaxStages],
+      v_empty[kMaxStages];
+  const u32 k_ring = smem_addr(smem), v_ring = k_ring + k_stages * k_bytes;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kMaxStages; ++s) {
+      mbar_init(smem_addr(&k_full[s]), 1);
+      mbar_init(smem_addr(&k_empty[s]), 1);
+      mbar_init(smem_addr(&v_full[s]), 1);
+      mbar_init(smem_addr(&v_empty[s]), 1);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+  const long long c0 = clock64(), t0 = globaltimer();
+  auto fill = [&](int i, int stages, int bytes, int offset, u32 ring, unsigned long long* full,
+                  unsigned long long* empty) {
+    const int s = i % stages;
+    if (i >= stages) mbar_wait(smem_addr(&empty[s]), ((i / stages) - 1) & 1);
+    const u32 bar = smem_addr(&full[s]);
+    mbar_expect_tx(bar, bytes);
+    const unsigned char* part = src + (blockIdx.x * cta_step + i) % span_tiles * (k_bytes + v_bytes) + offset;
+    for (int b = 0; b < bytes; b += copy_bytes) bulk_load(ring + s * bytes + b, part + b, copy_bytes, bar);
+  };
+  auto take = [&](int i, int stages, unsigned long long* full) { mbar_wait(smem_addr(&full[i % stages]), (i / stages) & 1); };
+  auto hold = [](int h) {
+    const long long h0 = clock64();
+    while (clock64() - h0 < h) {
+    }
+  };
+  if (threadIdx.x == 0) {  // the producer: K of tile i, then V of tile i, each once its stage is free
+    for (int i = 0; i < tiles; ++i) {
+      fill(i, k_stages, k_bytes, 0, k_ring, k_full, k_empty);
+      fill(i, v_stages, v_bytes, k_bytes, v_ring, v_full, v_empty);
+    }
+  } else if (threadIdx.x == 32) {
+    for (int i = 0; i < tiles + v_lag; ++i) {
+      const int j = i - v_lag;  // the tile whose V this step multiplies
+      if (i < tiles) take(i, k_stages, k_full);
+      if (v_lag && j >= 0) take(j, v_stages, v_full);
+      if (i < tiles) {
+        hold(k_hold);
+        mbar_arrive(smem_addr(&k_empty[i % k_stages]));
+      }
+      if (j >= 0 && j < tiles) {
+        if (!v_lag) take(j, v_stages, v_full);
+        hold(v_hold);
+        mbar_arrive(smem_addr(&v_empty[j % v_stages]));
+      }
+    }
+    cycles[blockIdx.x] = clock64() - c0;
+    nanos[blockIdx.x] = globaltimer() - t0;
+    starts[blockIdx.x] = t0;
+  }
+}
+
 }  // namespace probe

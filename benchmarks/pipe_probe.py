@@ -130,10 +130,27 @@ class LoadProbe:
     cluster: int = 1   # CTAs of a cluster (1: none)
     multicast: bool = False  # the cluster's CTAs share each tile: one L2 read delivered into all of them
     ctas: int = 0      # CTAs launched (one per SM); 0: as many as the card has SMs
+    # Two rings (kv_probe) when v_bytes > 0: tile_bytes, stages and hold are then K's (its part of the
+    # tile, its ring, S's cycles), these V's; v_lag 1: V of tile i - 1 taken with K of tile i
+    v_bytes: int = 0
+    v_stages: int = 0
+    v_hold: int = 0
+    v_lag: int = 0
 
     @property
     def expression(self) -> str:
+        if self.v_bytes:
+            return "probe::kv_probe"
         return f"probe::load_probe<{self.cluster}, {'true' if self.multicast else 'false'}>"
+
+    @property
+    def walk_bytes(self) -> int:
+        """Bytes of one whole key tile (K and V parts) in the source."""
+        return self.tile_bytes + self.v_bytes
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.stages * self.tile_bytes + self.v_stages * self.v_bytes
 
     def groups(self, ctas: int) -> int:
         """Groups of ``ctas`` CTAs that walk the span apart: the clusters with multicast, else every CTA."""
@@ -147,7 +164,9 @@ class LoadProbe:
 # (60 KiB, 12 KiB blocks) against its tensor time (3 x (12 x 48 + 6 x 64) = 2880 cycles); the 16-bit
 # tile in clusters of 2 CTAs each loading its own (the clusters' placement alone), and in clusters of 2
 # and 4 sharing it by multicast, alone and against the tensor time, and on 16 SMs alone (L2 output
-# or SM intake).
+# or SM intake); the 16-bit tile's K (48 KiB) and V (32 KiB) in rings of their own, released after
+# S's and P V's shares of the tensor time as the kernel's consumers release them, with two stages
+# each (the kernel's) or a third K or V stage.
 def _whole(tile: int, about: int) -> int:
     """The largest span of whole tiles within ``about`` bytes."""
     return tile * (about // tile)
@@ -171,6 +190,14 @@ LOAD_PROBES: Dict[str, LoadProbe] = {p.name: p for p in (
     LoadProbe("l2-ring2-mc4", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True, cluster=4, multicast=True),
     LoadProbe("l2-ring2-mc4-hold", 80 * KIB, 16 * KIB, 2, 2560, _whole(80 * KIB, L2_SPAN), True, cluster=4,
               multicast=True),
+    LoadProbe("l2-kv2x2", 48 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True, v_bytes=32 * KIB, v_stages=2,
+              v_lag=1),
+    LoadProbe("l2-kv2x2-hold", 48 * KIB, 16 * KIB, 2, 1536, _whole(80 * KIB, L2_SPAN), True, v_bytes=32 * KIB,
+              v_stages=2, v_hold=1024, v_lag=1),
+    LoadProbe("l2-kv3x2-hold", 48 * KIB, 16 * KIB, 3, 1536, _whole(80 * KIB, L2_SPAN), True, v_bytes=32 * KIB,
+              v_stages=2, v_hold=1024, v_lag=1),
+    LoadProbe("l2-kv2x3-hold", 48 * KIB, 16 * KIB, 2, 1536, _whole(80 * KIB, L2_SPAN), True, v_bytes=32 * KIB,
+              v_stages=3, v_hold=1024, v_lag=1),
 )}
 
 
@@ -265,12 +292,12 @@ def load_layout(p: LoadProbe, groups: int):
     """(tiles of the source, tiles between groups' first tiles) of a load probe: a shared span is one
     buffer the groups (CTAs, or clusters sharing by multicast) enter 7 tiles apart (so that they do not
     move in lock step); an own span per group is ``span`` bytes of one buffer of ``groups * span``."""
-    if p.copy_bytes % 16 or p.tile_bytes % p.copy_bytes:
-        raise ValueError(f"{p.name}: a tile of {p.tile_bytes} B is not whole copies of {p.copy_bytes} B "
-                         "(a multiple of 16)")
-    if p.span % p.tile_bytes:
-        raise ValueError(f"{p.name}: a span of {p.span} B is not whole tiles of {p.tile_bytes} B")
-    per = p.span // p.tile_bytes
+    if p.copy_bytes % 16 or p.tile_bytes % p.copy_bytes or p.v_bytes % p.copy_bytes:
+        raise ValueError(f"{p.name}: a tile of {p.tile_bytes} + {p.v_bytes} B is not whole copies of "
+                         f"{p.copy_bytes} B (a multiple of 16)")
+    if p.span % p.walk_bytes:
+        raise ValueError(f"{p.name}: a span of {p.span} B is not whole tiles of {p.walk_bytes} B")
+    per = p.span // p.walk_bytes
     return (per, 7) if p.shared else (groups * per, per)
 
 
@@ -284,19 +311,23 @@ def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dic
                           name_expressions=sorted({p.expression for p in probes}))
     rows = []
     for p in probes:
-        ring = p.stages * p.tile_bytes
-        if p.stages > 8 or ring > smem - 1024:
-            raise ValueError(f"{p.name}: {p.stages} stages of {p.tile_bytes} B do not fit (at most 8, {smem - 1024} B)")
+        ring = p.ring_bytes
+        if max(p.stages, p.v_stages) > 8 or ring > smem - 1024:
+            raise ValueError(f"{p.name}: stages of {ring} B in all do not fit (at most 8 a ring, {smem - 1024} B)")
         ctas = min(p.ctas or sms, sms) // p.cluster * p.cluster  # whole clusters, at most one CTA per SM
         span_tiles, step = load_layout(p, p.groups(ctas))
-        src = cp.ones(span_tiles * p.tile_bytes, cp.uint8)
+        src = cp.ones(span_tiles * p.walk_bytes, cp.uint8)
         fn = module.get_function(p.expression)
         fn.max_dynamic_shared_size_bytes = ring
         cyc, ns, t0 = (cp.zeros(ctas, cp.int64) for _ in range(3))
         per_tile, tbs, late = [], [], 0
+        if p.v_bytes:
+            args = (cp.int32(p.tile_bytes), cp.int32(p.v_bytes), cp.int32(p.copy_bytes), cp.int32(p.stages),
+                    cp.int32(p.v_stages), cp.int32(p.hold), cp.int32(p.v_hold), cp.int32(p.v_lag))
+        else:
+            args = (cp.int32(p.tile_bytes), cp.int32(p.copy_bytes), cp.int32(p.stages), cp.int32(p.hold))
         for r in range(repeats + 1):  # the first launch warms up (and brings a shared span into L2)
-            fn((ctas,), (64,), (src, cp.int64(span_tiles), cp.int64(step), cp.int32(tiles), cp.int32(p.tile_bytes),
-                                cp.int32(p.copy_bytes), cp.int32(p.stages), cp.int32(p.hold), cyc, ns, t0),
+            fn((ctas,), (64,), (src, cp.int64(span_tiles), cp.int64(step), cp.int32(tiles), *args, cyc, ns, t0),
                shared_mem=ring)
             dev.synchronize()
             if r == 0:
@@ -309,13 +340,13 @@ def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dic
             first = start - start.min() < 0.5 * float(statistics.median(t))
             late = max(late, int((~first).sum()))
             per_tile.append(float(statistics.median(c[first])) / tiles)
-            tbs.append(ctas * tiles * p.tile_bytes / float((start + t).max() - start.min()) / 1e3)  # B/ns = GB/s; TB/s
+            tbs.append(ctas * tiles * p.walk_bytes / float((start + t).max() - start.min()) / 1e3)  # B/ns = GB/s; TB/s
             mhz = float(statistics.median(c / t)) * 1e3
         cycles = statistics.median(per_tile)
         row = {"probe": p.name, "cycles_per_tile": cycles, "spread": [min(per_tile), max(per_tile)],
-               "bytes_per_cycle_sm": p.tile_bytes / cycles, "tb_per_s": statistics.median(tbs), "mhz": mhz,
-               "hold": p.hold, "ctas": ctas, "late_ctas": late,
-               "l2_bytes_per_cycle_sm": p.tile_bytes / cycles / (p.cluster if p.multicast else 1)}
+               "bytes_per_cycle_sm": p.walk_bytes / cycles, "tb_per_s": statistics.median(tbs), "mhz": mhz,
+               "hold": p.hold + p.v_hold, "ctas": ctas, "late_ctas": late,
+               "l2_bytes_per_cycle_sm": p.walk_bytes / cycles / (p.cluster if p.multicast else 1)}
         rows.append(row)
         print(f"{p.name:22s} {cycles:8.0f} cycles/tile ({min(per_tile):.0f}-{max(per_tile):.0f})  "
               f"{row['bytes_per_cycle_sm']:5.1f} B/cycle/SM in ({row['l2_bytes_per_cycle_sm']:5.1f} from L2)  "
@@ -339,8 +370,11 @@ def main(argv=None) -> int:
         for p in PROBES.values():
             print(f"{p.name:22s} {p.expression}")
         for p in LOAD_PROBES.values():
-            print(f"{p.name:22s} {p.expression}: {p.stages} x {p.tile_bytes // KIB} KiB "
-                  f"({p.copy_bytes // KIB} KiB copies), hold {p.hold}, "
+            rings = (f"K {p.stages} x {p.tile_bytes // KIB} KiB, V {p.v_stages} x {p.v_bytes // KIB} KiB"
+                     if p.v_bytes else f"{p.stages} x {p.tile_bytes // KIB} KiB")
+            holds = f"hold {p.hold} + {p.v_hold}, V lag {p.v_lag}" if p.v_bytes else f"hold {p.hold}"
+            print(f"{p.name:22s} {p.expression}: {rings} "
+                  f"({p.copy_bytes // KIB} KiB copies), {holds}, "
                   f"{p.span // MIB} MiB {'shared' if p.shared else 'per group'}"
                   + (f", clusters of {p.cluster}" + (" sharing by multicast" if p.multicast else "")
                      if p.cluster > 1 else "") + (f", {p.ctas} CTAs" if p.ctas else ""))

@@ -38,7 +38,7 @@ def test_load_probes_walk_an_l2_span_together_or_dram_apart():
     wide = p["l2-ring2x60-hold"]  # three consumers, 96-key tiles: S 12 x m64n96 (48 cycles), P V 6 x m64n128
     assert wide.tile_bytes == 96 * (128 + 64 + 128) * 2 and wide.hold == 3 * (12 * 48 + 6 * 64)
     for q in p.values():
-        assert q.stages * q.tile_bytes <= 227 * 1024 - 1024  # the ring fits beside the barriers
+        assert q.ring_bytes <= 227 * 1024 - 1024  # the ring(s) fit beside the barriers
         probe.load_layout(q, 132)  # whole copies, whole tiles
     tiles, step = probe.load_layout(ring2, 132)
     assert tiles * ring2.tile_bytes == ring2.span <= 25 * 2**20 and step == 7  # one span in L2, CTAs 7 tiles apart
@@ -61,6 +61,18 @@ def test_cluster_load_probes_share_by_multicast_or_place_alone():
     assert p["l2-ring2-x16"].ctas == 16 and p["l2-ring2-x16"].expression == p["l2-ring2"].expression
     for q in (alone, mc2, mc4):  # the 16-bit tile and ring, as l2-ring2
         assert (q.tile_bytes, q.copy_bytes, q.stages, q.span) == (80 * 1024, 16 * 1024, 2, p["l2-ring2"].span)
+
+
+def test_split_load_probes_take_k_and_v_apart():
+    p = probe.LOAD_PROBES
+    ring2, kv = p["l2-ring2"], p["l2-kv2x2-hold"]
+    assert kv.expression == "probe::kv_probe" and ring2.v_bytes == 0 and ring2.walk_bytes == ring2.tile_bytes
+    assert (kv.tile_bytes, kv.v_bytes) == ((32 + 16) * 1024, 32 * 1024)  # K nope + rope, V: the 16-bit tile
+    assert kv.walk_bytes == ring2.tile_bytes and kv.span == ring2.span and kv.v_lag == 1
+    assert (kv.hold, kv.v_hold) == (2 * 12 * 64, 2 * 8 * 64)  # two consumers' S (12 k-steps) and P V (8)
+    assert kv.hold + kv.v_hold == p["l2-ring2-hold"].hold and kv.ring_bytes == 2 * ring2.tile_bytes
+    assert p["l2-kv3x2-hold"].ring_bytes == 208 * 1024 and p["l2-kv2x3-hold"].ring_bytes == 192 * 1024
+    assert probe.load_layout(kv, 132) == probe.load_layout(ring2, 132)
 
 
 def test_command_line(capsys):
