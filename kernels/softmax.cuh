@@ -85,8 +85,11 @@ struct OnlineSoftmax {
   // exponent's reference is lowered by kLog2P (the fp8 kernel's kPScale). kPolyTiles of the kSTiles
   // n-tiles (spread evenly) take their exp2 from poly_exp2 instead of the special-function unit.
   // kSum false leaves row_sum alone: the caller sums the probabilities elsewhere and rescales the
-  // sums itself (rescale_sums; MLA_SM90_FP8_ROWSUM_MMA sums them on the tensor pipe).
-  template <int kLog2P = 0, int kPolyTiles = 0, bool kSum = true, int kSTiles>
+  // sums itself (rescale_sums; MLA_SM90_FP8_ROWSUM_MMA sums them on the tensor pipe). kSlackQ > 0:
+  // a row keeps its maximum (the exponents' reference) until a tile raises it by more than kSlackQ / 4
+  // (log2 units), so that its factor is 1 on the tiles in between; the probabilities then reach
+  // 2^(kSlackQ / 4 + kLog2P).
+  template <int kLog2P = 0, int kPolyTiles = 0, bool kSum = true, int kSlackQ = 0, int kSTiles>
   __device__ __forceinline__ void update_scores(float (&s)[kSTiles][4], const float (&scale_log2)[2],
                                                 float (&corr)[2]) {
 #pragma unroll
@@ -102,7 +105,10 @@ struct OnlineSoftmax {
 #pragma unroll
         for (int i = 0; i + step < kSTiles; i += 2 * step) m[i] = fmaxf(m[i], m[i + step]);
       const float scaled = quad_max(m[0]) * scale_log2[r];
-      const float mx = fmaxf(row_max[r], scaled);
+      // (with the slack: from -inf any finite maximum is more than it; a NaN maximum keeps the old,
+      // as fmaxf does)
+      const float mx = kSlackQ > 0 ? (scaled > row_max[r] + 0.25f * kSlackQ ? scaled : row_max[r])
+                                   : fmaxf(row_max[r], scaled);
       const float ref = mx == neg_inf() ? 0.f : mx;
       corr[r] = fast_exp2(row_max[r] - ref);
       row_max[r] = mx;

@@ -88,6 +88,9 @@ def test_family_has_no_spills_nor_serialized_wgmma(compiled, i):
 # switch describes.
 SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask(), False),
                  ("MLA_SM90_LAZY_RESCALE", "1", "fp8", CausalMask(), False),
+                 ("MLA_SM90_LAZY_RESCALE", "2", "bf16", CausalMask(), True),
+                 ("MLA_SM90_LAZY_RESCALE", "2", "fp8", CausalMask(), True),
+                 ("MLA_SM90_LAZY_RESCALE", "2", "e4m3", CausalMask(), False),
                  ("MLA_SM90_FP8_CONSUMERS", "2", "fp8", CausalMask(), True),
                  ("MLA_SM90_FP8_CONSUMERS", "2", "e4m3", CausalMask(), False),
                  ("MLA_SM90_Q_EARLY_RELEASE", "0", "bf16", CausalMask(), True),

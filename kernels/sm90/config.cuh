@@ -287,10 +287,17 @@ constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 &&
 #define MLA_SM90_FP8_OVERLAP 1
 #endif
 // O's rescale after a key tile skipped when no row maximum of the warp moved (every factor 1: the
-// same bits), decided by a warp vote (mainloop.cuh: rescale_o). Off: the rescale always runs.
+// same bits), decided by a warp vote (mainloop.cuh: rescale_o): 1. 2: the same, with each row's
+// maximum kept until a tile raises it by more than kMaxSlackQ / 4 (log2 units; the probabilities
+// then reach 2^slack, within what P's type holds), so that the vote finds every factor 1 on most
+// tiles past a row's first ones (FlashAttention-4's conditional rescale). Off (0): the rescale always
+// runs.
 #ifndef MLA_SM90_LAZY_RESCALE
 #define MLA_SM90_LAZY_RESCALE 0
 #endif
+// The slack in quarters of a log2 unit: fp8 0.75 (kPScale * P <= 2^8.75 = 431, under e4m3's 448),
+// 16-bit 8 (P <= 256).
+template <class V> constexpr int kMaxSlackQ = MLA_SM90_LAZY_RESCALE == 2 ? (V::kFp8 ? 3 : 32) : 0;
 // S_t issued beside P_{t-1} V_{t-1} (the overlap): with two consumers, in fp8 as the switch above
 // says; never with three (P V completed before S).
 template <class V> constexpr bool kOverlap = V::kConsumers == 2 && (!V::kFp8 || MLA_SM90_FP8_OVERLAP);

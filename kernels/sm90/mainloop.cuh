@@ -253,21 +253,25 @@ struct Mainloop {
     if constexpr (kSoftmaxPerPath) {
       if (unreadable) {
         mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
-        softmax_step(x, smx, s);
+        softmax_step<kMode>(x, smx, s);
       } else {
-        softmax_step(x, smx, s);
+        softmax_step<kMode>(x, smx, s);
       }
     } else {
       if (unreadable) mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
-      softmax_step(x, smx, s);
+      softmax_step<kMode>(x, smx, s);
     }
   }
   // The K stage of ring stage s released, then S (dequantized and masked) made probabilities.
+  // kMode: the tile's masking; the maximum's slack (MLA_SM90_LAZY_RESCALE 2) in the mask-free tiles
+  // only, the masked ones (a work tile's diagonal, few) keep their registers for the mask.
+  template <int kMode>
   __device__ __forceinline__ void softmax_step(Tile& x, OnlineSoftmax& smx, int s) const {
     TileHandout::release(sm.k_empty(s));
     // fp8: kPScale * P (fp8.cuh), part of the exp2 on the FMA pipe if MLA_SM90_EXP2_POLY says so
     constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0, kPoly = V::kFp8 ? MLA_SM90_EXP2_POLY : 0;
-    smx.update_scores<kLog2P, kPoly, !kSumMma>(x.sacc, x.row_scale, x.corr);
+    constexpr int kSlackQ = kMode == kMaskNone ? kMaxSlackQ<V> : 0;
+    smx.update_scores<kLog2P, kPoly, !kSumMma, kSlackQ>(x.sacc, x.row_scale, x.corr);
   }
   // A work tile's first key tile: S issued, completed and made probabilities (masked). The paths
   // of a branch between wgmma shapes join with no wgmma in flight and S whole (here and in last_pv):
