@@ -288,10 +288,10 @@ constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 &&
 #endif
 // O's rescale after a key tile skipped when no row maximum of the warp moved (every factor 1: the
 // same bits), decided by a warp vote (mainloop.cuh: rescale_o): 1. 2: the same, with each row's
-// maximum kept until a tile raises it by more than kMaxSlackQ / 4 (log2 units; the probabilities
-// then reach 2^slack, within what P's type holds), so that the vote finds every factor 1 on most
-// tiles past a row's first ones (FlashAttention-4's conditional rescale). Off (0): the rescale always
-// runs.
+// maximum kept through the mask-free tiles until one raises it by more than kMaxSlackQ / 4 (log2
+// units; the probabilities then reach 2^slack, within what P's type holds), so that the vote finds
+// every factor 1 on most tiles past a row's first ones (FlashAttention-4's conditional rescale).
+// Off (0): the rescale always runs.
 #ifndef MLA_SM90_LAZY_RESCALE
 #define MLA_SM90_LAZY_RESCALE 0
 #endif
