@@ -192,6 +192,20 @@ def _paged(k_rope, page: int, shift: int, package, seed: int = 1):
     return PagedKVCache(blocks, order.reshape(1, -1), page, rope_offset=512), shift
 
 
+def _paged_ropes(ropes, opts: Dict[str, str], package):
+    """With ``paged=P`` in ``opts``: each rope of ``ropes`` as a PagedKVCache (``_paged``, ``shift=S``
+    keys into the first page) and the plan's arguments for them (page table, page size, cache
+    offsets); without it the ropes as given and no arguments."""
+    import cupy as cp
+
+    if "paged" not in opts:
+        return ropes, {}
+    built = [_paged(r, int(opts["paged"]), int(opts.get("shift", 0)), package) for r in ropes]
+    caches = [b[0] for b in built]
+    return caches, dict(page_table=caches[0].lookup_table, page_size=caches[0].page_size,
+                        cache_offsets=cp.asarray(np.array([built[0][1]], np.uint32)))
+
+
 def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
     """Our 16-bit Hopper kernel through a plan (``mla_cupy.plan``: packed once, then each run
     rewrites pointers and launches). Variants pack their plan's launch record under the variant."""
@@ -211,17 +225,8 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
     n = len(sets)
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
     vl, cro = case.offsets()
-    ropes = [x["k_rope"] for x in sets]
-    cache_offsets = None
-    if "paged" in opts:
-        built = [_paged(r, int(opts["paged"]), int(opts.get("shift", 0)), mla_cupy) for r in ropes]
-        ropes = [b[0] for b in built]
-        cache_offsets = cp.asarray(np.array([built[0][1]], np.uint32))
-    kw = {}
-    if "paged" in opts:
-        kw = dict(page_table=ropes[0].lookup_table, page_size=ropes[0].page_size)
-    pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=mask, q_max_seq_len=max(case.sq),
-                       cache_offsets=cache_offsets, **kw)
+    ropes, kw = _paged_ropes([x["k_rope"] for x in sets], opts, mla_cupy)
+    pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=mask, q_max_seq_len=max(case.sq), **kw)
     dynamic = opts.get("sched", "dynamic") == "dynamic"
 
     def call(i):
@@ -311,13 +316,9 @@ def _ours_fp8(case: BenchCase, sets, opts, e4m3_rope: bool = False) -> Impl:
     given = dict(cache_row_offsets=cro) if vt == "quant" else {}
     fs = [quant.quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"], e4m3_rope=e4m3_rope, **given) for x in sets]
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in range(n)]
-    ropes = [f["k_rope"] for f in fs]
-    kw = dict(fp8_rope=True) if e4m3_rope else {}
-    if "paged" in opts:
-        built = [_paged(r, int(opts["paged"]), int(opts.get("shift", 0)), mla_cupy) for r in ropes]
-        ropes = [b[0] for b in built]
-        kw = dict(page_table=ropes[0].lookup_table, page_size=ropes[0].page_size,
-                  cache_offsets=cp.asarray(np.array([built[0][1]], np.uint32)))
+    ropes, kw = _paged_ropes([f["k_rope"] for f in fs], opts, mla_cupy)
+    if e4m3_rope:
+        kw["fp8_rope"] = True
     pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=mask, q_max_seq_len=max(case.sq), fp8=True,
                        **kw)
     v_of = "v_t" if vt == "quant" else "v"
