@@ -174,22 +174,25 @@ def parse_case(name: str) -> BenchCase:
 Impl = Tuple[Callable[[int], object], Callable[[int], object]]
 
 
-def _paged(k_rope, page: int, shift: int, package, seed: int = 1):
+def _paged(k_rope, page: int, shift: int, package, seed: int = 1, table=None):
     """k_rope [Tk, 1, 64] as a PagedKVCache (of ``package``: the package timed) of ``page``-row
     pages in shuffled order, keys starting ``shift`` rows into their first page (``cache_offsets``:
-    0 keeps key tiles on page boundaries)."""
+    0 keeps key tiles on page boundaries). ``table``: another such cache's lookup table to share
+    (a plan reads the one table it was built with)."""
     import cupy as cp
 
     PagedKVCache = package.PagedKVCache
 
     tk = int(k_rope.shape[0])
     n_pages = -(-(tk + shift) // page)
-    order = cp.asarray(np.random.default_rng(seed).permutation(n_pages).astype(np.uint32))
+    if table is None:
+        table = cp.asarray(np.random.default_rng(seed).permutation(n_pages).astype(np.uint32)).reshape(1, -1)
+    order = table.reshape(-1)
     bits = cp.zeros((n_pages * page, 576), cp.uint16)  # 16-bit rows, filled through their bits
     pos = cp.arange(shift, shift + tk)
     bits[order[pos // page].astype(cp.int64) * page + pos % page, 512:] = k_rope[:, 0, :].view(cp.uint16)
     blocks = bits.view(k_rope.dtype).reshape(n_pages, page, 1, 576)
-    return PagedKVCache(blocks, order.reshape(1, -1), page, rope_offset=512), shift
+    return PagedKVCache(blocks, table, page, rope_offset=512), shift
 
 
 def _paged_ropes(ropes, opts: Dict[str, str], package):
@@ -200,10 +203,11 @@ def _paged_ropes(ropes, opts: Dict[str, str], package):
 
     if "paged" not in opts:
         return ropes, {}
-    built = [_paged(r, int(opts["paged"]), int(opts.get("shift", 0)), package) for r in ropes]
-    caches = [b[0] for b in built]
-    return caches, dict(page_table=caches[0].lookup_table, page_size=caches[0].page_size,
-                        cache_offsets=cp.asarray(np.array([built[0][1]], np.uint32)))
+    page, shift = int(opts["paged"]), int(opts.get("shift", 0))
+    first = _paged(ropes[0], page, shift, package)[0]
+    caches = [first] + [_paged(r, page, shift, package, table=first.lookup_table)[0] for r in ropes[1:]]
+    return caches, dict(page_table=first.lookup_table, page_size=page,
+                        cache_offsets=cp.asarray(np.array([shift], np.uint32)))
 
 
 def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
