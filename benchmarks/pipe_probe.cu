@@ -343,11 +343,13 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(64, 1)
 // i - 1) it waits for K of tile i and V of tile i - 1, holds k_hold cycles (S's tensor time) and
 // releases that K stage, then holds v_hold (P V's) and releases that V stage; with v_lag 0 it waits
 // for, holds and releases K of tile i, then V of tile i. Tiles are k_bytes + v_bytes long in `src`,
-// walked as load_probe walks them (no clusters).
+// walked as load_probe walks them (no clusters). The producer fills V of tile i - k_ahead after K of
+// tile i: k_ahead 0 puts each tile's V right behind its K, 1 fills in the consumer's order (K of tile
+// i + 1 before V of tile i), so that a V stage not yet released does not hold back the next K.
 __global__ void __launch_bounds__(64, 1)
     kv_probe(const unsigned char* src, long long span_tiles, long long cta_step, int tiles, int k_bytes, int v_bytes,
-             int copy_bytes, int k_stages, int v_stages, int k_hold, int v_hold, int v_lag, long long* cycles,
-             long long* nanos, long long* starts) {
+             int copy_bytes, int k_stages, int v_stages, int k_hold, int v_hold, int v_lag, int k_ahead,
+             long long* cycles, long long* nanos, long long* starts) {
   extern __shared__ __align__(1024) unsigned char smem[];
   __shared__ __align__(8) unsigned long long k_full[kMaxStages], k_empty[kMaxStages], v_full[kMaxStages],
       v_empty[kMaxStages];
@@ -378,10 +380,10 @@ __global__ void __launch_bounds__(64, 1)
     while (clock64() - h0 < h) {
     }
   };
-  if (threadIdx.x == 0) {  // the producer: K of tile i, then V of tile i, each once its stage is free
-    for (int i = 0; i < tiles; ++i) {
-      fill(i, k_stages, k_bytes, 0, k_ring, k_full, k_empty);
-      fill(i, v_stages, v_bytes, k_bytes, v_ring, v_full, v_empty);
+  if (threadIdx.x == 0) {  // the producer: K of tile i, then V of tile i - k_ahead, each once its stage is free
+    for (int i = 0; i < tiles + k_ahead; ++i) {
+      if (i < tiles) fill(i, k_stages, k_bytes, 0, k_ring, k_full, k_empty);
+      if (i >= k_ahead) fill(i - k_ahead, v_stages, v_bytes, k_bytes, v_ring, v_full, v_empty);
     }
   } else if (threadIdx.x == 32) {
     for (int i = 0; i < tiles + v_lag; ++i) {

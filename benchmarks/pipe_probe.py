@@ -131,11 +131,13 @@ class LoadProbe:
     multicast: bool = False  # the cluster's CTAs share each tile: one L2 read delivered into all of them
     ctas: int = 0      # CTAs launched (one per SM); 0: as many as the card has SMs
     # Two rings (kv_probe) when v_bytes > 0: tile_bytes, stages and hold are then K's (its part of the
-    # tile, its ring, S's cycles), these V's; v_lag 1: V of tile i - 1 taken with K of tile i
+    # tile, its ring, S's cycles), these V's; v_lag 1: V of tile i - 1 taken with K of tile i;
+    # k_ahead 1: the producer fills K of tile i + 1 before V of tile i (0: each V behind its K)
     v_bytes: int = 0
     v_stages: int = 0
     v_hold: int = 0
     v_lag: int = 0
+    k_ahead: int = 0
 
     @property
     def expression(self) -> str:
@@ -198,6 +200,13 @@ LOAD_PROBES: Dict[str, LoadProbe] = {p.name: p for p in (
               v_stages=2, v_hold=1024, v_lag=1),
     LoadProbe("l2-kv2x3-hold", 48 * KIB, 16 * KIB, 2, 1536, _whole(80 * KIB, L2_SPAN), True, v_bytes=32 * KIB,
               v_stages=3, v_hold=1024, v_lag=1),
+    # the same, filled in the consumer's order (K of tile i + 1 before V of tile i)
+    LoadProbe("l2-kv2x2-hold-ka", 48 * KIB, 16 * KIB, 2, 1536, _whole(80 * KIB, L2_SPAN), True, v_bytes=32 * KIB,
+              v_stages=2, v_hold=1024, v_lag=1, k_ahead=1),
+    LoadProbe("l2-kv3x2-hold-ka", 48 * KIB, 16 * KIB, 3, 1536, _whole(80 * KIB, L2_SPAN), True, v_bytes=32 * KIB,
+              v_stages=2, v_hold=1024, v_lag=1, k_ahead=1),
+    LoadProbe("l2-kv2x3-hold-ka", 48 * KIB, 16 * KIB, 2, 1536, _whole(80 * KIB, L2_SPAN), True, v_bytes=32 * KIB,
+              v_stages=3, v_hold=1024, v_lag=1, k_ahead=1),
 )}
 
 
@@ -323,7 +332,7 @@ def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dic
         per_tile, tbs, late = [], [], 0
         if p.v_bytes:
             args = (cp.int32(p.tile_bytes), cp.int32(p.v_bytes), cp.int32(p.copy_bytes), cp.int32(p.stages),
-                    cp.int32(p.v_stages), cp.int32(p.hold), cp.int32(p.v_hold), cp.int32(p.v_lag))
+                    cp.int32(p.v_stages), cp.int32(p.hold), cp.int32(p.v_hold), cp.int32(p.v_lag), cp.int32(p.k_ahead))
         else:
             args = (cp.int32(p.tile_bytes), cp.int32(p.copy_bytes), cp.int32(p.stages), cp.int32(p.hold))
         for r in range(repeats + 1):  # the first launch warms up (and brings a shared span into L2)

@@ -267,18 +267,24 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 // Three fp8 consumers: each row's sum of probabilities taken on the tensor pipe, P times a block of
 // ones (an m64n8k32 wgmma beside each of P V's k-steps; once P V is complete its sums join the rows'
 // running sums, which O's rescale factors multiply; the sums then are of the e4m3 P that P V
-// multiplies), instead of 64 FADD per thread and key tile in the softmax. 1 (the default): in the
-// all-e4m3 kernels (measured 3.5% faster at 1x8192, 2.3% at 4x2048, level at 64x128;
-// benchmarks/NOTES.md); 2: in the per-token kernels too, plain and paged (their plain kernels
-// measured 3.3-3.6% faster; the paged ones read the unreadable-key words one by one, without which
-// they spill); 0: the FADD sums everywhere. Every kernel of a variant sums alike, so that a paged
-// rope gives the plain rope's bits.
+// multiplies), instead of 64 FADD per thread and key tile in the softmax. 1 (the default): in every
+// fp8 kernel, all-e4m3 and per token, plain and paged (measured 2.9-3.6% faster from 4096 keys in
+// the plain kernels, 0.4-1.4% in the paged per-token ones, level at 64x128; benchmarks/NOTES.md);
+// the paged kernels read the unreadable-key words one by one, without which they spill. 0: the
+// FADD sums. Every kernel of a variant sums alike, so that a paged rope gives the plain rope's bits.
 #ifndef MLA_SM90_FP8_ROWSUM_MMA
 #define MLA_SM90_FP8_ROWSUM_MMA 1
 #endif
 template <class V>
-constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 &&
-                            (V::kRopeE4m3 ? MLA_SM90_FP8_ROWSUM_MMA != 0 : MLA_SM90_FP8_ROWSUM_MMA == 2);
+constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_ROWSUM_MMA != 0;
+
+// The producer's order of copies: 1, K of key tile t and then V of tile t - 1 (the order the
+// consumers take them in); 0 (the default), K and V of tile t together, so that K of tile t + 1 waits
+// behind V of tile t, whose stage frees only once P V of tile t - 2 is complete.
+#ifndef MLA_SM90_K_AHEAD
+#define MLA_SM90_K_AHEAD 0
+#endif
+constexpr bool kKAhead = MLA_SM90_K_AHEAD != 0;
 
 // fp8: S_t issued beside P_{t-1} V_{t-1} and the softmax of tile t run while P V works (1), or P V
 // completed before S is issued (0: one GEMM in flight, no tile t - 1 state across the softmax;

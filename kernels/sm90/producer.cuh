@@ -43,23 +43,35 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
       const WorkTile& w = k.w;
       // fp8: the sequence's first column in V^T (vt_layout.cuh)
       const i64 vt_col = V::kFp8 ? vt_col0(static_cast<u32>(w.kv_row0), w.b) + k.n_begin : 0;
-      auto load_tile = [&](int t) {
-        const int s = it % kS;
-        const u32 empty_parity = ((it / kS) & 1) ^ 1;  // the first pass over the ring does not wait
+      // K of key tile t into ring position i, and V of key tile t into ring position i (each tile's K
+      // and V share a position; their stages are released apart)
+      auto load_k = [&](int t, int i) {
+        const int s = i % kS;
         const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * V::kBlockN);
-        mbar_wait(sm.k_empty(s), empty_parity);
+        mbar_wait(sm.k_empty(s), ((i / kS) & 1) ^ 1);  // the first pass over the ring does not wait
         mbar_expect_tx(sm.k_full(s), kKTxBytes);
         for (int c = 0; c < V::kNopeBlocks; ++c)
           tma_load_3d(sm.k(s) + c * kBlk<V>, &p.tm_k, sm.k_full(s), c * kColBlock, w.h, row);
         if (kRopeTma) tma_load_2d(sm.rope(s), &p.tm_rope, sm.k_full(s), 0, row);
         if (V::kFp8) tma_load_1d(sm.k_scales(s), &p.tm_k_scales, sm.k_full(s), row & ~3);  // 16-byte aligned start
-        mbar_wait(sm.v_empty(s), empty_parity);
+      };
+      auto load_v = [&](int t, int i) {
+        const int s = i % kS;
+        const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * V::kBlockN);
+        mbar_wait(sm.v_empty(s), ((i / kS) & 1) ^ 1);
         mbar_expect_tx(sm.v_full(s), kVBytes<V>);
         if constexpr (V::kFp8) {  // V^T: 128 values x 128 key columns (16-byte aligned: the tile starts on a group)
           tma_load_3d(sm.v(s), &p.tm_v, sm.v_full(s), static_cast<int>(vt_col + t * V::kBlockN), 0, w.h);
         } else {
           for (int c = 0; c < 2; ++c) tma_load_3d(sm.v(s) + c * kBlk<V>, &p.tm_v, sm.v_full(s), c * kColBlock, w.h, row);
         }
+      };
+      // kKAhead: K of tile t, then V of tile t - 1 (the consumers' order: S_t beside P_{t-1} V_{t-1}),
+      // so that a V stage still in use does not hold back the next K; else K and V of tile t together.
+      auto load_tile = [&](int t) {
+        load_k(t, it);
+        if (!kKAhead) load_v(t, it);
+        else if (t > 0) load_v(t - 1, it - 1);
       };
       if constexpr (kSchedulerWarp<V>) {
         // one tile per iteration: an unrolled loop keeps each copy's addresses live past 32 registers
@@ -68,6 +80,7 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
       } else {
         for (int t = 0; t < k.num_tiles; ++t, ++it) load_tile(t);
       }
+      if (kKAhead) load_v(k.num_tiles - 1, it - 1);
     }
     if constexpr (kSchedulerWarp<V>) mbar_arrive(sched.issued());
     else idx = sched.next(idx);
