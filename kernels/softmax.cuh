@@ -182,11 +182,19 @@ __device__ __forceinline__ MergeWeights row_weights(const OnlineSoftmax& sm, int
   return mw;
 }
 
-// Normalizes and writes the thread's two rows of O (those < sq) and their natural-log lse.
+// Whether sequence row `row` exists (0 <= row < sq); kMayBeNegative: rows before the first are
+// possible (the Hopper kernel's blocks from the end), one unsigned compare for both bounds.
+template <bool kMayBeNegative>
+__device__ __forceinline__ bool row_exists(int row, int sq) {
+  if constexpr (kMayBeNegative) return static_cast<unsigned>(row) < static_cast<unsigned>(sq);
+  else return row < sq;
+}
+
+// Normalizes and writes the thread's two rows of O (those < sq; kMayBeNegative: and >= 0) and their natural-log lse.
 // Rows with no visible key get 0 and -inf. With `accumulate`, out and lse already hold a partial
 // result of these rows over other keys: it is read and merged with this one in place (merge.cuh),
 // so chunked prefill needs no separate merge pass. Called by every thread of the warp together.
-template <typename OutT, bool kFast = false, int kOTiles>
+template <typename OutT, bool kFast = false, bool kMayBeNegative = false, int kOTiles>
 __device__ __forceinline__ void store_rows(const float (&o)[kOTiles][4], const OnlineSoftmax& sm, const WorkTile& w,
                                           int row0, OutT* out, i64 o_st, i64 o_sh, float* lse, i64 lse_st,
                                           bool accumulate) {
@@ -195,14 +203,14 @@ __device__ __forceinline__ void store_rows(const float (&o)[kOTiles][4], const O
   if (accumulate) {
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      if (row0 + 8 * r < w.sq) lse_old[r] = lse[(w.q_row0 + row0 + 8 * r) * lse_st + w.h];
+      if (row_exists<kMayBeNegative>(row0 + 8 * r, w.sq)) lse_old[r] = lse[(w.q_row0 + row0 + 8 * r) * lse_st + w.h];
     __syncwarp();  // every lane has read its lse before the quad leaders overwrite them
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const MergeWeights mw = row_weights<kFast>(sm, r, accumulate, lse_old[r]);
     const int row = row0 + 8 * r;
-    if (row < w.sq) {
+    if (row_exists<kMayBeNegative>(row, w.sq)) {
       const i64 grow = w.q_row0 + row;
       OutT* op = out + grow * o_st + w.h * o_sh + 2 * (lane & 3);
 #pragma unroll

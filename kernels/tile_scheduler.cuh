@@ -35,9 +35,12 @@ struct WorkTile {
 };
 
 // Decodes tile `idx` (0 <= idx < num_m_blocks * batch * num_heads). Returns false when the tile has
-// no rows (its sequence is shorter than m_block * block_m).
+// no rows (its sequence is shorter than m_block * block_m). from_end: m_block counts the query
+// blocks from the sequence's end (0: its last block_m rows; the caller places the rows), in the same
+// order (every sequence's last block first).
 __device__ __forceinline__ bool decode_work_tile(const SeqOffsets& so, int idx, int num_heads, int heads_per_section,
-                                                 int batch, int num_m_blocks, int block_m, WorkTile& w) {
+                                                 int batch, int num_m_blocks, int block_m, WorkTile& w,
+                                                 bool from_end = false) {
   const int section_tiles = num_m_blocks * batch * heads_per_section;  // tiles of a full section
   const int sec = idx / section_tiles;
   const int hs = min(heads_per_section, num_heads - sec * heads_per_section);  // the last one may be short
@@ -45,7 +48,7 @@ __device__ __forceinline__ bool decode_work_tile(const SeqOffsets& so, int idx, 
   w.h = sec * heads_per_section + rest % hs;
   rest /= hs;
   w.b = rest % batch;
-  w.m_block = num_m_blocks - 1 - rest / batch;
+  w.m_block = from_end ? rest / batch : num_m_blocks - 1 - rest / batch;
   w.q_row0 = so.q_offsets[w.b];
   w.sq = static_cast<int>(so.q_offsets[w.b + 1] - so.q_offsets[w.b]);
   if (w.m_block * block_m >= w.sq) return false;

@@ -278,6 +278,18 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 template <class V>
 constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_ROWSUM_MMA != 0;
 
+// Query blocks of three consumers (192 rows) counted from each sequence's end (1), so that a
+// sequence whose length is not a multiple of 192 leaves its part-filled block at its start, where a
+// causal mask shows it the fewest keys, rather than at its end, where it sees the most: the block's
+// consumers without rows idle (run_idle) through every key tile of the block. Rows before a
+// sequence's first (a block's start may be negative) are never stored, as rows past its end are
+// not. 0 (the default): blocks from the start, the last one part-filled.
+#ifndef MLA_SM90_END_ALIGNED
+#define MLA_SM90_END_ALIGNED 0
+#endif
+template <class V>
+constexpr bool kEndAligned = V::kConsumers == 3 && MLA_SM90_END_ALIGNED != 0;
+
 // The producer's order of copies: 1, K of key tile t and then V of tile t - 1 (the order the
 // consumers take them in); 0 (the default), K and V of tile t together, so that K of tile t + 1 waits
 // behind V of tile t, whose stage frees only once P V of tile t - 2 is complete.

@@ -51,7 +51,7 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& s
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         mw[r] = row_weights<kFast>(smx, r, false, neg_inf());
-        if (p.lse != nullptr && (lane & 3) == 0 && row0 + 8 * r < w.sq)
+        if (p.lse != nullptr && (lane & 3) == 0 && row_exists<kEndAligned<V>>(row0 + 8 * r, w.sq))
           p.lse[(w.q_row0 + row0 + 8 * r) * p.lse_st + w.h] = mw[r].lse;
       }
       named_barrier_sync(bar, 128);  // this consumer's reads of the previous work tile are done
@@ -77,7 +77,7 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& s
           asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                        : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
                        : "r"(stage + r * kOutStageRowBytes + ((j ^ (r & 7)) << 4)));
-          if (wr0 + r < w.sq) {
+          if (row_exists<kEndAligned<V>>(wr0 + r, w.sq)) {
             OutT* dst = out + (w.q_row0 + wr0 + r) * p.o_st + w.h * p.o_sh + half * kOutStageHalf + 8 * j;
             *reinterpret_cast<uint4*>(dst) = make_uint4(x[0], x[1], x[2], x[3]);
           }
@@ -86,7 +86,7 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& s
       return;
     }
   }
-  store_rows<OutT, kFast>(o, smx, k.w, row0, out, p.o_st, p.o_sh, p.lse, p.lse_st, p.accumulate != 0);
+  store_rows<OutT, kFast, kEndAligned<V>>(o, smx, k.w, row0, out, p.o_st, p.o_sh, p.lse, p.lse_st, p.accumulate != 0);
 }
 
 }  // namespace sm90

@@ -116,10 +116,18 @@ struct Mainloop {
     if (cw == 0) turn_wait();
   }
   // Whether this consumer has no row in work tile k (three consumers: a sequence's last block may
-  // leave the third, or the second and third, without rows); it then runs run_idle. With two the
-  // second computes such rows masked (a block's first 64 rows always exist).
+  // leave the third, or the second and third, without rows; kEndAligned: its first block the first,
+  // or the first and second); it then runs run_idle. With two the second computes such rows masked
+  // (a block's first 64 rows always exist).
   __device__ __forceinline__ bool idle(const WorkInfo& k) const {
+    // kEndAligned: rows before the first; the second test never holds there (m0 + 192 <= sq), but
+    // with it ptxas keeps the float-output mask-free fp8 kernels free of spills (32 bytes without)
+    if constexpr (kEndAligned<V>) return k.m0 + (cw + 1) * kWgRows <= 0 || k.m0 + cw * kWgRows >= k.w.sq;
     return V::kConsumers == 3 && k.m0 + cw * kWgRows >= k.w.sq;
+  }
+  // The first consumer that runs work tile k (kEndAligned: the consumers before it have no rows).
+  static __device__ __forceinline__ int first_busy(const WorkInfo& k) {
+    return kEndAligned<V> && k.m0 < 0 ? -k.m0 / kWgRows : 0;
   }
   // The sequence row of this thread's row g (rows g and g + 8) in work tile k.
   __device__ __forceinline__ int row0(const WorkInfo& k) const {
@@ -364,7 +372,9 @@ struct Mainloop {
     const WorkTile& w = k.w;
     x.wr0 = k.m0 + cw * kWgRows;
     x.r0 = row0(k);
-    row_key_ranges(mask, w, x.r0, k.n_begin, k.n_end, x.key_lo, x.key_hi);
+    row_key_ranges<kEndAligned<V>>(mask, w, x.r0, k.n_begin, k.n_end, x.key_lo, x.key_hi);
+    // the warpgroup's first row that exists (kEndAligned: rows before the sequence's first do not)
+    const int wr_first = kEndAligned<V> ? max(x.wr0, 0) : x.wr0;
     if constexpr (kScalesInPlace) x.scale_at = static_cast<u32>(4 * key_scale_index(w.kv_row0 + k.n_begin));  // bytes
     // fp8: S_ij = q_scale[i] k_scales[j] raw_ij; k_scales[j] multiplies the scores (before the mask:
     // scales may be 0), q_scale[i] >= 0 (the API checks it) folds into the row's scale, as the
@@ -375,16 +385,17 @@ struct Mainloop {
     for (int r = 0; r < 2; ++r) {
       x.row_scale[r] = p.scale_log2;
       if constexpr (V::kFp8) {
-        const float qs = x.r0 + 8 * r < w.sq ? p.q_scale[(w.q_row0 + x.r0 + 8 * r) * p.q_scale_stride] : 1.f;
+        const float qs = row_exists<kEndAligned<V>>(x.r0 + 8 * r, w.sq)
+                             ? p.q_scale[(w.q_row0 + x.r0 + 8 * r) * p.q_scale_stride] : 1.f;
         const float rs = qs * p.scale_log2;
         x.row_scale[r] = rs == 0.f ? 1.17549435e-38f : rs;  // FLT_MIN
       }
     }
     t_lo = t_hi = 0;
-    if constexpr (MLA_SM90_SPLIT_MASKED) full_tile_range<kBN>(mask, w, x.wr0, k.n_begin, k.n_end, k.num_tiles, t_lo, t_hi);
+    if constexpr (MLA_SM90_SPLIT_MASKED) full_tile_range<kBN>(mask, w, wr_first, k.n_begin, k.n_end, k.num_tiles, t_lo, t_hi);
     // A half last tile: none of this warpgroup's rows sees the second half of the last key tile
     // (consumer 0 on a causal diagonal), so its S and P V take the first 64 keys.
-    return kHalfTiles ? last_tile_is_half<kBN>(mask, w, x.wr0, k.n_begin, k.num_tiles, t_hi) : 0;
+    return kHalfTiles ? last_tile_is_half<kBN>(mask, w, wr_first, k.n_begin, k.num_tiles, t_hi) : 0;
   }
   // Waits for this consumer's Q rows of the work tile; key tile 0's ring position becomes "previous".
   __device__ __forceinline__ void wait_q(Tile& x) {
@@ -440,11 +451,12 @@ struct Mainloop {
   }
 
   // Threads of the consumers that run work tile k (not run_idle), which zero V's tail together:
-  // every consumer's with two; with three, the idle ones (the last by rows) stay out of that
+  // every consumer's with two; with three, the idle ones (the last by rows; kEndAligned: the first) stay out of that
   // barrier, since an aligned bar.sync must be one instruction for all its threads (compute-
   // sanitizer's synccheck: "divergent threads in block" when run_idle had a copy of it).
   __device__ __forceinline__ int zeroing_threads(const WorkInfo& k) const {
-    if constexpr (V::kConsumers == 3) return 128 * min(V::kConsumers, (k.w.sq - k.m0 + kWgRows - 1) / kWgRows);
+    if constexpr (kEndAligned<V>) return 128 * (V::kConsumers - first_busy(k));
+    else if constexpr (V::kConsumers == 3) return 128 * min(V::kConsumers, (k.w.sq - k.m0 + kWgRows - 1) / kWgRows);
     else return kConsumerThreads<V>;
   }
   // Waits for the last key tile's V (ring stage `last`) and zeroes its rows past the span's end (the
@@ -454,7 +466,7 @@ struct Mainloop {
     mbar_wait(sm.v_full(last), parity);
     const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBN);
     if (valid < kBN) {
-      const int tid = thread_index_here() - 128;  // 0 .. zeroing threads - 1 (the consumers in order)
+      const int tid = thread_index_here() - 128 * (1 + first_busy(k));  // 0 .. zeroing threads - 1 (the consumers in order)
       const int nthreads = zeroing_threads(k);
       if constexpr (V::kFp8) {
         zero_vt_keys_from(sm.v(last), valid, tid, nthreads);  // V^T: key columns

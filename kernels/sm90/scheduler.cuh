@@ -34,7 +34,7 @@ namespace sm90 {
 // One work tile as every role needs it.
 struct alignas(16) WorkInfo {
   WorkTile w;          // sequence, head, query block; row offsets and positions
-  int m0;              // the tile's first query row in its sequence
+  int m0;              // the tile's first query row in its sequence (kEndAligned: may be negative)
   int n_begin, n_end;  // keys [n_begin, n_end) of the sequence that some row of the tile may see
   int num_tiles;       // key tiles of the variant's kBlockN keys from n_begin (0: nothing visible)
   int valid;           // 0: no more work for this CTA
@@ -48,11 +48,19 @@ __device__ __forceinline__ SeqOffsets seq_offsets(const Params& p) {
 template <class V, class Mask>
 __device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int idx, WorkInfo& k) {
   if (!decode_work_tile(seq_offsets(p), idx, p.num_heads, p.heads_per_section, p.batch, p.num_m_blocks,
-                        kBlockM<V>, k.w))
+                        kBlockM<V>, k.w, kEndAligned<V>))
     return false;
-  k.m0 = k.w.m_block * kBlockM<V>;
-  const int rows = min(kBlockM<V>, k.w.sq - k.m0);
-  visible_key_span(mask, k.w, k.w.q_pos0 + k.m0, k.w.q_pos0 + k.m0 + rows - 1, k.n_begin, k.n_end);
+  int first, last;  // the tile's first and last rows that exist
+  if constexpr (kEndAligned<V>) {
+    k.m0 = k.w.sq - (k.w.m_block + 1) * kBlockM<V>;  // negative for a sequence's part-filled first block
+    first = max(k.m0, 0);
+    last = k.m0 + kBlockM<V> - 1;
+  } else {
+    k.m0 = k.w.m_block * kBlockM<V>;
+    first = k.m0;
+    last = min(k.m0 + kBlockM<V>, k.w.sq) - 1;
+  }
+  visible_key_span(mask, k.w, k.w.q_pos0 + first, k.w.q_pos0 + last, k.n_begin, k.n_end);
   // fp8 per token: key tiles start on a multiple of kVtAlign keys (V^T's layout); the keys added are masked
   if (V::kFp8) k.n_begin &= ~(kVtAlign - 1);
   k.num_tiles = (k.n_end - k.n_begin + V::kBlockN - 1) / V::kBlockN;

@@ -70,8 +70,9 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[kSTiles<V>][
 // key n_begin and inside its span [n_begin, n_end): found once per work tile (the mask's 64-bit
 // position arithmetic, divisions for the chunked masks), so that masking a key tile is two integer
 // compares per score. r0 is the sequence row of the thread's row g; rows past sq get the range of
-// their would-be positions (never stored).
-template <class Mask>
+// their would-be positions (never stored); kClampFirst: rows before the first (never stored) get row
+// 0's, so that none sees less than a real row.
+template <bool kClampFirst = false, class Mask>
 __device__ __forceinline__ void row_key_ranges(const Mask& mask, const WorkTile& w, int r0, int n_begin, int n_end,
                                                int (&lo)[2], int (&hi)[2]) {
   const i64 key0 = w.k_pos0 + n_begin;
@@ -79,7 +80,8 @@ __device__ __forceinline__ void row_key_ranges(const Mask& mask, const WorkTile&
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     i64 k_lo, k_hi;
-    const i64 q = w.q_pos0 + r0 + 8 * r;
+    const int row = r0 + 8 * r;
+    const i64 q = w.q_pos0 + (kClampFirst && row < 0 ? 0 : row);
     mask.key_range(q, q, k_lo, k_hi);
     k_lo -= key0;  // |positions| < 2^62: no overflow
     k_hi -= key0;
