@@ -120,8 +120,8 @@ struct Mainloop {
   // or the first and second); it then runs run_idle. With two the second computes such rows masked
   // (a block's first 64 rows always exist).
   __device__ __forceinline__ bool idle(const WorkInfo& k) const {
-    // kEndAligned: rows before the first; the second test never holds there (m0 + 192 <= sq), but
-    // with it ptxas keeps the float-output mask-free fp8 kernels free of spills (32 bytes without)
+    // kEndAligned: rows before the first, or past the last (a sequence of one block keeps its rows
+    // at the block's start)
     if constexpr (kEndAligned<V>) return k.m0 + (cw + 1) * kWgRows <= 0 || k.m0 + cw * kWgRows >= k.w.sq;
     return V::kConsumers == 3 && k.m0 + cw * kWgRows >= k.w.sq;
   }
@@ -451,12 +451,12 @@ struct Mainloop {
   }
 
   // Threads of the consumers that run work tile k (not run_idle), which zero V's tail together:
-  // every consumer's with two; with three, the idle ones (the last by rows; kEndAligned: the first) stay out of that
+  // every consumer's with two; with three, the idle ones (the last by rows; kEndAligned: the first, or the last) stay out of that
   // barrier, since an aligned bar.sync must be one instruction for all its threads (compute-
   // sanitizer's synccheck: "divergent threads in block" when run_idle had a copy of it).
   __device__ __forceinline__ int zeroing_threads(const WorkInfo& k) const {
-    if constexpr (kEndAligned<V>) return 128 * (V::kConsumers - first_busy(k));
-    else if constexpr (V::kConsumers == 3) return 128 * min(V::kConsumers, (k.w.sq - k.m0 + kWgRows - 1) / kWgRows);
+    if constexpr (V::kConsumers == 3)
+      return 128 * (min(V::kConsumers, (k.w.sq - k.m0 + kWgRows - 1) / kWgRows) - first_busy(k));
     else return kConsumerThreads<V>;
   }
   // Waits for the last key tile's V (ring stage `last`) and zeroes its rows past the span's end (the

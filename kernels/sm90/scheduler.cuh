@@ -50,16 +50,16 @@ __device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int
   if (!decode_work_tile(seq_offsets(p), idx, p.num_heads, p.heads_per_section, p.batch, p.num_m_blocks,
                         kBlockM<V>, k.w, kEndAligned<V>))
     return false;
-  int first, last;  // the tile's first and last rows that exist
   if constexpr (kEndAligned<V>) {
     k.m0 = k.w.sq - (k.w.m_block + 1) * kBlockM<V>;  // negative for a sequence's part-filled first block
-    first = max(k.m0, 0);
-    last = k.m0 + kBlockM<V> - 1;
+    // a sequence of one block keeps its rows at the block's start: the same keys either way, and its
+    // first consumer busy (its rows end-aligned measured 0.4-1.4% slower at 64x128)
+    if (k.w.sq <= kBlockM<V>) k.m0 = 0;
   } else {
     k.m0 = k.w.m_block * kBlockM<V>;
-    first = k.m0;
-    last = min(k.m0 + kBlockM<V>, k.w.sq) - 1;
   }
+  const int first = max(k.m0, 0);                          // the tile's first and last rows that exist
+  const int last = min(k.m0 + kBlockM<V>, k.w.sq) - 1;
   visible_key_span(mask, k.w, k.w.q_pos0 + first, k.w.q_pos0 + last, k.n_begin, k.n_end);
   // fp8 per token: key tiles start on a multiple of kVtAlign keys (V^T's layout); the keys added are masked
   if (V::kFp8) k.n_begin &= ~(kVtAlign - 1);
