@@ -87,6 +87,19 @@ def test_fp8_prefix_context_float32_out(mask):
     check_fp8(c, mask=mask, out_dtype=np.float32)
 
 
+# Sequences whose part-filled first query block (at most 64 rows, one consumer's: 40, 250 = 192 + 58,
+# 385 = 2 x 192 + 1) sees 768 keys or more through cached context, beside sequences that have none
+# (MLA_SM90_SPLIT_KEYS: such work tiles shared by the three consumers); the third sequence empty.
+LONG_FIRST_BLOCKS = dict(sq=[40, 250, 0, 385, 129], sk=[1000, 1150, 40, 1300, 129], cache_offsets=[0, 900, 0, 915, 3])
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
+def test_fp8_long_part_filled_blocks(mask):
+    c = make_case(LONG_FIRST_BLOCKS["sq"], LONG_FIRST_BLOCKS["sk"], 16, BF16, seed=31,
+                  cache_offsets=LONG_FIRST_BLOCKS["cache_offsets"])
+    check_fp8(c, mask=mask, out_dtype=np.float32)
+
+
 @pytest.mark.parametrize("mask", [CausalMask(), SlidingWindowCausalMask(37)], ids=lambda m: type(m).__name__)
 def test_fp8_zero_and_tiny_q_scale(mask):
     """q_scale folds into each row's softmax scale in the kernel: rows with q_scale 0 (all scores 0:
@@ -388,6 +401,13 @@ def test_e4m3_prefix_context_float32_out(mask):
     check_e4m3(c, mask=mask, out_dtype=np.float32, tol=TOL_ANY_SLICE)  # sequence 2: one query row
 
 
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
+def test_e4m3_long_part_filled_blocks(mask):
+    c = make_case(LONG_FIRST_BLOCKS["sq"], LONG_FIRST_BLOCKS["sk"], 16, BF16, seed=37,
+                  cache_offsets=LONG_FIRST_BLOCKS["cache_offsets"])
+    check_e4m3(c, mask=mask)
+
+
 def test_e4m3_rope_alone():
     """Zero nope parts: the scores are the rope part of Q K^T alone (the 64-byte-swizzled rope blocks
     and their 2 e4m3 k-steps). A failure here with the other e4m3 tests failing too points at the
@@ -406,21 +426,30 @@ def test_e4m3_rope_alone():
     assert err < 1e-2, f"e4m3 rope vs the same values as bf16 rope: worst per-slice difference {err:.3g} (tested {worst:.3g})"
 
 
-def test_e4m3_lse_and_accumulate_over_two_key_sets():
+# (queries, keys, cache offsets, the first call's keys of each sequence, tolerance, seed): short sequences,
+# one of one query row (the contract's any-slice bound; measured 3.1% on an H200); and part-filled
+# first query blocks that see 1000 keys or more in each call (LONG_FIRST_BLOCKS)
+ACCUMULATE_CASES = {"short": ([65, 130, 1, 40], [300, 200, 17, 40], [0, 64, 3, 0], [100, 0, 17, 20], TOL_ANY_SLICE, 29),
+                    "long-first-blocks": ([40, 250], [2000, 2100], [0, 64], [1000, 1100], TOL, 41)}
+
+
+@pytest.mark.parametrize("name", list(ACCUMULATE_CASES))
+def test_e4m3_lse_and_accumulate_over_two_key_sets(name):
     """Two calls over disjoint keys of each sequence merged with accumulate=True into a float32 out
     and lse, against the reference over all keys."""
     import cupy as cp
 
     from _fuzz import split_keys
 
+    sq, sk, cache_offsets, first_keys, tol, seed = ACCUMULATE_CASES[name]
     mask = CausalMask()
-    c = make_case([65, 130, 1, 40], [300, 200, 17, 40], 16, BF16, seed=29, cache_offsets=[0, 64, 3, 0])
+    c = make_case(sq, sk, 16, BF16, seed=seed, cache_offsets=cache_offsets)
     fq = quantized(c, e4m3_rope=True)
     dev = on_device(fq)
     tq = c.q.shape[0]
     out = cp.full((tq, 16, 128), np.nan, cp.float32)
     lse = cp.full((tq, 16), np.nan, cp.float32)
-    parts, qs = split_keys(c, [100, 0, 17, 20])
+    parts, qs = split_keys(c, first_keys)
     for i, (rows, offsets, co) in enumerate(parts):
         r = cp.asarray(rows)
         mla_cupy.mla_prefill_fp8(dev["q_nope"], dev["q_rope"], dev["q_scale"], dev["k"][r], dev["k_scales"][r],
@@ -428,8 +457,7 @@ def test_e4m3_lse_and_accumulate_over_two_key_sets():
                                  mask=mask, cache_offsets=cp.asarray(co), q_start_pos=cp.asarray(qs), out=out, lse=lse,
                                  accumulate=i > 0)
     ref, ref_lse = _ref_fp8(c, fq, mask)
-    # sequence 2: one query row (the contract's any-slice bound; measured 3.1% on an H200)
-    assert_like_reference(cp.asnumpy(out).astype(np.float64), ref, c.valid_length, tol=TOL_ANY_SLICE,
+    assert_like_reference(cp.asnumpy(out).astype(np.float64), ref, c.valid_length, tol=tol,
                           got_lse=cp.asnumpy(lse), ref_lse=ref_lse)
 
 
