@@ -303,8 +303,8 @@ constexpr bool kEndAligned = V::kConsumers == 3 && MLA_SM90_END_ALIGNED != 0;
 #ifndef MLA_SM90_SPLIT_KEYS
 #define MLA_SM90_SPLIT_KEYS 0
 #endif
-// The all-e4m3 variant only: the per-token kernels without a rope warp spill 64-92 bytes with the
-// shared tile's second copy of the loops (at 160 registers, beside their bf16 rope GEMM).
+// The all-e4m3 variant only: the per-token kernels without a rope warp spill 48-100 bytes with it
+// (at 160 registers, beside their bf16 rope GEMM).
 template <class V>
 constexpr bool kSplitKeys = V::kConsumers == 3 && V::kRopeE4m3 && MLA_SM90_SPLIT_KEYS != 0;
 // Below this many key tiles the merge's seven barriers of the three consumers cost about what the

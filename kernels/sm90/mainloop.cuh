@@ -485,9 +485,9 @@ struct Mainloop {
     pack_probabilities<V>(x.sacc, x.pa);
     it += kC;
     int t = cw + kC;
-    steps<kMaskApply, kC>(x, o, smx, t, t_lo);
-    steps<kMaskNone, kC>(x, o, smx, t, t_hi);
-    steps<kMaskApply, kC>(x, o, smx, t, n);
+    // one loop, each tile's mask tested (such tiles are few; three loop copies as in run cost the
+    // per-token kernels more spills)
+    steps<kMaskTest, kC>(x, o, smx, t, n);
     release_q<false>();
     const int last = x.prev_s;
     zero_v_tail<true>(k, last, x.prev_parity, t - kC == n - 1);
