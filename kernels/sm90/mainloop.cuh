@@ -504,7 +504,7 @@ struct Mainloop {
       smx.row_sum[0] *= 0.25f;  // as in run
       smx.row_sum[1] *= 0.25f;
     }
-    it += n - cw - kC * ((n - cw + kC - 1) / kC);  // past the work tile's last key tile
+    it += n - t;  // past the work tile's last key tile (t: this consumer's next, past the last)
   }
 
   // Threads of the consumers that run work tile k (not run_idle), which zero V's tail together:
