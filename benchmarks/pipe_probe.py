@@ -16,6 +16,13 @@ sharing by multicast reads each tile once), and the whole card's intake in TB/s 
 over the launch's wall time, first start to last end); CTAs of clusters that waited for SMs (a later
 wave) are counted as late and left out of the cycles per tile.
 
+With ``--energy S`` each probe also runs back to back for about S seconds with the board's energy
+counter read around that window (``ab.py``'s ``energy_window``), after a second of the idle board's
+power: a loop probe's nanojoules per key tile and picojoules per attention FLOP, a load probe's
+nanojoules per tile and picojoules per byte, to set beside the kernel's joules per call (``ab.py
+--energy``) over its FLOPs: what share of the kernel's energy its loop's GEMMs and softmax take, and
+what its loads do. Under the power cap a kernel's time is its energy over the cap's watts.
+
 Usage (GPU)::
 
     PYTHONPATH=. python3 benchmarks/pipe_probe.py [--probes NAME,...] [--iters N] [--json FILE]
@@ -34,6 +41,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 from mla_cupy import jit
+from mla_cupy.dims import DQK, DV
 
 SOURCE = Path(__file__).with_name("pipe_probe.cu")
 GEMMS, SOFTMAX, NO_SCALES, CONST_SCALES, ROWSUM_MMA = 1, 2, 4, 8, 16  # kParts bits (pipe_probe.cu)
@@ -77,6 +85,12 @@ class Probe:
         s_steps, k = (6, 32) if fp8 else (12, 16)
         rowsum = self.keys // k * 8 // 2 if self.parts & ROWSUM_MMA else 0  # m64n8k32 per P V k-step: 4 cycles
         return self.runners * (s_steps * self.keys // 2 + self.keys // k * WGMMA_CYCLES + rowsum)
+
+    @property
+    def flops(self) -> int:
+        """Attention FLOPs of one key tile of all running consumers (S and P V of 64 rows each, the
+        kernel's useful work; 0 without GEMMS)."""
+        return self.runners * 64 * self.keys * (DQK + DV) * 2 if self.parts & GEMMS else 0
 
 
 E4M3 = "mla::sm90::Wide<mla::sm90::VariantE4m3>"
@@ -258,7 +272,23 @@ def check(probes: Sequence[Probe]) -> int:
     return bad
 
 
-def run(probes: Sequence[Probe], iters: int, repeats: int) -> List[dict]:
+def energy_row(launch, launch_ms: float, energy_s: float, sampler, sync) -> dict:
+    """Launches ``launch()`` back to back for about ``energy_s`` seconds with the board's energy counter
+    read around them (``ab.py``'s ``energy_window``): joules per launch, watts, the SM clock."""
+    from ab import energy_calls, energy_window
+    return energy_window(lambda i: launch(), 1, energy_calls(launch_ms, energy_s), sampler, sync)
+
+
+def idle_watts(sampler, seconds: float = 1.0) -> float:
+    """The board's mean power over ``seconds`` with nothing launched (from its energy counter)."""
+    import time
+    e0, t0 = sampler.energy_mj(), time.perf_counter()
+    time.sleep(seconds)
+    e1, t1 = sampler.energy_mj(), time.perf_counter()
+    return float("nan") if e0 is None or e1 is None else (e1 - e0) / 1e3 / (t1 - t0)
+
+
+def run(probes: Sequence[Probe], iters: int, repeats: int, energy_s: float = 0.0, sampler=None) -> List[dict]:
     import cupy as cp
 
     dev = cp.cuda.Device()
@@ -290,10 +320,22 @@ def run(probes: Sequence[Probe], iters: int, repeats: int) -> List[dict]:
         row = {"probe": p.name, "cycles_per_tile": cycles, "spread": [min(per_tile), max(per_tile)],
                "mhz": statistics.median(mhz), "tensor_cycles": p.tensor_cycles,
                "pipe": p.tensor_cycles / cycles if p.tensor_cycles else None}
+        energy = ""
+        if energy_s > 0:
+            win = energy_row(lambda: fn((sms,), (threads,), (cyc, ns, cp.int32(iters)), shared_mem=smem),
+                             cycles * iters / (row["mhz"] * 1e3), energy_s, sampler, dev.synchronize)
+            row["energy"] = win
+            if win["j_per_call"] is not None:
+                tiles = sms * iters  # key tiles of every CTA's running consumers
+                row["nj_per_tile"] = win["j_per_call"] / tiles * 1e9
+                row["pj_per_flop"] = win["j_per_call"] / (tiles * p.flops) * 1e12 if p.flops else None
+                pj = f"{row['pj_per_flop']:.3f} pJ/FLOP" if p.flops else "-"
+                energy = (f"  {row['nj_per_tile']:7.1f} nJ/tile {pj}  {win['watts']:4.0f} W "
+                          f"{win['sm_mhz'] or 0:5.0f} MHz")
         rows.append(row)
         pipe = f"{row['pipe']:6.1%}" if row["pipe"] is not None else "     -"
         print(f"{p.name:22s} {cycles:8.0f} cycles/tile ({min(per_tile):.0f}-{max(per_tile):.0f})  "
-              f"pipe {pipe}  {row['mhz']:5.0f} MHz", flush=True)
+              f"pipe {pipe}  {row['mhz']:5.0f} MHz{energy}", flush=True)
     return rows
 
 
@@ -310,7 +352,7 @@ def load_layout(p: LoadProbe, groups: int):
     return (per, 7) if p.shared else (groups * per, per)
 
 
-def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dict]:
+def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int, energy_s: float = 0.0, sampler=None) -> List[dict]:
     import cupy as cp
 
     dev = cp.cuda.Device()
@@ -356,10 +398,22 @@ def run_loads(probes: Sequence[LoadProbe], tiles: int, repeats: int) -> List[dic
                "bytes_per_cycle_sm": p.walk_bytes / cycles, "tb_per_s": statistics.median(tbs), "mhz": mhz,
                "hold": p.hold + p.v_hold, "ctas": ctas, "late_ctas": late,
                "l2_bytes_per_cycle_sm": p.walk_bytes / cycles / (p.cluster if p.multicast else 1)}
+        energy = ""
+        if energy_s > 0:
+            def launch(src=src):
+                fn((ctas,), (64,), (src, cp.int64(span_tiles), cp.int64(step), cp.int32(tiles), *args, cyc, ns, t0),
+                   shared_mem=ring)
+            win = energy_row(launch, cycles * tiles / (mhz * 1e3), energy_s, sampler, dev.synchronize)
+            row["energy"] = win
+            if win["j_per_call"] is not None:
+                row["nj_per_tile"] = win["j_per_call"] / (ctas * tiles) * 1e9
+                row["pj_per_byte"] = row["nj_per_tile"] * 1e3 / p.walk_bytes
+                energy = (f"  {row['nj_per_tile']:7.1f} nJ/tile {row['pj_per_byte']:.2f} pJ/B  {win['watts']:4.0f} W "
+                          f"{win['sm_mhz'] or 0:5.0f} MHz")
         rows.append(row)
         print(f"{p.name:22s} {cycles:8.0f} cycles/tile ({min(per_tile):.0f}-{max(per_tile):.0f})  "
               f"{row['bytes_per_cycle_sm']:5.1f} B/cycle/SM in ({row['l2_bytes_per_cycle_sm']:5.1f} from L2)  "
-              f"{row['tb_per_s']:5.2f} TB/s in  {mhz:5.0f} MHz  {ctas} CTAs" + (f", {late} late" if late else ""),
+              f"{row['tb_per_s']:5.2f} TB/s in  {mhz:5.0f} MHz  {ctas} CTAs" + (f", {late} late" if late else "") + energy,
               flush=True)
         del src
     return rows
@@ -372,6 +426,10 @@ def main(argv=None) -> int:
                     help="key tiles per consumer (load probes: per CTA) and launch")
     ap.add_argument("--repeats", type=int, default=3, help="timed launches per probe (median)")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--energy", type=float, default=0.0, metavar="S",
+                    help="also launch each probe back to back for about S seconds with the board's energy "
+                         "counter read around them: loop probes nJ per key tile and pJ per attention FLOP, "
+                         "load probes nJ per tile and pJ per byte (0: off)")
     ap.add_argument("--check", action="store_true", help="compile only (no GPU): spills and serialized wgmma")
     ap.add_argument("--list", action="store_true")
     a = ap.parse_args(argv)
@@ -398,7 +456,19 @@ def main(argv=None) -> int:
         return check(probes)
     if a.iters < 1 or a.repeats < 1:
         ap.error("--iters and --repeats must be at least 1")
-    rows = (run(probes, a.iters, a.repeats) if probes else []) + (run_loads(loads, a.iters, a.repeats) if loads else [])
+    if a.energy < 0:
+        ap.error("--energy must be 0 (off) or a number of seconds")
+    if a.energy > 0:
+        import cupy as cp
+        from ab import NvmlSampler
+        with NvmlSampler(cp.cuda.Device().id) as sampler:
+            idle = idle_watts(sampler)
+            print(f"idle board power {idle:.0f} W", flush=True)
+            rows = ((run(probes, a.iters, a.repeats, a.energy, sampler) if probes else [])
+                    + (run_loads(loads, a.iters, a.repeats, a.energy, sampler) if loads else []))
+            rows.append({"idle_watts": idle})
+    else:
+        rows = (run(probes, a.iters, a.repeats) if probes else []) + (run_loads(loads, a.iters, a.repeats) if loads else [])
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

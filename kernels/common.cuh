@@ -117,20 +117,6 @@ __device__ __forceinline__ void sts32(u32 addr, u32 v) { asm volatile("st.shared
 __device__ __forceinline__ void sts128(u32 addr, u32 a, u32 b, u32 c, u32 d) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d));
 }
-__device__ __forceinline__ void lds128(u32 addr, u32 (&x)[4]) {
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
-}
-__device__ __forceinline__ void red_add_f32(u32 addr, float v) {  // shared-memory atomic add, no result
-  asm volatile("red.shared.add.f32 [%0], %1;\n" ::"r"(addr), "f"(v));
-}
-__device__ __forceinline__ void sts128f(u32 addr, float a, float b, float c, float d) {
-  sts128(addr, __float_as_uint(a), __float_as_uint(b), __float_as_uint(c), __float_as_uint(d));
-}
-__device__ __forceinline__ void lds128f(u32 addr, float (&x)[4]) {
-  u32 u[4];
-  lds128(addr, u);
-  for (int i = 0; i < 4; ++i) x[i] = __uint_as_float(u[i]);
-}
 
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool pred) {
   const int src_bytes = pred ? 16 : 0;

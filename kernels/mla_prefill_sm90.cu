@@ -109,15 +109,6 @@ __global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_ke
     WorkInfo k;
     sched.take(n, k);
     if (!k.valid) break;
-    if constexpr (kSplitKeys<V>) {
-      if (is_shared_tile<V>(k)) {  // one consumer's rows, their key tiles shared by all three: merged and stored together
-        float o[kOTiles][4];
-        OnlineSoftmax smx;
-        mainloop.run_split(k, o, smx);
-        epilogue_store_shared<V, OutT>(p, sm, k, o, smx);
-        continue;
-      }
-    }
     if constexpr (V::kConsumers == 3) {
       if (mainloop.idle(k)) {  // no row of this consumer in the work tile
         mainloop.run_idle(k);

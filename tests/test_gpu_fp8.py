@@ -89,7 +89,7 @@ def test_fp8_prefix_context_float32_out(mask):
 
 # Sequences whose part-filled first query block (at most 64 rows, one consumer's: 40, 250 = 192 + 58,
 # 385 = 2 x 192 + 1) sees 768 keys or more through cached context, beside sequences that have none
-# (MLA_SM90_SPLIT_KEYS: such work tiles shared by the three consumers); the third sequence empty.
+# (two consumers of such a work tile idle through all its key tiles); the third sequence empty.
 LONG_FIRST_BLOCKS = dict(sq=[40, 250, 0, 385, 129], sk=[1000, 1150, 40, 1300, 129], cache_offsets=[0, 900, 0, 915, 3])
 
 

@@ -20,6 +20,15 @@ def test_tensor_cycles_per_key_tile():
         assert p[name].tensor_cycles == p["e4m3-loop"].tensor_cycles
 
 
+def test_attention_flops_per_key_tile():
+    p = probe.PROBES
+    assert p["bf16-loop"].flops == 2 * 64 * 128 * (192 + 128) * 2  # two consumers of 64 rows, 128 keys
+    assert p["e4m3-loop-1wg"].flops == 64 * 128 * (192 + 128) * 2
+    assert p["bf16w-loop"].flops == 3 * 64 * 96 * (192 + 128) * 2
+    assert p["e4m3-loop-rowsum"].flops == p["e4m3-loop"].flops  # P times ones is no attention work
+    assert p["bf16-softmax"].flops == 0 and p["e4m3-softmax"].flops == 0
+
+
 def test_expressions_name_the_template_arguments():
     p = probe.PROBES["e4m3-loop-poly2"]
     assert p.expression == "probe::pipe_probe<mla::sm90::Wide<mla::sm90::VariantE4m3>, 3, 1, 2, 3>"
@@ -84,6 +93,9 @@ def test_command_line(capsys):
     assert exc.value.code == 2 and "nope" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         probe.main(["--probes", "e4m3-loop", "--iters", "0"])
+    with pytest.raises(SystemExit) as exc:
+        probe.main(["--probes", "e4m3-loop", "--energy", "-1"])
+    assert exc.value.code == 2 and "--energy" in capsys.readouterr().err
 
 
 @pytest.mark.slow

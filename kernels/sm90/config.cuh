@@ -19,8 +19,7 @@ constexpr int kKeyWordsMax = 4;                     // rope warp: words of reada
 constexpr u32 kTileUnreadable = 1u;  // rope warp: the tile's flags word
 
 // Named barriers (0 is __syncthreads): the consumers after zeroing V rows, the consumers' turns
-// (kTurnBar + c: consumer c may issue its GEMMs), consumer c's output staging (kEpilogueBar<V> + c),
-// the consumers' merge of a shared work tile (kMergeBar<V>).
+// (kTurnBar + c: consumer c may issue its GEMMs), consumer c's output staging (kEpilogueBar<V> + c).
 constexpr int kVZeroBar = 1;
 constexpr int kTurnBar = 2;
 constexpr int kTurnThreads = 2 * 128;  // a turn barrier: the warpgroup that waits and the one that passes
@@ -188,7 +187,6 @@ template <class V> constexpr int kConsumerThreads = 128 * V::kConsumers;
 template <class V> constexpr int kConsumerWarps = kConsumerThreads<V> / 32;
 template <class V> constexpr int kQBlk = kBlockM<V> * 128;  // one column block of the Q tile
 template <class V> constexpr int kEpilogueBar = kTurnBar + V::kConsumers;
-template <class V> constexpr int kMergeBar = kEpilogueBar<V> + V::kConsumers;
 template <class V> constexpr int kOutStageBytes = V::kConsumers * kWgRows * kOutStageRowBytes;  // 16 KiB for 2
 // Registers per thread after setmaxnreg (within what the launch gives: kRegisterBudget). With two
 // consumers the producer warps get more than a bare TMA issuer's 24: warp 0 decodes the work tiles,
@@ -292,24 +290,6 @@ constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_ROWSUM
 #endif
 template <class V>
 constexpr bool kEndAligned = V::kConsumers == 3 && MLA_SM90_END_ALIGNED != 0;
-
-// A work tile whose rows are one consumer's (three consumers: a sequence's part-filled block of at
-// most 64 rows) with kSplitMinTiles key tiles or more is shared (1): every consumer computes those
-// 64 rows over every third key tile (consumer c: tiles c, c + 3, ..., in the turns' order), with its
-// own maximum, sum and O, and the three states are merged through the output staging (the exact
-// merge of partial softmax states), so that such a tile takes about a third of the time its one
-// consumer alone takes (0: the others idle through it). It pays where such a block sees many keys:
-// cached context before the queries, or no causal mask.
-#ifndef MLA_SM90_SPLIT_KEYS
-#define MLA_SM90_SPLIT_KEYS 0
-#endif
-// The all-e4m3 variant only: the per-token kernels without a rope warp spill 48-100 bytes with it
-// (at 160 registers, beside their bf16 rope GEMM).
-template <class V>
-constexpr bool kSplitKeys = V::kConsumers == 3 && V::kRopeE4m3 && MLA_SM90_SPLIT_KEYS != 0;
-// Below this many key tiles the merge's seven barriers of the three consumers cost about what the
-// split saves.
-constexpr int kSplitMinTiles = 6;
 
 // The producer's order of copies: 1, K of key tile t and then V of tile t - 1 (the order the
 // consumers take them in); 0 (the default), K and V of tile t together, so that K of tile t + 1 waits

@@ -25,9 +25,6 @@
 //     same GEMM blocks (same work tiles and counts; an idle consumer its turns alone), so turns go
 //     round exactly, and consumer 0 takes the last pass after the loop. (MLA_SM90_FP8_TURNS: what a
 //     turn covers with three consumers, or no turns; MLA_SM90_16BIT_TURNS: turns in 16-bit.)
-//   * Shared work tiles (MLA_SM90_SPLIT_KEYS, all-e4m3): a work tile whose rows are one consumer's
-//     and which has many key tiles runs in all three consumers (run_split), each over every third key
-//     tile of those rows; the epilogue merges the three states (epilogue.cuh: epilogue_store_shared).
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows, or zeros past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
 //     before P V (fp8: their V^T columns), so a neighbour's NaN can never reach this sequence.
@@ -128,19 +125,15 @@ struct Mainloop {
     if constexpr (kEndAligned<V>) return k.m0 + (cw + 1) * kWgRows <= 0 || k.m0 + cw * kWgRows >= k.w.sq;
     return V::kConsumers == 3 && k.m0 + cw * kWgRows >= k.w.sq;
   }
-  // The sequence row of this thread's row g (rows g and g + 8) in work tile k, as consumer rc's
-  // thread (rc: the consumer whose rows it computes; a shared tile's, or its own).
-  __device__ __forceinline__ int row0(const WorkInfo& k, int rc) const {
-    return k.m0 + rc * kWgRows + warp_in_wg * 16 + (lane >> 2);
+  // The first consumer that runs work tile k (kEndAligned: the consumers before it have no rows).
+  static __device__ __forceinline__ int first_busy(const WorkInfo& k) {
+    return kEndAligned<V> && k.m0 < 0 ? -k.m0 / kWgRows : 0;
   }
-  __device__ __forceinline__ int row0(const WorkInfo& k) const { return row0(k, cw); }
+  // The sequence row of this thread's row g (rows g and g + 8) in work tile k.
+  __device__ __forceinline__ int row0(const WorkInfo& k) const {
+    return k.m0 + cw * kWgRows + warp_in_wg * 16 + (lane >> 2);
+  }
 
-  // Whether key tile t is this consumer's last of n (every kStride-th tile is its).
-  template <int kStride>
-  static __device__ __forceinline__ bool is_last(int t, int n) {
-    if constexpr (kStride == 1) return t + 1 == n;
-    else return t + kStride >= n;
-  }
   // This consumer's Q rows released to the Q warp once every S of the work tile is complete: with
   // kQEarlyRelease<V> as soon as the last one is (kAtLastS, `last`: that S was the work
   // tile's last), else after the last tile's softmax (the call after the loop).
@@ -249,9 +242,8 @@ struct Mainloop {
   }
   // S of key tile t (ring position it) into probabilities: dequantized (fp8), masked as kMode says,
   // its K stage (with the rope rows and their flags) released. kHalf: S holds the tile's first 64
-  // keys; the rest of the tile is set to -inf here. kStride: this consumer's key tiles are every
-  // kStride-th of the work tile's (a shared tile: kStride consumers), whose stages it releases for all.
-  template <int kMode, bool kHalf = false, int kStride = 1>
+  // keys; the rest of the tile is set to -inf here.
+  template <int kMode, bool kHalf = false>
   __device__ __forceinline__ void scores_to_p(Tile& x, OnlineSoftmax& smx, int t, int it) const {
     constexpr int kTiles = kHalf ? kST / 2 : kST;  // n-tiles of S the GEMM wrote
     fence_operands_first<kTiles>(x.sacc);
@@ -269,21 +261,21 @@ struct Mainloop {
     if constexpr (kSoftmaxPerPath) {
       if (unreadable) {
         mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
-        softmax_step<kMode, kStride>(x, smx, s);
+        softmax_step<kMode>(x, smx, s);
       } else {
-        softmax_step<kMode, kStride>(x, smx, s);
+        softmax_step<kMode>(x, smx, s);
       }
     } else {
       if (unreadable) mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
-      softmax_step<kMode, kStride>(x, smx, s);
+      softmax_step<kMode>(x, smx, s);
     }
   }
   // The K stage of ring stage s released, then S (dequantized and masked) made probabilities.
   // kMode: the tile's masking; the maximum's slack (MLA_SM90_LAZY_RESCALE 2) in the mask-free tiles
   // only, the masked ones (a work tile's diagonal, few) keep their registers for the mask.
-  template <int kMode, int kStride>
+  template <int kMode>
   __device__ __forceinline__ void softmax_step(Tile& x, OnlineSoftmax& smx, int s) const {
-    TileHandout::release<kStride>(sm.k_empty(s));
+    TileHandout::release(sm.k_empty(s));
     // fp8: kPScale * P (fp8.cuh), part of the exp2 on the FMA pipe if MLA_SM90_EXP2_POLY says so
     constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0, kPoly = V::kFp8 ? MLA_SM90_EXP2_POLY : 0;
     constexpr int kSlackQ = kMode == kMaskNone ? kMaxSlackQ<V> : 0;
@@ -292,16 +284,15 @@ struct Mainloop {
   // A work tile's first key tile: S issued, completed and made probabilities (masked). The paths
   // of a branch between wgmma shapes join with no wgmma in flight and S whole (here and in last_pv):
   // otherwise ptxas serializes every wgmma of the kernel (advisories C7511 / C7515).
-  // t0: the consumer's first key tile (a shared tile's: its index; kStride as in scores_to_p).
-  template <bool kHalf, int kStride = 1>
-  __device__ __forceinline__ void first_tile(Tile& x, OnlineSoftmax& smx, int it, int t0 = 0) const {
+  template <bool kHalf>
+  __device__ __forceinline__ void first_tile(Tile& x, OnlineSoftmax& smx, int it) const {
     turn_wait();
     issue_qk<kHalf>(x, it);
     turn_pass();
-    if (!kScalesEarly) key_scales(x, t0, it);
+    if (!kScalesEarly) key_scales(x, 0, it);
     wgmma_wait<0>();
-    release_q<true>(is_last<kStride>(t0, x.k.num_tiles));
-    scores_to_p<kMaskApply, kHalf, kStride>(x, smx, t0, it);
+    release_q<true>(x.k.num_tiles == 1);
+    scores_to_p<kMaskApply, kHalf>(x, smx, 0, it);
   }
   // The last tile's P V, issued and completed.
   template <bool kHalf>
@@ -325,10 +316,9 @@ struct Mainloop {
   // flight per warpgroup and nothing of tile t - 1 across the softmax of tile t (the register budget
   // of a third consumer warpgroup: with both GEMMs in flight at 160 registers ptxas serializes every
   // wgmma, C7512).
-  // kStride: every kStride-th key tile (a shared work tile; scores_to_p).
-  template <int kMode, int kStride = 1>
+  template <int kMode>
   __device__ __forceinline__ void steps(Tile& x, float (&o)[kOTiles][4], OnlineSoftmax& smx, int& t, int end) {
-    for (; t < end; t += kStride, it += kStride) {
+    for (; t < end; ++t, ++it) {
       const int s = it % kS;
       const u32 parity = (it / kS) & 1;
       if constexpr (!kOverlap<V>) {
@@ -340,14 +330,14 @@ struct Mainloop {
         fence_operands(o);
         fence_operands(x.pa);
         add_row_sums(x, smx);
-        TileHandout::release<kStride>(sm.v_empty(x.prev_s));
+        TileHandout::release(sm.v_empty(x.prev_s));
         if (kScalesEarly) wait_k(it);
         issue_qk(x, it);
         if (!kTurnCoversPvOnly) turn_pass();
         wgmma_wait<0>();
-        release_q<true>(is_last<kStride>(t, x.k.num_tiles));
+        release_q<true>(t + 1 == x.k.num_tiles);
         key_scales(x, t, it);
-        scores_to_p<kMode, false, kStride>(x, smx, t, it);
+        scores_to_p<kMode>(x, smx, t, it);
         rescale_o(o, x.corr);
         if constexpr (kSumMma) smx.rescale_sums(x.corr);
         pack_probabilities<V>(x.sacc, x.pa);
@@ -360,12 +350,12 @@ struct Mainloop {
         turn_pass();
         if (!kScalesEarly) key_scales(x, t, it);
         wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
-        release_q<true>(is_last<kStride>(t, x.k.num_tiles));
-        scores_to_p<kMode, false, kStride>(x, smx, t, it);
+        release_q<true>(t + 1 == x.k.num_tiles);
+        scores_to_p<kMode>(x, smx, t, it);
         wgmma_wait<0>();
         fence_operands(o);
         fence_operands(x.pa);
-        TileHandout::release<kStride>(sm.v_empty(x.prev_s));
+        TileHandout::release(sm.v_empty(x.prev_s));
         rescale_o(o, x.corr);
         pack_probabilities<V>(x.sacc, x.pa);
       }
@@ -374,16 +364,14 @@ struct Mainloop {
     }
   }
 
-  // A work tile's per-row state in x (x.k set): rows (this consumer's, or kShared: the shared tile's,
-  // first_busy's), visible key ranges, softmax scales; its fully visible key tiles [t_lo, t_hi) of
-  // this warpgroup; returns whether the last key tile is a half tile for it (1 or 0).
-  template <bool kShared = false>
+  // A work tile's per-row state in x (x.k set): rows, visible key ranges, softmax scales; its
+  // fully visible key tiles [t_lo, t_hi) of this warpgroup; returns whether the last key tile is a
+  // half tile for it (1 or 0).
   __device__ __forceinline__ int prepare(Tile& x, int& t_lo, int& t_hi) const {
     const WorkInfo& k = x.k;
     const WorkTile& w = k.w;
-    const int rc = kShared ? first_busy<V>(k) : cw;  // (the member itself: as a parameter it changed the 16-bit code)
-    x.wr0 = k.m0 + rc * kWgRows;
-    x.r0 = kShared ? row0(k, rc) : row0(k);
+    x.wr0 = k.m0 + cw * kWgRows;
+    x.r0 = row0(k);
     row_key_ranges<kEndAligned<V>>(mask, w, x.r0, k.n_begin, k.n_end, x.key_lo, x.key_hi);
     // the warpgroup's first row that exists (kEndAligned: rows before the sequence's first do not)
     const int wr_first = kEndAligned<V> ? max(x.wr0, 0) : x.wr0;
@@ -462,72 +450,24 @@ struct Mainloop {
     }
   }
 
-  // A shared work tile (is_shared_tile; kSplitKeys): the rows of consumer first_busy<V>(k) over this
-  // consumer's third of the key tiles (cw, cw + 3, ...: tile t's GEMMs go in turn t % 3, which is
-  // the turns' order), with its own O and softmax state (epilogue_store_shared merges the three). It reads
-  // and releases, for all three consumers, the stages of its own tiles only (with three stages,
-  // always the same one). Every consumer takes as many turns as consumer 0, which has the most
-  // tiles (the others pass their last ones empty), so the turns go round as after any work tile.
-  __device__ __forceinline__ void run_split(const WorkInfo& k, float (&o)[kOTiles][4], OnlineSoftmax& smx) {
-    constexpr int kC = V::kConsumers;
-    static_assert(kSplitMinTiles >= kC, "every consumer has a key tile of a shared work tile");
-#pragma unroll
-    for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    smx.init();
-    const int n = k.num_tiles;
-    Tile x{k};
-    x.tile_flags = 0;
-    int t_lo, t_hi;
-    prepare<true>(x, t_lo, t_hi);
-    it += cw;  // this consumer's first key tile, cw
-    wait_q(x);
-    first_tile<false, kC>(x, smx, it, cw);
-    pack_probabilities<V>(x.sacc, x.pa);
-    it += kC;
-    int t = cw + kC;
-    // one loop, each tile's mask tested (such tiles are few; three loop copies as in run cost the
-    // per-token kernels more spills)
-    steps<kMaskTest, kC>(x, o, smx, t, n);
-    release_q<false>();
-    const int last = x.prev_s;
-    zero_v_tail<true>(k, last, x.prev_parity, t - kC == n - 1);
-    last_pv<false>(x, o, last);
-    fence_operands(o);
-    fence_operands(x.pa);
-    TileHandout::release<kC>(sm.v_empty(last));
-    for (int i = (n - cw + kC - 1) / kC; i < (n + kC - 1) / kC; ++i) {  // the turns consumer 0 takes more
-      turn_wait();
-      turn_pass();
-    }
-    if constexpr (kSumMma) {
-      add_row_sums(x, smx);
-      smx.row_sum[0] *= 0.25f;  // as in run
-      smx.row_sum[1] *= 0.25f;
-    }
-    it += n - t;  // past the work tile's last key tile (t: this consumer's next, past the last)
-  }
-
   // Threads of the consumers that run work tile k (not run_idle), which zero V's tail together:
   // every consumer's with two; with three, the idle ones (the last by rows; kEndAligned: the first, or the last) stay out of that
   // barrier, since an aligned bar.sync must be one instruction for all its threads (compute-
   // sanitizer's synccheck: "divergent threads in block" when run_idle had a copy of it).
   __device__ __forceinline__ int zeroing_threads(const WorkInfo& k) const {
     if constexpr (V::kConsumers == 3)
-      return 128 * (min(V::kConsumers, (k.w.sq - k.m0 + kWgRows - 1) / kWgRows) - first_busy<V>(k));
+      return 128 * (min(V::kConsumers, (k.w.sq - k.m0 + kWgRows - 1) / kWgRows) - first_busy(k));
     else return kConsumerThreads<V>;
   }
   // Waits for the last key tile's V (ring stage `last`) and zeroes its rows past the span's end (the
   // neighbour's keys), by the consumers that run the work tile together, the stores made visible
-  // to wgmma before any of them reads V. kAlone: a shared work tile's, where only the consumer
-  // whose last key tile is the work tile's (has_tail) reads that V, and zeroes it alone.
-  template <bool kAlone = false>
-  __device__ __forceinline__ void zero_v_tail(const WorkInfo& k, int last, u32 parity, bool has_tail = true) const {
+  // to wgmma before any of them reads V.
+  __device__ __forceinline__ void zero_v_tail(const WorkInfo& k, int last, u32 parity) const {
     mbar_wait(sm.v_full(last), parity);
     const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBN);
-    if (has_tail && valid < kBN) {
-      // 0 .. zeroing threads - 1 (the consumers in order)
-      const int tid = thread_index_here() - 128 * (1 + (kAlone ? cw : first_busy<V>(k)));
-      const int nthreads = kAlone ? 128 : zeroing_threads(k);
+    if (valid < kBN) {
+      const int tid = thread_index_here() - 128 * (1 + first_busy(k));  // 0 .. zeroing threads - 1 (the consumers in order)
+      const int nthreads = zeroing_threads(k);
       if constexpr (V::kFp8) {
         zero_vt_keys_from(sm.v(last), valid, tid, nthreads);  // V^T: key columns
       } else {

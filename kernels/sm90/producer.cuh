@@ -107,8 +107,7 @@ __device__ __forceinline__ void q_load(const Params& p, const Smem<V>& sm, const
       for (int c = 0; c < V::kConsumers; ++c) {
         mbar_wait(sm.q_empty(c), (nq & 1) ^ 1);  // consumer c is done with its previous rows
         mbar_expect_tx(sm.q_full(c), kQBytes<V> / V::kConsumers);
-        // a shared work tile: its one consumer's rows in every consumer's share
-        const int qrow = static_cast<int>(w.q_row0 + k.m0) + (is_shared_tile<V>(k) ? first_busy<V>(k) : c) * kWgRows;
+        const int qrow = static_cast<int>(w.q_row0 + k.m0) + c * kWgRows;
         const u32 rows = sm.q() + c * kWgRows * 128;  // this consumer's first row: 128-byte rows
         if constexpr (V::kFp8) {
           tma_load_3d(rows, &p.tm_q, sm.q_full(c), 0, w.h, qrow);  // 128 e4m3 nope values

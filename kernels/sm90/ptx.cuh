@@ -19,9 +19,6 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {  // arrive 
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar));
 }
-__device__ __forceinline__ void mbar_arrive(u32 bar, u32 count) {  // `count` arrivals at once
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count));
-}
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   asm volatile(
       "{\n"

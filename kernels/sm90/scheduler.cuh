@@ -37,23 +37,8 @@ struct alignas(16) WorkInfo {
   int m0;              // the tile's first query row in its sequence (kEndAligned: may be negative)
   int n_begin, n_end;  // keys [n_begin, n_end) of the sequence that some row of the tile may see
   int num_tiles;       // key tiles of the variant's kBlockN keys from n_begin (0: nothing visible)
-  int valid;           // 0: no more work for this CTA; kSharedTile: a shared work tile (is_shared_tile)
+  int valid;           // 0: no more work for this CTA
 };
-
-// valid of a shared work tile (kSplitKeys): its rows are one consumer's, every consumer takes a third
-// of its key tiles.
-constexpr int kSharedTile = 2;
-template <class V>
-__device__ __forceinline__ bool is_shared_tile(const WorkInfo& k) {
-  return kSplitKeys<V> && k.valid == kSharedTile;
-}
-
-// The first consumer with rows in work tile k (kEndAligned: the ones before it have none), and
-// the one whose rows a shared tile holds.
-template <class V>
-__device__ __forceinline__ int first_busy(const WorkInfo& k) {
-  return kEndAligned<V> && k.m0 < 0 ? -k.m0 / kWgRows : 0;
-}
 
 __device__ __forceinline__ SeqOffsets seq_offsets(const Params& p) {
   return SeqOffsets{p.q_offsets, p.kv_begin, p.kv_end, p.cache_offsets, p.q_start_pos};
@@ -79,9 +64,7 @@ __device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int
   // fp8 per token: key tiles start on a multiple of kVtAlign keys (V^T's layout); the keys added are masked
   if (V::kFp8) k.n_begin &= ~(kVtAlign - 1);
   k.num_tiles = (k.n_end - k.n_begin + V::kBlockN - 1) / V::kBlockN;
-  // shared: one consumer's rows (the first and the last row in the same 64) and many key tiles
-  const bool one = (first - k.m0) / kWgRows == (last - k.m0) / kWgRows;
-  k.valid = kSplitKeys<V> && k.num_tiles >= kSplitMinTiles && one ? kSharedTile : 1;
+  k.valid = 1;
   return true;
 }
 
@@ -167,14 +150,13 @@ struct TileHandout {
   // Reader threads (whole warps): hand-out n. One lane per warp releases the slot once every lane
   // has read it (or every lane, with kConsumerArrivals<V> counting threads).
   __device__ __forceinline__ void take(int n, WorkInfo& k) const { release(empty(read(n, k))); }
-  // A reader warp's arrival on a barrier counted in kConsumerArrivals<V> units; kFor: on behalf of
-  // that many consumers (a shared work tile's key stages, which one consumer reads for all).
-  template <int kFor = 1>
+  // A reader warp's arrival on a barrier counted in kConsumerArrivals<V> units.
   static __device__ __forceinline__ void release(u32 bar) {
-    if constexpr (MLA_SM90_ELECTED_ARRIVE) __syncwarp();  // every lane's reads of the released buffer are done
-    if (!MLA_SM90_ELECTED_ARRIVE || threadIdx.x % 32 == 0) {
-      if constexpr (kFor == 1) mbar_arrive(bar);
-      else mbar_arrive(bar, kFor);
+    if constexpr (MLA_SM90_ELECTED_ARRIVE) {
+      __syncwarp();  // every lane's reads of the released buffer are done
+      if (threadIdx.x % 32 == 0) mbar_arrive(bar);
+    } else {
+      mbar_arrive(bar);
     }
   }
 };
