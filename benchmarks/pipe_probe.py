@@ -114,6 +114,7 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-loop-constscales", E4M3, 3, GEMMS | SOFTMAX | CONST_SCALES, turns=1),
     Probe("e4m3-softmax-rowsum", E4M3, 3, SOFTMAX | ROWSUM_MMA),
     Probe("e4m3-loop-rowsum", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1),
+    Probe("e4m3-loop-rowsum-noscales", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA | NO_SCALES, turns=1),
     Probe("e4m3-loop-rowsum-poly2", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1, poly=2),
     Probe("e4m3-loop-rowsum-poly4", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1, poly=4),
     Probe("bf16-gemm", B16, 2, GEMMS),

@@ -18,6 +18,7 @@ def test_tensor_cycles_per_key_tile():
     assert p["e4m3-loop-rowsum"].tensor_cycles == 3 * (10 * 64 + 4 * 4)  # and P times ones: m64n8k32, 4 cycles
     for name in ("e4m3-loop-noscales", "e4m3-loop-constscales"):  # the scales' work is no tensor work
         assert p[name].tensor_cycles == p["e4m3-loop"].tensor_cycles
+    assert p["e4m3-loop-rowsum-noscales"].tensor_cycles == p["e4m3-loop-rowsum"].tensor_cycles
 
 
 def test_attention_flops_per_key_tile():
