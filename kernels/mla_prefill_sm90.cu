@@ -11,6 +11,7 @@
 //                       S = Q K^T, online softmax, O += P V
 //   softmax.cuh         the per-tile score work: fp8 dequantization, masks, P
 //   epilogue.cuh        normalization, merge, stores of out and lse
+//   trace.cuh           MLA_SM90_TRACE: each consumer's cycle stamps per work tile (off by default)
 //
 // A K tile is 128 keys x 192: two 64-wide column blocks of the head's nope part from k, then the
 // 64 rope values every head shares, from k_rope by their own tensor map (or written by the rope
@@ -30,6 +31,7 @@
 #include "sm90/rope_warp.cuh"
 #include "sm90/scheduler.cuh"
 #include "sm90/shared_storage.cuh"
+#include "sm90/trace.cuh"
 
 namespace mla {
 namespace sm90 {
@@ -105,21 +107,28 @@ __global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_ke
   const Smem<V> sm = storage();
   const TileHandout sched = scheduler(sm);
   Mainloop<V, Mask, kPaged> mainloop(p, sm, Mask{p.mask_arg});
+  TileTrace::begin();  // MLA_SM90_TRACE: cycle stamps per work tile (trace.cuh); else nothing
   for (int n = 0;; ++n) {
     WorkInfo k;
+    TileTrace::stamp<kTa>(n);
     sched.take(n, k);
+    TileTrace::stamp<kTb>(n);
     if (!k.valid) break;
     if constexpr (V::kConsumers == 3) {
       if (mainloop.idle(k)) {  // no row of this consumer in the work tile
         mainloop.run_idle(k);
+        TileTrace::stored(n, k.num_tiles, k.m0, true);
         continue;
       }
     }
     float o[kOTiles][4];
     OnlineSoftmax smx;
     mainloop.run(k, o, smx);
+    TileTrace::stamp<kTc>(n);
     epilogue_store<V, OutT>(p, sm, k, mainloop.row0(k), o, smx);
+    TileTrace::stored(n, k.num_tiles, k.m0, false);
   }
+  TileTrace::finish();
   mainloop.finish();
 }
 

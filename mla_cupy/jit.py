@@ -38,6 +38,7 @@ __all__ = [
     "source_with_includes",
     "get_function",
     "get_global",
+    "device_symbol",
     "compile_offline",
     "compile_offline_with_log",
     "compile_source_offline_with_log",
@@ -228,6 +229,14 @@ def get_global(filename: str, name_expressions: Sequence[str], name: str, dtype,
         with _registry_lock:
             got = _globals.setdefault(cache_key, got)
     return got
+
+
+def device_symbol(filename: str, name_expressions: Sequence[str], symbol: str, arch: Optional[str] = None):
+    """The device memory (a ``cupy.cuda.MemoryPointer``) of the ``extern "C" __device__`` variable
+    ``symbol`` of the family's module on the current device (compiled on first use), to read or
+    write afresh: diagnostics such as the Hopper kernel's cycle stamps (``MLA_SM90_TRACE``)."""
+    _key, module = _module(filename, name_expressions, name_expressions[0], arch)
+    return module.get_global(symbol)
 
 
 #: ptxas' advisories that wgmma instructions were serialized (the "C75xx" family: extern calls,
