@@ -55,11 +55,6 @@ __device__ __forceinline__ void fill(unsigned char* smem) {
   }
 }
 
-__device__ __forceinline__ long long globaltimer() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 template <class V, int kParts, int kTurns, int kPoly, int kActive>
 __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, long long* nanos, int iters) {

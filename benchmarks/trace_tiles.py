@@ -90,7 +90,8 @@ def summarize(trace: np.ndarray, end_ns: np.ndarray = None) -> Dict[str, float]:
     return out
 
 
-def _read(filename: str, names: Tuple[str, ...], zero: bool = False) -> np.ndarray:
+def _trace_memory(filename: str, names: Tuple[str, ...]):
+    """(device pointer, [CTAs, slots, 1 + tiles, words]) of the module's stamps (trace.cuh)."""
     import cupy as cp
     from mla_cupy import jit
 
@@ -98,13 +99,22 @@ def _read(filename: str, names: Tuple[str, ...], zero: bool = False) -> np.ndarr
     sp = jit.device_symbol(filename, names, "mla_sm90_trace_shape")
     cp.cuda.runtime.memcpy(shape.ctypes.data, sp.ptr, shape.nbytes, cp.cuda.runtime.memcpyDeviceToHost)
     ctas, slots, tiles, words = (int(v) for v in shape)
-    ptr = jit.device_symbol(filename, names, "mla_sm90_trace")
-    nbytes = ctas * slots * (1 + tiles) * words * 8
-    if zero:
-        cp.cuda.runtime.memset(ptr.ptr, 0, nbytes)
-        return np.zeros((ctas, slots, 1 + tiles, words), np.uint64)
-    got = np.zeros((ctas, slots, 1 + tiles, words), np.uint64)
-    cp.cuda.runtime.memcpy(got.ctypes.data, ptr.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToHost)
+    return jit.device_symbol(filename, names, "mla_sm90_trace"), (ctas, slots, 1 + tiles, words)
+
+
+def _zero(filename: str, names: Tuple[str, ...]) -> None:
+    import cupy as cp
+
+    ptr, shape = _trace_memory(filename, names)
+    cp.cuda.runtime.memset(ptr.ptr, 0, int(np.prod(shape)) * 8)
+
+
+def _read(filename: str, names: Tuple[str, ...]) -> np.ndarray:
+    import cupy as cp
+
+    ptr, shape = _trace_memory(filename, names)
+    got = np.zeros(shape, np.uint64)
+    cp.cuda.runtime.memcpy(got.ctypes.data, ptr.ptr, got.nbytes, cp.cuda.runtime.memcpyDeviceToHost)
     return got
 
 
@@ -134,7 +144,7 @@ def trace_case(case_name: str, spec: str) -> Dict[str, float]:
     cp.cuda.Device().synchronize()
     mods = _modules()
     for f, names in mods:
-        _read(f, names, zero=True)
+        _zero(f, names)
     call(0)
     cp.cuda.Device().synchronize()
     found = []

@@ -6,11 +6,9 @@
 namespace mla {
 
 __global__ void spin_kernel(unsigned long long ns) {
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < ns);
+  const unsigned long long t0 = globaltimer();
+  while (globaltimer() - t0 < ns) {
+  }
 }
 
 }  // namespace mla

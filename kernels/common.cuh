@@ -107,6 +107,13 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
   return static_cast<u32>(__cvta_generic_to_shared(p));
 }
 
+// The GPU's global timer in nanoseconds (comparable across SMs, unlike clock64).
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // Plain shared-memory loads and stores at a shared (u32) address.
 __device__ __forceinline__ u32 lds32(u32 addr) {
   u32 v;

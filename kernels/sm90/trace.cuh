@@ -19,10 +19,9 @@
 namespace mla {
 namespace sm90 {
 
-constexpr bool kTrace = MLA_SM90_TRACE != 0;
 constexpr int kTraceCtas = 160;    // CTAs recorded (a persistent launch has one per SM)
 constexpr int kTraceSlots = 3;     // consumer warpgroups per CTA recorded (the most any variant has)
-constexpr int kTraceTiles = 256;   // work tiles recorded per consumer (the rest are counted, not kept)
+constexpr int kTraceTiles = 256;   // work tiles recorded per consumer (more set the header's overflow word)
 constexpr int kTraceWords = 6;     // u64 per record; the header is one record
 // word of a record: ta, tb, tc, td, key tiles | idle << 32, the tile's first row m0 (as i64)
 // header: 1 once the consumer exits, clock64 and globaltimer at the start, at the end, 1 if it took more
@@ -42,20 +41,9 @@ extern "C" __device__ unsigned long long
 namespace mla {
 namespace sm90 {
 
-__device__ __forceinline__ unsigned long long trace_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ unsigned long long trace_clock() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
-  return t;
-}
-
 // One consumer's stamps, each written as it is taken (no register held across the loop: with three
 // fp8 consumers at 160 registers, stamps kept in registers made ptxas spill). Record n is work tile n
-// of the consumer's loop; every call is empty unless kTrace. Word w of record n: kTa .. kTd.
+// of the consumer's loop; every call is empty unless MLA_SM90_TRACE. Word w of record n: kTa .. kTd.
 enum TraceWord : int { kTa = 0, kTb = 1, kTc = 2, kTd = 3 };
 struct TileTrace {
 #if MLA_SM90_TRACE
@@ -73,14 +61,14 @@ struct TileTrace {
 #endif
   static __device__ __forceinline__ void begin() {
 #if MLA_SM90_TRACE
-    if (unsigned long long* h = header()) h[1] = trace_clock(), h[2] = trace_ns();
+    if (unsigned long long* h = header()) h[1] = clock64(), h[2] = globaltimer();
 #endif
   }
   template <int kWord>
   static __device__ __forceinline__ void stamp(int n) {
 #if MLA_SM90_TRACE
     unsigned long long* h = header();
-    if (h && n < kTraceTiles) h[(1 + n) * kTraceWords + kWord] = trace_clock();
+    if (h && n < kTraceTiles) h[(1 + n) * kTraceWords + kWord] = clock64();
 #else
     (void)n;
 #endif
@@ -92,7 +80,7 @@ struct TileTrace {
     unsigned long long* h = header();
     if (h && n < kTraceTiles) {
       unsigned long long* r = h + (1 + n) * kTraceWords;
-      const unsigned long long td = trace_clock();
+      const unsigned long long td = clock64();
       if (idle) r[kTc] = td;
       r[kTd] = td;
       r[4] = static_cast<unsigned>(num_tiles) | (static_cast<unsigned long long>(idle) << 32);
@@ -107,7 +95,7 @@ struct TileTrace {
   // At the consumer's exit (no count kept: the reader counts the records with an epilogue stamp).
   static __device__ __forceinline__ void finish() {
 #if MLA_SM90_TRACE
-    if (unsigned long long* h = header()) h[0] = 1, h[3] = trace_clock(), h[4] = trace_ns();
+    if (unsigned long long* h = header()) h[0] = 1, h[3] = clock64(), h[4] = globaltimer();
 #endif
   }
 };
