@@ -27,7 +27,10 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
   // full, its missing rows zero-filled): the nope block(s), the rope block unless the rope warp
   // writes it (16 KiB of 16-bit rows, or 8 KiB of e4m3 rows), the key scales (fp8). Q's (q_load)
   // is its nope block(s) and rope block, by the same rule, a consumer's share at a time.
-  constexpr int kKTxBytes = V::kNopeBlocks * kBlk<V> + (kRopeTma ? kRopeBytes<V> : 0) + (V::kFp8 ? kScaleBox<V> * 4 : 0);
+  // With kScaleWarp the scales' box completes its own barrier (ks_full), for warp 1.
+  constexpr int kScaleTx = kScaleBox<V> * 4;
+  constexpr int kKTxBytes =
+      V::kNopeBlocks * kBlk<V> + (kRopeTma ? kRopeBytes<V> : 0) + (V::kFp8 && !kScaleWarp<V, kPaged> ? kScaleTx : 0);
   int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
   int idx = blockIdx.x;
   for (int n = 0;; ++n) {
@@ -53,7 +56,12 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
         for (int c = 0; c < V::kNopeBlocks; ++c)
           tma_load_3d(sm.k(s) + c * kBlk<V>, &p.tm_k, sm.k_full(s), c * kColBlock, w.h, row);
         if (kRopeTma) tma_load_2d(sm.rope(s), &p.tm_rope, sm.k_full(s), 0, row);
-        if (V::kFp8) tma_load_1d(sm.k_scales(s), &p.tm_k_scales, sm.k_full(s), row & ~3);  // 16-byte aligned start
+        if constexpr (kScaleWarp<V, kPaged>) {
+          mbar_expect_tx(sm.ks_full(s), kScaleTx);
+          tma_load_1d(sm.k_scales(s), &p.tm_k_scales, sm.ks_full(s), row & ~3);  // 16-byte aligned start
+        } else if constexpr (V::kFp8) {
+          tma_load_1d(sm.k_scales(s), &p.tm_k_scales, sm.k_full(s), row & ~3);
+        }
       };
       auto load_v = [&](int t, int i) {
         const int s = i % kS;
