@@ -282,8 +282,8 @@ constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_ROWSUM
 // consumer thread reads a 16-key group's four scales with one 16-byte load (8 loads per tile, not
 // 32). Warp 0's TMA puts the tile's scale box on its own barrier (ks_full); warp 1 waits for it,
 // rewrites the box in place (rope_warp.cuh: order_key_scales) and arrives on k_full with its 32
-// lanes. 0 (the default): the consumers read
-// the box as TMA wrote it, one scale at a time from the tile's first key's offset in it.
+// lanes. 0 (the default): the consumers read the box as TMA wrote it, one scale at a time from the
+// tile's first key's offset in it.
 #ifndef MLA_SM90_FP8_SCALE_WARP
 #define MLA_SM90_FP8_SCALE_WARP 0
 #endif

@@ -154,7 +154,7 @@ struct Mainloop {
     float sacc[kST][4];              // S of the current key tile, then its P
     u32 pa[kPvSteps<V>][4];          // P of the previous tile, waiting for its P V
     float ksc[V::kFp8 && !kScalesInPlace ? kST : 1][2];  // fp8: key scales of the thread's columns
-    u32 scale_at;                    // kScalesInPlace: bytes from a scale box to the thread's first scale
+    u32 scale_at;                    // kScalesInPlace: bytes from a scale box (kScaleWarp: its slot) to the thread's first scale
     float corr[2];                   // rescale factors of O from the last softmax step
     float lsum[1][4];                // kSumMma: one P V's sums of P (rows g, g, g + 8, g + 8)
     u32 tile_flags;                  // the rope warp's flags of the current key tile (kRW)
@@ -266,6 +266,8 @@ struct Mainloop {
     constexpr int kTiles = kHalf ? kST / 2 : kST;  // n-tiles of S the GEMM wrote
     fence_operands_first<kTiles>(x.sacc);
     const int s = it % kS;
+    // kScaleWarp: plain 16-byte loads, which ptxas may schedule (as volatile asm loads, the masked
+    // loop spilled 4 bytes); the wgmma wait's memory clobber above keeps them after the stage's wait
     if constexpr (kScaleWarp<V, kPaged>)
       dequantize_scores_grouped<kTiles>(
           x.sacc, reinterpret_cast<const float4*>(sm.s.stage[s].k + kKScalesOffset<V> + x.scale_at));

@@ -56,11 +56,10 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
         for (int c = 0; c < V::kNopeBlocks; ++c)
           tma_load_3d(sm.k(s) + c * kBlk<V>, &p.tm_k, sm.k_full(s), c * kColBlock, w.h, row);
         if (kRopeTma) tma_load_2d(sm.rope(s), &p.tm_rope, sm.k_full(s), 0, row);
-        if constexpr (kScaleWarp<V, kPaged>) {
-          mbar_expect_tx(sm.ks_full(s), kScaleTx);
-          tma_load_1d(sm.k_scales(s), &p.tm_k_scales, sm.ks_full(s), row & ~3);  // 16-byte aligned start
-        } else if constexpr (V::kFp8) {
-          tma_load_1d(sm.k_scales(s), &p.tm_k_scales, sm.k_full(s), row & ~3);
+        if constexpr (V::kFp8) {  // from the 16-byte boundary at or before the tile's first key
+          const u32 bar = kScaleWarp<V, kPaged> ? sm.ks_full(s) : sm.k_full(s);
+          if (kScaleWarp<V, kPaged>) mbar_expect_tx(bar, kScaleTx);
+          tma_load_1d(sm.k_scales(s), &p.tm_k_scales, bar, row & ~3);
         }
       };
       auto load_v = [&](int t, int i) {

@@ -64,14 +64,14 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
     for (int t = 0; t < k.num_tiles; ++t, ++it) {
       const int s = it % kS;
       const int n0 = k.n_begin + t * V::kBlockN;
-      const int rows = min(V::kBlockN, k.n_end - n0);  // keys of the span in this tile
-      const i64 t0 = w.k_pos0 + n0;                 // cache position of the tile's row 0
       if constexpr (kScaleWarp<V, kPaged>) {  // the box is in once ks_full completes
         mbar_wait(sm.ks_full(s), (it / kS) & 1);
         order_key_scales(sm.k_scales(s), static_cast<int>((w.kv_row0 + n0) & 3), lane);
         mbar_arrive(sm.k_full(s));
         continue;
       }
+      const int rows = min(V::kBlockN, k.n_end - n0);  // keys of the span in this tile
+      const i64 t0 = w.k_pos0 + n0;                 // cache position of the tile's row 0
       bool bad = false;                             // a key of the span cannot be read
 #pragma unroll
       for (int i = 0; i < kRopeRows; ++i) bad |= lane + 32 * i < rows && blk[i] == kNoBlock;

@@ -57,8 +57,8 @@ __device__ __forceinline__ void dequantize_scores_at(float (&s)[kNT][4], u32 add
 }
 
 // dequantize_scores_at with the scales in the consumers' order (kScaleWarp; rope_warp.cuh:
-// order_key_scales): `addr` is the slot plus 16 (threadIdx.x % 4); group g of 16 keys (n-tiles 2g,
-// 2g + 1) holds this thread's four scales at 64 g, one 16-byte load.
+// order_key_scales): `at` points 16 (threadIdx.x % 4) bytes into the scale slot; group g of 16 keys
+// (n-tiles 2g, 2g + 1) holds this thread's four scales at at[4 g], one 16-byte load.
 template <int kTiles = 0, int kNT>
 __device__ __forceinline__ void dequantize_scores_grouped(float (&s)[kNT][4], const float4* at) {
   static_assert((kTiles ? kTiles : kNT) % 2 == 0, "whole 16-key groups");
