@@ -31,7 +31,6 @@ constexpr int kSoftmax = 2;  // kParts bit: key scales (fp8), softmax, O's resca
 constexpr int kNoScales = 4;  // kParts bit: fp8 without the key scales (one descale per head, as FlashAttention-3's)
 constexpr int kConstScales = 8;  // kParts bit: fp8 key scales as constants (their multiplies without their loads)
 constexpr int kRowSumMma = 16;   // kParts bit: fp8 row sums by the tensor pipe (P times a block of ones), not FADD
-constexpr int kGroupedScales = 32;  // kParts bit: fp8 key scales in the consumers' order (MLA_SM90_FP8_SCALE_WARP)
 
 template <class V> constexpr int kQOffset = 0;
 template <class V> constexpr int kKOffset = (kQBytes<V> + 1023) / 1024 * 1024;
@@ -151,13 +150,6 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     if constexpr (V::kFp8 && (kParts & kConstScales)) {
 #pragma unroll
       for (int nt = 0; nt < kSTiles<V>; ++nt) scale_columns(sacc[nt], 0.0625f + nt / 256.f, 0.0625f - nt / 256.f);
-    } else if constexpr (V::kFp8 && (kParts & kGroupedScales)) {
-      // four scales per 16-byte load, as the kernel reads them from warp 1's order (the fill's
-      // values in another order: the time does not depend on which scale multiplies which score);
-      // the memory clobber keeps the loads in the loop, as the kernel's stage waits do
-      asm volatile("" ::: "memory");
-      dequantize_scores_grouped(sacc, reinterpret_cast<const float4*>(smem + kKOffset<V> + kKScalesOffset<V> +
-                                                                       16 * (threadIdx.x % 4)));
     } else if constexpr (V::kFp8 && !(kParts & kNoScales)) {
       dequantize_scores_at(sacc, scale_at);
     }

@@ -44,7 +44,7 @@ from mla_cupy import jit
 from mla_cupy.dims import DQK, DV
 
 SOURCE = Path(__file__).with_name("pipe_probe.cu")
-GEMMS, SOFTMAX, NO_SCALES, CONST_SCALES, ROWSUM_MMA, GROUPED_SCALES = 1, 2, 4, 8, 16, 32  # kParts bits (pipe_probe.cu)
+GEMMS, SOFTMAX, NO_SCALES, CONST_SCALES, ROWSUM_MMA = 1, 2, 4, 8, 16  # kParts bits (pipe_probe.cu)
 WGMMA_CYCLES = 64      # one m64n128k32 e4m3 or m64n128k16 16-bit wgmma at the full rate of an SM
 
 
@@ -55,8 +55,7 @@ class Probe:
     consumers: int     # the variant's consumer warpgroups
     parts: int         # GEMMS | SOFTMAX (fp8 | NO_SCALES: without the key scales' loads and multiplies;
                        # | CONST_SCALES: their multiplies by constants, without the loads;
-                       # | ROWSUM_MMA: the row sums by P times ones on the tensor pipe, not FADD;
-                       # | GROUPED_SCALES: the scales read four per 16-byte load, MLA_SM90_FP8_SCALE_WARP's order)
+                       # | ROWSUM_MMA: the row sums by P times ones on the tensor pipe, not FADD)
     turns: int = 0     # 0 none; three consumers: 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS);
                        # two: 1 S and P V issued in one turn (MLA_SM90_16BIT_TURNS)
     poly: int = 0      # fp8: n-tiles of 16 with exp2 on the FMA pipe (MLA_SM90_EXP2_POLY)
@@ -116,7 +115,6 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-softmax-rowsum", E4M3, 3, SOFTMAX | ROWSUM_MMA),
     Probe("e4m3-loop-rowsum", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1),
     Probe("e4m3-loop-rowsum-noscales", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA | NO_SCALES, turns=1),
-    Probe("e4m3-loop-rowsum-grouped", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA | GROUPED_SCALES, turns=1),
     Probe("e4m3-loop-rowsum-poly2", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1, poly=2),
     Probe("e4m3-loop-rowsum-poly4", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1, poly=4),
     Probe("bf16-gemm", B16, 2, GEMMS),

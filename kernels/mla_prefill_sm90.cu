@@ -53,7 +53,7 @@ static_assert(kSmemBytes<Variant16<__half>> == kSmemBytes<Variant16<__nv_bfloat1
 template <class V0, typename OutT, typename Mask, bool kPaged>
 __global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_kernel(const __grid_constant__ Params p) {
   using V = ForMask<V0, Mask>;  // the variant as compiled under this mask (config.cuh)
-  constexpr bool kW1 = kWarp1<V, kPaged>;  // warp 1 runs (rope_warp.cuh)
+  constexpr bool kRW = kRopeWarp<V, kPaged>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Each role derives the shared-memory addresses itself, after its register reallocation: values
   // live across setmaxnreg go through the stack.
@@ -69,18 +69,16 @@ __global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_ke
       mbar_init(sm.q_empty(c), kConsumerArrivals<V> / V::kConsumers);
     }
     for (int s = 0; s < V::kStages; ++s) {
-      // warp 0's expect_tx; with warp 1 (the rope warp, or the key scales' order) also one arrival
-      // per lane (rope_warp.cuh)
-      mbar_init(sm.k_full(s), kW1 ? 1 + 32 : 1);
-      if constexpr (kScaleWarp<V, kPaged>) mbar_init(sm.ks_full(s), 1);  // warp 0's expect_tx
+      // warp 0's expect_tx; with the rope warp also one arrival per lane (rope_warp.cuh)
+      mbar_init(sm.k_full(s), kRW ? 1 + 32 : 1);
       mbar_init(sm.v_full(s), 1);
       mbar_init(sm.k_empty(s), kConsumerArrivals<V>);
       mbar_init(sm.v_empty(s), kConsumerArrivals<V>);
     }
-    // readers of the work slots: the consumers, the Q warp and warp 1 (each one arrival, or
+    // readers of the work slots: the consumers, the Q warp and the rope warp (each one arrival, or
     // one per lane), and warp 0's thread when the scheduler warp hands out
     constexpr int kWarpArrivals = MLA_SM90_ELECTED_ARRIVE ? 1 : 32;
-    scheduler(sm).template init<V>(kConsumerArrivals<V> + kWarpArrivals + (kW1 ? kWarpArrivals : 0) +
+    scheduler(sm).template init<V>(kConsumerArrivals<V> + kWarpArrivals + (kRW ? kWarpArrivals : 0) +
                                    (kSchedulerWarp<V> ? 1 : 0));
     fence_barrier_init();
   }
@@ -98,9 +96,7 @@ __global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_ke
     regs_dealloc<kProducerRegs<V>>();
     const Smem<V> sm = storage();
     if (warp == 0 && threadIdx.x == 0) producer_load<V, Mask, kPaged>(p, sm, scheduler(sm), Mask{p.mask_arg});
-    if constexpr (kW1) {
-      if (warp == 1) rope_warp_load<V, kPaged>(p, sm, scheduler(sm));
-    }
+    if (kRW && warp == 1) rope_warp_load<V, kPaged>(p, sm, scheduler(sm));
     if (warp == kQWarp) q_load<V>(p, sm, scheduler(sm));
     if (kSchedulerWarp<V> && warp == kSchedWarp && threadIdx.x % 32 == 0)
       scheduler(sm).template run<V>(p, Mask{p.mask_arg});

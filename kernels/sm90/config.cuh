@@ -278,31 +278,6 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 template <class V>
 constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_ROWSUM_MMA != 0;
 
-// Three fp8 consumers: warp 1 rewrites each key tile's scales in the consumers' order (1), so that a
-// consumer thread reads a 16-key group's four scales with one 16-byte load (8 loads per tile, not
-// 32). Warp 0's TMA puts the tile's scale box on its own barrier (ks_full); warp 1 waits for it,
-// rewrites the box in place (rope_warp.cuh: order_key_scales) and arrives on k_full with its 32
-// lanes. 0 (the default): the consumers read the box as TMA wrote it, one scale at a time from the
-// tile's first key's offset in it.
-#ifndef MLA_SM90_FP8_SCALE_WARP
-#define MLA_SM90_FP8_SCALE_WARP 0
-#endif
-// Plain rope only: in the paged kernels the rope warp's 32 registers do not hold it as well (ptxas
-// spills 76-160 bytes of stack there); their scales keep the box as TMA wrote it (the same products,
-// so the paged rope still gives the plain rope's bits). ks_full lives in the scale slot's last 8
-// bytes, past the box, so that the shared storage keeps its layout.
-template <class V, bool kPaged>
-constexpr bool kScaleWarp = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_SCALE_WARP != 0 && !kPaged;
-constexpr int kScaleBarOffset = 1024 - 8;  // in the 1 KiB scale slot of a K stage (kKBytes)
-// Three fp8 consumers: the wgmma descriptors of S's K stage computed while P V runs (1), instead of
-// after its completion and the K stage's wait, where their uniform-datapath ops (stage address,
-// encoding) sit between P V's end and S's first wgmma inside the consumer's turn. 0: the default.
-#ifndef MLA_SM90_FP8_EARLY_DESC
-#define MLA_SM90_FP8_EARLY_DESC 0
-#endif
-// Warp 1 runs: as the rope warp (flags, an fp8 rope's rows), or to order the key scales.
-template <class V, bool kPaged> constexpr bool kWarp1 = kRopeWarp<V, kPaged> || kScaleWarp<V, kPaged>;
-
 // Query blocks of three consumers (192 rows) counted from each sequence's end (1), so that a
 // sequence whose length is not a multiple of 192 leaves its part-filled block at its start, where a
 // causal mask shows it the fewest keys, rather than at its end, where it sees the most: the block's

@@ -82,8 +82,6 @@ struct Mainloop {
                                      V::kConsumers == 2 && V::kBlockN == 128;
   // Three fp8 consumers with MLA_SM90_FP8_TURNS 2: a turn covers P V's issue only (steps).
   static constexpr bool kTurnCoversPvOnly = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_TURNS == 2;
-  // Three fp8 consumers with MLA_SM90_FP8_EARLY_DESC: S's descriptors computed under P V (steps).
-  static constexpr bool kEarlyDescs = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_EARLY_DESC != 0;
 
   const Params& p;          // the kernel's __grid_constant__ parameter
   const Smem<V> sm;         // by value, as the mask: a reference member would put them on the stack
@@ -154,7 +152,7 @@ struct Mainloop {
     float sacc[kST][4];              // S of the current key tile, then its P
     u32 pa[kPvSteps<V>][4];          // P of the previous tile, waiting for its P V
     float ksc[V::kFp8 && !kScalesInPlace ? kST : 1][2];  // fp8: key scales of the thread's columns
-    u32 scale_at;                    // kScalesInPlace: bytes from a scale box (kScaleWarp: its slot) to the thread's first scale
+    u32 scale_at;                    // kScalesInPlace: bytes from a scale box to the thread's first scale
     float corr[2];                   // rescale factors of O from the last softmax step
     float lsum[1][4];                // kSumMma: one P V's sums of P (rows g, g, g + 8, g + 8)
     u32 tile_flags;                  // the rope warp's flags of the current key tile (kRW)
@@ -170,26 +168,11 @@ struct Mainloop {
     if constexpr (kHalf) Wgmma<T>::ss_n64(d, da, db, acc);
     else Wgmma<T>::ss(d, da, db, acc);
   }
-  // The wgmma descriptors of ring stage s's K tile: its nope block and its rope block (64-byte
-  // swizzle for an e4m3 rope).
-  struct KDescs {
-    unsigned long long k, rope;
-  };
-  __device__ __forceinline__ KDescs k_descs(int s) const {
-    return {make_desc(sm.k(s), 16, 1024),
-            V::kRopeE4m3 ? make_desc(sm.rope(s), 16, 512, kDescSwizzle64) : make_desc(sm.rope(s), 16, 1024)};
-  }
-  // Keeps descriptors computed where they stand: an empty volatile asm reads them there, and volatile
-  // asm statements keep their order (the wgmma wait after it).
-  static __device__ __forceinline__ void pin_descs(const KDescs& d) {
-    asm volatile("" ::"l"(d.k), "l"(d.rope));
-  }
   // Issues S = Q K^T of key tile `it`, committed as one group, after waiting for it (with
   // kScalesEarly the caller waited before reading the key scales). kHalf: the tile's first 64 keys
   // only (S's n-tiles 8..15 are left as they were; scores_to_p<.., true> sets them to -inf).
-  // kd: the stage's descriptors computed by the caller (kEarlyDescs: before P V's wait), or here.
   template <bool kHalf = false>
-  __device__ __forceinline__ void issue_qk(Tile& x, int it, const KDescs* kd = nullptr) const {
+  __device__ __forceinline__ void issue_qk(Tile& x, int it) const {
     static_assert(!(kHalf && V::kFp8), "half tiles: 16-bit variants only");
     const int s = it % kS;
     if (!kScalesEarly) wait_k(it);
@@ -197,14 +180,13 @@ struct Mainloop {
     // (the rope warp fenced its rows for wgmma before it arrived)
     if (kRW) x.tile_flags = sm.s.tile_flags[s];
     fence_operands_first<kHalf ? kST / 2 : kST>(x.sacc);
-    const unsigned long long dk = kd ? kd->k : make_desc(sm.k(s), 16, 1024);
-    const unsigned long long dr = kd ? kd->rope : make_desc(sm.rope(s), 16, 1024);
+    const unsigned long long dk = make_desc(sm.k(s), 16, 1024), dr = make_desc(sm.rope(s), 16, 1024);
     wgmma_fence();
     if constexpr (V::kRopeE4m3) {
       // 4 e4m3 k-steps of 32 bytes over the nope block, then 2 over the rope block: 64-byte rows with
       // the 64-byte swizzle, this warpgroup's 64 Q rope rows 64 * 64 bytes into Q's rope block
       const unsigned long long dqr = make_desc(sm.q() + kQBlk<V> + cw * kWgRows * kDr, 16, 512, kDescSwizzle64);
-      const unsigned long long dkr = kd ? kd->rope : make_desc(sm.rope(s), 16, 512, kDescSwizzle64);
+      const unsigned long long dkr = make_desc(sm.rope(s), 16, 512, kDescSwizzle64);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(x.sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
 #pragma unroll
@@ -266,12 +248,7 @@ struct Mainloop {
     constexpr int kTiles = kHalf ? kST / 2 : kST;  // n-tiles of S the GEMM wrote
     fence_operands_first<kTiles>(x.sacc);
     const int s = it % kS;
-    // kScaleWarp: plain 16-byte loads, which ptxas may schedule (as volatile asm loads, the masked
-    // loop spilled 4 bytes); the wgmma wait's memory clobber above keeps them after the stage's wait
-    if constexpr (kScaleWarp<V, kPaged>)
-      dequantize_scores_grouped<kTiles>(
-          x.sacc, reinterpret_cast<const float4*>(sm.s.stage[s].k + kKScalesOffset<V> + x.scale_at));
-    else if constexpr (kScalesInPlace) dequantize_scores_at<kTiles>(x.sacc, sm.k_scales(s) + x.scale_at);
+    if constexpr (kScalesInPlace) dequantize_scores_at<kTiles>(x.sacc, sm.k_scales(s) + x.scale_at);
     else if constexpr (V::kFp8) dequantize_scores<kTiles>(x.sacc, x.ksc);
 #pragma unroll
     for (int nt = kTiles; nt < kST; ++nt) x.sacc[nt][0] = x.sacc[nt][1] = x.sacc[nt][2] = x.sacc[nt][3] = neg_inf();
@@ -349,16 +326,13 @@ struct Mainloop {
         mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
         issue_pv(x, o, x.prev_s);
         if (kTurnCoversPvOnly) turn_pass();
-        // kEarlyDescs: S's descriptors while P V runs, not between its completion and S's issue
-        KDescs kd;
-        if constexpr (kEarlyDescs) kd = k_descs(s), pin_descs(kd);
         wgmma_wait<0>();
         fence_operands(o);
         fence_operands(x.pa);
         add_row_sums(x, smx);
         TileHandout::release(sm.v_empty(x.prev_s));
         if (kScalesEarly) wait_k(it);
-        issue_qk(x, it, kEarlyDescs ? &kd : nullptr);
+        issue_qk(x, it);
         if (!kTurnCoversPvOnly) turn_pass();
         wgmma_wait<0>();
         release_q<true>(t + 1 == x.k.num_tiles);
@@ -401,8 +375,7 @@ struct Mainloop {
     row_key_ranges<kEndAligned<V>>(mask, w, x.r0, k.n_begin, k.n_end, x.key_lo, x.key_hi);
     // the warpgroup's first row that exists (kEndAligned: rows before the sequence's first do not)
     const int wr_first = kEndAligned<V> ? max(x.wr0, 0) : x.wr0;
-    if constexpr (kScaleWarp<V, kPaged>) x.scale_at = 16 * (threadIdx.x % 4);  // bytes
-    else if constexpr (kScalesInPlace) x.scale_at = static_cast<u32>(4 * key_scale_index(w.kv_row0 + k.n_begin));
+    if constexpr (kScalesInPlace) x.scale_at = static_cast<u32>(4 * key_scale_index(w.kv_row0 + k.n_begin));  // bytes
     // fp8: S_ij = q_scale[i] k_scales[j] raw_ij; k_scales[j] multiplies the scores (before the mask:
     // scales may be 0), q_scale[i] >= 0 (the API checks it) folds into the row's scale, as the
     // maximum of q_scale[i] x is q_scale[i] max(x): one multiply per score instead of two on the

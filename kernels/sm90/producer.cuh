@@ -27,10 +27,7 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
   // full, its missing rows zero-filled): the nope block(s), the rope block unless the rope warp
   // writes it (16 KiB of 16-bit rows, or 8 KiB of e4m3 rows), the key scales (fp8). Q's (q_load)
   // is its nope block(s) and rope block, by the same rule, a consumer's share at a time.
-  // With kScaleWarp the scales' box completes its own barrier (ks_full), for warp 1.
-  constexpr int kScaleTx = kScaleBox<V> * 4;
-  constexpr int kKTxBytes =
-      V::kNopeBlocks * kBlk<V> + (kRopeTma ? kRopeBytes<V> : 0) + (V::kFp8 && !kScaleWarp<V, kPaged> ? kScaleTx : 0);
+  constexpr int kKTxBytes = V::kNopeBlocks * kBlk<V> + (kRopeTma ? kRopeBytes<V> : 0) + (V::kFp8 ? kScaleBox<V> * 4 : 0);
   int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
   int idx = blockIdx.x;
   for (int n = 0;; ++n) {
@@ -56,11 +53,7 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
         for (int c = 0; c < V::kNopeBlocks; ++c)
           tma_load_3d(sm.k(s) + c * kBlk<V>, &p.tm_k, sm.k_full(s), c * kColBlock, w.h, row);
         if (kRopeTma) tma_load_2d(sm.rope(s), &p.tm_rope, sm.k_full(s), 0, row);
-        if constexpr (V::kFp8) {  // from the 16-byte boundary at or before the tile's first key
-          const u32 bar = kScaleWarp<V, kPaged> ? sm.ks_full(s) : sm.k_full(s);
-          if (kScaleWarp<V, kPaged>) mbar_expect_tx(bar, kScaleTx);
-          tma_load_1d(sm.k_scales(s), &p.tm_k_scales, bar, row & ~3);
-        }
+        if (V::kFp8) tma_load_1d(sm.k_scales(s), &p.tm_k_scales, sm.k_full(s), row & ~3);  // 16-byte aligned start
       };
       auto load_v = [&](int t, int i) {
         const int s = i % kS;

@@ -6,10 +6,8 @@
 // stage's rope block and fences them (generic-proxy writes read by wgmma through the async proxy),
 // so the consumers never fence. A paged 16-bit rope's rows come by warp 0's TMA from the key rows
 // rope_gather.cu wrote before the launch: one box per tile whatever the page size, the page-table
-// reads (for the flags) off the loads' path. With MLA_SM90_FP8_SCALE_WARP (kScaleWarp: the plain
-// fp8 kernels, which have no rope warp) warp 1 instead rewrites each tile's key scales in the
-// consumers' order (order_key_scales). Its 32 lanes' arrivals (one each, after the flags and rows,
-// or the scales) and warp 0's expect_tx complete the stage's k_full: 1 + 32 per phase.
+// reads (for the flags) off the loads' path. Its 32 lanes' arrivals (one each, after the flags
+// and rows) and warp 0's expect_tx complete the stage's k_full: 1 + 32 per phase.
 #pragma once
 #include "../rope_source.cuh"
 #include "config.cuh"
@@ -20,23 +18,8 @@
 namespace mla {
 namespace sm90 {
 
-// kScaleWarp: a key tile's scales, which warp 0's TMA put into the stage's scale slot as a box from
-// the 16-byte boundary at or before the tile's first key (`lead`: that key's index in the box),
-// rewritten in place in the consumers' order. Lane l takes group g = l / 4 of 16 keys and the four
-// keys that consumer threads q = l % 4 multiply there (2q, 2q + 1 of n-tile 2g; 8 + 2q, 9 + 2q: n-tile
-// 2g + 1; vt_layout.cuh's sigma) and stores them as floats 4l .. 4l + 3, so that a consumer thread
-// reads a group's four scales with one 16-byte load (softmax.cuh: dequantize_scores_grouped). Every
-// lane reads (box floats up to lead + 130 < kScaleBox) before any lane writes (the __syncwarp).
-__device__ __forceinline__ void order_key_scales(u32 slot, int lead, int lane) {
-  const u32 k0 = slot + 4 * (lead + 16 * (lane >> 2) + 2 * (lane & 3));
-  const u32 a = lds32(k0), b = lds32(k0 + 4), c = lds32(k0 + 32), d = lds32(k0 + 36);
-  __syncwarp();
-  sts128(slot + 16 * lane, a, b, c, d);
-}
-
 template <class V, bool kPaged>
 __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& sm, const TileHandout& sched) {
-  static_assert(!(kScaleWarp<V, kPaged> && kRopeWarp<V, kPaged>), "the scales' order runs in kernels without a rope warp");
   using T = typename V::Elem;
   using Paged = RopeSource<true>;
   constexpr int kS = V::kStages;
@@ -64,12 +47,6 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
     for (int t = 0; t < k.num_tiles; ++t, ++it) {
       const int s = it % kS;
       const int n0 = k.n_begin + t * V::kBlockN;
-      if constexpr (kScaleWarp<V, kPaged>) {  // the box is in once ks_full completes
-        mbar_wait(sm.ks_full(s), (it / kS) & 1);
-        order_key_scales(sm.k_scales(s), static_cast<int>((w.kv_row0 + n0) & 3), lane);
-        mbar_arrive(sm.k_full(s));
-        continue;
-      }
       const int rows = min(V::kBlockN, k.n_end - n0);  // keys of the span in this tile
       const i64 t0 = w.k_pos0 + n0;                 // cache position of the tile's row 0
       bool bad = false;                             // a key of the span cannot be read

@@ -31,8 +31,8 @@ struct alignas(1024) SharedStorage : OnesBlock<kRowSumMma<V>> {
   unsigned char q[kQBytes<V>];
   Stage stage[V::kStages];
   unsigned char out_stage[kOutStageBytes<V>];
-  // mbarriers: each consumer's Q rows (TMA / that consumer), each stage's K and V (TMA, plus warp 1
-  // for K / the consumers), and the scheduler's (kWorkBars)
+  // mbarriers: each consumer's Q rows (TMA / that consumer), each stage's K and V (TMA, plus the
+  // rope warp for K / the consumers), and the scheduler's (kWorkBars)
   unsigned long long q_full[V::kConsumers], q_empty[V::kConsumers];
   unsigned long long k_full[V::kStages], v_full[V::kStages], k_empty[V::kStages], v_empty[V::kStages];
   unsigned long long work_bars[kWorkBars<V>];
@@ -45,9 +45,6 @@ struct alignas(1024) SharedStorage : OnesBlock<kRowSumMma<V>> {
 static_assert(kKBytes<VariantFp8> % 1024 == 0 && kKBytes<Variant16<__half>> % 1024 == 0 &&
                   kKBytes<VariantE4m3> % 1024 == 0 && kQBytes<VariantE4m3> % 1024 == 0,
               "V stages 1 KiB aligned");
-
-static_assert(kScaleBox<VariantFp8> * 4 <= kScaleBarOffset && kScaleBox<VariantE4m3> * 4 <= kScaleBarOffset,
-              "a scale box leaves its slot's last 8 bytes to ks_full");
 
 // Dynamic shared memory of variant V: the struct, plus the slack to align its base to 1 KiB.
 template <class V> constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage<V>)) + 1024;
@@ -81,8 +78,6 @@ struct Smem {
   __device__ __forceinline__ u32 v_empty(int st) const { return at(&s.v_empty[st]); }
   __device__ __forceinline__ u32 work_bars() const { return at(s.work_bars); }
   __device__ __forceinline__ u32 ones() const { return at(s.ones); }  // kRowSumMma
-  // kScaleWarp: the barrier of stage st's scale box, in the last 8 bytes of its 1 KiB slot (config.cuh)
-  __device__ __forceinline__ u32 ks_full(int st) const { return k_scales(st) + kScaleBarOffset; }
 };
 
 // The shared storage of this CTA: the dynamic shared memory's base rounded up to 1 KiB. With

@@ -56,20 +56,6 @@ __device__ __forceinline__ void dequantize_scores_at(float (&s)[kNT][4], u32 add
     scale_columns(s[nt], __uint_as_float(lds32(addr + 32 * nt)), __uint_as_float(lds32(addr + 32 * nt + 4)));
 }
 
-// dequantize_scores_at with the scales in the consumers' order (kScaleWarp; rope_warp.cuh:
-// order_key_scales): `at` points 16 (threadIdx.x % 4) bytes into the scale slot; group g of 16 keys
-// (n-tiles 2g, 2g + 1) holds this thread's four scales at at[4 g], one 16-byte load.
-template <int kTiles = 0, int kNT>
-__device__ __forceinline__ void dequantize_scores_grouped(float (&s)[kNT][4], const float4* at) {
-  static_assert((kTiles ? kTiles : kNT) % 2 == 0, "whole 16-key groups");
-#pragma unroll
-  for (int g = 0; g < (kTiles ? kTiles : kNT) / 2; ++g) {
-    const float4 x = at[4 * g];
-    scale_columns(s[2 * g], x.x, x.y);
-    scale_columns(s[2 * g + 1], x.z, x.w);
-  }
-}
-
 // P (kPScale * P in fp8) as the A fragments of the kPvSteps k-steps of P V.
 template <class V>
 __device__ __forceinline__ void pack_probabilities(const float (&s)[kSTiles<V>][4], u32 (&pa)[kPvSteps<V>][4]) {
