@@ -118,6 +118,26 @@ def fp8_query_block(mask) -> int:
     return QUERY_BLOCK if mask.bounded_below else HALF_BLOCK * fp8_consumers()
 
 
+def end_aligned(qb: int) -> bool:
+    """Whether the Hopper kernel counts a sequence's ``qb``-row query blocks from its end (its
+    part-filled block then at the sequence's start, where a causal mask shows it the fewest keys):
+    the blocks of three consumer warpgroups (``3 * HALF_BLOCK`` rows), unless this process builds the
+    kernels with ``MLA_SM90_END_ALIGNED`` 0 (``MLA_CUPY_DEFINES``)."""
+    from .jit import DEFINES
+
+    return qb == 3 * HALF_BLOCK and int(DEFINES.get("MLA_SM90_END_ALIGNED", 1)) != 0
+
+
+def fp8_skip_tail(qb: int) -> bool:
+    """Whether a consumer warpgroup of the Hopper kernel's fp8 variants, in ``qb``-row query blocks,
+    skips the key tiles past the one that holds its last row's last visible key (P V then ends
+    there for its rows): with three consumers where this process builds the kernels with
+    ``MLA_SM90_FP8_SKIP_TAIL`` 1 (``MLA_CUPY_DEFINES``)."""
+    from .jit import DEFINES
+
+    return qb == 3 * HALF_BLOCK and int(DEFINES.get("MLA_SM90_FP8_SKIP_TAIL", 0)) != 0
+
+
 def blocks_16bit(mask, rope8: bool = False) -> Tuple[int, int, bool]:
     """(query rows of a work tile, keys of a key tile, half tiles) of the Hopper kernel's 16-bit
     variant (``rope8``: the one with an e4m3 rope) under ``mask``: 128, 128 and half tiles as it

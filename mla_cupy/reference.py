@@ -23,7 +23,9 @@ Non-finite inputs (the contract's rule, which the kernels follow):
   span holds key j (``0 * NaN``), rows that see no key included; the fp8 variants (per token,
   all-e4m3) start the span on a multiple of 16 keys, and their blocks are
   :func:`~mla_cupy.fp8.fp8_query_block` rows (192 under the causal mask and no mask when the kernel is
-  built with three fp8 consumers); the 16-bit variants' blocks are 192 rows without half tiles under
+  built with three fp8 consumers, counted from each sequence's end: :func:`~mla_cupy.fp8.end_aligned`;
+  a 64-row third of such a block stops at its last visible key tile where
+  :func:`~mla_cupy.fp8.fp8_skip_tail` says); the 16-bit variants' blocks are 192 rows without half tiles under
   those masks when the kernel is built with three 16-bit consumers, and 128 rows without half tiles
   when it is built with 64-key tiles (measurement switches: :func:`~mla_cupy.fp8.blocks_16bit`).
   Otherwise, in the 16-bit variants, a
@@ -44,7 +46,7 @@ import numpy as np
 from ._arrays import FP8_E4M3, to_host
 from ._progress import Progress
 from .dims import DR, DV, HALF_BLOCK, KEY_TILE
-from .fp8 import VT_ALIGN, blocks_16bit, fp8_bytes, fp8_query_block
+from .fp8 import VT_ALIGN, blocks_16bit, end_aligned, fp8_bytes, fp8_query_block, fp8_skip_tail
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
 from .validation import Problem, check_inputs, check_merge_inputs, check_merge_outputs
@@ -95,32 +97,49 @@ def _clamped_range(mask: Mask, q_lo, q_hi, k_pos0: int, sk: int) -> Tuple[np.nda
     return lo, np.clip(np.asarray(k_hi, np.int64) - k_pos0, lo, sk)
 
 
-def _block_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, key_align: int,
-                 qb: int) -> Tuple[np.ndarray, np.ndarray]:
-    """``[begin, end)`` key indices that each ``qb``-row block of a sequence computes: the span of
-    keys its rows may see, its start rounded down to ``key_align`` keys."""
-    first = q_pos[::qb]
-    last = q_pos[np.minimum(np.arange(len(first)) * qb + qb, len(q_pos)) - 1]
-    lo, hi = _clamped_range(mask, first, last, k_pos0, sk)
-    return lo - lo % key_align, hi
+def _row_blocks(sq: int, qb: int, end_aligned: bool) -> np.ndarray:
+    """First rows of a sequence's ``qb``-row query blocks, ascending: from its start, or
+    (``end_aligned``) from its end, the first block then starting before row 0 (a sequence of one
+    block keeps its rows at the block's start)."""
+    nb = -(-sq // qb)
+    if not end_aligned or sq <= qb:
+        return np.arange(nb, dtype=np.int64) * qb
+    return sq - (np.arange(nb, dtype=np.int64)[::-1] + 1) * qb
 
 
-def _half_block_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, key_align: int,
-                      half_tiles: bool, qb: int) -> Tuple[np.ndarray, np.ndarray]:
-    """``[begin, end)`` key indices over which each ``HALF_BLOCK``-row half of a query block runs
-    ``P V``: its block's span, whose last ``KEY_TILE``-key tile it takes whole, or (``half_tiles``)
-    its first half only when the half block's last row would see no key position at or past that
-    tile's middle (a query's last visible key never decreases, so no row of the half block does)."""
-    halves = -(-len(q_pos) // HALF_BLOCK)
-    begin, end = (np.repeat(x, qb // HALF_BLOCK)[:halves]
-                  for x in _block_spans(mask, q_pos, k_pos0, sk, key_align, qb))
-    if not half_tiles:
-        return begin, end
-    last = q_pos[np.minimum(np.arange(halves) * HALF_BLOCK + HALF_BLOCK, len(q_pos)) - 1]
-    _, k_hi = mask.key_range(last, last)  # positions, whether keys sit there or not
-    tiles = -(-(end - begin) // KEY_TILE)
-    cut = begin + np.maximum(tiles - 1, 0) * KEY_TILE + KEY_TILE // 2
-    return begin, np.where((tiles > 0) & (np.asarray(k_hi, np.int64) <= k_pos0 + cut), np.minimum(end, cut), end)
+def _pv_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, bl: "_Blocks") -> Tuple[np.ndarray, np.ndarray]:
+    """``[begin, end)`` key indices over which each query row of a sequence takes part in ``P V``
+    (int64 arrays, one entry per row). A row's query block computes the span of keys its rows may
+    see, its start rounded down to ``key_align`` keys, in ``KEY_TILE``-key tiles; each
+    ``HALF_BLOCK``-row group of the block (a consumer warpgroup's rows) runs ``P V`` over the whole
+    span, or over less:
+
+    * ``half_tiles``: over the last tile's first half only when the group's last row sees no key
+      position at or past that tile's middle;
+    * ``skip_tail``: up to the tile that holds its last row's last visible key (at least one tile).
+
+    (A query's last visible key never decreases, so no row of the group sees past its last row.)"""
+    sq = len(q_pos)
+    begin, end = np.zeros(sq, np.int64), np.zeros(sq, np.int64)
+    for m0 in _row_blocks(sq, bl.qb, bl.end_aligned):
+        first, last = max(int(m0), 0), min(int(m0) + bl.qb, sq) - 1
+        lo, hi = (int(x) for x in _clamped_range(mask, q_pos[first], q_pos[last], k_pos0, sk))
+        lo -= lo % bl.key_align
+        tiles = -(-(hi - lo) // KEY_TILE)
+        for g0 in range(int(m0), int(m0) + bl.qb, HALF_BLOCK):
+            r0, r1 = max(g0, 0), min(g0 + HALF_BLOCK, sq)
+            if r0 >= r1:
+                continue
+            e = hi
+            if tiles > 0 and (bl.half_tiles or bl.skip_tail):
+                _, k_hi = mask.key_range(q_pos[r1 - 1], q_pos[r1 - 1])  # positions, whether keys sit there or not
+                seen = int(k_hi) - (k_pos0 + lo)  # one past the group's last visible key, from the span's start
+                if bl.half_tiles and seen <= (tiles - 1) * KEY_TILE + KEY_TILE // 2:
+                    e = min(hi, lo + (tiles - 1) * KEY_TILE + KEY_TILE // 2)
+                elif bl.skip_tail and seen < tiles * KEY_TILE:
+                    e = min(hi, lo + max(1, -(-seen // KEY_TILE)) * KEY_TILE)
+            begin[r0:r1], end[r0:r1] = lo, e
+    return begin, end
 
 
 def visible_pairs(valid_length, cache_row_offsets, mask: Optional[Mask] = None, cache_offsets=None, q_start_pos=None) -> int:
@@ -319,27 +338,25 @@ class _Softmax:
 def _v_reach(xp, st: _Softmax, p, p_col0: int, v_bad, bad_cols, rows: Tuple[int, int], state_row0: int, spans,
              j0: int) -> None:
     """P V over the non-finite values of ``v`` (``v_bad``: those values, 0 elsewhere) at the keys
-    ``j0 + bad_cols`` of a key block, for the sequence rows ``rows``: each row takes the keys in its
-    half block's span (``spans``: _half_block_spans), its probability times the value (``0 * NaN``
-    is NaN). ``p`` holds the rows' probabilities of the block's keys ``p_col0 ...`` (None: the rows
-    saw none of the block)."""
-    begin, end = spans
+    ``j0 + bad_cols`` of a key block, for the sequence rows ``rows``: each row takes the keys of its
+    ``P V`` span (``spans``: _pv_spans), its probability times the value (``0 * NaN`` is NaN). ``p``
+    holds the rows' probabilities of the block's keys ``p_col0 ...`` (None: the rows saw none of the
+    block)."""
+    begin, end = (x[rows[0]:rows[1]] for x in spans)
+    keys = j0 + bad_cols
+    reach = (keys[None, :] >= begin[:, None]) & (keys[None, :] < end[:, None])  # [rows, bad keys]
     g = st.acc.shape[0]
-    for blk in range(rows[0] // HALF_BLOCK, (rows[1] - 1) // HALF_BLOCK + 1):
-        r0, r1 = max(rows[0], blk * HALF_BLOCK), min(rows[1], (blk + 1) * HALF_BLOCK)
-        keys = j0 + bad_cols
-        cols = bad_cols[(keys >= begin[blk]) & (keys < end[blk])]
-        if not len(cols):
-            continue
-        pr = xp.zeros((g, r1 - r0, len(cols)))
-        inside = np.flatnonzero((cols >= p_col0) & (cols < p_col0 + (p.shape[-1] if p is not None else 0)))
-        if len(inside):
-            pr[:, :, xp.asarray(inside)] = p[:, r0 - rows[0]:r1 - rows[0]][:, :, xp.asarray(cols[inside] - p_col0)]
-        per = max(1, _STEP_ELEMS // max(1, g * (r1 - r0) * DV))
-        cols_x = xp.asarray(cols)
-        for c0 in range(0, len(cols), per):
-            vals = v_bad[:, cols_x[c0:c0 + per]]  # [g, c, Dv]
-            st.acc[:, r0 - state_row0:r1 - state_row0] += (pr[:, :, c0:c0 + per, None] * vals[:, None]).sum(axis=2)
+    width = p.shape[-1] if p is not None else 0
+    per = max(1, _STEP_ELEMS // (g * DV))  # rows per update
+    for i in np.flatnonzero(reach.any(axis=0)):
+        col = int(bad_cols[i])
+        vals = v_bad[:, col][:, None, :]  # [g, 1, Dv]
+        hit = np.flatnonzero(reach[:, i])
+        for c0 in range(0, len(hit), per):
+            rr = hit[c0:c0 + per]
+            pr = (p[:, xp.asarray(rr), col - p_col0] if p_col0 <= col < p_col0 + width
+                  else xp.zeros((g, len(rr))))
+            st.acc[:, xp.asarray(rr + rows[0] - state_row0)] += pr[..., None] * vals
 
 
 def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=None):
@@ -414,33 +431,35 @@ def _layout(p: Problem, valid_length, cache_row_offsets, cache_offsets, q_start_
 
 
 class _Blocks(NamedTuple):
-    """How the Hopper kernel of a variant blocks the work, which shapes the reach of a NaN in ``v``:
-    query blocks of ``qb`` rows, key spans starting on multiples of ``key_align`` keys (fp8: V^T's
-    layout), half tiles (the 16-bit variants: _half_block_spans)."""
+    """How the Hopper kernel of a variant blocks the work, which shapes the reach of a NaN in ``v``
+    (_pv_spans): query blocks of ``qb`` rows, counted from each sequence's end (``end_aligned``) or
+    its start, key spans starting on multiples of ``key_align`` keys (fp8: V^T's layout), and how a
+    block's ``HALF_BLOCK``-row groups cut its span (``half_tiles``, ``skip_tail``)."""
 
     key_align: int
     half_tiles: bool
     qb: int
+    end_aligned: bool = False
+    skip_tail: bool = False
 
     @staticmethod
     def of(fp8: bool, mask: Mask, rope8: bool = False) -> "_Blocks":
         """The fp8 variants' (per token, all-e4m3) or the 16-bit ones' (``rope8``: with an e4m3
         rope) under ``mask``."""
         if fp8:
-            return _Blocks(VT_ALIGN, False, fp8_query_block(mask))
+            qb = fp8_query_block(mask)
+            return _Blocks(VT_ALIGN, False, qb, end_aligned(qb), fp8_skip_tail(qb))
         qb, _, half_tiles = blocks_16bit(mask, rope8)
-        return _Blocks(1, half_tiles, qb)
+        return _Blocks(1, half_tiles, qb, end_aligned(qb))
 
 
 def _work(p: Problem, lay: _Layout, bl: _Blocks) -> float:
     """(query row, head, key) pairs the call computes: the work a progress report counts."""
-    key_align, qb = bl.key_align, bl.qb
     total = 0
     for b in range(p.batch):
         q_pos = lay.q_pos0[b] + np.arange(lay.sq[b], dtype=np.int64)
-        begin, end = _block_spans(p.mask, q_pos, int(lay.k_pos0[b]), int(lay.sk[b]), key_align, qb)
-        rows = np.minimum(qb, lay.sq[b] - np.arange(len(begin)) * qb)
-        total += int((rows * (end - begin)).sum())
+        begin, end = _pv_spans(p.mask, q_pos, int(lay.k_pos0[b]), int(lay.sk[b]), bl)
+        total += int((end - begin).sum())
     return float(total * p.heads)
 
 
@@ -448,7 +467,7 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
             bar: Progress) -> None:
     """The attention of every sequence, written into ``res`` (and ``res_lse``), merged into what
     they hold when ``accumulate``."""
-    key_align, half_tiles, qb = bl
+    qb = bl.qb
     xp, H = src.xp, p.heads
     for b in range(p.batch):
         q0, sq, kv0, sk = int(lay.q_row0[b]), int(lay.sq[b]), int(lay.kv_row0[b]), int(lay.sk[b])
@@ -458,8 +477,7 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
         q_pos = lay.q_pos0[b] + np.arange(sq, dtype=np.int64)
         k_pos = k_pos0 + np.arange(sk, dtype=np.int64)
         lo, hi = _clamped_range(p.mask, q_pos, q_pos, k_pos0, sk)
-        spans = _block_spans(p.mask, q_pos, k_pos0, sk, key_align, qb)
-        half_spans = _half_block_spans(p.mask, q_pos, k_pos0, sk, key_align, half_tiles, qb)
+        spans = _pv_spans(p.mask, q_pos, k_pos0, sk, bl)
         kb = max(1, min(KEY_BLOCK, sk))
         hg = max(1, min(H, _STEP_ELEMS // (qb * kb)))
         state_rows = max(qb, _STATE_ELEMS // (hg * DV) // qb * qb)
@@ -469,11 +487,9 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
             g = hs.stop - hs.start
             for s0 in range(0, sq, state_rows):
                 s1 = min(sq, s0 + state_rows)
-                blocks = slice(s0 // qb, (s1 - 1) // qb + 1)
-                b_begin, b_end = spans[0][blocks], spans[1][blocks]
+                b_begin, b_end = spans[0][s0:s1], spans[1][s0:s1]
                 live = b_end > b_begin
                 k_begin, k_end = (int(b_begin[live].min()), int(b_end[live].max())) if live.any() else (0, 0)
-                rows_in = np.minimum(qb, s1 - np.arange(blocks.start, blocks.stop) * qb)
                 st = _Softmax(xp, g, s1 - s0)
                 for j0 in range(k_begin, k_end, kb):
                     j1 = min(k_end, j0 + kb)
@@ -500,10 +516,10 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
                                 s = _masked(xp, s, vis)
                             p_step = st.update(slice(r0 - s0, r1 - s0), s, v_fin[:, c0 - j0:c1 - j0])
                         if len(bad_cols):
-                            _v_reach(xp, st, p_step, c0 - j0, v_bad, bad_cols, (r0, r1), s0, half_spans, j0)
+                            _v_reach(xp, st, p_step, c0 - j0, v_bad, bad_cols, (r0, r1), s0, spans, j0)
                     del keys, vv, v_ok, v_fin, v_bad  # before the next block's arrays exist
                     done = np.clip(np.minimum(b_end, j1) - np.maximum(b_begin, j0), 0, None)
-                    bar.update(float((rows_in * done).sum()) * g)
+                    bar.update(float(done.sum()) * g)
                 o, lse_new = st.finish()
                 rows = slice(q0 + s0, q0 + s1)
                 if accumulate:

@@ -376,6 +376,23 @@ def test_fp8_nan_reaches_what_the_reference_says(where):
     assert_like_reference(got, ref, c.valid_length, tol=2 * TOL, got_lse=lse, ref_lse=ref_lse)
 
 
+@pytest.mark.parametrize("e4m3_rope", [False, True], ids=["per-token", "all-e4m3"])
+def test_fp8_causal_nan_in_v_reaches_what_the_reference_says(e4m3_rope):
+    """Under the causal mask (three consumers: 192-row blocks counted from each sequence's end) a NaN
+    in v at the reference's places: key 100 in head 1 (the block of rows 108..299 spans it, the
+    part-filled first block of rows 0..107 does not) and key 257 in head 2 (the last key tile of that
+    block, which only its last 64 rows see)."""
+    mask = CausalMask()
+    c = make_case([300, 40], [420, 40], 16, BF16, seed=47, cache_offsets=[5, 0], q_start_pos=[-35, 0])
+    fq = quantized(c, e4m3_rope=e4m3_rope)
+    fq["v"].view(np.uint8)[100, 1, 5] = 0x7F
+    fq["v"].view(np.uint8)[257, 2, 5] = 0x7F
+    got, lse = run_fp8(c, fq, mask=mask)
+    ref, ref_lse = _ref_fp8(c, fq, mask)
+    assert np.isnan(ref[:, 1]).any() and np.isnan(ref[:, 2]).any() and not np.isnan(ref[:108, 1]).any()
+    assert_like_reference(got, ref, c.valid_length, tol=2 * TOL, got_lse=lse, ref_lse=ref_lse)
+
+
 # ------------------------------------------------------------------------------------------------
 # All e4m3: q_rope and k_rope e4m3 under the per-token scales, Q K^T one 192-deep e4m3 GEMM
 # (VariantE4m3). The inputs: quant.quantize_per_token(..., e4m3_rope=True).

@@ -204,27 +204,39 @@ def seq_visible(c, mask, b):
     return _visible_np(mask, (q0 + np.arange(sq))[:, None], (k0 + np.arange(sk))[None, :])
 
 
-def reach_of_v(c, mask, j, key_align=1, half_tiles=True, block=128):
+def reach_of_v(c, mask, j, key_align=1, half_tiles=True, block=128, end_aligned=False, skip_tail=False):
     """Rows of sequence 0 a NaN in key j's v reaches: every row of each ``block``-row block whose
-    span of visible keys (its start rounded down to key_align) holds key j; with half_tiles (the
-    16-bit variants), in a 64-row half of a block whose last row would see no key position at or
-    past the middle of the span's last 128-key tile, the span ends there."""
+    span of visible keys (its start rounded down to key_align) holds key j; the blocks counted from
+    the sequence's end with end_aligned (one block keeps its rows at its start). In each 64-row group
+    of a block the span may end early: with half_tiles (the 16-bit variants) at the middle of its
+    last 128-key tile when the group's last row would see no key position at or past it; with
+    skip_tail (the fp8 variants built so) at the end of the 128-key tile that holds the group's
+    last row's last visible key (the first tile if it sees none)."""
     vis = seq_visible(c, mask, 0)
     sq = vis.shape[0]
     k0 = 0 if c.cache_offsets is None else int(c.cache_offsets[0])
     q0 = k0 + vis.shape[1] - sq if c.q_start_pos is None else int(c.q_start_pos[0])
     rows = np.zeros(sq, bool)
-    for r0 in range(0, sq, block):
-        cols = np.flatnonzero(vis[r0:r0 + block].any(axis=0))
+    first = sq - -(-sq // block) * block if end_aligned and sq > block else 0
+    for m0 in range(first, sq, block):
+        cols = np.flatnonzero(vis[max(m0, 0):m0 + block].any(axis=0))
         if not cols.size:
             continue
         begin, end = cols[0] - cols[0] % key_align, cols[-1] + 1
         cut = begin + (-(-(end - begin) // 128) - 1) * 128 + 64
-        for h0 in range(r0, min(r0 + block, sq), 64):
-            last = q0 + min(h0 + 64, sq) - 1
-            far = not half_tiles or _visible_np(mask, np.int64(last), k0 + cut + np.arange(4096)).any()
-            if begin <= j < (end if far else min(end, cut)):
-                rows[h0:h0 + 64] = True
+        for h0 in range(m0, m0 + block, 64):
+            g0, g1 = max(h0, 0), min(h0 + 64, sq)
+            if g0 >= g1:
+                continue
+            stop = end
+            if half_tiles and not _visible_np(mask, np.int64(q0 + g1 - 1), k0 + cut + np.arange(4096)).any():
+                stop = min(end, cut)
+            if skip_tail:
+                seen = np.flatnonzero(vis[g1 - 1])
+                tiles = max(1, -(-(int(seen[-1]) + 1 - begin) // 128)) if seen.size else 1
+                stop = min(end, begin + 128 * tiles)
+            if begin <= j < stop:
+                rows[g0:g1] = True
     return rows
 
 
@@ -511,11 +523,35 @@ def test_fp8_nan_in_v_reaches_the_query_blocks_of_the_kernel_build(monkeypatch, 
     assert fp8.fp8_query_block(SlidingWindowCausalMask(37)) == fp8.fp8_query_block(ChunkedMask(64)) == 128
     c, f = fp8_case(mask)
     clean_out, clean_lse = run_fp8(c, f, mask)
-    j, h, d = 100, 1, 5  # rows from 140 see key 100; a 192-row block 0 spans it, a 128-row one does not
+    j, h, d = 100, 1, 5  # rows from 140 see key 100; the 192-row block of rows 108..299 spans it, 128-row block 0 does not
     f["v"][j, h, d] = NAN8
     want = np.zeros(clean_lse.shape, bool)
-    want[:300, h] = reach_of_v(c, mask, j, key_align=16, half_tiles=False, block=64 * consumers)
+    want[:300, h] = reach_of_v(c, mask, j, key_align=16, half_tiles=False, block=64 * consumers,
+                               end_aligned=consumers == 3)
     assert want[:128, h].any() == (consumers == 3) and want[140:300, h].all()
+    out, lse = run_fp8(c, f, mask)
+    assert_reach(out, lse, clean_out, clean_lse, want, d, lse_nan=False)
+
+
+@pytest.mark.parametrize("skip", [0, 1])
+def test_fp8_nan_in_v_reaches_the_thirds_of_a_block_up_to_their_visible_tiles(monkeypatch, skip):
+    """Built with MLA_SM90_FP8_SKIP_TAIL 1 a consumer warpgroup of the three-consumer fp8 kernels
+    takes no key tile past the one that holds its last row's last visible key: a NaN in v of such a
+    tile reaches only the 64-row thirds that take it; built without, the whole (end-aligned) block."""
+    from mla_cupy import jit
+
+    monkeypatch.setattr(jit, "DEFINES", {"MLA_SM90_FP8_SKIP_TAIL": str(skip)})  # as MLA_CUPY_DEFINES sets it
+    mask = CausalMask()
+    c, f = fp8_case(mask)
+    clean_out, clean_lse = run_fp8(c, f, mask)
+    # rows 108..299 are one block, span [0, 260): three key tiles; only the third of rows 236..299
+    # sees into the last (rows 171 and 235 see keys up to 131 and 195)
+    j, h, d = 257, 1, 5
+    f["v"][j, h, d] = NAN8
+    want = np.zeros(clean_lse.shape, bool)
+    want[:300, h] = reach_of_v(c, mask, j, key_align=16, half_tiles=False, block=192, end_aligned=True,
+                               skip_tail=bool(skip))
+    assert want[236:300, h].all() and want[108:236, h].all() == (not skip) and not want[:108, h].any()
     out, lse = run_fp8(c, f, mask)
     assert_reach(out, lse, clean_out, clean_lse, want, d, lse_nan=False)
 
@@ -533,10 +569,10 @@ def test_16bit_nan_in_v_reaches_the_query_blocks_of_the_kernel_build(monkeypatch
     assert fp8.blocks_16bit(SlidingWindowCausalMask(37)) == fp8.blocks_16bit(mask, rope8=True) == (128, 128, True)
     c = nan_case()
     clean_out, clean_lse = run_ref(c, mask)
-    j, h, d = 100, 1, 5  # rows from 130 see key 100; a 192-row block 0 spans it, a 128-row one does not
+    j, h, d = 100, 1, 5  # rows from 140 see key 100; the 192-row block of rows 108..299 spans it, 128-row block 0 does not
     c.v[j, h, d] = np.nan
     want = np.zeros(clean_lse.shape, bool)
-    want[:300, h] = (reach_of_v(c, mask, j, half_tiles=False, block=192) if consumers == 3
+    want[:300, h] = (reach_of_v(c, mask, j, half_tiles=False, block=192, end_aligned=True) if consumers == 3
                      else reach_of_v(c, mask, j))
     assert want[:128, h].any() == (consumers == 3) and want[140:300, h].all()
     out, lse = run_ref(c, mask)

@@ -11,8 +11,10 @@
 //   * Masked and fully visible tiles run in separate loop copies (MLA_SM90_SPLIT_MASKED): for the
 //     masks here a warpgroup's fully visible tiles are one run [t_lo, t_hi) (softmax.cuh:
 //     full_tile_range), so the tiles before and after it take the mask and the run itself none.
-//     A warpgroup whose rows see nothing of a tile computes it anyway, masked to zeros: rare, and
-//     cheaper than serialized wgmma.
+//     A warpgroup whose rows see nothing of a tile computes it anyway, masked to zeros: rare in
+//     128-row blocks, and cheaper than serialized wgmma. In 192-row blocks (three fp8 consumers) the
+//     first consumer sees nothing of the last key tile in every causal block:
+//     MLA_SM90_FP8_SKIP_TAIL skips such tiles at a work tile's end (skip_tail).
 //   * Half tiles (MLA_SM90_HALF_TILE, 16-bit variants): a warpgroup none of whose rows sees the
 //     second half of the work tile's last key tile (consumer 0 on a causal diagonal) runs that
 //     tile's P V over its first 64 keys and, when it is the work tile's only tile, its S by m64n64
@@ -82,6 +84,8 @@ struct Mainloop {
                                      V::kConsumers == 2 && V::kBlockN == 128;
   // Three fp8 consumers with MLA_SM90_FP8_TURNS 2: a turn covers P V's issue only (steps).
   static constexpr bool kTurnCoversPvOnly = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_TURNS == 2;
+  // Key tiles at a work tile's end that no row of this warpgroup sees skipped (config.cuh: kSkipTail).
+  static constexpr bool kSkip = kSkipTail<V, Mask>;
 
   const Params& p;          // the kernel's __grid_constant__ parameter
   const Smem<V> sm;         // by value, as the mask: a reference member would put them on the stack
@@ -424,23 +428,41 @@ struct Mainloop {
     pack_probabilities<V>(x.sacc, x.pa);
     ++it;
     int t = 1;
+    // kSkipTail: the key tiles this warpgroup computes (the rest of the work tile it cannot see)
+    const int t_end = kSkip ? visible_tiles<kBN>(mask, k.w, kEndAligned<V> ? max(x.wr0, 0) : x.wr0, k.n_begin,
+                                                  k.num_tiles)
+                            : k.num_tiles;
     if constexpr (MLA_SM90_SPLIT_MASKED) {
       steps<kMaskApply>(x, o, smx, t, t_lo);
       steps<kMaskNone>(x, o, smx, t, t_hi);
-      steps<kMaskApply>(x, o, smx, t, k.num_tiles);
+      steps<kMaskApply>(x, o, smx, t, t_end);
     } else {
-      steps<kMaskTest>(x, o, smx, t, k.num_tiles);
+      steps<kMaskTest>(x, o, smx, t, t_end);
     }
     release_q<false>();  // every S of this work tile is done: the Q warp may load our next rows
 
-    // The last tile's P V, after its V rows past the span's end are zeroed.
-    const int last = x.prev_s;
-    zero_v_tail(k, last, x.prev_parity);
-    if (kHalfTiles && half) last_pv<kHalfTiles>(x, o, last);
-    else last_pv<false>(x, o, last);
-    fence_operands(o);
-    fence_operands(x.pa);
-    TileHandout::release(sm.v_empty(last));
+    if (kSkip && t_end < k.num_tiles) {
+      // The last computed tile's P V in the turn of the first skipped tile, then the skipped tiles'
+      // protocol (skip_tail); each path completes its wgmma before they join.
+      turn_wait();
+      mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
+      issue_pv(x, o, x.prev_s);
+      turn_pass();
+      wgmma_wait<0>();
+      fence_operands(o);
+      fence_operands(x.pa);
+      TileHandout::release(sm.v_empty(x.prev_s));
+      skip_tail(k, t_end);
+    } else {
+      // The last tile's P V, after its V rows past the span's end are zeroed.
+      const int last = x.prev_s;
+      zero_v_tail(k, last, x.prev_parity);
+      if (kHalfTiles && half) last_pv<kHalfTiles>(x, o, last);
+      else last_pv<false>(x, o, last);
+      fence_operands(o);
+      fence_operands(x.pa);
+      TileHandout::release(sm.v_empty(last));
+    }
     if constexpr (kSumMma) {
       add_row_sums(x, smx);
       // each lane of a quad holds its rows' whole sums and the epilogue adds the quad's four
@@ -480,6 +502,34 @@ struct Mainloop {
       fence_proxy_async();
       named_barrier_sync(kVZeroBar, nthreads);
     }
+  }
+
+  // kSkipTail: key tiles t_end .. of work tile k, which no row of this consumer sees (their P V
+  // taken care of by the caller up to tile t_end - 1, in tile t_end's turn): no GEMM, the protocol
+  // of run only, so that every count agrees: tile t_end's K stage released once full; per later key
+  // tile a turn, its K stage and the previous tile's V stage released once full; the last tile's V
+  // tail zeroed with the other running consumers (zeroing_threads counts this one), its last turn.
+  __device__ __forceinline__ void skip_tail(const WorkInfo& k, int t_end) {
+    wait_k(it);
+    TileHandout::release(sm.k_empty(it % kS));
+    int prev_s = it % kS;
+    u32 prev_parity = (it / kS) & 1;
+    ++it;
+    for (int t = t_end + 1; t < k.num_tiles; ++t, ++it) {
+      const int s = it % kS;
+      turn_wait();
+      turn_pass();
+      wait_k(it);
+      TileHandout::release(sm.k_empty(s));
+      mbar_wait(sm.v_full(prev_s), prev_parity);
+      TileHandout::release(sm.v_empty(prev_s));
+      prev_s = s;
+      prev_parity = (it / kS) & 1;
+    }
+    zero_v_tail(k, prev_s, prev_parity);
+    turn_wait();
+    turn_pass();
+    TileHandout::release(sm.v_empty(prev_s));
   }
 
   // A work tile in which this consumer has no row (idle): no GEMM, the barrier protocol of run

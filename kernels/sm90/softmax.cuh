@@ -179,5 +179,19 @@ __device__ __forceinline__ int last_tile_is_half(const Mask& mask, const WorkTil
   return k_hi - (w.k_pos0 + n_begin) <= static_cast<i64>(num_tiles - 1) * kBlockN + kBlockN / 2 ? 1 : 0;
 }
 
+// Key tiles from a work tile's first that hold a key a warpgroup's rows may see (kSkipTail): up to
+// the tile of its last existing row's last visible key (a query's last visible key never decreases:
+// mask.cuh), at least one. Rows wr0 .. of the sequence; none (wr0 >= sq): every tile.
+template <int kBlockN, class Mask>
+__device__ __forceinline__ int visible_tiles(const Mask& mask, const WorkTile& w, int wr0, int n_begin, int num_tiles) {
+  if (wr0 >= w.sq) return num_tiles;
+  const i64 q_hi = w.q_pos0 + min(wr0 + kWgRows - 1, w.sq - 1);
+  i64 k_lo, k_hi;
+  mask.key_range(q_hi, q_hi, k_lo, k_hi);
+  const i64 hi = k_hi - (w.k_pos0 + n_begin);  // one past the last visible key, from tile 0's first
+  if (hi >= static_cast<i64>(num_tiles) * kBlockN) return num_tiles;
+  return hi <= kBlockN ? 1 : static_cast<int>((hi + kBlockN - 1) / kBlockN);
+}
+
 }  // namespace sm90
 }  // namespace mla
