@@ -293,9 +293,9 @@ constexpr bool kEndAligned = V::kConsumers == 3 && MLA_SM90_END_ALIGNED != 0;
 
 // Three consumers under a mask bounded above (causal): the key tiles at the end of a work tile
 // that no row of a consumer's 64 sees (on a 192-row diagonal, the last tile for the first consumer
-// every block and for the second every other one) get no S, softmax nor P V from it, only their
-// turns and stage releases (Mainloop::skip_tail): 1. Off (0): every consumer computes every key
-// tile of the work tile, the ones it cannot see masked to zero weights.
+// in every block and for the second in every other one) get no S, softmax nor P V from it, only
+// their turns and stage releases (Mainloop::skip_tail): 1. Off (0): every consumer computes every
+// key tile of the work tile, the ones it cannot see masked to zero weights.
 #ifndef MLA_SM90_FP8_SKIP_TAIL
 #define MLA_SM90_FP8_SKIP_TAIL 0
 #endif
