@@ -504,6 +504,23 @@ struct Mainloop {
     }
   }
 
+  // Key tile `it` with no GEMM of this consumer (run_idle, skip_tail): its turn, its K stage released
+  // once full and, with has_prev, the previous tile's V stage (prev_s, prev_parity) released once
+  // full; this tile then becomes the previous one.
+  __device__ __forceinline__ void idle_tile(bool has_prev, int& prev_s, u32& prev_parity) const {
+    const int s = it % kS;
+    turn_wait();
+    turn_pass();
+    wait_k(it);
+    TileHandout::release(sm.k_empty(s));
+    if (has_prev) {
+      mbar_wait(sm.v_full(prev_s), prev_parity);
+      TileHandout::release(sm.v_empty(prev_s));
+    }
+    prev_s = s;
+    prev_parity = (it / kS) & 1;
+  }
+
   // kSkipTail: key tiles t_end .. of work tile k, which no row of this consumer sees (their P V
   // taken care of by the caller up to tile t_end - 1, in tile t_end's turn): no GEMM, the protocol
   // of run only, so that every count agrees: tile t_end's K stage released once full; per later key
@@ -515,17 +532,7 @@ struct Mainloop {
     int prev_s = it % kS;
     u32 prev_parity = (it / kS) & 1;
     ++it;
-    for (int t = t_end + 1; t < k.num_tiles; ++t, ++it) {
-      const int s = it % kS;
-      turn_wait();
-      turn_pass();
-      wait_k(it);
-      TileHandout::release(sm.k_empty(s));
-      mbar_wait(sm.v_full(prev_s), prev_parity);
-      TileHandout::release(sm.v_empty(prev_s));
-      prev_s = s;
-      prev_parity = (it / kS) & 1;
-    }
+    for (int t = t_end + 1; t < k.num_tiles; ++t, ++it) idle_tile(true, prev_s, prev_parity);
     zero_v_tail(k, prev_s, prev_parity);
     turn_wait();
     turn_pass();
@@ -543,19 +550,7 @@ struct Mainloop {
     TileHandout::release(sm.q_empty(cw));
     int prev_s = 0;
     u32 prev_parity = 0;
-    for (int t = 0; t < k.num_tiles; ++t, ++it) {
-      const int s = it % kS;
-      turn_wait();
-      turn_pass();
-      wait_k(it);
-      TileHandout::release(sm.k_empty(s));
-      if (t > 0) {
-        mbar_wait(sm.v_full(prev_s), prev_parity);
-        TileHandout::release(sm.v_empty(prev_s));
-      }
-      prev_s = s;
-      prev_parity = (it / kS) & 1;
-    }
+    for (int t = 0; t < k.num_tiles; ++t, ++it) idle_tile(t > 0, prev_s, prev_parity);
     mbar_wait(sm.v_full(prev_s), prev_parity);
     turn_wait();
     turn_pass();
