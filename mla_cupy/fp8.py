@@ -131,11 +131,8 @@ def end_aligned(qb: int) -> bool:
 def fp8_skip_tail(qb: int) -> bool:
     """Whether a consumer warpgroup of the Hopper kernel's fp8 variants, in ``qb``-row query blocks,
     skips the key tiles past the one that holds its last row's last visible key (P V then ends
-    there for its rows): with three consumers where this process builds the kernels with
-    ``MLA_SM90_FP8_SKIP_TAIL`` 1 (``MLA_CUPY_DEFINES``)."""
-    from .jit import DEFINES
-
-    return qb == 3 * HALF_BLOCK and int(DEFINES.get("MLA_SM90_FP8_SKIP_TAIL", 0)) != 0
+    there for its rows): with three consumers (192-row blocks)."""
+    return qb == 3 * HALF_BLOCK
 
 
 def blocks_16bit(mask, rope8: bool = False) -> Tuple[int, int, bool]:

@@ -24,8 +24,8 @@ Non-finite inputs (the contract's rule, which the kernels follow):
   all-e4m3) start the span on a multiple of 16 keys, and their blocks are
   :func:`~mla_cupy.fp8.fp8_query_block` rows (192 under the causal mask and no mask when the kernel is
   built with three fp8 consumers, counted from each sequence's end: :func:`~mla_cupy.fp8.end_aligned`;
-  a 64-row third of such a block stops at its last visible key tile where
-  :func:`~mla_cupy.fp8.fp8_skip_tail` says); the 16-bit variants' blocks are 192 rows without half tiles under
+  a 64-row third of such a block stops at the key tile that holds its last row's last visible key:
+  :func:`~mla_cupy.fp8.fp8_skip_tail`); the 16-bit variants' blocks are 192 rows without half tiles under
   those masks when the kernel is built with three 16-bit consumers, and 128 rows without half tiles
   when it is built with 64-key tiles (measurement switches: :func:`~mla_cupy.fp8.blocks_16bit`).
   Otherwise, in the 16-bit variants, a

@@ -527,31 +527,36 @@ def test_fp8_nan_in_v_reaches_the_query_blocks_of_the_kernel_build(monkeypatch, 
     f["v"][j, h, d] = NAN8
     want = np.zeros(clean_lse.shape, bool)
     want[:300, h] = reach_of_v(c, mask, j, key_align=16, half_tiles=False, block=64 * consumers,
-                               end_aligned=consumers == 3)
+                               end_aligned=consumers == 3, skip_tail=consumers == 3)
     assert want[:128, h].any() == (consumers == 3) and want[140:300, h].all()
     out, lse = run_fp8(c, f, mask)
     assert_reach(out, lse, clean_out, clean_lse, want, d, lse_nan=False)
 
 
-@pytest.mark.parametrize("skip", [0, 1])
-def test_fp8_nan_in_v_reaches_the_thirds_of_a_block_up_to_their_visible_tiles(monkeypatch, skip):
-    """Built with MLA_SM90_FP8_SKIP_TAIL 1 a consumer warpgroup of the three-consumer fp8 kernels
-    takes no key tile past the one that holds its last row's last visible key: a NaN in v of such a
-    tile reaches only the 64-row thirds that take it; built without, the whole (end-aligned) block."""
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_fp8_nan_in_v_reaches_the_thirds_of_a_block_up_to_their_visible_tiles(monkeypatch, consumers):
+    """A consumer warpgroup of the three-consumer fp8 kernels takes no key tile past the one that
+    holds its last row's last visible key: a NaN in v of such a tile reaches only the 64-row thirds
+    that take it; built with two consumers (128-row blocks, from the start), the whole block."""
     from mla_cupy import jit
 
-    monkeypatch.setattr(jit, "DEFINES", {"MLA_SM90_FP8_SKIP_TAIL": str(skip)})  # as MLA_CUPY_DEFINES sets it
+    monkeypatch.setattr(jit, "DEFINES", {"MLA_SM90_FP8_CONSUMERS": str(consumers)})  # as MLA_CUPY_DEFINES sets it
     mask = CausalMask()
     c, f = fp8_case(mask)
     clean_out, clean_lse = run_fp8(c, f, mask)
-    # rows 108..299 are one block, span [0, 260): three key tiles; only the third of rows 236..299
-    # sees into the last (rows 171 and 235 see keys up to 131 and 195)
+    # three consumers: rows 108..299 are one block, span [0, 260): three key tiles; only the third of
+    # rows 236..299 sees into the last (rows 171 and 235 see keys up to 131 and 195); two: rows
+    # 256..299 are one block, span [0, 260), every row of it reached
     j, h, d = 257, 1, 5
     f["v"][j, h, d] = NAN8
     want = np.zeros(clean_lse.shape, bool)
-    want[:300, h] = reach_of_v(c, mask, j, key_align=16, half_tiles=False, block=192, end_aligned=True,
-                               skip_tail=bool(skip))
-    assert want[236:300, h].all() and want[108:236, h].all() == (not skip) and not want[:108, h].any()
+    three = consumers == 3
+    want[:300, h] = reach_of_v(c, mask, j, key_align=16, half_tiles=False, block=64 * consumers, end_aligned=three,
+                               skip_tail=three)
+    if three:
+        assert want[236:300, h].all() and not want[:236, h].any()
+    else:
+        assert want[256:300, h].all() and not want[:256, h].any()
     out, lse = run_fp8(c, f, mask)
     assert_reach(out, lse, clean_out, clean_lse, want, d, lse_nan=False)
 

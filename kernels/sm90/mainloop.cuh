@@ -13,8 +13,8 @@
 //     full_tile_range), so the tiles before and after it take the mask and the run itself none.
 //     A warpgroup whose rows see nothing of a tile computes it anyway, masked to zeros: rare in
 //     128-row blocks, and cheaper than serialized wgmma. In 192-row blocks (three fp8 consumers) the
-//     first consumer sees nothing of the last key tile in every causal block:
-//     MLA_SM90_FP8_SKIP_TAIL skips such tiles at a work tile's end (skip_tail).
+//     first consumer sees nothing of the last key tile in every causal block: such tiles at a work
+//     tile's end are skipped (kSkipTail, skip_tail).
 //   * Half tiles (MLA_SM90_HALF_TILE, 16-bit variants): a warpgroup none of whose rows sees the
 //     second half of the work tile's last key tile (consumer 0 on a causal diagonal) runs that
 //     tile's P V over its first 64 keys and, when it is the work tile's only tile, its S by m64n64
