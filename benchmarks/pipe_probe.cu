@@ -31,6 +31,7 @@ constexpr int kSoftmax = 2;  // kParts bit: key scales (fp8), softmax, O's resca
 constexpr int kNoScales = 4;  // kParts bit: fp8 without the key scales (one descale per head, as FlashAttention-3's)
 constexpr int kConstScales = 8;  // kParts bit: fp8 key scales as constants (their multiplies without their loads)
 constexpr int kRowSumMma = 16;   // kParts bit: fp8 row sums by the tensor pipe (P times a block of ones), not FADD
+constexpr int kExpBytes = 32;    // kParts bit: with kRowSumMma, P's e4m3 bytes from the exponent (MLA_SM90_FP8_EXP_BYTES)
 
 template <class V> constexpr int kQOffset = 0;
 template <class V> constexpr int kKOffset = (kQBytes<V> + 1023) / 1024 * 1024;
@@ -126,6 +127,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   // kRowSumMma as the kernel's MLA_SM90_FP8_ROWSUM_MMA: P times ones beside P V (any 1 KiB of shared
   // memory as the ones: the values do not change the time), its sums added once P V is complete
   constexpr bool kRowSum = V::kFp8 && (kParts & kRowSumMma);
+  constexpr bool kBytes = kRowSum && (kParts & kExpBytes);
   float lsum[1][4];
   const unsigned long long dones = make_desc(v, 16, 1024);
   auto issue_pv = [&] {
@@ -153,7 +155,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     } else if constexpr (V::kFp8 && !(kParts & kNoScales)) {
       dequantize_scores_at(sacc, scale_at);
     }
-    smx.update_scores<kLog2P, kPoly, !kRowSum>(sacc, row_scale, corr);
+    smx.update_scores<kLog2P, kPoly, !kRowSum, 0, kBytes>(sacc, row_scale, corr);
   };
 
   if (kTurns != 0 && cw == V::kConsumers - 1) turn_pass();
@@ -183,7 +185,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
         softmax();
         OnlineSoftmax::rescale(o, corr);
         if constexpr (kRowSum) smx.rescale_sums(corr);
-        pack_probabilities<V>(sacc, pa);
+        pack_probabilities<V, kBytes>(sacc, pa);
       }
     } else {  // S_t beside P_{t-1} V_{t-1}, the softmax of t under P V (two consumers; fp8: in one turn)
       turn_wait();
@@ -198,7 +200,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
       }
       if constexpr (kSm) {
         OnlineSoftmax::rescale(o, corr);
-        pack_probabilities<V>(sacc, pa);
+        pack_probabilities<V, kBytes>(sacc, pa);
       }
     }
     fence_operands(o);

@@ -44,7 +44,7 @@ from mla_cupy import jit
 from mla_cupy.dims import DQK, DV
 
 SOURCE = Path(__file__).with_name("pipe_probe.cu")
-GEMMS, SOFTMAX, NO_SCALES, CONST_SCALES, ROWSUM_MMA = 1, 2, 4, 8, 16  # kParts bits (pipe_probe.cu)
+GEMMS, SOFTMAX, NO_SCALES, CONST_SCALES, ROWSUM_MMA, EXP_BYTES = 1, 2, 4, 8, 16, 32  # kParts bits (pipe_probe.cu)
 WGMMA_CYCLES = 64      # one m64n128k32 e4m3 or m64n128k16 16-bit wgmma at the full rate of an SM
 
 
@@ -55,7 +55,8 @@ class Probe:
     consumers: int     # the variant's consumer warpgroups
     parts: int         # GEMMS | SOFTMAX (fp8 | NO_SCALES: without the key scales' loads and multiplies;
                        # | CONST_SCALES: their multiplies by constants, without the loads;
-                       # | ROWSUM_MMA: the row sums by P times ones on the tensor pipe, not FADD)
+                       # | ROWSUM_MMA: the row sums by P times ones on the tensor pipe, not FADD;
+                       # with it | EXP_BYTES: P's e4m3 bytes from the exponent, MLA_SM90_FP8_EXP_BYTES)
     turns: int = 0     # 0 none; three consumers: 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS);
                        # two: 1 S and P V issued in one turn (MLA_SM90_16BIT_TURNS)
     poly: int = 0      # fp8: n-tiles of 16 with exp2 on the FMA pipe (MLA_SM90_EXP2_POLY)
@@ -117,6 +118,9 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-loop-rowsum-noscales", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA | NO_SCALES, turns=1),
     Probe("e4m3-loop-rowsum-poly2", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1, poly=2),
     Probe("e4m3-loop-rowsum-poly4", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1, poly=4),
+    Probe("e4m3-softmax-bytes", E4M3, 3, SOFTMAX | ROWSUM_MMA | EXP_BYTES),
+    Probe("e4m3-softmax-bytes-1wg", E4M3, 3, SOFTMAX | ROWSUM_MMA | EXP_BYTES, active=1),
+    Probe("e4m3-loop-bytes", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA | EXP_BYTES, turns=1),
     Probe("bf16-gemm", B16, 2, GEMMS),
     Probe("bf16-softmax", B16, 2, SOFTMAX),
     Probe("bf16-loop-1wg", B16, 2, GEMMS | SOFTMAX, active=1),

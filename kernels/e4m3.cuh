@@ -1,6 +1,6 @@
 // float8_e4m3fn conversions (sm_89+): round to nearest even with saturation to +-448 on the way
-// in, exact on the way out. Shared by the fp8 prefill variants (sm90/fp8.cuh) and the quantizers
-// (quantize.cu).
+// in, exact on the way out, and e4m3 bytes made from an exponent on the FMA pipe. Shared by the fp8
+// prefill variants (sm90/fp8.cuh, softmax.cuh) and the quantizers (quantize.cu).
 #pragma once
 #include "common.cuh"
 
@@ -31,6 +31,38 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(u32 two, float scale) {
   asm("{\n.reg .b16 b;\ncvt.u16.u32 b, %1;\ncvt.rn.f16x2.e4m3x2 %0, b;\n}\n" : "=r"(h2) : "r"(two));
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
   return make_float2(f.x * scale, f.y * scale);
+}
+
+// e4m3 bytes straight from the exponent: the byte of 2^x (x <= 8.75, the fp8 kernels' kPScale * P)
+// with its 3 mantissa bits linear in x's fraction is round(8 x + 56 + kExpByteBias) (exponent field
+// floor(x) + 7). A float in [2^15, 2^16) has a step of 2^-8, so 2^15 + that value holds the byte's
+// integer in its bits 8 .. 15: one fused multiply-add from the score makes it (s * 8 scale plus the
+// row's exp_byte_base), and a max with 2^15 that keeps NaN clamps what lies below e4m3's range to
+// the byte 0 (-inf, a masked score, included) and leaves NaN the canonical 0x7fffffff, whose byte
+// 0xff is e4m3's NaN. No special-function unit: the fp8 softmax's 64 exp2 per thread and key tile
+// leave it. Against exp2 rounded to e4m3, 2^f's curve between two powers of 2 taken as its chord
+// adds up to 0.69 of a mantissa step, centred by the bias (-0.4585: the chord's mean excess, so that
+// sums of P are unbiased); the rows of x with e4m3's subnormal bytes (x in [-7, -6)) come out
+// linear in the step 2^-9, under 2^-14 of a row's largest P.
+constexpr float kExpByteFloor = 32768.f;  // 2^15
+constexpr float kExpByteBias = -0.4585f;
+// The per-row constant of the bytes' fused multiply-add: 2^15 + 56 + bias + 1/2 (the byte's floor
+// rounds) - 8 ref, for exponents x = scale * s - ref.
+__device__ __forceinline__ float exp_byte_base(float ref) {
+  return fmaf(-8.f, ref, kExpByteFloor + 56.5f + kExpByteBias);
+}
+__device__ __forceinline__ float exp_byte(float s, float scale8, float base) {
+  float v = fmaf(s, scale8, base);
+  asm("max.NaN.f32 %0, %0, 0f47000000;" : "+f"(v));  // 2^15
+  return v;
+}
+// Four exp_byte carriers' bytes, a in the low byte.
+__device__ __forceinline__ u32 exp_bytes4(float a, float b, float c, float d) {
+  u32 lo, hi, r;
+  asm("prmt.b32 %0, %1, %2, 0x0051;" : "=r"(lo) : "r"(__float_as_uint(a)), "r"(__float_as_uint(b)));
+  asm("prmt.b32 %0, %1, %2, 0x0051;" : "=r"(hi) : "r"(__float_as_uint(c)), "r"(__float_as_uint(d)));
+  asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(lo), "r"(hi));
+  return r;
 }
 
 }  // namespace mla

@@ -3,6 +3,7 @@
 // C layout: element e of n-tile j is (row g + 8 * (e / 2), column 8 * j + 2 * (lane % 4) + e % 2).
 #pragma once
 #include "common.cuh"
+#include "e4m3.cuh"
 #include "merge.cuh"
 #include "tile_scheduler.cuh"
 
@@ -88,8 +89,9 @@ struct OnlineSoftmax {
   // sums itself (rescale_sums; MLA_SM90_FP8_ROWSUM_MMA sums them on the tensor pipe). kSlackQ > 0:
   // a row keeps its maximum (the exponents' reference) until a tile raises it by more than kSlackQ / 4
   // (log2 units), so that its factor is 1 on the tiles in between; the probabilities then reach
-  // 2^(kSlackQ / 4 + kLog2P).
-  template <int kLog2P = 0, int kPolyTiles = 0, bool kSum = true, int kSlackQ = 0, int kSTiles>
+  // 2^(kSlackQ / 4 + kLog2P). kBytes: each probability is left as an exp_byte carrier of its e4m3
+  // byte (no sums: the caller's are P's bytes' on the tensor pipe).
+  template <int kLog2P = 0, int kPolyTiles = 0, bool kSum = true, int kSlackQ = 0, bool kBytes = false, int kSTiles>
   __device__ __forceinline__ void update_scores(float (&s)[kSTiles][4], const float (&scale_log2)[2],
                                                 float (&corr)[2]) {
 #pragma unroll
@@ -113,11 +115,23 @@ struct OnlineSoftmax {
       corr[r] = fast_exp2(row_max[r] - ref);
       row_max[r] = mx;
       const float ref_p = ref - static_cast<float>(kLog2P);
+      static_assert(!(kBytes && (kSum || kPolyTiles)), "exp bytes: the sums elsewhere, no polynomial");
+      float scale8 = 0.f, base = 0.f;
+      if constexpr (kBytes) {
+        // made here in every tile (volatile): hoisted out of the loops, 8 scale would stay live beside
+        // the scale through the masked loops too
+        asm volatile("mul.f32 %0, %1, 0f41000000;" : "=f"(scale8) : "f"(scale_log2[r]));
+        base = exp_byte_base(ref_p);
+      }
       float sum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
         for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          if constexpr (kBytes) {
+            s[nt][e] = exp_byte(s[nt][e], scale8, base);
+            continue;
+          }
           const float x = fmaf(s[nt][e], scale_log2[r], -ref_p);
           const bool poly = (nt * kPolyTiles) / kSTiles != ((nt + 1) * kPolyTiles) / kSTiles;
           s[nt][e] = poly ? poly_exp2(x) : fast_exp2(x);

@@ -278,6 +278,16 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 template <class V>
 constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_ROWSUM_MMA != 0;
 
+// With the row sums on the tensor pipe: P's e4m3 bytes made on the FMA pipe from the exponent
+// (e4m3.cuh: exp_byte; a fused multiply-add and a max per score, three byte permutes per four)
+// instead of exp2 on the special-function unit and a conversion, its mantissa linear between powers
+// of 2. 0 (the default): exp2 rounded to e4m3.
+#ifndef MLA_SM90_FP8_EXP_BYTES
+#define MLA_SM90_FP8_EXP_BYTES 0
+#endif
+template <class V>
+constexpr bool kExpBytes = kRowSumMma<V> && MLA_SM90_FP8_EXP_BYTES != 0;
+
 // Query blocks of three consumers (192 rows) counted from each sequence's end (1), so that a
 // sequence whose length is not a multiple of 192 leaves its part-filled block at its start, where a
 // causal mask shows it the fewest keys, rather than at its end, where it sees the most: the block's

@@ -56,13 +56,18 @@ constexpr float kPScale = 1 << kLog2PScale;
 
 // kPScale * P of k-step kk (keys 32 kk .. 32 kk + 31, n-tiles 4 kk .. 4 kk + 3 of the S
 // accumulator) as the e4m3 A fragment, in the k order of the file comment.
-template <int kNT>
+// kBytes: s holds exp_byte carriers (softmax.cuh), their bytes gathered as they are.
+template <bool kBytes = false, int kNT>
 __device__ __forceinline__ void pack_p_e4m3(const float (&s)[kNT][4], int kk, u32 (&a)[4]) {
   const int j = 4 * kk;
-  a[0] = e4m3x4(s[j][0], s[j][1], s[j + 1][0], s[j + 1][1]);          // row g, keys 2t, 2t+1, 8+2t, 9+2t
-  a[1] = e4m3x4(s[j][2], s[j][3], s[j + 1][2], s[j + 1][3]);          // row g + 8
-  a[2] = e4m3x4(s[j + 2][0], s[j + 2][1], s[j + 3][0], s[j + 3][1]);  // row g, keys 16 + ...
-  a[3] = e4m3x4(s[j + 2][2], s[j + 2][3], s[j + 3][2], s[j + 3][3]);  // row g + 8, keys 16 + ...
+  auto four = [](float x0, float x1, float x2, float x3) {
+    if constexpr (kBytes) return exp_bytes4(x0, x1, x2, x3);
+    else return e4m3x4(x0, x1, x2, x3);
+  };
+  a[0] = four(s[j][0], s[j][1], s[j + 1][0], s[j + 1][1]);          // row g, keys 2t, 2t+1, 8+2t, 9+2t
+  a[1] = four(s[j][2], s[j][3], s[j + 1][2], s[j + 1][3]);          // row g + 8
+  a[2] = four(s[j + 2][0], s[j + 2][1], s[j + 3][0], s[j + 3][1]);  // row g, keys 16 + ...
+  a[3] = four(s[j + 2][2], s[j + 2][3], s[j + 3][2], s[j + 3][3]);  // row g + 8, keys 16 + ...
 }
 
 // Byte offset of (row, byte) in a tile of 128-byte rows with the 128-byte swizzle (16-byte chunk c

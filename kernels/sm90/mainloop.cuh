@@ -67,6 +67,9 @@ struct Mainloop {
   static constexpr int kST = kSTiles<V>;      // n-tiles of 8 keys in S
   static constexpr bool kRW = kRopeWarp<V, kPaged>;
   static constexpr bool kSumMma = kRowSumMma<V>;  // rows' sums of P on the tensor pipe
+  // P's e4m3 bytes from the exponent (kExpBytes) in the mask-free key tiles; a tile on a mask's edge,
+  // where a row's last (and a short row's only) keys are, takes exp2 rounded to e4m3
+  template <int kMode> static constexpr bool kBytesIn = kExpBytes<V> && kMode == kMaskNone;
   // fp8 key scales: read from shared memory where they multiply with three consumers
   // (dequantize_scores_at), else into registers before the GEMMs (MLA_SM90_KSCALE_EARLY) or after
   static constexpr bool kScalesInPlace = V::kFp8 && V::kConsumers == 3;
@@ -283,7 +286,7 @@ struct Mainloop {
     // fp8: kPScale * P (fp8.cuh), part of the exp2 on the FMA pipe if MLA_SM90_EXP2_POLY says so
     constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0, kPoly = V::kFp8 ? MLA_SM90_EXP2_POLY : 0;
     constexpr int kSlackQ = kMode == kMaskNone ? kMaxSlackQ<V> : 0;
-    smx.update_scores<kLog2P, kPoly, !kSumMma, kSlackQ>(x.sacc, x.row_scale, x.corr);
+    smx.update_scores<kLog2P, kPoly, !kSumMma, kSlackQ, kBytesIn<kMode>>(x.sacc, x.row_scale, x.corr);
   }
   // A work tile's first key tile: S issued, completed and made probabilities (masked). The paths
   // of a branch between wgmma shapes join with no wgmma in flight and S whole (here and in last_pv):
@@ -344,7 +347,7 @@ struct Mainloop {
         scores_to_p<kMode>(x, smx, t, it);
         rescale_o(o, x.corr);
         if constexpr (kSumMma) smx.rescale_sums(x.corr);
-        pack_probabilities<V>(x.sacc, x.pa);
+        pack_probabilities<V, kBytesIn<kMode>>(x.sacc, x.pa);
       } else {
         if (kScalesEarly) wait_k(it), key_scales(x, t, it);
         turn_wait();
@@ -361,7 +364,7 @@ struct Mainloop {
         fence_operands(x.pa);
         TileHandout::release(sm.v_empty(x.prev_s));
         rescale_o(o, x.corr);
-        pack_probabilities<V>(x.sacc, x.pa);
+        pack_probabilities<V, kBytesIn<kMode>>(x.sacc, x.pa);
       }
       x.prev_s = s;
       x.prev_parity = parity;
@@ -425,7 +428,7 @@ struct Mainloop {
     if (kScalesEarly) wait_k(it), key_scales(x, 0, it);
     if (kHalfTiles && half && k.num_tiles == 1) first_tile<kHalfTiles>(x, smx, it);
     else first_tile<false>(x, smx, it);
-    pack_probabilities<V>(x.sacc, x.pa);
+    pack_probabilities<V, kBytesIn<kMaskApply>>(x.sacc, x.pa);
     ++it;
     int t = 1;
     // kSkipTail: the key tiles this warpgroup computes (the rest of the work tile it cannot see)

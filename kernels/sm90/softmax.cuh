@@ -56,12 +56,13 @@ __device__ __forceinline__ void dequantize_scores_at(float (&s)[kNT][4], u32 add
     scale_columns(s[nt], __uint_as_float(lds32(addr + 32 * nt)), __uint_as_float(lds32(addr + 32 * nt + 4)));
 }
 
-// P (kPScale * P in fp8) as the A fragments of the kPvSteps k-steps of P V.
-template <class V>
+// P (kPScale * P in fp8) as the A fragments of the kPvSteps k-steps of P V; kBytes: s holds
+// exp_byte carriers.
+template <class V, bool kBytes = kExpBytes<V>>
 __device__ __forceinline__ void pack_probabilities(const float (&s)[kSTiles<V>][4], u32 (&pa)[kPvSteps<V>][4]) {
 #pragma unroll
   for (int kk = 0; kk < kPvSteps<V>; ++kk) {
-    if constexpr (V::kFp8) pack_p_e4m3(s, kk, pa[kk]);
+    if constexpr (V::kFp8) pack_p_e4m3<kBytes>(s, kk, pa[kk]);
     else pack_p<typename V::Elem>(s, kk, pa[kk]);
   }
 }
