@@ -278,10 +278,11 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 template <class V>
 constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_ROWSUM_MMA != 0;
 
-// With the row sums on the tensor pipe: P's e4m3 bytes made on the FMA pipe from the exponent
-// (e4m3.cuh: exp_byte; a fused multiply-add and a max per score, three byte permutes per four)
-// instead of exp2 on the special-function unit and a conversion, its mantissa linear between powers
-// of 2. 0 (the default): exp2 rounded to e4m3.
+// With the row sums on the tensor pipe: in the mask-free key tiles, P's e4m3 bytes made on the FMA
+// pipe from the exponent (e4m3.cuh: exp_byte; a fused multiply-add and a max per score, three byte
+// permutes per four) instead of exp2 on the special-function unit and a conversion, its mantissa
+// linear between powers of 2; the tiles on a mask's edge keep exp2 rounded to e4m3 (mainloop.cuh:
+// kBytesIn). 0 (the default): exp2 rounded to e4m3 in every tile.
 #ifndef MLA_SM90_FP8_EXP_BYTES
 #define MLA_SM90_FP8_EXP_BYTES 0
 #endif
