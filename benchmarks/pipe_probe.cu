@@ -12,7 +12,8 @@
 // two (16-bit) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V (with turns: both issued in
 // one turn, as MLA_SM90_16BIT_TURNS has them). Three 16-bit consumers
 // (Wide<Variant16>, no kernel today) take the three-consumer order. kParts leaves out the GEMMs or
-// the softmax, and in fp8 the key scales (or their loads only), or sums the rows on the tensor pipe;
+// the softmax, and in fp8 the key scales (or their loads only), or sums the rows on the tensor pipe
+// (and makes P's e4m3 bytes from the exponent);
 // kActive < kConsumers runs only the first kActive consumers (no turns).
 #include "sm90/mainloop.cuh"
 

@@ -161,9 +161,13 @@ def mla_prefill_fp8(
 
     Notes
     -----
-    P is rounded to e4m3 for P V (as in FlashAttention-3's fp8 path); the row sums use the float32
-    P. :func:`mla_cupy.quant.quantize_per_token` produces these inputs from bf16 ones (on the host
-    for NumPy data, on the device for CuPy data).
+    P (times 256) is rounded to e4m3 for P V (as in FlashAttention-3's fp8 path): to nearest in the
+    key tiles on a mask's edge; under the causal mask and no mask, in the key tiles that a 64-row
+    group of queries sees whole, its byte is made from the exponent, with a mantissa linear between
+    powers of 2 (``docs/contract.md``, Accuracy). The row sums are those of the e4m3 P under the
+    causal mask and no mask, of the float32 P under the others.
+    :func:`mla_cupy.quant.quantize_per_token` produces these inputs from bf16 ones (on the host for
+    NumPy data, on the device for CuPy data).
 
     Each call writes V transposed (:func:`mla_cupy.fp8.transpose_v`, the layout the e4m3 tensor
     cores read) into a workspace of about V's size: ``workspace=``, or one taken from CuPy's memory
