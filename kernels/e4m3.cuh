@@ -45,15 +45,16 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(u32 two, float scale) {
 // sums of P are unbiased); the rows of x with e4m3's subnormal bytes (x in [-7, -6)) come out
 // linear in the step 2^-9, under 2^-14 of a row's largest P.
 constexpr float kExpByteFloor = 32768.f;  // 2^15
+constexpr float kExpByteSteps = 8.f;      // e4m3's mantissa steps per power of 2
 constexpr float kExpByteBias = -0.4585f;
 // The per-row constant of the bytes' fused multiply-add: 2^15 + 56 + bias + 1/2 (the byte's floor
-// rounds) - 8 ref, for exponents x = scale * s - ref.
+// rounds) - 8 ref, for exponents x = scale * s - ref; the scores' factor is 8 scale.
 __device__ __forceinline__ float exp_byte_base(float ref) {
-  return fmaf(-8.f, ref, kExpByteFloor + 56.5f + kExpByteBias);
+  return fmaf(-kExpByteSteps, ref, kExpByteFloor + 56.5f + kExpByteBias);
 }
 __device__ __forceinline__ float exp_byte(float s, float scale8, float base) {
   float v = fmaf(s, scale8, base);
-  asm("max.NaN.f32 %0, %0, 0f47000000;" : "+f"(v));  // 2^15
+  asm("max.NaN.f32 %0, %0, %1;" : "+f"(v) : "f"(kExpByteFloor));
   return v;
 }
 // Four exp_byte carriers' bytes, a in the low byte.

@@ -120,7 +120,7 @@ struct OnlineSoftmax {
       if constexpr (kBytes) {
         // made here in every tile (volatile): hoisted out of the loops, 8 scale would stay live beside
         // the scale through the masked loops too
-        asm volatile("mul.f32 %0, %1, 0f41000000;" : "=f"(scale8) : "f"(scale_log2[r]));
+        asm volatile("mul.f32 %0, %1, %2;" : "=f"(scale8) : "f"(scale_log2[r]), "f"(kExpByteSteps));
         base = exp_byte_base(ref_p);
       }
       float sum = 0.f;
