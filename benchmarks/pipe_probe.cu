@@ -38,7 +38,7 @@ template <class V> constexpr int kQOffset = 0;
 template <class V> constexpr int kKOffset = (kQBytes<V> + 1023) / 1024 * 1024;
 template <class V> constexpr int kVOffset = kKOffset<V> + (kKBytes<V> + 1023) / 1024 * 1024;
 template <class V> constexpr int kSmemBytes = kVOffset<V> + kVBytes<V>;
-static_assert(kSmemBytes<Wide<VariantE4m3>> <= 227 * 1024 && kSmemBytes<Wide<Variant16<__nv_bfloat16>>> <= 227 * 1024,
+static_assert(kSmemBytes<Wide<VariantE4m3>> <= 227 * 1024 && kSmemBytes<Wide<VariantFp8>> <= 227 * 1024 && kSmemBytes<Wide<Variant16<__nv_bfloat16>>> <= 227 * 1024,
               "shared memory");
 
 // Small finite values in every byte of the tiles (e4m3 |x| < 1, 16-bit 2^-7 <= |x| < 2^-5) and key
@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   // the rope blocks (all-e4m3: 64-byte rows, 64-byte swizzle; 16-bit: the third 128-byte block)
   const unsigned long long dqr = make_desc(q + kQBlk<V> + cw * kWgRows * kDr, 16, 512, kDescSwizzle64);
   const unsigned long long dkr = make_desc(k + kBlk<V>, 16, 512, kDescSwizzle64);
+  const unsigned long long dr16 = make_desc(k + kBlk<V>, 16, 1024);  // per token: the 16-bit rope block
   const u32 scale_at = k + kKScalesOffset<V> + 4 * key_scale_index(0);
   // Turns as the kernel's (mainloop.cuh): consumer c waits on kTurnBar + c and passes to c + 1
   // (modulo the consumers: warpgroup cw + 1 is consumer cw).
@@ -111,11 +112,17 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   auto issue_s = [&] {
     fence_operands(sacc);
     wgmma_fence();
-    if constexpr (V::kFp8) {
+    if constexpr (V::kRopeE4m3) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) WgmmaE4m3::ss(sacc, desc_add(dqr, kk * 32), desc_add(dkr, kk * 32), 1);
+    } else if constexpr (V::kFp8) {  // per token: the nope in e4m3, then the 16-bit rope (the kernel's issue_qk)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        Wgmma<typename V::Elem>::ss(sacc, desc_add(dq, kQBlk<V> + kk * 32), desc_add(dr16, kk * 32), 1);
     } else {
 #pragma unroll
       for (int kk = 0; kk < kQkSteps; ++kk) {

@@ -8,8 +8,9 @@ Every probe runs one CTA per SM, each consumer warpgroup ``--iters`` key tiles o
 shared memory; the result is cycles per key tile (``clock64``: independent of the SM clock, which
 the power cap moves), the median over CTAs of their slowest consumer, and the SM clock the run saw
 (cycles over ``globaltimer`` nanoseconds). "pipe" is the tensor pipe's share of those cycles at the
-full wgmma rate: a consumer's key tile is 10 e4m3 wgmma m64n128k32 (S 6, P V 4) or 20 16-bit
-m64n128k16 (S 12, P V 8), 64 cycles each for the SM.
+full wgmma rate: a consumer's key tile is 10 e4m3 wgmma m64n128k32 (S 6, P V 4), in the per-token
+variant (``fp8-*``: S's rope in 16 bits) 4 e4m3 and 4 16-bit m64n128k16 for S beside P V's 4, or 20
+16-bit m64n128k16 (S 12, P V 8), 64 cycles each for the SM.
 
 A load probe reports cycles per tile, bytes per cycle and SM taken in (and read from L2: a cluster
 sharing by multicast reads each tile once), and the whole card's intake in TB/s (bytes of all CTAs
@@ -83,7 +84,8 @@ class Probe:
         if not self.parts & GEMMS:
             return 0
         fp8 = "E4m3" in self.variant or "Fp8" in self.variant
-        s_steps, k = (6, 32) if fp8 else (12, 16)
+        # S in wgmma of 64 cycles: all-e4m3 6, per token 8 (4 e4m3 over the nope, 4 16-bit over the rope), 16-bit 12
+        s_steps, k = (6 if "E4m3" in self.variant else 8, 32) if fp8 else (12, 16)
         rowsum = self.keys // k * 8 // 2 if self.parts & ROWSUM_MMA else 0  # m64n8k32 per P V k-step: 4 cycles
         return self.runners * (s_steps * self.keys // 2 + self.keys // k * WGMMA_CYCLES + rowsum)
 
@@ -95,6 +97,7 @@ class Probe:
 
 
 E4M3 = "mla::sm90::Wide<mla::sm90::VariantE4m3>"
+FP8 = "mla::sm90::Wide<mla::sm90::VariantFp8>"  # per token: S's rope by 16-bit wgmma
 B16 = "mla::sm90::Variant16<__nv_bfloat16>"
 B16X3 = "mla::sm90::Wide<mla::sm90::Variant16<__nv_bfloat16>>"  # three 16-bit consumers on 128-key tiles (no kernel)
 B16W = "mla::sm90::Wide16<mla::sm90::Variant16<__nv_bfloat16>>"  # MLA_SM90_16BIT_CONSUMERS 3's: 96-key tiles
@@ -121,6 +124,10 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-softmax-bytes", E4M3, 3, SOFTMAX | ROWSUM_MMA | EXP_BYTES),
     Probe("e4m3-softmax-bytes-1wg", E4M3, 3, SOFTMAX | ROWSUM_MMA | EXP_BYTES, active=1),
     Probe("e4m3-loop-bytes", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA | EXP_BYTES, turns=1),
+    Probe("e4m3-gemm-rowsum", E4M3, 3, GEMMS | ROWSUM_MMA, turns=1),
+    Probe("fp8-gemm-rowsum", FP8, 3, GEMMS | ROWSUM_MMA, turns=1),
+    Probe("fp8-loop-bytes-1wg", FP8, 3, GEMMS | SOFTMAX | ROWSUM_MMA | EXP_BYTES, active=1),
+    Probe("fp8-loop-bytes", FP8, 3, GEMMS | SOFTMAX | ROWSUM_MMA | EXP_BYTES, turns=1),
     Probe("bf16-gemm", B16, 2, GEMMS),
     Probe("bf16-softmax", B16, 2, SOFTMAX),
     Probe("bf16-loop-1wg", B16, 2, GEMMS | SOFTMAX, active=1),

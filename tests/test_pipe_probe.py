@@ -19,6 +19,10 @@ def test_tensor_cycles_per_key_tile():
     for name in ("e4m3-loop-noscales", "e4m3-loop-constscales"):  # the scales' work is no tensor work
         assert p[name].tensor_cycles == p["e4m3-loop"].tensor_cycles
     assert p["e4m3-loop-rowsum-noscales"].tensor_cycles == p["e4m3-loop-rowsum"].tensor_cycles
+    # per token: S's nope by 4 e4m3 k32 steps and its 16-bit rope by 4 k16 steps, P V 4, the sums 4 x 4
+    assert p["fp8-gemm-rowsum"].tensor_cycles == 3 * (12 * 64 + 4 * 4) == 2352
+    assert p["fp8-loop-bytes-1wg"].tensor_cycles == 12 * 64 + 4 * 4
+    assert p["e4m3-gemm-rowsum"].tensor_cycles == p["e4m3-loop-bytes"].tensor_cycles == 3 * (10 * 64 + 4 * 4)
 
 
 def test_attention_flops_per_key_tile():
