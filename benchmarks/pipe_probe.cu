@@ -7,7 +7,8 @@
 // Every CTA (one per SM) runs V::kConsumers consumer warpgroups of 64 rows beside an idle producer
 // warpgroup (the kernel's register split), `iters` key tiles each; each consumer's first thread
 // writes its cycles (clock64) and nanoseconds (globaltimer) over the loop. The work is the
-// kernel's per key tile: with three consumers (fp8) P V completed, then S issued and completed,
+// kernel's per key tile: with three consumers (fp8: all-e4m3, or per token with S's rope by 16-bit
+// wgmma) P V completed, then S issued and completed,
 // then the key scales read where they multiply (fp8), the softmax, O's rescale and P packed; with
 // two (16-bit) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V (with turns: both issued in
 // one turn, as MLA_SM90_16BIT_TURNS has them). Three 16-bit consumers
@@ -38,7 +39,8 @@ template <class V> constexpr int kQOffset = 0;
 template <class V> constexpr int kKOffset = (kQBytes<V> + 1023) / 1024 * 1024;
 template <class V> constexpr int kVOffset = kKOffset<V> + (kKBytes<V> + 1023) / 1024 * 1024;
 template <class V> constexpr int kSmemBytes = kVOffset<V> + kVBytes<V>;
-static_assert(kSmemBytes<Wide<VariantE4m3>> <= 227 * 1024 && kSmemBytes<Wide<VariantFp8>> <= 227 * 1024 && kSmemBytes<Wide<Variant16<__nv_bfloat16>>> <= 227 * 1024,
+static_assert(kSmemBytes<Wide<VariantE4m3>> <= 227 * 1024 && kSmemBytes<Wide<VariantFp8>> <= 227 * 1024 &&
+                  kSmemBytes<Wide<Variant16<__nv_bfloat16>>> <= 227 * 1024,
               "shared memory");
 
 // Small finite values in every byte of the tiles (e4m3 |x| < 1, 16-bit 2^-7 <= |x| < 2^-5) and key
