@@ -35,35 +35,42 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(u32 two, float scale) {
 
 // e4m3 bytes straight from the exponent: the byte of 2^x (x <= 8.75, the fp8 kernels' kPScale * P)
 // with its 3 mantissa bits linear in x's fraction is round(8 x + 56 + kExpByteBias) (exponent field
-// floor(x) + 7). A float in [2^15, 2^16) has a step of 2^-8, so 2^15 + that value holds the byte's
-// integer in its bits 8 .. 15: one fused multiply-add from the score makes it (s * 8 scale plus the
-// row's exp_byte_base), and a max with 2^15 that keeps NaN clamps what lies below e4m3's range to
-// the byte 0 (-inf, a masked score, included) and leaves NaN the canonical 0x7fffffff, whose byte
-// 0xff is e4m3's NaN. No special-function unit: the fp8 softmax's 64 exp2 per thread and key tile
-// leave it. Against exp2 rounded to e4m3, 2^f's curve between two powers of 2 taken as its chord
-// adds up to 0.69 of a mantissa step, centred by the bias (-0.4585: the chord's mean excess, so that
-// sums of P are unbiased); the rows of x with e4m3's subnormal bytes (x in [-7, -6)) come out
-// linear in the step 2^-9, under 2^-14 of a row's largest P.
-constexpr float kExpByteFloor = 32768.f;  // 2^15
-constexpr float kExpByteSteps = 8.f;      // e4m3's mantissa steps per power of 2
+// floor(x) + 7). f16's step in [2^10, 2^11) is 1, so 2^10 + that value, converted to f16 (round to
+// nearest: the byte's rounding), holds the byte in its low 8 bits. One fused multiply-add per score
+// makes the carrier in float32 (s * 8 scale plus the row's exp_byte_base: the exponent's precision);
+// per two scores one conversion to f16x2 and one max with 2^10 that keeps NaN clamp what lies below
+// e4m3's range to the byte 0 (-inf, a masked score, included) and leave NaN f16's canonical 0x7fff,
+// whose byte 0xff is e4m3's NaN; one byte permute gathers four. No special-function unit: the fp8
+// softmax's 64 exp2 per thread and key tile leave it. Against exp2 rounded to e4m3, 2^f's curve
+// between two powers of 2 taken as its chord adds up to 0.69 of a mantissa step, centred by the
+// bias (-0.4585: the chord's mean excess, so that sums of P are unbiased); the rows of x with
+// e4m3's subnormal bytes (x in [-7, -6)) come out linear in the step 2^-9, under 2^-14 of a row's
+// largest P.
+constexpr float kExpByteFloor = 1024.f;  // 2^10
+constexpr float kExpByteSteps = 8.f;     // e4m3's mantissa steps per power of 2
 constexpr float kExpByteBias = -0.4585f;
-// The per-row constant of the bytes' fused multiply-add: 2^15 + 56 + bias + 1/2 (the byte's floor
-// rounds) - 8 ref, for exponents x = scale * s - ref; the scores' factor is 8 scale.
+// The per-row constant of the carriers' fused multiply-add: 2^10 + 56 + bias - 8 ref, for
+// exponents x = scale * s - ref; the scores' factor is 8 scale.
 __device__ __forceinline__ float exp_byte_base(float ref) {
-  return fmaf(-kExpByteSteps, ref, kExpByteFloor + 56.5f + kExpByteBias);
+  return fmaf(-kExpByteSteps, ref, kExpByteFloor + 56.f + kExpByteBias);
 }
-__device__ __forceinline__ float exp_byte(float s, float scale8, float base) {
-  float v = fmaf(s, scale8, base);
-  asm("max.NaN.f32 %0, %0, %1;" : "+f"(v) : "f"(kExpByteFloor));
-  return v;
+// A score's carrier (float32, not yet clamped: exp_bytes4 converts and clamps).
+__device__ __forceinline__ float exp_byte(float s, float scale8, float base) { return fmaf(s, scale8, base); }
+// The bytes of two carriers as f16x2, lo's in the low half.
+__device__ __forceinline__ u32 exp_byte_pair(float lo, float hi) {
+  u32 h;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(hi), "f"(lo));
+  asm("max.NaN.f16x2 %0, %0, %1;" : "+r"(h) : "r"(0x64006400u));  // 2^10 in both halves
+  return h;
 }
-// Four exp_byte carriers' bytes, a in the low byte.
+// Four carriers' bytes, a in the low byte: 2 conversions, 2 half maxima and a permute. Made where P
+// is packed (sm90/fp8.cuh: pack_p_e4m3), the pairs leave S's registers as the float32 carriers do;
+// made in the softmax step, ptxas serialized every wgmma of the fp8 kernels (C7511).
 __device__ __forceinline__ u32 exp_bytes4(float a, float b, float c, float d) {
-  u32 lo, hi, r;
-  asm("prmt.b32 %0, %1, %2, 0x0051;" : "=r"(lo) : "r"(__float_as_uint(a)), "r"(__float_as_uint(b)));
-  asm("prmt.b32 %0, %1, %2, 0x0051;" : "=r"(hi) : "r"(__float_as_uint(c)), "r"(__float_as_uint(d)));
-  asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(lo), "r"(hi));
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, 0x6420;" : "=r"(r) : "r"(exp_byte_pair(a, b)), "r"(exp_byte_pair(c, d)));
   return r;
 }
+
 
 }  // namespace mla

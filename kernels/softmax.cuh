@@ -90,7 +90,7 @@ struct OnlineSoftmax {
   // a row keeps its maximum (the exponents' reference) until a tile raises it by more than kSlackQ / 4
   // (log2 units), so that its factor is 1 on the tiles in between; the probabilities then reach
   // 2^(kSlackQ / 4 + kLog2P). kBytes: each probability is left as an exp_byte carrier of its e4m3
-  // byte (no sums: the caller's are P's bytes' on the tensor pipe).
+  // byte, unclamped (no sums: the caller's are P's bytes' on the tensor pipe; its pack clamps).
   template <int kLog2P = 0, int kPolyTiles = 0, bool kSum = true, int kSlackQ = 0, bool kBytes = false, int kSTiles>
   __device__ __forceinline__ void update_scores(float (&s)[kSTiles][4], const float (&scale_log2)[2],
                                                 float (&corr)[2]) {

@@ -82,10 +82,10 @@ def test_family_has_no_spills_nor_serialized_wgmma(compiled, i):
     assert not serialized, "ptxas serialized wgmma:\n" + "\n".join(serialized)
 
 
-# Switches of the Hopper kernel kept for A/B measurements (kernels/sm90/config.cuh; the waits' hint:
-# kernels/sm90/ptx.cuh), built away from their defaults: (define, value, variant, mask, paged). Their
-# plain-rope kernels (with `paged` their paged ones too) must compile as cleanly as the defaults, so
-# that a measurement times the code the switch describes.
+# Switches of the Hopper kernel kept for A/B measurements (kernels/sm90/config.cuh), built away from
+# their defaults: (define, value, variant, mask, paged). Their plain-rope kernels (with `paged` their
+# paged ones too) must compile as cleanly as the defaults, so that a measurement times the code the
+# switch describes.
 SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask(), False),
                  ("MLA_SM90_LAZY_RESCALE", "1", "fp8", CausalMask(), False),
                  ("MLA_SM90_LAZY_RESCALE", "2", "bf16", CausalMask(), True),
@@ -112,10 +112,7 @@ SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask(), False),
                  ("MLA_SM90_16BIT_KEYS", "64", "fp8_rope", CausalMask(), True),
                  ("MLA_SM90_TRACE", "1", "bf16", CausalMask(), True),
                  ("MLA_SM90_TRACE", "1", "fp8", CausalMask(), True),
-                 ("MLA_SM90_TRACE", "1", "e4m3", CausalMask(), False),
-                 ("MLA_SM90_WAIT_HINT", "10000000", "bf16", CausalMask(), True),
-                 ("MLA_SM90_WAIT_HINT", "10000000", "fp8", CausalMask(), True),
-                 ("MLA_SM90_WAIT_HINT", "10000000", "e4m3", CausalMask(), False)]
+                 ("MLA_SM90_TRACE", "1", "e4m3", CausalMask(), False)]
 
 
 @pytest.mark.slow

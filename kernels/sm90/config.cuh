@@ -279,11 +279,12 @@ template <class V>
 constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_ROWSUM_MMA != 0;
 
 // With the row sums on the tensor pipe: in the mask-free key tiles, P's e4m3 bytes made on the FMA
-// pipe from the exponent (e4m3.cuh: exp_byte; a fused multiply-add and a max per score, three byte
-// permutes per four) instead of exp2 on the special-function unit and a conversion, its mantissa
-// linear between powers of 2; the tiles on a mask's edge keep exp2 rounded to e4m3 (mainloop.cuh:
-// kBytesIn). 1, the default: all-e4m3 4-6% and per token 2-3% faster from 4096 keys, level at
-// 16 x 512 and 64 x 128 (benchmarks/NOTES.md). 0: exp2 rounded to e4m3 in every tile.
+// pipe from the exponent (e4m3.cuh: exp_byte; a fused multiply-add per score, a conversion to f16x2
+// and a half max per two, a byte permute per four) instead of exp2 on the special-function unit and
+// a conversion, its mantissa linear between powers of 2; the tiles on a mask's edge keep exp2
+// rounded to e4m3 (mainloop.cuh: kBytesIn). 1, the default: all-e4m3 5-6% and per token 3.5-4%
+// faster from 4096 keys, level at 16 x 512 and 64 x 128 (benchmarks/NOTES.md). 0: exp2 rounded to
+// e4m3 in every tile.
 #ifndef MLA_SM90_FP8_EXP_BYTES
 #define MLA_SM90_FP8_EXP_BYTES 1
 #endif

@@ -19,32 +19,14 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {  // arrive 
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar));
 }
-// mbarrier waits with a suspend-time hint (MLA_SM90_WAIT_HINT nanoseconds; a measurement switch,
-// 0: none). Without one a waiting warp's try-wait returns after the system's limit, which is short:
-// a warp that waits a whole work tile (the scheduler warp for its next free slot, the loads' warp for
-// a stage the consumers still hold) retries every ~15 cycles, taking issue slots from the consumer
-// warps of its scheduler. With one it sleeps until the phase completes or the hint passes.
-#ifndef MLA_SM90_WAIT_HINT
-#define MLA_SM90_WAIT_HINT 0
-#endif
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  if constexpr (MLA_SM90_WAIT_HINT != 0) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
-        "@!done bra WAIT_%=;\n"
-        "}\n" ::"r"(bar), "r"(parity), "r"(static_cast<u32>(MLA_SM90_WAIT_HINT)));
-  } else {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT_%=;\n"
-        "}\n" ::"r"(bar), "r"(parity));
-  }
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar), "r"(parity));
 }
 __device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::); }
 // Generic-proxy smem writes (st.shared, cp.async) made visible to the async proxy (wgmma, TMA).
