@@ -142,6 +142,61 @@ struct OnlineSoftmax {
     }
   }
 
+  // Bytes with a held reference (the Hopper fp8 kernels' MLA_SM90_FP8_HELD_MAX): s made exp_byte
+  // carriers against each row's current reference (row_max), no new maximum taken, so O's factors
+  // are 1. Returns whether the thread needs the exact step (rebase_carriers): a carrier past byte 126
+  // (a score more than the slack above its row's reference; one max over the thread's carriers, not
+  // two rows' maxima across the quad), or a row with no reference yet (nothing visible so far: its
+  // carriers are against 0). A NaN score needs no step: its carrier's byte is e4m3's NaN as it is.
+  template <int kLog2P, int kSTiles>
+  __device__ __forceinline__ bool held_carriers(float (&s)[kSTiles][4], const float (&scale_log2)[2]) const {
+    float m[kSTiles];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float scale8;
+      asm volatile("mul.f32 %0, %1, %2;" : "=f"(scale8) : "f"(scale_log2[r]), "f"(kExpByteSteps));
+      const float base = exp_byte_base((row_max[r] == neg_inf() ? 0.f : row_max[r]) - static_cast<float>(kLog2P));
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) {
+        s[nt][2 * r] = exp_byte(s[nt][2 * r], scale8, base);
+        s[nt][2 * r + 1] = exp_byte(s[nt][2 * r + 1], scale8, base);
+        const float pair = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
+        m[nt] = r == 0 ? pair : fmaxf(m[nt], pair);
+      }
+    }
+#pragma unroll
+    for (int step = 1; step < kSTiles; step *= 2)
+#pragma unroll
+      for (int i = 0; i + step < kSTiles; i += 2 * step) m[i] = fmaxf(m[i], m[i + step]);
+    return m[0] > kExpByteLast || row_max[0] == neg_inf() || row_max[1] == neg_inf();
+  }
+  // The exact step from held_carriers' carriers: each row's new maximum found on them (the
+  // carriers are monotone in the scores), the carriers moved onto it (a shift of 8 per log2 unit)
+  // and O's factors returned in corr, as update_scores does from the scores.
+  template <int kLog2P, int kSTiles>
+  __device__ __forceinline__ void rebase_carriers(float (&s)[kSTiles][4], float (&corr)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      // one chain of maxima (a rare path: its length matters less than its registers)
+      float m = neg_inf();
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) m = fmaxf(fmaxf(m, s[nt][2 * r]), s[nt][2 * r + 1]);
+      const float ref = row_max[r] == neg_inf() ? 0.f : row_max[r];  // the carriers' reference
+      // the largest scale * s of the tile: the carrier is 8 (scale * s - ref + kLog2P) + exp_byte_base(0)
+      const float seen = (quad_max(m) - exp_byte_base(0.f)) * (1.f / kExpByteSteps) + ref - static_cast<float>(kLog2P);
+      const float mx = fmaxf(row_max[r], seen);  // a NaN keeps the old, as in update_scores
+      const float ref_new = mx == neg_inf() ? 0.f : mx;
+      corr[r] = fast_exp2(row_max[r] - ref_new);
+      row_max[r] = mx;
+      const float shift = kExpByteSteps * (ref - ref_new);
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt) {
+        s[nt][2 * r] += shift;
+        s[nt][2 * r + 1] += shift;
+      }
+    }
+  }
+
   // The row sums rescaled by an update_scores<.., kSum = false>'s factors, as O is.
   __device__ __forceinline__ void rescale_sums(const float (&corr)[2]) {
     row_sum[0] *= corr[0];

@@ -290,6 +290,18 @@ constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_ROWSUM
 #endif
 template <class V>
 constexpr bool kExpBytes = kRowSumMma<V> && MLA_SM90_FP8_EXP_BYTES != 0;
+// With P's bytes: in the mask-free key tiles each row's reference (the maximum its exponents are
+// taken from) held, no maximum taken: the carriers are made against it, and where P is packed a
+// max over the carriers' halves tells whether one passed e4m3's range; only then (a warp vote) the
+// exact step from the carriers (new maxima, carriers shifted, P packed again, O and the sums
+// rescaled). P is computed as 2^5 P instead of 2^8 P (fp8.cuh: kLog2PScale), so that a score may
+// rise 3.75 log2 units above the reference before the exact step is needed (a measurement switch;
+// 0: every tile takes its maximum).
+#ifndef MLA_SM90_FP8_HELD_MAX
+#define MLA_SM90_FP8_HELD_MAX 0
+#endif
+template <class V>
+constexpr bool kHeldMax = kExpBytes<V> && MLA_SM90_FP8_HELD_MAX != 0;
 
 // Query blocks of three consumers (192 rows) counted from each sequence's end (1), so that a
 // sequence whose length is not a multiple of 192 leaves its part-filled block at its start, where a
@@ -339,6 +351,7 @@ constexpr bool kKAhead = MLA_SM90_K_AHEAD != 0;
 // The slack in quarters of a log2 unit: fp8 0.75 (kPScale * P <= 2^8.75 = 431, under e4m3's 448),
 // 16-bit 8 (P <= 256).
 template <class V> constexpr int kMaxSlackQ = MLA_SM90_LAZY_RESCALE == 2 ? (V::kFp8 ? 3 : 32) : 0;
+static_assert(!(MLA_SM90_LAZY_RESCALE == 2 && MLA_SM90_FP8_HELD_MAX), "the slack assumes P = 2^8 P (fp8.cuh)");
 // S_t issued beside P_{t-1} V_{t-1} (the overlap): with two consumers, in fp8 as the switch above
 // says; never with three (P V completed before S).
 template <class V> constexpr bool kOverlap = V::kConsumers == 2 && (!V::kFp8 || MLA_SM90_FP8_OVERLAP);

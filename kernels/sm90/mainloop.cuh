@@ -70,6 +70,8 @@ struct Mainloop {
   // P's e4m3 bytes from the exponent (kExpBytes) in the mask-free key tiles; a tile on a mask's edge,
   // where a row's last (and a short row's only) keys are, takes exp2 rounded to e4m3
   template <int kMode> static constexpr bool kBytesIn = kExpBytes<V> && kMode == kMaskNone;
+  // ... and the rows' references held there (kHeldMax: held_step)
+  template <int kMode> static constexpr bool kHeldIn = kHeldMax<V> && kMode == kMaskNone;
   // fp8 key scales: read from shared memory where they multiply with three consumers
   // (dequantize_scores_at), else into registers before the GEMMs (MLA_SM90_KSCALE_EARLY) or after
   static constexpr bool kScalesInPlace = V::kFp8 && V::kConsumers == 3;
@@ -249,9 +251,9 @@ struct Mainloop {
   }
   // S of key tile t (ring position it) into probabilities: dequantized (fp8), masked as kMode says,
   // its K stage (with the rope rows and their flags) released. kHalf: S holds the tile's first 64
-  // keys; the rest of the tile is set to -inf here.
+  // keys; the rest of the tile is set to -inf here. Returns softmax_step's answer.
   template <int kMode, bool kHalf = false>
-  __device__ __forceinline__ void scores_to_p(Tile& x, OnlineSoftmax& smx, int t, int it) const {
+  __device__ __forceinline__ bool scores_to_p(Tile& x, OnlineSoftmax& smx, int t, int it) const {
     constexpr int kTiles = kHalf ? kST / 2 : kST;  // n-tiles of S the GEMM wrote
     fence_operands_first<kTiles>(x.sacc);
     const int s = it % kS;
@@ -268,25 +270,41 @@ struct Mainloop {
     if constexpr (kSoftmaxPerPath) {
       if (unreadable) {
         mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
-        softmax_step<kMode>(x, smx, s);
+        return softmax_step<kMode>(x, smx, s);
       } else {
-        softmax_step<kMode>(x, smx, s);
+        return softmax_step<kMode>(x, smx, s);
       }
     } else {
       if (unreadable) mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
-      softmax_step<kMode>(x, smx, s);
+      return softmax_step<kMode>(x, smx, s);
     }
   }
   // The K stage of ring stage s released, then S (dequantized and masked) made probabilities.
   // kMode: the tile's masking; the maximum's slack (MLA_SM90_LAZY_RESCALE 2) in the mask-free tiles
-  // only, the masked ones (a work tile's diagonal, few) keep their registers for the mask.
+  // only, the masked ones (a work tile's diagonal, few) keep their registers for the mask. Returns
+  // whether the thread's carriers need the exact step (kHeldIn: held_carriers), else false.
   template <int kMode>
-  __device__ __forceinline__ void softmax_step(Tile& x, OnlineSoftmax& smx, int s) const {
+  __device__ __forceinline__ bool softmax_step(Tile& x, OnlineSoftmax& smx, int s) const {
     TileHandout::release(sm.k_empty(s));
     // fp8: kPScale * P (fp8.cuh), part of the exp2 on the FMA pipe if MLA_SM90_EXP2_POLY says so
     constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0, kPoly = V::kFp8 ? MLA_SM90_EXP2_POLY : 0;
     constexpr int kSlackQ = kMode == kMaskNone ? kMaxSlackQ<V> : 0;
+    if constexpr (kHeldIn<kMode>) return smx.held_carriers<kLog2P>(x.sacc, x.row_scale);
     smx.update_scores<kLog2P, kPoly, !kSumMma, kSlackQ, kBytesIn<kMode>>(x.sacc, x.row_scale, x.corr);
+    return false;
+  }
+  // kHeldIn: key tile t's carriers against the held references; only where a carrier of the warp
+  // passed e4m3's range (or a row has no reference yet) the exact step from the carriers, O and the
+  // sums rescaled (a warp-uniform branch with no wgmma); then P packed.
+  template <int kMode>
+  __device__ __forceinline__ void held_step(Tile& x, float (&o)[kOTiles][4], OnlineSoftmax& smx, int t, int it) const {
+    const bool rebase = scores_to_p<kMode>(x, smx, t, it);
+    if (__any_sync(0xffffffffu, rebase)) {
+      smx.rebase_carriers<kLog2PScale>(x.sacc, x.corr);
+      OnlineSoftmax::rescale(o, x.corr);
+      smx.rescale_sums(x.corr);
+    }
+    pack_probabilities<V, true>(x.sacc, x.pa);
   }
   // A work tile's first key tile: S issued, completed and made probabilities (masked). The paths
   // of a branch between wgmma shapes join with no wgmma in flight and S whole (here and in last_pv):
@@ -344,10 +362,14 @@ struct Mainloop {
         wgmma_wait<0>();
         release_q<true>(t + 1 == x.k.num_tiles);
         key_scales(x, t, it);
-        scores_to_p<kMode>(x, smx, t, it);
-        rescale_o(o, x.corr);
-        if constexpr (kSumMma) smx.rescale_sums(x.corr);
-        pack_probabilities<V, kBytesIn<kMode>>(x.sacc, x.pa);
+        if constexpr (kHeldIn<kMode>) {
+          held_step<kMode>(x, o, smx, t, it);
+        } else {
+          scores_to_p<kMode>(x, smx, t, it);
+          rescale_o(o, x.corr);
+          if constexpr (kSumMma) smx.rescale_sums(x.corr);
+          pack_probabilities<V, kBytesIn<kMode>>(x.sacc, x.pa);
+        }
       } else {
         if (kScalesEarly) wait_k(it), key_scales(x, t, it);
         turn_wait();
