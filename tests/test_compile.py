@@ -113,8 +113,8 @@ SWITCH_BUILDS = [("MLA_SM90_LAZY_RESCALE", "1", "bf16", CausalMask(), False),
                  ("MLA_SM90_TRACE", "1", "bf16", CausalMask(), True),
                  ("MLA_SM90_TRACE", "1", "fp8", CausalMask(), True),
                  ("MLA_SM90_TRACE", "1", "e4m3", CausalMask(), False),
-                 ("MLA_SM90_FP8_HELD_MAX", "1", "fp8", CausalMask(), True),
-                 ("MLA_SM90_FP8_HELD_MAX", "1", "e4m3", CausalMask(), False)]
+                 ("MLA_SM90_FP8_HELD_MAX", "6", "fp8", CausalMask(), True),
+                 ("MLA_SM90_FP8_HELD_MAX", "6", "e4m3", CausalMask(), False)]
 
 
 @pytest.mark.slow

@@ -294,12 +294,14 @@ constexpr bool kExpBytes = kRowSumMma<V> && MLA_SM90_FP8_EXP_BYTES != 0;
 // taken from) held, no maximum taken: the carriers are made against it, and where P is packed a
 // max over the carriers' halves tells whether one passed e4m3's range; only then (a warp vote) the
 // exact step from the carriers (new maxima, carriers shifted, P packed again, O and the sums
-// rescaled). P is computed as 2^5 P instead of 2^8 P (fp8.cuh: kLog2PScale), so that a score may
-// rise 3.75 log2 units above the reference before the exact step is needed (a measurement switch;
-// 0: every tile takes its maximum).
+// rescaled). The switch's value N (a measurement switch; 0: every tile takes its maximum) computes
+// P as 2^N P instead of 2^8 P (fp8.cuh: kLog2PScale), so that a score may rise 8.75 - N log2 units
+// above the reference before the exact step is needed.
 #ifndef MLA_SM90_FP8_HELD_MAX
 #define MLA_SM90_FP8_HELD_MAX 0
 #endif
+static_assert(MLA_SM90_FP8_HELD_MAX == 0 || (MLA_SM90_FP8_HELD_MAX >= 4 && MLA_SM90_FP8_HELD_MAX <= 8),
+              "MLA_SM90_FP8_HELD_MAX: 0, or log2 of P's scale, 4 .. 8");
 template <class V>
 constexpr bool kHeldMax = kExpBytes<V> && MLA_SM90_FP8_HELD_MAX != 0;
 

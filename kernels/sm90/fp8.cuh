@@ -52,7 +52,7 @@ struct WgmmaE4m3 {
 // (FlashAttention-3's max offset of 8). The factor costs nothing: the softmax subtracts
 // kLog2PScale less from each exponent (softmax.cuh). O and the row sums carry it and are scaled
 // back once per work tile. kPScale * P <= 256 stays below e4m3's largest value, 448.
-constexpr int kLog2PScale = MLA_SM90_FP8_HELD_MAX ? 5 : 8;
+constexpr int kLog2PScale = MLA_SM90_FP8_HELD_MAX ? MLA_SM90_FP8_HELD_MAX : 8;
 constexpr float kPScale = 1 << kLog2PScale;
 
 // kPScale * P of k-step kk (keys 32 kk .. 32 kk + 31, n-tiles 4 kk .. 4 kk + 3 of the S
