@@ -73,5 +73,4 @@ __device__ __forceinline__ u32 exp_bytes4(float a, float b, float c, float d) {
   return r;
 }
 
-
 }  // namespace mla

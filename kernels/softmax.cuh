@@ -177,7 +177,8 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void rebase_carriers(float (&s)[kSTiles][4], float (&corr)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      // one chain of maxima (a rare path: its length matters less than its registers)
+      // one chain of maxima, for its registers (a tree of the pairs' maxima would share them with
+      // held_carriers' check, live across the warp's vote: spills)
       float m = neg_inf();
 #pragma unroll
       for (int nt = 0; nt < kSTiles; ++nt) m = fmaxf(fmaxf(m, s[nt][2 * r]), s[nt][2 * r + 1]);
