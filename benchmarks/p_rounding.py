@@ -26,13 +26,28 @@ Usage (CPU only)::
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-EXP_BYTE_BIAS = -0.4585  # kernels/e4m3.cuh: kExpByteBias
-LOG2_PSCALE = 8          # kernels/sm90/fp8.cuh: kLog2PScale
-KEY_TILE, CONSUMER_ROWS, WARP_ROWS = 128, 64, 16
+from mla_cupy.dims import DQK, HALF_BLOCK, KEY_TILE
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+
+
+def _header_number(relpath: str, pattern: str) -> float:
+    """A constant read from a kernel header, so that the emulation follows the kernels' own."""
+    m = re.search(pattern, (KERNELS / relpath).read_text())
+    if m is None:
+        raise RuntimeError(f"{relpath}: no match for {pattern!r}")
+    return float(m.group(1))
+
+
+EXP_BYTE_BIAS = _header_number("e4m3.cuh", r"kExpByteBias = (-?[0-9.]+)f;")
+LOG2_PSCALE = int(_header_number("sm90/fp8.cuh", r"kLog2PScale = [^;]*?(\d+);"))  # the default (no held reference)
+CONSUMER_ROWS, WARP_ROWS = HALF_BLOCK, 16  # a consumer warpgroup's rows, a warp's rows of them
 E4M3_MAX = 448.0
 
 # the tests' case of long rows after cached keys (tests/test_gpu_fp8.py: LONG_FIRST_BLOCKS), 16 heads
@@ -54,12 +69,16 @@ def exp2_e4m3(x: np.ndarray) -> np.ndarray:
     return y.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
+def _byte(x: np.ndarray) -> np.ndarray:
+    """round(8 x + 56 + bias): the byte of 2^x before its clamp (the carrier's integer)."""
+    return np.floor(8.0 * x + 56.0 + EXP_BYTE_BIAS + 0.5)
+
+
 def exp_bytes(x: np.ndarray) -> np.ndarray:
     """The bytes' values: round(8 x + 56 + bias) clamped below at 0 (-inf included); past byte 126
     (e4m3's 448) raises: the kernels never make such a byte (the exact maximum, or the held
     reference's exact step, keeps x <= 8.75)."""
-    b = np.floor(8.0 * x + 56.0 + EXP_BYTE_BIAS + 0.5)
-    b = np.where(np.isneginf(x), 0.0, b)
+    b = np.where(np.isneginf(x), 0.0, _byte(x))
     if (b > 126).any():
         raise OverflowError("a byte past e4m3's range")
     return _e4m3_values()[np.clip(b, 0, 126).astype(np.int64)]
@@ -102,7 +121,7 @@ def emulate_rows(s: np.ndarray, vis: np.ndarray, v: np.ndarray, *, encoding: str
                         continue
                     ref = np.where(np.isneginf(m[w]), 0.0, m[w])
                     x = st[w] - ref[:, None] + log2p
-                    over = np.isneginf(m[w]).any() or (np.floor(8 * x + 56 + EXP_BYTE_BIAS + 0.5) > 126).any()
+                    over = np.isneginf(m[w]).any() or (_byte(x) > 126).any()
                     if over:  # the exact step (softmax.cuh: rebase_carriers)
                         x = _step(st[w], m, l, o, w) + log2p
                     p = inner(x)
@@ -140,7 +159,7 @@ def slice_errors(case: Dict = LONG_ROWS, *, encoding: str = "bytes", held: Optio
     f64 = {n: np.asarray(fq[n]).astype(np.float64) for n in ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")}
     vl, cro = c.valid_length.astype(np.int64), c.cache_row_offsets.astype(np.int64)
     co = np.zeros(len(case["sq"]), np.int64) if c.cache_offsets is None else c.cache_offsets.astype(np.int64)
-    scale_log2 = np.log2(np.e) / np.sqrt(192.0)
+    scale_log2 = np.log2(np.e) / np.sqrt(float(DQK))
     errs = []
     for b in range(len(case["sq"])):
         q0, q1, k0, k1 = vl[b], vl[b + 1], cro[b], cro[b + 1]
