@@ -58,7 +58,8 @@ class Probe:
                        # | CONST_SCALES: their multiplies by constants, without the loads;
                        # | ROWSUM_MMA: the row sums by P times ones on the tensor pipe, not FADD;
                        # with it | EXP_BYTES: P's e4m3 bytes from the exponent, MLA_SM90_FP8_EXP_BYTES)
-    turns: int = 0     # 0 none; three consumers: 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS);
+    turns: int = 0     # 0 none; three consumers: 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS),
+                       # 3 S and P V issued together, both in flight (fp8 on 96-key tiles);
                        # two: 1 S and P V issued in one turn (MLA_SM90_16BIT_TURNS)
     poly: int = 0      # fp8: n-tiles of 16 with exp2 on the FMA pipe (MLA_SM90_EXP2_POLY)
     active: int = 0    # consumers that run (0: all)
@@ -74,7 +75,7 @@ class Probe:
     @property
     def keys(self) -> int:
         """Keys of the variant's key tile (Wide16: 96, Narrow16: 64, else 128)."""
-        return 96 if "Wide16" in self.variant else 64 if "Narrow16" in self.variant else 128
+        return 96 if "Wide16" in self.variant or "K96" in self.variant else 64 if "Narrow16" in self.variant else 128
 
     @property
     def tensor_cycles(self) -> int:
@@ -99,6 +100,7 @@ class Probe:
 E4M3 = "mla::sm90::Wide<mla::sm90::VariantE4m3>"
 FP8 = "mla::sm90::Wide<mla::sm90::VariantFp8>"  # per token: S's rope by 16-bit wgmma
 B16 = "mla::sm90::Variant16<__nv_bfloat16>"
+FP8K96 = "probe::Fp8K96"  # per token on 96-key tiles (S, P and O apart in 160 registers; no kernel)
 B16X3 = "mla::sm90::Wide<mla::sm90::Variant16<__nv_bfloat16>>"  # three 16-bit consumers on 128-key tiles (no kernel)
 B16W = "mla::sm90::Wide16<mla::sm90::Variant16<__nv_bfloat16>>"  # MLA_SM90_16BIT_CONSUMERS 3's: 96-key tiles
 B16N = "probe::Narrow16"  # MLA_SM90_16BIT_KEYS 64's: two consumers on 64-key tiles
@@ -128,6 +130,9 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("fp8-gemm-rowsum", FP8, 3, GEMMS | ROWSUM_MMA, turns=1),
     Probe("fp8-loop-bytes-1wg", FP8, 3, GEMMS | SOFTMAX | ROWSUM_MMA | EXP_BYTES, active=1),
     Probe("fp8-loop-bytes", FP8, 3, GEMMS | SOFTMAX | ROWSUM_MMA | EXP_BYTES, turns=1),
+    Probe("fp8k96-gemm-rowsum", FP8K96, 3, GEMMS | ROWSUM_MMA, turns=1),
+    Probe("fp8k96-loop-bytes", FP8K96, 3, GEMMS | SOFTMAX | ROWSUM_MMA | EXP_BYTES, turns=1),
+    Probe("fp8k96-loop-bytes-overlap", FP8K96, 3, GEMMS | SOFTMAX | ROWSUM_MMA | EXP_BYTES, turns=3),
     Probe("bf16-gemm", B16, 2, GEMMS),
     Probe("bf16-softmax", B16, 2, SOFTMAX),
     Probe("bf16-loop-1wg", B16, 2, GEMMS | SOFTMAX, active=1),
