@@ -23,6 +23,9 @@ def test_tensor_cycles_per_key_tile():
     assert p["fp8-gemm-rowsum"].tensor_cycles == 3 * (12 * 64 + 4 * 4) == 2352
     assert p["fp8-loop-bytes-1wg"].tensor_cycles == 12 * 64 + 4 * 4
     assert p["e4m3-gemm-rowsum"].tensor_cycles == p["e4m3-loop-bytes"].tensor_cycles == 3 * (10 * 64 + 4 * 4)
+    # per token on 96-key tiles: S's 8 k-steps of m64n96 (48 cycles), P V 3 k-steps, the sums 3 x 4
+    assert p["fp8k96-loop-bytes-overlap"].tensor_cycles == 3 * (8 * 48 + 3 * 64 + 3 * 4) == 1764
+    assert p["fp8k96-loop-bytes-overlap"].keys == 96 and p["fp8-loop-bytes"].keys == 128
 
 
 def test_attention_flops_per_key_tile():
@@ -42,6 +45,7 @@ def test_expressions_name_the_template_arguments():
     # asserts it)
     for q in probe.PROBES.values():
         assert q.turns == 0 or (q.runners == q.consumers and (q.turns == 1 or q.consumers == 3))
+    assert probe.PROBES["fp8k96-loop-bytes-overlap"].expression == "probe::pipe_probe<probe::Fp8K96, 51, 3, 0, 3>"
 
 
 def test_load_probes_walk_an_l2_span_together_or_dram_apart():
