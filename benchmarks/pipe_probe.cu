@@ -32,22 +32,6 @@ struct Narrow16 : Variant16<__nv_bfloat16> {
 struct Fp8K96 : Wide<VariantFp8> {
   static constexpr int kBlockN = 96;
 };
-// S's e4m3 k-step on a 96-key tile (m64n96k32) and P V's k-steps over any number of 32-key steps.
-__device__ __forceinline__ void e4m3_ss(float (&d)[12][4], unsigned long long da, unsigned long long db, int acc) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 " MLA_D48 ", %48, %49, p, 1, 1;\n}\n"
-               : MLA_ACC12(d)
-               : "l"(da), "l"(db), "r"(acc));
-}
-__device__ __forceinline__ void e4m3_ss(float (&d)[16][4], unsigned long long da, unsigned long long db, int acc) {
-  WgmmaE4m3::ss(d, da, db, acc);
-}
-template <int kSteps>
-__device__ __forceinline__ void pv_e4m3(float (&o)[kOTiles][4], const u32 (&pa)[kSteps][4], u32 vt_stage) {
-  const unsigned long long dv = make_desc(vt_stage, 16, 1024);
-#pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk) WgmmaE4m3::rs(o, pa[kk], desc_add(dv, kk * 32));
-}
 
 constexpr int kGemms = 1;    // kParts bit: P V and S by wgmma
 constexpr int kSoftmax = 2;  // kParts bit: key scales (fp8), softmax, O's rescale, P packed
@@ -144,7 +128,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
       for (int kk = 0; kk < 2; ++kk) WgmmaE4m3::ss(sacc, desc_add(dqr, kk * 32), desc_add(dkr, kk * 32), 1);
     } else if constexpr (V::kFp8) {  // per token: the nope in e4m3, then the 16-bit rope (the kernel's issue_qk)
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) e4m3_ss(sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
+      for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
         Wgmma<typename V::Elem>::ss(sacc, desc_add(dq, kQBlk<V> + kk * 32), desc_add(dr16, kk * 32), 1);
@@ -165,7 +149,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
   const unsigned long long dones = make_desc(v, 16, 1024);
   auto issue_pv = [&] {
     wgmma_fence();
-    if constexpr (V::kFp8) pv_e4m3(o, pa, v);
+    if constexpr (V::kFp8) pv_mma_e4m3(o, pa, v);
     else pv_mma<typename V::Elem>(o, pa, v);
     if constexpr (kRowSum) {
 #pragma unroll

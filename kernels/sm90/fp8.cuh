@@ -28,6 +28,14 @@ struct WgmmaE4m3 {
                  : MLA_ACC16(d)
                  : "l"(da), "l"(db), "r"(accumulate));
   }
+  // The same on a 96-key tile (D[64x96]; pipe_probe's Fp8K96, no kernel).
+  static __device__ __forceinline__ void ss(float (&d)[12][4], unsigned long long da, unsigned long long db,
+                                            int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 " MLA_D48 ", %48, %49, p, 1, 1;\n}\n"
+                 : MLA_ACC12(d)
+                 : "l"(da), "l"(db), "r"(accumulate));
+  }
   // A from registers (see pack_p_e4m3), B from shared memory.
   static __device__ __forceinline__ void rs(float (&d)[16][4], const u32 (&a)[4], unsigned long long db) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"

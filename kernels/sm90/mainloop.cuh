@@ -50,10 +50,11 @@ __device__ __forceinline__ void pv_mma(float (&o)[kOTiles][4], const u32 (&pa)[k
 #pragma unroll
   for (int kk = 0; kk < (kKeys ? kKeys : 16 * kSteps) / 16; ++kk) Wgmma<T>::rs_tb(o, pa[kk], desc_add(dv, kk * 2048));
 }
-// fp8: O += P V with V^T (rows = values, 128 k positions of one byte) K-major: 4 k-steps of 32 bytes.
+// fp8: O += P V with V^T (rows = values, 128 k positions of one byte) K-major: k-steps of 32 bytes,
+// 4 for the kernels' 128-key tiles (fewer: the first keys of the stage, as pipe_probe's 96-key tiles).
 template <int kSteps>
 __device__ __forceinline__ void pv_mma_e4m3(float (&o)[kOTiles][4], const u32 (&pa)[kSteps][4], u32 vt_stage) {
-  static_assert(kSteps == 4, "V^T stages hold 128 keys (vt_layout.cuh)");
+  static_assert(kSteps <= 4, "V^T stages hold 128 keys (vt_layout.cuh)");
   const unsigned long long dv = make_desc(vt_stage, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) WgmmaE4m3::rs(o, pa[kk], desc_add(dv, kk * 32));
