@@ -39,10 +39,12 @@ namespace sm90 {
 // What the launch code reads from the module besides the parameter layout (params.cuh), per mask
 // (a table per mask: kGeometry<Mask>) and variant (row: Variant*::kId), as compiled under that mask
 // (ForMask): dynamic shared memory in bytes, threads per CTA, query rows per work tile, keys per
-// key tile, floats of the fp8 key-scale box, rows of a Q box (one consumer's).
-constexpr int kGeometryFields = 6;
+// key tile, floats of the fp8 key-scale box, rows of a Q box (one consumer's, and of an output box),
+// 1 if the staged epilogue stores by TMA (kTmaEpilogue: the host then builds out's map).
+constexpr int kGeometryFields = 7;
 #define MLA_SM90_GEOMETRY(V) kSmemBytes<ForMask<V, Mask>>, kThreads<ForMask<V, Mask>>, kBlockM<ForMask<V, Mask>>, \
-                             ForMask<V, Mask>::kBlockN, kScaleBox<ForMask<V, Mask>>, kWgRows
+                             ForMask<V, Mask>::kBlockN, kScaleBox<ForMask<V, Mask>>, kWgRows,              \
+                             kTmaEpilogue<ForMask<V, Mask>>
 template <class Mask>
 __device__ const int kGeometry[kNumVariants][kGeometryFields] = {
     {MLA_SM90_GEOMETRY(Variant16<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantFp8)},
@@ -129,6 +131,7 @@ __global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_ke
     TileTrace::stored(n, k.num_tiles, k.m0, false);
   }
   TileTrace::finish();
+  epilogue_drain<V, OutT>();
   mainloop.finish();
 }
 

@@ -21,7 +21,7 @@ __all__ = ["CompiledKernel", "prefill_kernel", "transpose_v_kernel", "rope_gathe
 
 #: kGeometry's fields, in order: kernels/mla_prefill_sm90.cu (a row per variant, a table per mask),
 #: kernels/mla_prefill_sm80.cu, kernels/transpose_v.cu and kernels/rope_gather.cu.
-SM90_GEOMETRY = ("smem", "threads", "block_m", "block_n", "scale_box", "q_rows")
+SM90_GEOMETRY = ("smem", "threads", "block_m", "block_n", "scale_box", "q_rows", "out_tma")
 SM80_GEOMETRY = ("smem", "threads", "block_m")
 VT_GEOMETRY = ("threads", "cols_per_cta")
 GATHER_GEOMETRY = ("threads", "rows_per_cta")

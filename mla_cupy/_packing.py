@@ -156,6 +156,13 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
                                .reshape(shape), t.device_id)
                 vt_fields = _offsets_of(vt.pack, [("v", V, 0), ("vt", WS, 0)])
     heads, tq, tk, dtype = p.heads, p.tq, p.tk, p.dtype
+    out = d[OUT]
+    # out's map where the kernel's staged epilogue stores by TMA: 16-bit rows written whole, not merged
+    # into (its layout, last dimension contiguous and the rest in multiples of 16 bytes, is a run's
+    # check_layout)
+    by_tma = geom["out_tma"] and p.out_dtype.itemsize == 2 and not t.accumulate
+    out_st = (stride16(out, 1), stride16(out, 0)) if by_tma else None
+    values["out_by_tma"] = int(out_st is not None)
     paged, rope_warp = p.paged, p.rope_scaled_e4m3  # the rope warp reads the scaled e4m3 rope (no map)
     if p.all_e4m3:  # q_rope and the (plain) rope are e4m3 bytes, read by TMA
         dtype = dtype_of(rope)
@@ -172,8 +179,9 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
             kp = vp = rp = ksp = op
         rmap = (0,) if rope_warp else (rp, rope_row_bytes)
         f8 = (qrp, fp8_st, ksp) if fp8_st is not None else None
+        om = (op, p.out_dtype, out_st) if out_st is not None else None
         return prefill_maps(dtype, heads, tq, tk, (qp, q_st), (kp, k_st), (vp, v_st), rmap, f8, geom["block_n"],
-                            geom["scale_box"], geom["q_rows"])
+                            geom["scale_box"], geom["q_rows"], om)
 
     pack = ck.params
     maps = map_fields(pack)
@@ -209,7 +217,7 @@ def _gather_launch(t: Target, p: Problem, values: dict, tk: int) -> PreparedLaun
 
 
 #: The Hopper kernel's tensor maps in the order tma.prefill_maps returns them.
-SM90_MAPS = ("tm_q", "tm_k", "tm_v", "tm_rope", "tm_q_rope", "tm_k_scales")
+SM90_MAPS = ("tm_q", "tm_k", "tm_v", "tm_rope", "tm_q_rope", "tm_k_scales", "tm_out")
 
 
 def map_fields(pack: ArgPack) -> tuple:

@@ -66,7 +66,7 @@ def _encode_cached(ptr: int, dtype: np.dtype, dims, strides_bytes, box, swizzle:
 
 
 # ---------------------------------------------------------------------------------------------
-# The Hopper prefill kernel's maps (kernels/sm90/params.cuh: tm_q .. tm_k_scales)
+# The Hopper prefill kernel's maps (kernels/sm90/params.cuh: tm_q .. tm_out)
 
 ZERO_MAP = np.zeros(1, TENSOR_MAP_DTYPE)[0]  #: an unused map parameter
 
@@ -79,8 +79,9 @@ def stride16(x, dim: int) -> int:
 
 def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tuple[int, int]],
                  k: Tuple[int, Tuple[int, int]], v: Tuple[int, Tuple[int, int]], rope: tuple,
-                 fp8: Optional[tuple], block_rows: int, scale_box: int, q_rows: int) -> Tuple[np.void, ...]:
-    """The six TMA descriptors of the Hopper kernel (Q, K, V, rope, q_rope, k_scales). ``q``,
+                 fp8: Optional[tuple], block_rows: int, scale_box: int, q_rows: int,
+                 out: Optional[tuple] = None) -> Tuple[np.void, ...]:
+    """The seven TMA descriptors of the Hopper kernel (Q, K, V, rope, q_rope, k_scales, out). ``q``,
     ``k``, ``v`` are ``(pointer, (head stride, row stride))`` in bytes; ``block_rows`` is the
     kernel's key tile height (rows of a K / V box), ``q_rows`` the rows of a Q box (each consumer's
     own rows: they load and release apart), ``scale_box`` the floats of the fp8 key-scale box (all
@@ -92,7 +93,11 @@ def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tu
     bytes of the 128 nope values (one 128-byte box per row) and v the e4m3 V^T of
     :func:`mla_cupy.fp8.transpose_v`, with strides ``(cols, 128 * cols)``. ``dtype`` is that of
     q_rope and the rope: uint8 in the all-e4m3 mode, whose rope rows are 64 bytes (boxes of 64 bytes
-    with the 64-byte swizzle, kernels/sm90/ptx.cuh), else 16-bit (128-byte rows and swizzle)."""
+    with the 64-byte swizzle, kernels/sm90/ptx.cuh), else 16-bit (128-byte rows and swizzle).
+
+    ``out`` is ``(pointer, dtype, (head stride, row stride))`` of a 16-bit output the kernel's
+    staged epilogue may store by TMA (boxes of a consumer's ``q_rows`` rows and half a row, the
+    staging's 128-byte swizzle), or None (a zero map: the threads store)."""
     rope_swizzle = 64 if np.dtype(dtype).itemsize == 1 else True
     if fp8 is None:
         tm_q = encode_tiled(q[0], dtype, (DQK, heads, tq), q[1], (64, 1, q_rows))
@@ -112,4 +117,5 @@ def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tu
         tm_r = encode_tiled(rope[0], dtype, (DR, tk), (rope[1],), (64, block_rows), swizzle=rope_swizzle)
     else:
         tm_r = ZERO_MAP
-    return tm_q, tm_k, tm_v, tm_r, tm_qr, tm_ks
+    tm_o = ZERO_MAP if out is None else encode_tiled(out[0], out[1], (DV, heads, tq), out[2], (DV // 2, 1, q_rows))
+    return tm_q, tm_k, tm_v, tm_r, tm_qr, tm_ks, tm_o

@@ -77,7 +77,7 @@ def _pack_of(fam, exports):
 @pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_rope"])
 def test_hopper_module_exports_its_parameter_struct_and_geometry(variant):
     """What mla_cupy._geometry.prefill_kernel reads from a loaded module (jit.get_global), taken from
-    the PTX: the parameter struct (every field the packing writes, the six tensor maps consecutive as
+    the PTX: the parameter struct (every field the packing writes, the seven tensor maps consecutive as
     a run rewrites them), and a geometry row per variant within the limits of a Hopper CTA."""
     fam = reg.prefill_sm90(BF16, CausalMask(), variant)
     pack, table, _ = _pack_of(fam, reg.sm90_exports(CausalMask()))
@@ -98,6 +98,8 @@ def test_hopper_module_exports_its_parameter_struct_and_geometry(variant):
         assert geom["threads"] == 128 * (1 + want_m // dims.HALF_BLOCK), geom
         assert geom["scale_box"] >= geom["block_n"], geom  # a tile's key scales and the aligned start
         assert geom["q_rows"] == dims.HALF_BLOCK, geom  # each consumer's Q rows, loaded apart
+        # the staged epilogue stores by TMA in the fp8 kernels of three consumers (config.cuh: kTmaEpilogue)
+        assert geom["out_tma"] == int(name in FP8_VARIANTS and want_m == 3 * dims.HALF_BLOCK), (name, geom)
 
 
 def _sm90_block_rows(mask, defines=()):

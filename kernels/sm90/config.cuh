@@ -249,6 +249,17 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #ifndef MLA_SM90_SMEM_EPILOGUE
 #define MLA_SM90_SMEM_EPILOGUE 1
 #endif
+// The staged rows of a consumer whose 64 rows all exist stored by one TMA store per half (`out`'s
+// map, Params::tm_out, which the host builds where the module's geometry says the variant uses it
+// and the output allows: Params::out_by_tma) instead of the threads' 16-byte stores. 1 (the
+// default): in the fp8 kernels of three consumers (measured 0.2-3.8% faster, per token and
+// all-e4m3); 2: in every kernel (the 16-bit kernel measured 0.4-1.6% faster on six cases but 4%
+// slower, in some rounds 5.5%, at H16-1x8192); 0: the threads' stores always.
+#ifndef MLA_SM90_TMA_EPILOGUE
+#define MLA_SM90_TMA_EPILOGUE 1
+#endif
+template <class V>
+constexpr bool kTmaEpilogue = MLA_SM90_TMA_EPILOGUE == 2 || (MLA_SM90_TMA_EPILOGUE == 1 && V::kFp8 && V::kConsumers == 3);
 
 // fp8: this many of the 16 n-tiles of S per row take their exp2 from a polynomial on the FMA pipe
 // (softmax.cuh: poly_exp2) instead of the special-function unit (measured: all-e4m3 3.6% faster with

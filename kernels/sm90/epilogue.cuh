@@ -4,13 +4,19 @@
 //     (a quad of lanes covers 16 bytes of a row: half of a 32-byte sector per store);
 //   * staged (MLA_SM90_SMEM_EPILOGUE, 16-bit outputs, not accumulating): each consumer writes its
 //     64 normalized rows into its own 8 KiB of SharedStorage::out_stage, one half of the columns
-//     at a time, and its threads store whole 128-byte row halves in 16-byte chunks.
-// The staging layout: row r at 128 r, its 16-byte chunk j at (j ^ (r % 8)) * 16. A warp's fragment
-// writes (8 rows x 4 lanes per chunk) and a quarter warp's chunk reads (the 8 chunks of a row) are
-// free of bank conflicts. Per work tile each consumer syncs its 128 threads four times on its own
-// named barrier: before the first half is written (the last tile's reads are done), after each
-// half is written, and before the second half overwrites the first. Nothing here touches the
-// K/V stages, so the producer's loads of the next work tile never wait for the epilogue.
+//     at a time; a consumer whose 64 rows all exist stores each half by one TMA store
+//     (kTmaEpilogue, where the host gave out's map), the others' threads store whole
+//     128-byte row halves in 16-byte chunks (a box would also write the rows past a sequence's end,
+//     the next sequence's).
+// The staging layout: row r at 128 r, its 16-byte chunk j at (j ^ (r % 8)) * 16, which is TMA's
+// 128-byte swizzle of a 64-row box of 128-byte rows (each consumer's 8 KiB start on a 1 KiB boundary).
+// A warp's fragment writes (8 rows x 4 lanes per chunk) and a quarter warp's chunk reads (the 8
+// chunks of a row) are free of bank conflicts. Per work tile each consumer syncs its 128 threads
+// four times on its own named barrier: before the first half is written (the last tile's reads are
+// done: its threads', or its TMA store's, which the consumer's first thread, the one that issues
+// them, waits for), after each half is written (after a fence that shows the writes to TMA, the
+// async proxy), and before the second half overwrites the first. Nothing here touches the K/V
+// stages, so the producer's loads of the next work tile never wait for the epilogue.
 #pragma once
 #include "../softmax.cuh"
 #include "config.cuh"
@@ -47,6 +53,10 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& s
       const int bar = kEpilogueBar<V> + cw;
       const u32 stage = sm.at(sm.s.out_stage) + cw * (kWgRows * kOutStageRowBytes);
       const int wr0 = k.m0 + cw * kWgRows;  // the consumer's first row in the work tile
+      // every row of the consumer exists: its halves go by TMA; the first thread issues and waits
+      const bool tma = kTmaEpilogue<V> && p.out_by_tma && row_exists<kEndAligned<V>>(wr0, w.sq) &&
+                       row_exists<kEndAligned<V>>(wr0 + kWgRows - 1, w.sq);
+      const bool issuer = wtid == 0;
       MergeWeights mw[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -54,10 +64,14 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& s
         if (p.lse != nullptr && (lane & 3) == 0 && row_exists<kEndAligned<V>>(row0 + 8 * r, w.sq))
           p.lse[(w.q_row0 + row0 + 8 * r) * p.lse_st + w.h] = mw[r].lse;
       }
+      if (kTmaEpilogue<V> && issuer) bulk_wait_read();
       named_barrier_sync(bar, 128);  // this consumer's reads of the previous work tile are done
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        if (half == 1) named_barrier_sync(bar, 128);  // the first half is read
+        if (half == 1) {
+          if (tma && issuer) bulk_wait_read();
+          named_barrier_sync(bar, 128);  // the first half is read
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int wrow = row0 - wr0 + 8 * r;  // row inside the consumer's 64
@@ -68,7 +82,15 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& s
                   Elem<OutT>::pack(o[dt][2 * r] * mw[r].wb, o[dt][2 * r + 1] * mw[r].wb));
           }
         }
+        if (tma) fence_proxy_async();
         named_barrier_sync(bar, 128);  // the half is in shared memory
+        if (tma) {
+          if (issuer) {
+            tma_store_3d(&p.tm_out, stage, half * kOutStageHalf, w.h, static_cast<int>(w.q_row0 + wr0));
+            bulk_commit();
+          }
+          continue;
+        }
         constexpr int kChunks = kOutStageRowBytes / 16;  // 8 per row
 #pragma unroll
         for (int i = 0; i < kWgRows * kChunks / 128; ++i) {
@@ -87,6 +109,15 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& s
     }
   }
   store_rows<OutT, kFast, kEndAligned<V>>(o, smx, k.w, row0, out, p.o_st, p.o_sh, p.lse, p.lse_st, p.accumulate != 0);
+}
+
+// After a consumer's last work tile: its TMA stores complete before the CTA exits (their source is
+// the CTA's shared memory).
+template <class V, typename OutT>
+__device__ __forceinline__ void epilogue_drain() {
+  if constexpr (kStagedEpilogue<V, OutT> && kTmaEpilogue<V>) {
+    if (threadIdx.x % 128 == 0) bulk_wait();
+  }
 }
 
 }  // namespace sm90

@@ -12,10 +12,10 @@ namespace sm90 {
 // the variant (the kernel casts them).
 #define MLA_SM90_PARAMS(X)                                                                          \
   /* TMA maps: q (fp8: e4m3 q_nope), k (fp8: e4m3 k), v (fp8: the e4m3 V^T of the pre-pass), the  */ \
-  /* rope (k_rope, or the key rows of a paged 16-bit rope's gather), q_rope and the key          */ \
-  /* scales (fp8 per token); unused maps are zero                                                  */ \
+  /* rope (k_rope, or the key rows of a paged 16-bit rope's gather), q_rope, the key scales (fp8 */ \
+  /* per token) and out (16-bit, for the staged epilogue's stores); unused maps are zero          */ \
   X(TensorMap, tm_q) X(TensorMap, tm_k) X(TensorMap, tm_v) X(TensorMap, tm_rope) X(TensorMap, tm_q_rope)      \
-  X(TensorMap, tm_k_scales)                                                                         \
+  X(TensorMap, tm_k_scales) X(TensorMap, tm_out)                                                    \
   /* results: out [Tq, H, 128] (element strides o_st, o_sh), lse [Tq, H] (row stride lse_st) or null */ \
   X(void*, out) X(float*, lse) X(i64, o_st) X(i64, o_sh) X(i64, lse_st)                             \
   /* the ragged batch (tile_scheduler.cuh: SeqOffsets) */                                           \
@@ -27,8 +27,9 @@ namespace sm90 {
   X(i64, lookup_stride) X(int, log2_page_size) X(u32, num_blocks) X(u32, max_pages)                          \
   /* the work: heads, L2 sections of heads, sequences, query blocks of the longest sequence */      \
   X(int, num_heads) X(int, heads_per_section) X(int, batch) X(int, num_m_blocks)                    \
-  /* softmax scale times log2(e), the mask's argument, merge into out / lse (chunked prefill) */     \
-  X(float, scale_log2) X(i64, mask_arg) X(int, accumulate)                                          \
+  /* softmax scale times log2(e), the mask's argument, merge into out / lse (chunked prefill),    */ \
+  /* 1 if tm_out maps out (the staged epilogue then stores whole row halves by TMA)               */ \
+  X(float, scale_log2) X(i64, mask_arg) X(int, accumulate) X(int, out_by_tma)                       \
   /* fp8 per token: q_scale [Tq] (stride); fp8 rope: its scales per key (plain rows / paged slots) */ \
   X(const float*, q_scale) X(i64, q_scale_stride) X(const float*, rope_scales) X(i64, rope_scale_row_stride) \
   X(i64, rope_scale_block_stride)                                                                   \
