@@ -258,8 +258,6 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #ifndef MLA_SM90_TMA_EPILOGUE
 #define MLA_SM90_TMA_EPILOGUE 1
 #endif
-template <class V>
-constexpr bool kTmaEpilogue = MLA_SM90_TMA_EPILOGUE == 2 || (MLA_SM90_TMA_EPILOGUE == 1 && V::kFp8 && V::kConsumers == 3);
 
 // fp8: this many of the 16 n-tiles of S per row take their exp2 from a polynomial on the FMA pipe
 // (softmax.cuh: poly_exp2) instead of the special-function unit (measured: all-e4m3 3.6% faster with
@@ -328,6 +326,12 @@ constexpr bool kHeldMax = kExpBytes<V> && MLA_SM90_FP8_HELD_MAX != 0;
 #endif
 template <class V>
 constexpr bool kEndAligned = V::kConsumers == 3 && MLA_SM90_END_ALIGNED != 0;
+// The staged epilogue's TMA stores (MLA_SM90_TMA_EPILOGUE above), in the fp8 kernels of three
+// consumers with their blocks counted from the sequences' ends as measured (blocks from the start,
+// MLA_SM90_END_ALIGNED 0, spill 280 bytes in the per-token paged causal kernel with them).
+template <class V>
+constexpr bool kTmaEpilogue = MLA_SM90_TMA_EPILOGUE == 2 ||
+                              (MLA_SM90_TMA_EPILOGUE == 1 && V::kFp8 && V::kConsumers == 3 && kEndAligned<V>);
 
 // Three consumers under a mask bounded above (causal): the key tiles at the end of a work tile
 // that no row of a consumer's 64 sees (on a 192-row diagonal, the last tile for the first consumer
