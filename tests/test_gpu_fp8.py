@@ -43,7 +43,9 @@ def run_fp8(case, fq, k_rope=None, mask=None, out_dtype=None, **kw):
 
     dev = on_device(fq)
     odt = np.dtype(out_dtype) if out_dtype is not None else BF16
-    out = cp.full((case.q.shape[0], case.q.shape[1], 128), np.nan, odt)
+    out = kw.pop("out", None)  # given: already NaN-poisoned
+    if out is None:
+        out = cp.full((case.q.shape[0], case.q.shape[1], 128), np.nan, odt)
     co = None if case.cache_offsets is None else cp.asarray(case.cache_offsets)
     qs = None if case.q_start_pos is None else cp.asarray(case.q_start_pos)
     got, lse = mla_cupy.mla_prefill_fp8(dev["q_nope"], dev["q_rope"], dev["q_scale"], dev["k"], dev["k_scales"], dev["v"],
@@ -397,6 +399,26 @@ def test_fp8_causal_nan_in_v_reaches_what_the_reference_says(e4m3_rope):
 # All e4m3: q_rope and k_rope e4m3 under the per-token scales, Q K^T one 192-deep e4m3 GEMM
 # (VariantE4m3). The inputs: quant.quantize_per_token(..., e4m3_rope=True).
 # ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("e4m3_rope", [False, True], ids=["per-token", "all-e4m3"])
+@pytest.mark.parametrize("mask", [NullMask(), CausalMask()], ids=lambda m: type(m).__name__)
+def test_fp8_strided_out_only_its_elements(mask, e4m3_rope):
+    """out a view into a wider buffer (other heads and columns around it): the fp8 kernels of three
+    consumers store a consumer's 64 rows by TMA where all of them exist (out's map built from the
+    view's strides), by the threads elsewhere; the view's elements are right and nothing around
+    them is written. Lengths put whole and part-filled 64-row thirds of 192-row blocks side by side."""
+    import cupy as cp
+
+    c = make_case([64, 128, 192, 5, 256, 383, 1000], [64, 128, 192, 7, 256, 383, 1000], 16, BF16, seed=41)
+    host = np.full((c.q.shape[0], 18, 136), 3.0, BF16)
+    host[:, 1:17, 8:] = np.nan
+    buf = cp.asarray(host)
+    view = buf[:, 1:17, 8:]  # head stride 272 bytes, row stride 18 x 272, base 16 bytes in
+    check_fp8(c, mask=mask, fq=quantized(c, e4m3_rope=e4m3_rope), out=view, tol=TOL_ANY_SLICE if e4m3_rope else TOL)
+    around = cp.asnumpy(buf).astype(np.float64)
+    around[:, 1:17, 8:] = 3.0
+    assert np.all(around == 3.0), f"{int((around != 3.0).sum())} elements around the view written"
+
 
 def check_e4m3(case, mask=None, **kw):
     """check_fp8 on the all-e4m3 quantization of the case."""
