@@ -395,11 +395,6 @@ def test_fp8_causal_nan_in_v_reaches_what_the_reference_says(e4m3_rope):
     assert_like_reference(got, ref, c.valid_length, tol=2 * TOL, got_lse=lse, ref_lse=ref_lse)
 
 
-# ------------------------------------------------------------------------------------------------
-# All e4m3: q_rope and k_rope e4m3 under the per-token scales, Q K^T one 192-deep e4m3 GEMM
-# (VariantE4m3). The inputs: quant.quantize_per_token(..., e4m3_rope=True).
-# ------------------------------------------------------------------------------------------------
-
 @pytest.mark.parametrize("e4m3_rope", [False, True], ids=["per-token", "all-e4m3"])
 @pytest.mark.parametrize("mask", [NullMask(), CausalMask()], ids=lambda m: type(m).__name__)
 def test_fp8_strided_out_only_its_elements(mask, e4m3_rope):
@@ -419,6 +414,11 @@ def test_fp8_strided_out_only_its_elements(mask, e4m3_rope):
     around[:, 1:17, 8:] = 3.0
     assert np.all(around == 3.0), f"{int((around != 3.0).sum())} elements around the view written"
 
+
+# ------------------------------------------------------------------------------------------------
+# All e4m3: q_rope and k_rope e4m3 under the per-token scales, Q K^T one 192-deep e4m3 GEMM
+# (VariantE4m3). The inputs: quant.quantize_per_token(..., e4m3_rope=True).
+# ------------------------------------------------------------------------------------------------
 
 def check_e4m3(case, mask=None, **kw):
     """check_fp8 on the all-e4m3 quantization of the case."""
