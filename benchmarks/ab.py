@@ -36,6 +36,9 @@ Implementations (``--impls``, comma separated; the first is the base):
   ours-fp8:vt=quant, ours-e4m3:vt=quant
                     the same given the quantizer's V^T (``quantize_per_token(..., cache_row_offsets=)``'s
                     ``TransposedV`` as v): each call launches the attention kernel alone, no V^T pre-pass
+  ours-fp8:pairs=0, ours-e4m3:pairs=0
+                    the same with the kernels that read the key scales one at a time where the batch's first
+                    key rows are all even (which take the kernels reading them in pairs)
   ours-fp8:paged=P  the per-token kernel with its (bf16, scaled) rope in a PagedKVCache, as ours:paged=P
   fa3, fa3+kbuild   FlashAttention-3 (``fa3_fwd_interface`` or ``flash_attn_interface``), kernel only / with
                     the K build at 192 width that it needs
@@ -323,8 +326,16 @@ def _ours_fp8(case: BenchCase, sets, opts, e4m3_rope: bool = False) -> Impl:
     ropes, kw = _paged_ropes([f["k_rope"] for f in fs], opts, mla_cupy)
     if e4m3_rope:
         kw["fp8_rope"] = True
-    pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=mask, q_max_seq_len=max(case.sq), fp8=True,
-                       **kw)
+    fp8_mod = importlib.import_module(mla_cupy.__name__ + ".fp8")
+    chooser = fp8_mod.scale_pairs if hasattr(fp8_mod, "scale_pairs") else None
+    if opts.get("pairs") == "0" and chooser is not None:  # the kernel that reads the scales one at a time
+        fp8_mod.scale_pairs = lambda *a: False
+    try:
+        pl = mla_cupy.plan(vl, cro, num_heads=case.heads, dtype=BF16, mask=mask, q_max_seq_len=max(case.sq), fp8=True,
+                           **kw)
+    finally:
+        if chooser is not None:
+            fp8_mod.scale_pairs = chooser
     v_of = "v_t" if vt == "quant" else "v"
 
     def call(i):

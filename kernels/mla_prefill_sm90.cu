@@ -20,7 +20,8 @@
 // Variants (config.cuh): Variant16<T> (bf16 / fp16), VariantFp8 (e4m3 nope parts and V^T with
 // per-token scales, bf16 rope, the consumers in pingpong), VariantFp8Rope<T> (e4m3 rope with one
 // scale per key, dequantized by the rope warp), VariantE4m3 (VariantFp8 with an e4m3 rope under the
-// per-token scales: Q K^T one 192-deep e4m3 GEMM).
+// per-token scales: Q K^T one 192-deep e4m3 GEMM); EvenKeyRows<V> (the two fp8 ones, for batches
+// whose sequences all start at an even key row: the key scales read in pairs).
 #include "common.cuh"
 #include "mask.cuh"
 #include "sm90/config.cuh"

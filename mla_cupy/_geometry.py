@@ -63,19 +63,20 @@ def _exports(fam, names: Tuple[str, ...], geometry_size: int, what: str) -> Tupl
 
 
 def prefill_kernel(kernel: str, dtype: np.dtype, out_dtype: np.dtype, mask, paged: bool, variant: str,
-                   device_id: int) -> CompiledKernel:
+                   device_id: int, pairs: bool = False) -> CompiledKernel:
     """The instantiation of ``kernel`` (``'sm80'`` or ``'sm90'``) for these template arguments on
     device ``device_id`` (the current one), compiled on first use, with its parameter struct
     (``.params``) and geometry (``.geometry``: smem, threads, block_m and, on Hopper, block_n and
     scale_box). ``variant``: one of :data:`~mla_cupy._registry.SM90_VARIANTS` (the portable
-    kernel has the 16-bit one only)."""
-    key = (device_id, kernel, dtype, out_dtype, mask.cpp_name, paged, variant)
+    kernel has the 16-bit one only); ``pairs``: an fp8 variant's kernel for even first key rows
+    (:data:`~mla_cupy._registry.SCALE_PAIRS`, the Hopper kernel only)."""
+    key = (device_id, kernel, dtype, out_dtype, mask.cpp_name, paged, variant, pairs)
     ck = _KERNELS.get(key)
     if ck is not None:
         return ck
     if kernel == "sm90":
-        fam = reg.prefill_sm90(dtype, mask, variant)
-        fn = get_function(*fam, reg.prefill_sm90_name(dtype, out_dtype, mask, paged, variant))
+        fam = reg.prefill_sm90(dtype, mask, variant, pairs)
+        fn = get_function(*fam, reg.prefill_sm90_name(dtype, out_dtype, mask, paged, variant, pairs))
         params, table = _exports(fam, reg.sm90_exports(mask), len(SM90_GEOMETRY) * len(reg.SM90_VARIANTS),
                                  "the Hopper prefill kernel")
         row = table.reshape(-1, len(SM90_GEOMETRY))[reg.SM90_VARIANTS[variant][1]]

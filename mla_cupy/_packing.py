@@ -65,7 +65,7 @@ def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Re
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
         return Record(None, (), ())
     dev = t.device_id
-    ck = prefill_kernel(t.kernel, p.dtype, p.out_dtype, p.mask, p.paged, p.variant, dev)
+    ck = prefill_kernel(t.kernel, p.dtype, p.out_dtype, p.mask, p.paged, p.variant, dev, p.scale_pairs)
     nmb = -(-p.max_sq // ck.geometry["block_m"])
     out, lse = d[OUT], d[LSE]
     oitem = p.out_dtype.itemsize

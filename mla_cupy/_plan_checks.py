@@ -18,7 +18,8 @@ from .paged import PagedKVCache, check_page_geometry
 from .validation import (DEVICE_DTYPES, Problem, check_accumulate, check_grid, check_lse_and_accumulate,
                          check_lse_layout, check_offset_values, check_offsets, check_out, check_out_dtype,
                          check_paged_table, check_positions, check_qkv, check_rope, check_rope_layout,
-                         check_same_device, check_scalars, require_devices, rope_arrays, variant_of)
+                         check_same_device, check_scalars, require_devices, rope_arrays, variant_of,
+                         with_key_offsets)
 
 __all__ = ["PlanArgs", "RunBounds", "check_plan_args", "check_run"]
 
@@ -102,8 +103,8 @@ def check_plan_args(valid_length, cache_row_offsets, *, num_heads, dtype, mask, 
         if max_sq is None:
             max_sq = observed
     check_grid(max_sq, batch, num_heads)
-    layout = Problem(batch, int(num_heads), tq, -1, dt, out_dtype, mask, scale, max_sq, paged,
-                     variant_of(bool(fp8), bool(fp8_rope)))
+    layout = with_key_offsets(Problem(batch, int(num_heads), tq, -1, dt, out_dtype, mask, scale, max_sq, paged,
+                                      variant_of(bool(fp8), bool(fp8_rope))), cro_h)
     bounds = RunBounds(kv_total, lut_h if validate else None, co_h, sk_h, cro_h)
     return PlanArgs(layout, bounds, d_vl, d_cro, d_co, d_qs, d_lut)
 

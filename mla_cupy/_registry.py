@@ -78,17 +78,30 @@ def sm90_exports(mask: Mask) -> Tuple[str, str, str]:
     return ("mla::sm90::kParamLayout", "mla::sm90::kParamNames", f"mla::sm90::kGeometry<{mask.cpp_name}>")
 
 
-def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = VARIANT_16) -> Family:
+#: The traits wrapper of an fp8 variant for batches whose sequences all start at an even key row
+#: and read a plain rope (kernels/sm90/config.cuh: EvenKeyRows; ``Problem.scale_pairs``): its own
+#: family, compiled when used.
+SCALE_PAIRS = "mla::sm90::EvenKeyRows<{}>"
+#: The variants that have it.
+SM90_PAIRED = (VARIANT_FP8, VARIANT_E4M3)
+
+
+def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = VARIANT_16, pairs: bool = False) -> Family:
     """Hopper family for (dtype, mask, variant): output in the input dtype or float32, plain or
     paged rope (plain only for :data:`SM90_PLAIN_ONLY`), and the exported tables
-    (:func:`sm90_exports`). The fp8 per-token variants take bfloat16 for their 16-bit parts."""
-    pageds = (False,) if variant in SM90_PLAIN_ONLY else (False, True)
-    names = tuple(prefill_sm90_name(dtype, o, mask, paged, variant) for o in (dtype, FP32) for paged in pageds)
+    (:func:`sm90_exports`). The fp8 per-token variants take bfloat16 for their 16-bit parts;
+    ``pairs``: their kernels for even first key rows (:data:`SCALE_PAIRS`; a plain rope only)."""
+    pageds = (False,) if variant in SM90_PLAIN_ONLY or pairs else (False, True)
+    names = tuple(prefill_sm90_name(dtype, o, mask, paged, variant, pairs) for o in (dtype, FP32) for paged in pageds)
     return PREFILL_SM90[0], names + sm90_exports(mask)
 
 
-def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, variant: str = VARIANT_16) -> str:
+def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, variant: str = VARIANT_16,
+                      pairs: bool = False) -> str:
+    if pairs and variant not in SM90_PAIRED:
+        raise ValueError(f"pairs: the {variant!r} variant reads no key scales; {SM90_PAIRED} do")
     traits = SM90_VARIANTS[variant][0].format(t=CPP_TYPE[np.dtype(dtype)])
+    traits = SCALE_PAIRS.format(traits) if pairs else traits
     return (f"{PREFILL_SM90[1]}<{traits}, {CPP_TYPE[np.dtype(out_dtype)]}, {mask.cpp_name}, "
             f"{'true' if paged else 'false'}>")
 
@@ -140,7 +153,11 @@ _VARIANT_NAMES = {VARIANT_16: "16-bit", VARIANT_FP8: "fp8-per-token", VARIANT_FP
 
 
 def _sm90_traits_label(arg: str) -> List[str]:
-    """``mla::sm90::Variant16<__nv_bfloat16>`` -> ``["bf16", "16-bit"]``."""
+    """``mla::sm90::Variant16<__nv_bfloat16>`` -> ``["bf16", "16-bit"]``;
+    ``mla::sm90::EvenKeyRows<mla::sm90::VariantFp8>`` -> ``["bf16", "fp8-per-token", "scale-pairs"]``."""
+    head, tail = SCALE_PAIRS.split("{}")
+    if arg.startswith(head) and arg.endswith(tail):
+        return _sm90_traits_label(arg[len(head):-len(tail)]) + ["scale-pairs"]
     for name, (pattern, _) in SM90_VARIANTS.items():
         for t in _SHORT_TYPES:
             if arg == pattern.format(t=t):
@@ -182,5 +199,7 @@ def all_families() -> List[Tuple[str, Family]]:
     fams: List[Family] = [prefill_sm80(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(d, m) for d in (BF16, FP16) for m in MASKS]
     fams += [prefill_sm90(BF16, m, v) for m in MASKS for v in ("fp8", "fp8_rope", "e4m3")]
+    fams += [prefill_sm90(BF16, m, v, pairs=True) for m in MASKS if not m.bounded_below
+             for v in SM90_PAIRED]
     fams += [merge_family(), SPIN, quantize_family(), transpose_v_family(), rope_gather_family()]
     return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]

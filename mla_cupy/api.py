@@ -19,7 +19,7 @@ from .fp8 import TransposedV, check_no_workspace, fp8_bytes, same_offsets, vt_sh
 from .masks import Mask
 from .paged import PagedKVCache
 from .prefill_plan import _q_start_i64, call_record, offsets_of, workspace_on
-from .validation import Problem, check_inputs, check_values  # noqa: F401  (check_inputs: also reached through here)
+from .validation import Problem, check_inputs, check_values, with_key_offsets  # noqa: F401  (check_inputs: also reached through here)
 from .workspace import empty_result
 
 __all__ = ["mla_prefill", "mla_prefill_fp8"]
@@ -293,7 +293,7 @@ def cached_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask
     arrays are rewritten at every launch, and the contents of the offsets are read by the kernel at
     every launch, so an entry never launches stale arguments; what the host derives from their
     contents is read again per call (the largest query count when ``q_max_seq_len`` is not given,
-    every value check with ``validate``) or made per call (an int32 ``q_start_pos`` widened, an fp8
+    every value check with ``validate``, and then the fp8 kernel the key offsets take) or made per call (an int32 ``q_start_pos`` widened, an fp8
     workspace). A TransposedV is served only when its offsets are the call's ``cache_row_offsets``
     (:func:`~mla_cupy.fp8.same_offsets`, no value read) and no workspace is given; else the
     checks decide."""
@@ -330,9 +330,10 @@ def cached_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask
         return False, None
     p = entry.problem
     if validate or q_max_seq_len is None:
-        observed = check_values(valid_length, cache_row_offsets, cache_offsets, k_rope, qsc, tq=p.tq, tk=p.tk,
-                                q_max_seq_len=None if q_max_seq_len is None else p.max_sq, validate=validate)
-        if q_max_seq_len is None and observed != p.max_sq:  # another grid: packed again, kept under this key
+        observed, cro = check_values(valid_length, cache_row_offsets, cache_offsets, k_rope, qsc, tq=p.tq, tk=p.tk,
+                                     q_max_seq_len=None if q_max_seq_len is None else p.max_sq, validate=validate)
+        # another grid, or another kernel for the key offsets: packed again, kept under this key
+        if (q_max_seq_len is None and observed != p.max_sq) or with_key_offsets(p, cro) != p:
             return False, key
     torch_in = is_torch(q)
     sp = stream_ptr(stream, torch_in)

@@ -118,6 +118,20 @@ def fp8_query_block(mask) -> int:
     return QUERY_BLOCK if mask.bounded_below else HALF_BLOCK * fp8_consumers()
 
 
+def scale_pairs(mask, paged: bool, cache_row_offsets) -> bool:
+    """Whether the Hopper kernel's fp8 variants under ``mask`` read each key tile's scales in
+    pairs for a batch of these key offsets (host values; None when the host did not read them):
+    where their consumer warpgroups read the scales from shared memory (the three of a mask without
+    a lower bound, :func:`fp8_query_block`), the rope is plain (a paged rope's kernels, with their
+    rope warp, spill with the pairs under the null mask) and every sequence's first key row is
+    even, so that a key tile's first scale sits at an even float of its box
+    (``kernels/sm90/config.cuh``: EvenKeyRows). Otherwise, or with offsets not read, the kernel
+    that reads them one at a time."""
+    if cache_row_offsets is None or paged or fp8_query_block(mask) != 3 * HALF_BLOCK:
+        return False
+    return not np.any(np.asarray(cache_row_offsets, np.int64)[:-1] & 1)
+
+
 def end_aligned(qb: int) -> bool:
     """Whether the Hopper kernel counts a sequence's ``qb``-row query blocks from its end (its
     part-filled block then at the sequence's start, where a causal mask shows it the fewest keys):

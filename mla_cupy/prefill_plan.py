@@ -126,6 +126,9 @@ class PrefillPlan:
     paged = property(lambda self: self._p.paged)
     fp8 = property(lambda self: self._p.fp8)
     fp8_rope = property(lambda self: self._p.fp8_rope)
+    #: Whether its fp8 kernel reads a key tile's scales in pairs (:func:`mla_cupy.fp8.scale_pairs`:
+    #: every sequence's first key row even, as the plan read the offsets).
+    scale_pairs = property(lambda self: self._p.scale_pairs)
 
     @property
     def workspace(self):

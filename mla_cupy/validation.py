@@ -24,6 +24,7 @@ from ._arrays import BF16, FP16, FP32, FP8_E4M3, read_back, require_device
 from ._checks import (OFFSET_DTYPES, QSTART_DTYPES, U8, check_array, check_layout, check_offsets_array,
                       check_offsets_layout, check_offsets_values, check_shape, dtype_of, step_range)
 from .dims import DQK, DR, DV  # noqa: F401  (DQK, DR, DV: also read from here by older callers)
+from . import fp8 as _fp8
 from .fp8 import TransposedV, check_fp8_arrays, check_fp8_layout, check_q_scale_values, check_transposed_v_offsets
 from ._registry import VARIANT_16, VARIANT_E4M3, VARIANT_FP8, VARIANT_FP8_ROPE
 from ._select import check_kernel_name
@@ -60,6 +61,8 @@ class Problem:
     variant: str = VARIANT_16
     # fp8: v given as V^T (a fp8.TransposedV): the kernel reads it, no pre-pass writes one
     v_transposed: bool = False
+    # fp8: the kernel that reads a key tile's scales in pairs (fp8.scale_pairs of the key offsets)
+    scale_pairs: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -84,6 +87,12 @@ class Problem:
         """An e4m3 rope, under per-key scales or under the per-token ones (what a plan's
         ``fp8_rope`` says)."""
         return self.rope_scaled_e4m3 or self.all_e4m3
+
+
+def with_key_offsets(p: Problem, cache_row_offsets) -> Problem:
+    """``p`` with what its kernel takes from the values of its key offsets (host int64 values,
+    None when not read): an fp8 variant's scale pairs (:func:`mla_cupy.fp8.scale_pairs`)."""
+    return replace(p, scale_pairs=p.fp8 and _fp8.scale_pairs(p.mask, p.paged, cache_row_offsets))
 
 
 def variant_of(fp8: bool, fp8_rope: bool) -> str:
@@ -275,12 +284,12 @@ def _offset_values(vl: np.ndarray, cro: np.ndarray, co: Optional[np.ndarray], *,
 
 
 def check_values(valid_length, cache_row_offsets, cache_offsets, k_rope, q_scale, *, tq: int, tk: int,
-                 q_max_seq_len: Optional[int], validate: bool) -> int:
+                 q_max_seq_len: Optional[int], validate: bool) -> Tuple[int, np.ndarray]:
     """The values of a call whose arrays passed their checks: the offsets are read (and, with
     ``validate``, checked against Tq / Tk and ``q_max_seq_len``), and with ``validate`` a paged
     ``k_rope``'s block ids and the fp8 variant's ``q_scale`` (None for the 16-bit call). Every
     array read is read with one synchronization (:func:`~mla_cupy._arrays.read_back`). Returns the
-    largest query count of a sequence."""
+    largest query count of a sequence and the key offsets (int64, on the host)."""
     paged = validate and isinstance(k_rope, PagedKVCache)
     scales = validate and q_scale is not None and tq
     vl, cro, co, lut, qs = read_back((valid_length, cache_row_offsets, cache_offsets,
@@ -290,7 +299,7 @@ def check_values(valid_length, cache_row_offsets, cache_offsets, k_rope, q_scale
         check_paged_table(lut.astype(np.int64), k_rope.page_size, int(k_rope.blocks.shape[0]), co, np.diff(cro))
     if scales:
         check_q_scale_values(qs)
-    return observed
+    return observed, cro
 
 
 def check_paged_table(lut: np.ndarray, page_size: int, num_blocks: Optional[int], co: np.ndarray, sk: np.ndarray,
@@ -477,11 +486,12 @@ def check_inputs(
         check_kernel_name(kernel)
 
     if validate or read_offsets:
-        observed = check_values(valid_length, cache_row_offsets, cache_offsets, k_rope, None if fp8 is None else fp8[1],
-                                tq=tq, tk=tk, q_max_seq_len=max_sq, validate=validate)
+        observed, cro = check_values(valid_length, cache_row_offsets, cache_offsets, k_rope,
+                                     None if fp8 is None else fp8[1], tq=tq, tk=tk, q_max_seq_len=max_sq, validate=validate)
         if max_sq is None:
             max_sq = observed
             p = replace(p, max_sq=max_sq)
+        p = with_key_offsets(p, cro)
     if not device:
         return p
 

@@ -415,6 +415,55 @@ def test_fp8_strided_out_only_its_elements(mask, e4m3_rope):
     assert np.all(around == 3.0), f"{int((around != 3.0).sum())} elements around the view written"
 
 
+# The fp8 kernels read a key tile's scales in pairs where every sequence's first key row is even
+# (mla_cupy.fp8.scale_pairs), one at a time elsewhere: the same shapes with even first key rows, and
+# with the first sequence one key longer and the last one shorter (every later first row odd).
+def parity_case(first, seed):
+    return make_case([1, 7, 63, 65, 129, 0, 1000], [first, 8, 64, 66, 130, 6, 1001 - first], 16, BF16, seed=seed)
+
+
+@pytest.mark.parametrize("e4m3_rope", [False, True], ids=["per-token", "all-e4m3"])
+@pytest.mark.parametrize("mask", [NullMask(), CausalMask()], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("first", [2, 3], ids=["even-rows", "odd-rows"])
+def test_fp8_scale_pairs_by_key_row_parity(first, mask, e4m3_rope):
+    import cupy as cp
+
+    c = parity_case(first, seed=43 + first)
+    fq = quantized(c, e4m3_rope=e4m3_rope)
+    check_fp8(c, mask=mask, fq=fq)
+    dev = on_device(fq)
+    pl = mla_cupy.plan(cp.asarray(c.valid_length), cp.asarray(c.cache_row_offsets), num_heads=16, dtype=BF16,
+                       mask=mask, fp8=True, fp8_rope=e4m3_rope)
+    assert pl.scale_pairs is (first % 2 == 0)
+    out = cp.full((c.q.shape[0], 16, 128), np.nan, BF16)
+    pl.run_fp8(dev["q_nope"], dev["q_rope"], dev["q_scale"], dev["k"], dev["k_scales"], dev["v"], dev["k_rope"], out=out)
+    one_shot, _ = run_fp8(c, fq, mask=mask)
+    np.testing.assert_array_equal(cp.asnumpy(out).astype(np.float64), one_shot)  # the same kernel either way
+
+
+def test_fp8_one_shot_takes_the_kernel_of_its_key_rows_each_call():
+    """A one-shot call's launch record is kept under its offsets' pointers: offsets rewritten in
+    place from even first key rows to odd ones (same shapes) take the kernel that reads the scales
+    one at a time, since the host reads the offsets' values per call."""
+    import cupy as cp
+
+    vl, cro = None, None
+    for first in (2, 3, 2):
+        c = parity_case(first, seed=47 + first)
+        fq = quantized(c)
+        dev = on_device(fq)
+        if cro is None:
+            vl, cro = cp.asarray(c.valid_length), cp.asarray(c.cache_row_offsets)
+        else:
+            cro[...] = cp.asarray(c.cache_row_offsets)  # same pointer, new values
+        out = cp.full((c.q.shape[0], 16, 128), np.nan, BF16)
+        mla_cupy.mla_prefill_fp8(dev["q_nope"], dev["q_rope"], dev["q_scale"], dev["k"], dev["k_scales"], dev["v"],
+                                 dev["k_rope"], vl, cro, out=out)
+        ref = reference.mla_prefill_fp8(fq["q_nope"], fq["q_rope"], fq["q_scale"], fq["k"], fq["k_scales"], fq["v"],
+                                        fq["k_rope"], c.valid_length, c.cache_row_offsets)
+        assert_like_reference(cp.asnumpy(out).astype(np.float64), ref, c.valid_length, tol=TOL)
+
+
 # ------------------------------------------------------------------------------------------------
 # All e4m3: q_rope and k_rope e4m3 under the per-token scales, Q K^T one 192-deep e4m3 GEMM
 # (VariantE4m3). The inputs: quant.quantize_per_token(..., e4m3_rope=True).

@@ -231,6 +231,50 @@ def test_a_valid_layout_needs_a_gpu_last():
         make_plan(mask=CausalMask(), page_table=np.zeros((2, 1), np.int32), page_size=16)
 
 
+# Which fp8 kernel a layout takes from its key offsets: the one that reads a key tile's scales in
+# pairs where every sequence's first key row is even, the masks have three fp8 consumers and the rope
+# is plain; else the one that reads them one at a time (offsets not read: the latter too).
+SCALE_PAIRS = [
+    (dict(fp8=True), True),
+    (dict(fp8=True, fp8_rope=True), True),
+    (dict(fp8=True, mask=mla_cupy.NullMask()), True),
+    (dict(fp8=True, cache_row_offsets=np.array([0, 5, 8], np.uint32)), False),  # sequence 1 starts at row 5
+    (dict(fp8=True, cache_row_offsets=np.array([0, 6, 9], np.uint32), valid_length=np.array([0, 5, 5], np.uint32)),
+     True),  # an empty last sequence starting at 6; the keys end at an odd row: their ends do not matter
+    (dict(fp8=True, mask=mla_cupy.SlidingWindowCausalMask(37)), False),  # two consumers
+    (dict(fp8=True, mask=mla_cupy.ChunkedMask(64)), False),
+    (dict(fp8=True, page_table=np.zeros((2, 1), np.int32), page_size=16), False),  # a paged rope
+    (dict(fp8=True, validate=False, q_max_seq_len=5), False),  # offsets not read
+    (dict(fp8=True, validate=False), True),  # read for the grid
+    (dict(), False),  # 16-bit
+    (dict(fp8_rope=True), False),
+]
+
+
+@pytest.mark.parametrize("over,pairs", SCALE_PAIRS, ids=[str(i) for i in range(len(SCALE_PAIRS))])
+def test_fp8_layout_takes_the_scale_pairs_kernel_by_its_key_rows(over, pairs):
+    from mla_cupy._plan_checks import check_plan_args
+
+    kw = dict(num_heads=4, dtype=BF16, mask=None, scale=None, q_max_seq_len=None, kernel="auto", cache_offsets=None,
+              q_start_pos=None, page_table=None, page_size=None, rope_offset=512, fp8=False, fp8_rope=False,
+              out_dtype=None, return_lse=False, accumulate=False, validate=True)
+    kw.update(over)
+    vl, cro = kw.pop("valid_length", VL), kw.pop("cache_row_offsets", CRO)
+    assert check_plan_args(vl, cro, **kw).problem.scale_pairs is pairs
+
+
+def test_scale_pairs_names_its_own_kernels():
+    from mla_cupy import _registry as reg
+
+    name = reg.prefill_sm90_name(BF16, BF16, CausalMask(), False, reg.VARIANT_FP8, pairs=True)
+    assert name.startswith("mla::sm90::mla_prefill_kernel<mla::sm90::EvenKeyRows<mla::sm90::VariantFp8>, ")
+    fam = reg.prefill_sm90(BF16, CausalMask(), reg.VARIANT_E4M3, pairs=True)
+    assert reg.family_label(fam) == "mla_prefill_sm90<bf16, CausalMask, e4m3-per-token, scale-pairs>"
+    assert all(", false>" in n for n in fam[1] if reg.is_kernel(n))  # a plain rope only
+    with pytest.raises(ValueError, match="pairs: the 'bf16' variant reads no key scales"):
+        reg.prefill_sm90_name(BF16, BF16, CausalMask(), False, reg.VARIANT_16, pairs=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # the runs of a plan: arrays checked against it the first time a layout is seen
 

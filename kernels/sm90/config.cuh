@@ -58,6 +58,7 @@ struct Variant16 {
   static constexpr bool kFp8 = false;               // e4m3 nope parts, V^T and P
   static constexpr bool kRope8 = false;             // e4m3 rope with one scale per key
   static constexpr bool kRopeE4m3 = false;          // e4m3 q / k rope under the per-token scales
+  static constexpr bool kEvenKeyRows = false;       // every sequence's first key row even (EvenKeyRows)
   static constexpr int kNopeBlocks = 2;             // column blocks of a row's 128 nope values
   static constexpr int kBlockN = MLA_SM90_16BIT_KEYS;  // keys per key tile
   static constexpr int kStages = kStages16<kBlockN>;
@@ -75,6 +76,7 @@ struct VariantFp8 {
   static constexpr bool kFp8 = true;
   static constexpr bool kRope8 = false;
   static constexpr bool kRopeE4m3 = false;
+  static constexpr bool kEvenKeyRows = false;
   static constexpr int kNopeBlocks = 1;
   static constexpr int kStages = 3;
   static constexpr bool kPingpong = true;
@@ -101,6 +103,18 @@ struct VariantE4m3 : VariantFp8 {
 };
 
 constexpr int kNumVariants = 4;
+
+// Variant V for launches in which every sequence's first key row (cache_row_offsets[b]) is even,
+// which the host knows from the offsets it read: a key tile's first row is then even too (its
+// sequence's first plus a multiple of kVtAlign), so its scales start at an even float of their
+// box (the box starts at the 16-byte boundary at or before it) and a thread reads the two scales
+// of an n-tile in one 8-byte load (softmax.cuh: dequantize_scores_pairs_at). The fp8 kernels of
+// three consumers only (their scales are read where they multiply), with a plain rope (beside the
+// rope warp the pairs spill under the null mask); the geometry is V's.
+template <class V>
+struct EvenKeyRows : V {
+  static constexpr bool kEvenKeyRows = true;
+};
 
 // fp8 with three consumer warpgroups (MLA_SM90_FP8_CONSUMERS 3, the default; 2 keeps them at two,
 // as the window and chunked masks are: measured 6-11% faster at 1x8192, 3-7% at 4x2048, 2-3%

@@ -77,6 +77,8 @@ struct Mainloop {
   // (dequantize_scores_at), else into registers before the GEMMs (MLA_SM90_KSCALE_EARLY) or after
   static constexpr bool kScalesInPlace = V::kFp8 && V::kConsumers == 3;
   static constexpr bool kScalesEarly = V::kFp8 && MLA_SM90_KSCALE_EARLY && !kScalesInPlace;
+  // ... in pairs where every tile's first key row is even (EvenKeyRows)
+  static constexpr bool kScalePairs = kScalesInPlace && V::kEvenKeyRows;
   // Three consumers with a rope warp: the softmax step compiled on each side of the unreadable-key
   // branch (scores_to_p), so that its two paths join after the softmax; joined before it (S masked
   // or not, then one softmax) ptxas spills 76-104 bytes in the consumers at 160 registers.
@@ -258,7 +260,8 @@ struct Mainloop {
     constexpr int kTiles = kHalf ? kST / 2 : kST;  // n-tiles of S the GEMM wrote
     fence_operands_first<kTiles>(x.sacc);
     const int s = it % kS;
-    if constexpr (kScalesInPlace) dequantize_scores_at<kTiles>(x.sacc, sm.k_scales(s) + x.scale_at);
+    if constexpr (kScalePairs) dequantize_scores_pairs_at<kTiles>(x.sacc, sm.k_scales(s) + x.scale_at);
+    else if constexpr (kScalesInPlace) dequantize_scores_at<kTiles>(x.sacc, sm.k_scales(s) + x.scale_at);
     else if constexpr (V::kFp8) dequantize_scores<kTiles>(x.sacc, x.ksc);
 #pragma unroll
     for (int nt = kTiles; nt < kST; ++nt) x.sacc[nt][0] = x.sacc[nt][1] = x.sacc[nt][2] = x.sacc[nt][3] = neg_inf();

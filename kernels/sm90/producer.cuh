@@ -23,6 +23,7 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
   constexpr int kS = V::kStages;
   constexpr bool kRopeTma = kRopeByTma<V>;
   static_assert(!(V::kRopeE4m3 && kPaged), "an e4m3 rope under the per-token scales is plain only");
+  static_assert(!(V::kEvenKeyRows && kPaged), "the key scales in pairs with a plain rope only");
   // K stage bytes that arrive by TMA (k_full's expect_tx; a box past the tensor's end counts in
   // full, its missing rows zero-filled): the nope block(s), the rope block unless the rope warp
   // writes it (16 KiB of 16-bit rows, or 8 KiB of e4m3 rows), the key scales (fp8). Q's (q_load)

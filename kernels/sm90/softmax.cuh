@@ -56,6 +56,18 @@ __device__ __forceinline__ void dequantize_scores_at(float (&s)[kNT][4], u32 add
     scale_columns(s[nt], __uint_as_float(lds32(addr + 32 * nt)), __uint_as_float(lds32(addr + 32 * nt + 4)));
 }
 
+// dequantize_scores_at where `addr` is 8-byte aligned (EvenKeyRows: the box's first scale at an
+// even float): a thread's two scales of an n-tile in one load.
+template <int kTiles = 0, int kNT>
+__device__ __forceinline__ void dequantize_scores_pairs_at(float (&s)[kNT][4], u32 addr) {
+#pragma unroll
+  for (int nt = 0; nt < (kTiles ? kTiles : kNT); ++nt) {
+    u32 even, odd;
+    lds64(addr + 32 * nt, even, odd);
+    scale_columns(s[nt], __uint_as_float(even), __uint_as_float(odd));
+  }
+}
+
 // P (kPScale * P in fp8) as the A fragments of the kPvSteps k-steps of P V; kBytes: s holds
 // exp_byte carriers.
 template <class V, bool kBytes = kExpBytes<V>>
