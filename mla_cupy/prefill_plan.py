@@ -93,7 +93,8 @@ class PrefillPlan:
     Notes
     -----
     A plan keeps references to its offset arrays and reads them at every launch: change their
-    contents only for a layout with the same maximum query count and still valid for the plan.
+    contents only for a layout with the same maximum query count and still valid for the plan
+    (for an fp8 plan whose ``scale_pairs`` is true, every sequence's first key row still even).
     Runs of one plan may come from several threads; runs that can overlap on different streams
     must not share the plan's own V^T workspace (pass ``workspace=`` to each).
     """
