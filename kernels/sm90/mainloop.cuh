@@ -331,10 +331,10 @@ struct Mainloop {
     turn_pass();
     wgmma_wait<0>();
   }
-  // O rescaled by the last softmax step's factors; with MLA_SM90_LAZY_RESCALE not when every
-  // factor of the warp's rows is 1 (a warp-uniform branch around multiplies only).
+  // O rescaled by the last softmax step's factors; with kLazyRescale not when every factor of the
+  // warp's rows is 1 (a warp-uniform branch around multiplies only).
   static __device__ __forceinline__ void rescale_o(float (&o)[kOTiles][4], const float (&corr)[2]) {
-    if constexpr (MLA_SM90_LAZY_RESCALE) {
+    if constexpr (kLazyRescale<V>) {
       if (__all_sync(0xffffffffu, corr[0] == 1.f && corr[1] == 1.f)) return;
     }
     OnlineSoftmax::rescale(o, corr);
