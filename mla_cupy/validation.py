@@ -91,8 +91,11 @@ class Problem:
 
 def with_key_offsets(p: Problem, cache_row_offsets) -> Problem:
     """``p`` with what its kernel takes from the values of its key offsets (host int64 values,
-    None when not read): an fp8 variant's scale pairs (:func:`mla_cupy.fp8.scale_pairs`)."""
-    return replace(p, scale_pairs=p.fp8 and _fp8.scale_pairs(p.mask, p.paged, cache_row_offsets))
+    None when not read): an fp8 variant's scale pairs (:func:`mla_cupy.fp8.scale_pairs`); any
+    other problem as it is."""
+    if not p.fp8:
+        return p
+    return replace(p, scale_pairs=_fp8.scale_pairs(p.mask, p.paged, cache_row_offsets))
 
 
 def variant_of(fp8: bool, fp8_rope: bool) -> str:

@@ -108,7 +108,7 @@ constexpr int kNumVariants = 4;
 // which the host knows from the offsets it read: a key tile's first row is then even too (its
 // sequence's first plus a multiple of kVtAlign), so its scales start at an even float of their
 // box (the box starts at the 16-byte boundary at or before it) and a thread reads the two scales
-// of an n-tile in one 8-byte load (softmax.cuh: dequantize_scores_pairs_at). The fp8 kernels of
+// of an n-tile in one 8-byte load (softmax.cuh: dequantize_scores_at). The fp8 kernels of
 // three consumers only (their scales are read where they multiply), with a plain rope (beside the
 // rope warp the pairs spill under the null mask); the geometry is V's.
 template <class V>

@@ -260,8 +260,7 @@ struct Mainloop {
     constexpr int kTiles = kHalf ? kST / 2 : kST;  // n-tiles of S the GEMM wrote
     fence_operands_first<kTiles>(x.sacc);
     const int s = it % kS;
-    if constexpr (kScalePairs) dequantize_scores_pairs_at<kTiles>(x.sacc, sm.k_scales(s) + x.scale_at);
-    else if constexpr (kScalesInPlace) dequantize_scores_at<kTiles>(x.sacc, sm.k_scales(s) + x.scale_at);
+    if constexpr (kScalesInPlace) dequantize_scores_at<kTiles, kScalePairs>(x.sacc, sm.k_scales(s) + x.scale_at);
     else if constexpr (V::kFp8) dequantize_scores<kTiles>(x.sacc, x.ksc);
 #pragma unroll
     for (int nt = kTiles; nt < kST; ++nt) x.sacc[nt][0] = x.sacc[nt][1] = x.sacc[nt][2] = x.sacc[nt][3] = neg_inf();

@@ -48,22 +48,20 @@ __device__ __forceinline__ void dequantize_scores(float (&s)[kNT][4], const floa
 
 // dequantize_scores with the key scales read from shared memory where they multiply: `addr` is
 // the shared address of this thread's first scale (4 key_scale_index bytes into the box). Three
-// fp8 consumers: at 160 registers S, O and a tile's 32 scales do not fit together.
-template <int kTiles = 0, int kNT>
+// fp8 consumers: at 160 registers S, O and a tile's 32 scales do not fit together. kPairs: `addr`
+// is 8-byte aligned (EvenKeyRows: the box's first scale at an even float), so a thread's two
+// scales of an n-tile come in one load.
+template <int kTiles = 0, bool kPairs = false, int kNT>
 __device__ __forceinline__ void dequantize_scores_at(float (&s)[kNT][4], u32 addr) {
-#pragma unroll
-  for (int nt = 0; nt < (kTiles ? kTiles : kNT); ++nt)
-    scale_columns(s[nt], __uint_as_float(lds32(addr + 32 * nt)), __uint_as_float(lds32(addr + 32 * nt + 4)));
-}
-
-// dequantize_scores_at where `addr` is 8-byte aligned (EvenKeyRows: the box's first scale at an
-// even float): a thread's two scales of an n-tile in one load.
-template <int kTiles = 0, int kNT>
-__device__ __forceinline__ void dequantize_scores_pairs_at(float (&s)[kNT][4], u32 addr) {
 #pragma unroll
   for (int nt = 0; nt < (kTiles ? kTiles : kNT); ++nt) {
     u32 even, odd;
-    lds64(addr + 32 * nt, even, odd);
+    if constexpr (kPairs) {
+      lds64(addr + 32 * nt, even, odd);
+    } else {
+      even = lds32(addr + 32 * nt);
+      odd = lds32(addr + 32 * nt + 4);
+    }
     scale_columns(s[nt], __uint_as_float(even), __uint_as_float(odd));
   }
 }
