@@ -24,6 +24,8 @@ Implementations (``--impls``, comma separated; the first is the base):
                     boundaries; ours:paged=P;shift=S puts the keys S rows into their first page
                     (cache_offsets = S); one-sequence cases
   ours:hps=N        the same with N heads per L2 section (scheduler experiment; overrides the host heuristic)
+  ours:tail=N       the same with N query blocks ending the launch outside the sections (0: the sections'
+                    order alone; overrides the host's rule)
   ours:sched=static the same with the round-robin tile order instead of the dynamic hand-out
   ours:src=DIR      the same with the kernels under DIR (``git archive REV kernels | tar -x -C DIR``; they must
                     take the parameters the current launch code packs)
@@ -249,14 +251,15 @@ def _ours(case: BenchCase, sets, opts: Dict[str, str]) -> Impl:
 
 
 def _first_call_under_variant(call, opts: Dict[str, str]):
-    """Runs ``call(0)`` once under the variant that ``opts`` names (``src``, ``def``, ``hps``): the
+    """Runs ``call(0)`` once under the variant that ``opts`` names (``src``, ``def``, ``hps``, ``tail``): the
     plan's first run packs its launch record (kernel function, arguments) under the variant; later
     runs reuse that record, so nothing recompiles inside the timed region. Returns ``call``."""
     from mla_cupy import _packing
 
     hps = int(opts["hps"]) if "hps" in opts else None
+    tail = int(opts["tail"]) if "tail" in opts else None
     src, defs = opts.get("src"), opts.get("def")
-    if hps is None and src is None and defs is None:
+    if hps is None and tail is None and src is None and defs is None:
         return call
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from _variant import restore, use_defines, use_sources
@@ -266,13 +269,15 @@ def _first_call_under_variant(call, opts: Dict[str, str]):
         saved = use_sources(src)
     elif defs is not None:
         saved = use_defines(dict(d.split(":", 1) for d in defs.split("+")))
-    orig = _packing.heads_per_section
+    orig = _packing.heads_per_section, _packing.tail_blocks
     if hps is not None:
         _packing.heads_per_section = lambda p, d: hps
+    if tail is not None:
+        _packing.tail_blocks = lambda p, hs, nmb, ctas: tail if tail < nmb else 0
     try:
         call(0)
     finally:
-        _packing.heads_per_section = orig
+        _packing.heads_per_section, _packing.tail_blocks = orig
         if saved is not None:
             restore(saved)
     return call

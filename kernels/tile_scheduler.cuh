@@ -7,7 +7,13 @@
 //     (ordering all heads side by side streamed every head's K/V from DRAM again per query block);
 //   * inside a section the LAST query blocks of every sequence come first: under causal masks they
 //     see the most keys, so the longest work starts earliest and short tiles fill the tail;
-//   * then sequences, then the heads of the section (fastest).
+//   * then sequences, then the heads of the section (fastest);
+//   * the last `tail_blocks` query blocks of that order (every sequence's first ones: under a causal
+//     mask the fewest keys) leave their sections and end the launch, all heads together. With
+//     sections, each section's short tiles would otherwise run amid the next section's long ones,
+//     and the launch would end on the last section's short tiles alone, too few to even out the
+//     CTAs' finishing times (a few work tiles per SM: 2-3% of the launch at H = 16, 1 x 8192).
+//     Their keys are each sequence's first few blocks, so reading them again costs little.
 // Sequences shorter than the grid's q_max_seq_len leave indices that decode to nothing.
 // The portable kernel launches one CTA per index; the Hopper kernel is persistent and takes the
 // indices in this order from a counter as its CTAs free up (sm90/scheduler.cuh), so longest-first
@@ -37,18 +43,31 @@ struct WorkTile {
 // Decodes tile `idx` (0 <= idx < num_m_blocks * batch * num_heads). Returns false when the tile has
 // no rows (its sequence is shorter than m_block * block_m). from_end: m_block counts the query
 // blocks from the sequence's end (0: its last block_m rows; the caller places the rows), in the same
-// order (every sequence's last block first).
+// order (every sequence's last block first). tail_blocks < num_m_blocks: query blocks (counted from
+// the end) past num_m_blocks - tail_blocks come after every section, all heads together.
 __device__ __forceinline__ bool decode_work_tile(const SeqOffsets& so, int idx, int num_heads, int heads_per_section,
                                                  int batch, int num_m_blocks, int block_m, WorkTile& w,
-                                                 bool from_end = false) {
-  const int section_tiles = num_m_blocks * batch * heads_per_section;  // tiles of a full section
-  const int sec = idx / section_tiles;
-  const int hs = min(heads_per_section, num_heads - sec * heads_per_section);  // the last one may be short
-  int rest = idx - sec * section_tiles;
-  w.h = sec * heads_per_section + rest % hs;
-  rest /= hs;
-  w.b = rest % batch;
-  w.m_block = from_end ? rest / batch : num_m_blocks - 1 - rest / batch;
+                                                 bool from_end = false, int tail_blocks = 0) {
+  const int lead = num_m_blocks - tail_blocks;   // query blocks in the sections
+  const int lead_tiles = lead * batch * num_heads;
+  int j;  // the query block counted from the end
+  if (idx < lead_tiles) {
+    const int section_tiles = lead * batch * heads_per_section;  // tiles of a full section
+    const int sec = idx / section_tiles;
+    const int hs = min(heads_per_section, num_heads - sec * heads_per_section);  // the last one may be short
+    int rest = idx - sec * section_tiles;
+    w.h = sec * heads_per_section + rest % hs;
+    rest /= hs;
+    w.b = rest % batch;
+    j = rest / batch;
+  } else {
+    int rest = idx - lead_tiles;
+    w.h = rest % num_heads;
+    rest /= num_heads;
+    w.b = rest % batch;
+    j = lead + rest / batch;
+  }
+  w.m_block = from_end ? j : num_m_blocks - 1 - j;
   w.q_row0 = so.q_offsets[w.b];
   w.sq = static_cast<int>(so.q_offsets[w.b + 1] - so.q_offsets[w.b]);
   if (w.m_block * block_m >= w.sq) return false;

@@ -12,7 +12,7 @@ from ._checks import check_aligned, dtype_of
 from ._geometry import prefill_kernel
 from ._launch import TENSOR_MAP_DTYPE, ArgPack, PreparedLaunch
 from ._run_args import KS, LSE, OUT, QR, QS, ROPE, RSC, SLOTS, WS, K, Q, Target, V
-from ._select import heads_per_section, sm_count
+from ._select import heads_per_section, sm_count, tail_blocks
 from .dims import DR, DV
 from .fp8 import vt_launch, vt_shape
 from .tma import ZERO_MAP, prefill_maps, stride16
@@ -187,6 +187,7 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
     maps = map_fields(pack)
     values.update({n: ZERO_MAP for n in maps}, tile_counter=0)
     grid = min(nmb * p.batch * p.heads, sm_count(t.device_id))  # persistent: at most one CTA per SM
+    values["tail_blocks"] = tail_blocks(p, values["heads_per_section"], nmb, grid)
     launch = PreparedLaunch(pack, ck.fn, (grid, 1, 1), ck.threads, ck.smem, values)
     gather = gather_fields = None
     if gather_rows:

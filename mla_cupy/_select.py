@@ -1,5 +1,6 @@
-"""Kernel choice: which prefill kernel runs on this device, and the Hopper kernel's L2 grouping of
-heads (``heads_per_section``)."""
+"""Kernel choice: which prefill kernel runs on this device, and the Hopper kernel's order of work
+tiles: its L2 grouping of heads (``heads_per_section``) and the query blocks that end the launch
+(``tail_blocks``)."""
 from __future__ import annotations
 
 import functools
@@ -7,9 +8,9 @@ from typing import Optional, Tuple
 
 from ._launch import environ_get
 from .dims import DV
-from .masks import NullMask
+from .masks import CausalMask, NullMask
 
-__all__ = ["KERNELS", "choose_kernel", "sm90_disabled", "heads_per_section", "sm_count", "device_id"]
+__all__ = ["KERNELS", "choose_kernel", "sm90_disabled", "heads_per_section", "tail_blocks", "sm_count", "device_id"]
 
 KERNELS = ("auto", "sm80", "sm90")
 
@@ -88,3 +89,19 @@ def heads_per_section(p, device_id: int) -> int:
     budget = l2 // 8 if isinstance(p.mask, NullMask) else l2 // (2 if p.batch == 1 else 4)
     g = max(1, min(p.heads, budget // kv_bytes_per_head))
     return max(d for d in range(1, g + 1) if p.heads % d == 0)
+
+
+def tail_blocks(p, heads_per_section: int, num_m_blocks: int, ctas: int) -> int:
+    """Query blocks taken out of the L2 sections to end the launch, all heads together
+    (kernels/tile_scheduler.cuh): under a causal mask every sequence's first blocks are its
+    cheapest work tiles, and with them pooled the persistent CTAs even out their finishing times
+    (with sections, the launch ends on the last section's short tiles alone). As many blocks as give
+    about 1.5 work tiles per CTA (``ctas``), where that is fewer than ``num_m_blocks`` and at most 3
+    per CTA; 0 without sections, under any other mask, or where keys outnumber the queries twice
+    over (a prefix: every tile then reads it, and the tiles cost about the same). ``p`` is the
+    checked :class:`~mla_cupy.validation.Problem`."""
+    if not isinstance(p.mask, CausalMask) or heads_per_section >= p.heads or p.tk > 2 * p.tq:
+        return 0
+    per_block = p.batch * p.heads  # work tiles of one query block index
+    t = -(-3 * ctas // (2 * per_block))
+    return t if t < num_m_blocks and t * per_block <= 3 * ctas else 0

@@ -31,8 +31,8 @@ SM90_PARAMS = [(n, _TM) for n in ("tm_q", "tm_k", "tm_v", "tm_rope", "tm_q_rope"
     ("out", PTR), ("lse", PTR), ("o_st", I64), ("o_sh", I64), ("lse_st", I64), ("q_offsets", PTR), ("kv_begin", PTR),
     ("kv_end", PTR), ("cache_offsets", PTR), ("q_start_pos", PTR), ("rope_base", PTR), ("rope_row_stride", I64),
     ("rope_block_stride", I64), ("lookup", PTR), ("lookup_stride", I64), ("log2_page_size", I32), ("num_blocks", U32),
-    ("max_pages", U32), ("num_heads", I32), ("heads_per_section", I32), ("batch", I32),
-    ("num_m_blocks", I32), ("scale_log2", F32), ("mask_arg", I64), ("accumulate", I32), ("out_by_tma", I32), ("q_scale", PTR),
+    ("max_pages", U32), ("num_heads", I32), ("heads_per_section", I32), ("batch", I32), ("num_m_blocks", I32),
+    ("tail_blocks", I32), ("scale_log2", F32), ("mask_arg", I64), ("accumulate", I32), ("out_by_tma", I32), ("q_scale", PTR),
     ("q_scale_stride", I64), ("rope_scales", PTR), ("rope_scale_row_stride", I64), ("rope_scale_block_stride", I64),
     ("tile_counter", PTR)]
 #: kernels/mla_prefill_sm80.cu, in its order

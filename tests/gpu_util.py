@@ -21,6 +21,23 @@ def _kernels():
 KERNELS = _kernels()
 
 
+def pooled_blocks(c, block_m, fp8=False):
+    """The query blocks of case ``c`` that end the Hopper launch outside its L2 sections
+    (_select.tail_blocks) with work tiles of ``block_m`` rows, under the causal mask."""
+    import cupy as cp
+
+    from mla_cupy import _select, validation
+
+    sq, sk = np.diff(c.valid_length.astype(np.int64)), np.diff(c.cache_row_offsets.astype(np.int64))
+    p = validation.Problem(batch=len(sq), heads=c.q.shape[1], tq=int(sq.sum()), tk=int(sk.sum()), dtype=c.q.dtype,
+                           out_dtype=c.q.dtype, mask=mla_cupy.CausalMask(), scale=1.0, max_sq=int(sq.max()),
+                           paged=False, variant=validation.variant_of(fp8, False))
+    dev = cp.cuda.runtime.getDevice()
+    nmb = -(-p.max_sq // block_m)
+    ctas = min(nmb * p.batch * p.heads, _select.sm_count(dev))
+    return _select.tail_blocks(p, _select.heads_per_section(p, dev), nmb, ctas)
+
+
 def small_problem(sq: int, heads: int, seed: int):
     """One sequence of ``sq`` queries over ``sq`` keys on the GPU: q, k (also used as v), k_rope,
     offsets and an output buffer, for tests that call the kernel many times."""

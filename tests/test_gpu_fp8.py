@@ -11,7 +11,7 @@ from mla_cupy import quant, reference
 from mla_cupy.fp8 import TransposedV
 
 from _cases import BF16, build_paged, build_paged_fp8_rope, make_case, per_slice_errors
-from gpu_util import KERNELS, assert_like_reference
+from gpu_util import KERNELS, assert_like_reference, pooled_blocks
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif("sm90" not in KERNELS, reason="the fp8 per-token kernel needs a Hopper GPU")]
@@ -467,6 +467,16 @@ def test_fp8_one_shot_takes_the_kernel_of_its_key_rows_each_call():
 # ------------------------------------------------------------------------------------------------
 # All e4m3: q_rope and k_rope e4m3 under the per-token scales, Q K^T one 192-deep e4m3 GEMM
 # (VariantE4m3). The inputs: quant.quantize_per_token(..., e4m3_rope=True).
+@pytest.mark.parametrize("e4m3_rope", [False, True], ids=["per-token", "all-e4m3"])
+def test_fp8_cheapest_blocks_end_the_launch(e4m3_rope):
+    """The fp8 kernels' 192-row work tiles with the first query blocks pooled at the launch's end
+    (test_gpu_prefill.py: test_cheapest_blocks_end_the_launch)."""
+    for sq, seed in (([1001], 61), ([700, 333], 62)):
+        c = make_case(sq, sq, 128, BF16, seed=seed)
+        assert pooled_blocks(c, 192, fp8=True) > 0, sq
+        check_fp8(c, mask=CausalMask(), fq=quantized(c, e4m3_rope=e4m3_rope))
+
+
 # ------------------------------------------------------------------------------------------------
 
 def check_e4m3(case, mask=None, **kw):

@@ -8,7 +8,7 @@ from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, Slidi
 
 from _cases import BF16, FP16, make_case
 from _threads import in_threads
-from gpu_util import KERNELS, assert_like_reference, run_and_check, upload
+from gpu_util import KERNELS, assert_like_reference, pooled_blocks, run_and_check, upload
 
 pytestmark = pytest.mark.gpu
 
@@ -72,6 +72,17 @@ def test_many_tiles_per_cta_in_l2_sections(kernel):
     assert 1 < api.heads_per_section(p, cp.cuda.runtime.getDevice()) < 128
     run_and_check(c, kernel=kernel)
     run_and_check(c, mask=SlidingWindowCausalMask(300), kernel=kernel)
+
+
+@kernels
+def test_cheapest_blocks_end_the_launch(kernel):
+    """Causal launches whose heads fall into several L2 sections: every sequence's first query
+    blocks (part-filled ones among them) leave the sections and end the launch, all heads together
+    (tile_scheduler.cuh); every work tile is still taken once."""
+    for sq, heads, seed in (([1001], 128, 41), ([3501], 16, 42), ([700, 333], 128, 43)):
+        c = make_case(sq, sq, heads, BF16, seed=seed)
+        assert pooled_blocks(c, 128) > 0, (sq, heads)
+        run_and_check(c, mask=CausalMask(), kernel=kernel)
 
 
 @kernels

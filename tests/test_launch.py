@@ -219,3 +219,38 @@ def test_launch_code_reads_the_exports_as_a_module_serves_them(monkeypatch):
     want, want_table, _ = _pack_of(fam, reg.sm90_exports(CausalMask()))
     assert pack.dtype == want.dtype and pack.names == want.names
     assert table.tolist() == want_table.tolist()
+
+
+def _causal_problem(heads, sq, sk=None, mask=None, fp8=False):
+    """What the order of work tiles reads of a checked problem (validation.Problem's fields)."""
+    from types import SimpleNamespace
+
+    sk = sq if sk is None else sk
+    return SimpleNamespace(mask=CausalMask() if mask is None else mask, heads=heads, batch=len(sq), tq=sum(sq),
+                           tk=sum(sk), fp8=fp8)
+
+
+@pytest.mark.parametrize("case, sections, blocks, want", [
+    ((16, [8192]), 8, 43, 13),            # per token, 192-row tiles: 5.2 per SM, 13 x 16 pooled
+    ((128, [4096]), 16, 22, 2),           # 2 x 128 = 256 pooled of 2816
+    ((128, [700, 333]), 16, 6, 1),        # a batch of two: one block of each, 256 pooled
+    ((16, [8192]), 16, 43, 0),            # one section: the order is already longest first
+    ((128, [512] * 16), 64, 3, 0),        # 16 x 128 tiles a block: more than 3 per CTA
+    ((128, [128] * 64), 128, 1, 0),       # one block a sequence
+    ((16, [1024], [4096]), 8, 6, 0),      # a prefix: keys four times the queries
+    ((16, [64]), 8, 1, 0),                # fewer blocks than the pool would take
+])
+def test_the_cheapest_blocks_end_the_launch_where_sections_would(case, sections, blocks, want):
+    """_select.tail_blocks: the query blocks that leave the L2 sections to end a causal launch
+    (kernels/tile_scheduler.cuh), about 1.5 work tiles per CTA of 132."""
+    from mla_cupy import _select
+
+    assert _select.tail_blocks(_causal_problem(*case), sections, blocks, 132) == want
+
+
+@pytest.mark.parametrize("mask", [NullMask(), SlidingWindowCausalMask(100), ChunkedMask(64)], ids=lambda m: type(m).__name__)
+def test_the_order_keeps_its_sections_without_a_causal_mask(mask):
+    """Under the other masks every work tile of a sequence costs about the same: nothing is pooled."""
+    from mla_cupy import _select
+
+    assert _select.tail_blocks(_causal_problem(16, [8192], mask=mask), 8, 43, 132) == 0

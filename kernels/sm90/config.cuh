@@ -375,14 +375,17 @@ constexpr bool kKAhead = MLA_SM90_K_AHEAD != 0;
 // maximum kept through the mask-free tiles until one raises it by more than kMaxSlackQ / 4 (log2
 // units; the probabilities then reach 2^slack, within what P's type holds), so that the vote finds
 // every factor 1 on most tiles past a row's first ones (FlashAttention-4's conditional rescale).
-// 3: as 1 in the fp8 kernels of three consumers only. Off (0): the rescale always runs.
+// 3 (the default): as 1 in the per-token fp8 kernels of three consumers only (bf16 rope), measured
+// 0.4-0.7% faster at 8192 keys and level elsewhere; the all-e4m3 ones measured up to 0.6% slower
+// with the vote, the 16-bit ones level or slower (benchmarks/NOTES.md). Off (0): the rescale always
+// runs.
 #ifndef MLA_SM90_LAZY_RESCALE
-#define MLA_SM90_LAZY_RESCALE 0
+#define MLA_SM90_LAZY_RESCALE 3
 #endif
 // Whether variant V's consumers vote on O's rescale (mainloop.cuh: rescale_o).
 template <class V>
 constexpr bool kLazyRescale = MLA_SM90_LAZY_RESCALE == 1 || MLA_SM90_LAZY_RESCALE == 2 ||
-                              (MLA_SM90_LAZY_RESCALE == 3 && V::kFp8 && V::kConsumers == 3);
+                              (MLA_SM90_LAZY_RESCALE == 3 && V::kFp8 && !V::kRopeE4m3 && V::kConsumers == 3);
 // The slack in quarters of a log2 unit: fp8 0.75 (kPScale * P <= 2^8.75 = 431, under e4m3's 448),
 // 16-bit 8 (P <= 256).
 template <class V> constexpr int kMaxSlackQ = MLA_SM90_LAZY_RESCALE == 2 ? (V::kFp8 ? 3 : 32) : 0;

@@ -25,8 +25,9 @@ namespace sm90 {
   /* an fp8 rope's rows                                                                          */ \
   X(const void*, rope_base) X(i64, rope_row_stride) X(i64, rope_block_stride) X(const u32*, lookup)          \
   X(i64, lookup_stride) X(int, log2_page_size) X(u32, num_blocks) X(u32, max_pages)                          \
-  /* the work: heads, L2 sections of heads, sequences, query blocks of the longest sequence */      \
-  X(int, num_heads) X(int, heads_per_section) X(int, batch) X(int, num_m_blocks)                    \
+  /* the work: heads, L2 sections of heads, sequences, query blocks of the longest sequence, the  */ \
+  /* query blocks that end the launch outside the sections (tile_scheduler.cuh)                  */ \
+  X(int, num_heads) X(int, heads_per_section) X(int, batch) X(int, num_m_blocks) X(int, tail_blocks) \
   /* softmax scale times log2(e), the mask's argument, merge into out / lse (chunked prefill),    */ \
   /* 1 if tm_out maps out (the staged epilogue then stores whole row halves by TMA)               */ \
   X(float, scale_log2) X(i64, mask_arg) X(int, accumulate) X(int, out_by_tma)                       \

@@ -48,7 +48,7 @@ __device__ __forceinline__ SeqOffsets seq_offsets(const Params& p) {
 template <class V, class Mask>
 __device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int idx, WorkInfo& k) {
   if (!decode_work_tile(seq_offsets(p), idx, p.num_heads, p.heads_per_section, p.batch, p.num_m_blocks,
-                        kBlockM<V>, k.w, kEndAligned<V>))
+                        kBlockM<V>, k.w, kEndAligned<V>, p.tail_blocks))
     return false;
   if constexpr (kEndAligned<V>) {
     k.m0 = k.w.sq - (k.w.m_block + 1) * kBlockM<V>;  // negative for a sequence's part-filled first block
