@@ -21,9 +21,9 @@ def _kernels():
 KERNELS = _kernels()
 
 
-def pooled_blocks(c, block_m, fp8=False):
-    """The query blocks of case ``c`` that end the Hopper launch outside its L2 sections
-    (_select.tail_blocks) with work tiles of ``block_m`` rows, under the causal mask."""
+def pooled_blocks(c, block_m, sections):
+    """The query blocks of case ``c`` that end the Hopper launch outside its L2 sections of
+    ``sections`` heads (_select.tail_blocks) with work tiles of ``block_m`` rows, causal."""
     import cupy as cp
 
     from mla_cupy import _select, validation
@@ -31,11 +31,10 @@ def pooled_blocks(c, block_m, fp8=False):
     sq, sk = np.diff(c.valid_length.astype(np.int64)), np.diff(c.cache_row_offsets.astype(np.int64))
     p = validation.Problem(batch=len(sq), heads=c.q.shape[1], tq=int(sq.sum()), tk=int(sk.sum()), dtype=c.q.dtype,
                            out_dtype=c.q.dtype, mask=mla_cupy.CausalMask(), scale=1.0, max_sq=int(sq.max()),
-                           paged=False, variant=validation.variant_of(fp8, False))
-    dev = cp.cuda.runtime.getDevice()
+                           paged=False)
     nmb = -(-p.max_sq // block_m)
-    ctas = min(nmb * p.batch * p.heads, _select.sm_count(dev))
-    return _select.tail_blocks(p, _select.heads_per_section(p, dev), nmb, ctas)
+    ctas = min(nmb * p.batch * p.heads, _select.sm_count(cp.cuda.runtime.getDevice()))
+    return _select.tail_blocks(p, sections, nmb, ctas)
 
 
 def small_problem(sq: int, heads: int, seed: int):

@@ -468,12 +468,15 @@ def test_fp8_one_shot_takes_the_kernel_of_its_key_rows_each_call():
 # All e4m3: q_rope and k_rope e4m3 under the per-token scales, Q K^T one 192-deep e4m3 GEMM
 # (VariantE4m3). The inputs: quant.quantize_per_token(..., e4m3_rope=True).
 @pytest.mark.parametrize("e4m3_rope", [False, True], ids=["per-token", "all-e4m3"])
-def test_fp8_cheapest_blocks_end_the_launch(e4m3_rope):
+def test_fp8_cheapest_blocks_end_the_launch(e4m3_rope, monkeypatch):
     """The fp8 kernels' 192-row work tiles with the first query blocks pooled at the launch's end
     (test_gpu_prefill.py: test_cheapest_blocks_end_the_launch)."""
-    for sq, seed in (([1001], 61), ([700, 333], 62)):
-        c = make_case(sq, sq, 128, BF16, seed=seed)
-        assert pooled_blocks(c, 192, fp8=True) > 0, sq
+    from mla_cupy import _packing
+
+    monkeypatch.setattr(_packing, "heads_per_section", lambda p, dev: 8)
+    for sq, heads, seed in (([1400], 32, 61), ([1500, 901], 16, 62)):
+        c = make_case(sq, sq, heads, BF16, seed=seed + e4m3_rope)
+        assert pooled_blocks(c, 192, 8) >= 4, sq
         check_fp8(c, mask=CausalMask(), fq=quantized(c, e4m3_rope=e4m3_rope))
 
 

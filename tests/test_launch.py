@@ -232,17 +232,20 @@ def _causal_problem(heads, sq, sk=None, mask=None, fp8=False):
 
 @pytest.mark.parametrize("case, sections, blocks, want", [
     ((16, [8192]), 8, 43, 13),            # per token, 192-row tiles: 5.2 per SM, 13 x 16 pooled
-    ((128, [4096]), 16, 22, 2),           # 2 x 128 = 256 pooled of 2816
-    ((128, [700, 333]), 16, 6, 1),        # a batch of two: one block of each, 256 pooled
+    ((16, [8192]), 4, 64, 13),            # 16-bit, 128-row tiles
+    ((16, [1500, 901]), 4, 8, 7),         # a batch of two: 7 blocks of each, 224 pooled
+    ((32, [1400]), 8, 8, 7),
+    ((128, [4096]), 16, 22, 0),           # 2 blocks of 128 heads: too few blocks of each
     ((16, [8192]), 16, 43, 0),            # one section: the order is already longest first
-    ((128, [512] * 16), 64, 3, 0),        # 16 x 128 tiles a block: more than 3 per CTA
+    ((128, [512] * 16), 64, 3, 0),
     ((128, [128] * 64), 128, 1, 0),       # one block a sequence
     ((16, [1024], [4096]), 8, 6, 0),      # a prefix: keys four times the queries
-    ((16, [64]), 8, 1, 0),                # fewer blocks than the pool would take
+    ((16, [2000]), 8, 11, 0),             # fewer blocks than the pool would take
 ])
 def test_the_cheapest_blocks_end_the_launch_where_sections_would(case, sections, blocks, want):
     """_select.tail_blocks: the query blocks that leave the L2 sections to end a causal launch
-    (kernels/tile_scheduler.cuh), about 1.5 work tiles per CTA of 132."""
+    (kernels/tile_scheduler.cuh), about 1.5 work tiles per CTA of 132, at least 4 of each
+    sequence."""
     from mla_cupy import _select
 
     assert _select.tail_blocks(_causal_problem(*case), sections, blocks, 132) == want
