@@ -13,7 +13,8 @@
 //     sections, each section's short tiles would otherwise run amid the next section's long ones,
 //     and the launch would end on the last section's short tiles alone, too few to even out the
 //     CTAs' finishing times (a few work tiles per SM: 2-3% of the launch at H = 16, 1 x 8192).
-//     Their keys are each sequence's first few blocks, so reading them again costs little.
+//     Their keys are each sequence's first blocks, read again by several pooled tiles each where
+//     the heads are few; the host pools only there (mla_cupy/_select.py: tail_blocks).
 // Sequences shorter than the grid's q_max_seq_len leave indices that decode to nothing.
 // The portable kernel launches one CTA per index; the Hopper kernel is persistent and takes the
 // indices in this order from a counter as its CTAs free up (sm90/scheduler.cuh), so longest-first

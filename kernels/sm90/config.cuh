@@ -376,9 +376,9 @@ constexpr bool kKAhead = MLA_SM90_K_AHEAD != 0;
 // units; the probabilities then reach 2^slack, within what P's type holds), so that the vote finds
 // every factor 1 on most tiles past a row's first ones (FlashAttention-4's conditional rescale).
 // 3 (the default): as 1 in the per-token fp8 kernels of three consumers only (bf16 rope), measured
-// 0.4-0.7% faster at 8192 keys and level elsewhere; the all-e4m3 ones measured up to 0.6% slower
-// with the vote, the 16-bit ones level or slower (benchmarks/NOTES.md). Off (0): the rescale always
-// runs.
+// 0.4-1.2% faster from 8192 keys and within 1% either way below; the all-e4m3 ones measured up to
+// 0.6% slower with the vote, the 16-bit ones level or slower (benchmarks/NOTES.md). Off (0): the
+// rescale always runs.
 #ifndef MLA_SM90_LAZY_RESCALE
 #define MLA_SM90_LAZY_RESCALE 3
 #endif
