@@ -294,9 +294,9 @@ def cached_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask
     every launch, so an entry never launches stale arguments; what the host derives from their
     contents is read again per call (the largest query count when ``q_max_seq_len`` is not given,
     every value check with ``validate``, and then the fp8 kernel the key offsets take) or made per
-    call (an int32 ``q_start_pos`` widened, an fp8 workspace). A TransposedV is served only when its offsets are the call's ``cache_row_offsets``
-    (:func:`~mla_cupy.fp8.same_offsets`, no value read) and no workspace is given; else the
-    checks decide."""
+    call (an int32 ``q_start_pos`` widened, an fp8 workspace). A TransposedV is served only when
+    its offsets are the call's ``cache_row_offsets`` (:func:`~mla_cupy.fp8.same_offsets`, no value
+    read) and no workspace is given; else the checks decide."""
     if CACHE.maxsize <= 0:
         return False, None
     paged = isinstance(k_rope, PagedKVCache)

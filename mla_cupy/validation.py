@@ -490,7 +490,8 @@ def check_inputs(
 
     if validate or read_offsets:
         observed, cro = check_values(valid_length, cache_row_offsets, cache_offsets, k_rope,
-                                     None if fp8 is None else fp8[1], tq=tq, tk=tk, q_max_seq_len=max_sq, validate=validate)
+                                     None if fp8 is None else fp8[1], tq=tq, tk=tk, q_max_seq_len=max_sq,
+                                     validate=validate)
         if max_sq is None:
             max_sq = observed
             p = replace(p, max_sq=max_sq)
