@@ -10,9 +10,7 @@ e4m3 before P V; the row sums are of the same bytes. How they round (``kernels/e
   its chord, bias -0.4585), in the tiles that a 64-row consumer sees whole (the three-consumer
   kernels under the causal mask and no mask).
 
-and against which reference: the exact running maximum of each row (the default), or a reference
-held through the mask-free tiles until a score of the warp passes byte 126 (``MLA_SM90_FP8_HELD_MAX``
-N: P as 2^N P). This script follows the kernels' geometry (consumers of 64 rows counted from each
+against the exact running maximum of each row. This script follows the kernels' geometry (consumers of 64 rows counted from each
 sequence's end, warps of 16, key tiles of 128 from the sequence's first key, a work tile's first key
 tile always on the exp2 path) and reports each rule's per-slice errors against the float64 reference
 of the dequantized inputs, the contract's measure (bound 3e-2 on slices of 64 keys or more), on the
@@ -21,7 +19,7 @@ e4m3-accumulator arithmetic around P (the GPU tests' errors run a little above t
 
 Usage (CPU only)::
 
-    PYTHONPATH=.:tests python benchmarks/p_rounding.py [--held 6 --held 7]
+    PYTHONPATH=.:tests python benchmarks/p_rounding.py
 """
 from __future__ import annotations
 
@@ -46,7 +44,7 @@ def _header_number(relpath: str, pattern: str) -> float:
 
 
 EXP_BYTE_BIAS = _header_number("e4m3.cuh", r"kExpByteBias = (-?[0-9.]+)f;")
-LOG2_PSCALE = int(_header_number("sm90/fp8.cuh", r"kLog2PScale = [^;]*?(\d+);"))  # the default (no held reference)
+LOG2_PSCALE = int(_header_number("sm90/fp8.cuh", r"kLog2PScale = (\d+);"))
 CONSUMER_ROWS, WARP_ROWS = HALF_BLOCK, 16  # a consumer warpgroup's rows, a warp's rows of them
 E4M3_MAX = 448.0
 
@@ -76,8 +74,7 @@ def _byte(x: np.ndarray) -> np.ndarray:
 
 def exp_bytes(x: np.ndarray) -> np.ndarray:
     """The bytes' values: round(8 x + 56 + bias) clamped below at 0 (-inf included); past byte 126
-    (e4m3's 448) raises: the kernels never make such a byte (the exact maximum, or the held
-    reference's exact step, keeps x <= 8.75)."""
+    (e4m3's 448) raises: the kernels never make such a byte (the exact maximum keeps x <= 8)."""
     b = np.where(np.isneginf(x), 0.0, _byte(x))
     if (b > 126).any():
         raise OverflowError("a byte past e4m3's range")
@@ -91,15 +88,12 @@ def _unrounded(x: np.ndarray) -> np.ndarray:
 ENCODINGS = {"bytes": exp_bytes, "exp2": exp2_e4m3, "exact": _unrounded}
 
 
-def emulate_rows(s: np.ndarray, vis: np.ndarray, v: np.ndarray, *, encoding: str = "bytes",
-                 held: Optional[int] = None) -> np.ndarray:
+def emulate_rows(s: np.ndarray, vis: np.ndarray, v: np.ndarray, *, encoding: str = "bytes") -> np.ndarray:
     """The output rows of one (sequence, head): ``s`` [rows, keys] scores times the softmax scale in
     log2 units, ``vis`` the mask, ``v`` [keys, Dv]. ``encoding``: the mask-free tiles' rounding
-    (``bytes``, ``exp2``, or ``exact``: P unrounded everywhere, the emulation's own check);
-    ``held``: None for the exact maximum, else N (P as 2^N P, references held in the mask-free
-    tiles)."""
+    (``bytes``, ``exp2``, or ``exact``: P unrounded everywhere, the emulation's own check)."""
     rows, keys = s.shape
-    log2p = LOG2_PSCALE if held is None else held
+    log2p = LOG2_PSCALE
     edge = _unrounded if encoding == "exact" else exp2_e4m3
     inner = ENCODINGS[encoding]
     out = np.zeros((rows, v.shape[1]))
@@ -109,26 +103,12 @@ def emulate_rows(s: np.ndarray, vis: np.ndarray, v: np.ndarray, *, encoding: str
         m = np.full(len(r), -np.inf)
         l = np.zeros(len(r))
         o = np.zeros((len(r), v.shape[1]))
-        warps = [np.flatnonzero((r - c0) // WARP_ROWS == w) for w in range(CONSUMER_ROWS // WARP_ROWS)]
         for t in range((keys + KEY_TILE - 1) // KEY_TILE):
             cols = np.arange(t * KEY_TILE, min((t + 1) * KEY_TILE, keys))
             seen = vis[np.ix_(r, cols)]
             st = np.where(seen, s[np.ix_(r, cols)], -np.inf)
             mask_free = t > 0 and len(cols) == KEY_TILE and seen.all()
-            if mask_free and held is not None:
-                for w in warps:
-                    if len(w) == 0:
-                        continue
-                    ref = np.where(np.isneginf(m[w]), 0.0, m[w])
-                    x = st[w] - ref[:, None] + log2p
-                    over = np.isneginf(m[w]).any() or (_byte(x) > 126).any()
-                    if over:  # the exact step (softmax.cuh: rebase_carriers)
-                        x = _step(st[w], m, l, o, w) + log2p
-                    p = inner(x)
-                    o[w] += p @ v[cols]
-                    l[w] += p.sum(1)
-                continue
-            x = _step(st, m, l, o, slice(None)) + log2p
+            x = _step(st, m, l, o) + log2p
             p = inner(x) if mask_free else edge(x)
             o += p @ v[cols]
             l += p.sum(1)
@@ -136,19 +116,19 @@ def emulate_rows(s: np.ndarray, vis: np.ndarray, v: np.ndarray, *, encoding: str
     return out
 
 
-def _step(st, m, l, o, rows):
-    """The exact online-softmax step for `rows` of the running state: new maxima, O and the sums
-    rescaled; returns the scores' exponents against the new references (before 2^N)."""
-    mx = np.maximum(m[rows], st.max(1))
+def _step(st, m, l, o):
+    """The exact online-softmax step of the running state: new maxima, O and the sums rescaled in
+    place; returns the scores' exponents against the new references (before 2^N)."""
+    mx = np.maximum(m, st.max(1))
     ref = np.where(np.isneginf(mx), 0.0, mx)
-    corr = np.exp2(np.where(np.isneginf(m[rows]), -np.inf, m[rows]) - ref)
-    o[rows] *= corr[:, None]
-    l[rows] *= corr
-    m[rows] = mx
+    corr = np.exp2(np.where(np.isneginf(m), -np.inf, m) - ref)
+    o *= corr[:, None]
+    l *= corr
+    m[...] = mx
     return st - ref[:, None]
 
 
-def slice_errors(case: Dict = LONG_ROWS, *, encoding: str = "bytes", held: Optional[int] = None) -> List[float]:
+def slice_errors(case: Dict = LONG_ROWS, *, encoding: str = "bytes") -> List[float]:
     """Per-slice errors (causal mask) of the emulated kernel against the float64 reference of the
     dequantized inputs, for a ``make_case`` case quantized per token (``mla_cupy.quant``)."""
     from _cases import make_case
@@ -174,24 +154,18 @@ def slice_errors(case: Dict = LONG_ROWS, *, encoding: str = "bytes", held: Optio
             se = np.where(vis, s, -np.inf)
             p = np.exp2(se - se.max(1, keepdims=True))
             ref = (p / p.sum(1, keepdims=True)) @ v
-            got = emulate_rows(s, vis, v, encoding=encoding, held=held)
+            got = emulate_rows(s, vis, v, encoding=encoding)
             errs.append(float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
     return errs
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--held", type=int, action="append", default=[],
-                    help="also the held references with P as 2^N P (MLA_SM90_FP8_HELD_MAX N); repeatable")
-    args = ap.parse_args(argv)
-    rules = [("exp2", None), ("bytes", None)] + [(enc, n) for n in args.held for enc in ("exp2", "bytes")]
-    print("| mask-free tiles | reference | worst slice | mean |\n| --- | --- | --- | --- |")
-    for enc, n in rules:
-        try:
-            e = np.array(slice_errors(encoding=enc, held=n))
-            print(f"| {enc} | {'exact maximum' if n is None else f'held, 2^{n} P'} | {e.max():.4f} | {e.mean():.4f} |")
-        except OverflowError as exc:
-            print(f"| {enc} | held, 2^{n} P | {exc} | |")
+    ap.parse_args(argv)
+    print("| mask-free tiles | worst slice | mean |\n| --- | --- | --- |")
+    for enc in ("exp2", "bytes"):
+        e = np.array(slice_errors(encoding=enc))
+        print(f"| {enc} | {e.max():.4f} | {e.mean():.4f} |")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@
 // kernel's per key tile: with three consumers (fp8: all-e4m3, or per token with S's rope by 16-bit
 // wgmma) P V completed, then S issued and completed,
 // then the key scales read where they multiply (fp8), the softmax, O's rescale and P packed; with
-// two (16-bit) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V (with turns: both issued in
-// one turn, as MLA_SM90_16BIT_TURNS has them). Three 16-bit consumers
-// (Wide<Variant16>, no kernel today) take the three-consumer order. kParts leaves out the GEMMs or
+// two (16-bit) S_t issued beside P_{t-1} V_{t-1}, the softmax under P V. kParts leaves out the GEMMs or
 // the softmax, and in fp8 the key scales (or their loads only), or sums the rows on the tensor pipe
 // (and makes P's e4m3 bytes from the exponent);
 // kActive < kConsumers runs only the first kActive consumers (no turns).
@@ -22,11 +20,6 @@ namespace probe {
 using namespace mla;
 using namespace mla::sm90;
 
-// The 16-bit variant on 64-key tiles (MLA_SM90_16BIT_KEYS 64's), whatever the build's default.
-struct Narrow16 : Variant16<__nv_bfloat16> {
-  static constexpr int kBlockN = 64;
-  static constexpr int kStages = kStages16<kBlockN>;
-};
 // The three-consumer per-token fp8 variant on 96-key tiles: S 48 registers and P 12, so that S, P and
 // O fit a consumer's 160 apart and S can be issued beside P V (kTurns 3) with no kernel today.
 struct Fp8K96 : Wide<VariantFp8> {
@@ -44,8 +37,7 @@ template <class V> constexpr int kQOffset = 0;
 template <class V> constexpr int kKOffset = (kQBytes<V> + 1023) / 1024 * 1024;
 template <class V> constexpr int kVOffset = kKOffset<V> + (kKBytes<V> + 1023) / 1024 * 1024;
 template <class V> constexpr int kSmemBytes = kVOffset<V> + kVBytes<V>;
-static_assert(kSmemBytes<Wide<VariantE4m3>> <= 227 * 1024 && kSmemBytes<Wide<VariantFp8>> <= 227 * 1024 &&
-                  kSmemBytes<Wide<Variant16<__nv_bfloat16>>> <= 227 * 1024,
+static_assert(kSmemBytes<Wide<VariantE4m3>> <= 227 * 1024 && kSmemBytes<Wide<VariantFp8>> <= 227 * 1024,
               "shared memory");
 
 // Small finite values in every byte of the tiles (e4m3 |x| < 1, 16-bit 2^-7 <= |x| < 2^-5) and key
@@ -65,11 +57,11 @@ __device__ __forceinline__ void fill(unsigned char* smem) {
 }
 
 
-template <class V, int kParts, int kTurns, int kPoly, int kActive>
+template <class V, int kParts, int kTurns, int kActive>
 __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, long long* nanos, int iters) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  static_assert(kTurns == 0 || (kActive == V::kConsumers && (kTurns == 1 || V::kConsumers == 3)),
-                "turns: every consumer running; a turn of P V's issue only with three");
+  static_assert(kTurns == 0 || (kActive == V::kConsumers && V::kConsumers == 3),
+                "turns: three consumers, every one running");
   static_assert(kTurns != 3 || V::kConsumers == 3, "turns 3: three consumers issuing S and P V in one turn");
   // the kernel's order: with three consumers P V is completed before S is issued (at 160
   // registers the two in flight spill and serialize every wgmma, here as in the fp8 kernel)
@@ -172,7 +164,7 @@ __global__ void __launch_bounds__(kThreads<V>, 1) pipe_probe(long long* cycles, 
     } else if constexpr (V::kFp8 && !(kParts & kNoScales)) {
       dequantize_scores_at(sacc, scale_at);
     }
-    smx.update_scores<kLog2P, kPoly, !kRowSum, 0, kBytes>(sacc, row_scale, corr);
+    smx.update_scores<kLog2P, !kRowSum, 0, kBytes>(sacc, row_scale, corr);
   };
 
   if (kTurns != 0 && cw == V::kConsumers - 1) turn_pass();

@@ -59,9 +59,7 @@ class Probe:
                        # | ROWSUM_MMA: the row sums by P times ones on the tensor pipe, not FADD;
                        # with it | EXP_BYTES: P's e4m3 bytes from the exponent, MLA_SM90_FP8_EXP_BYTES)
     turns: int = 0     # 0 none; three consumers: 1 P V + its completion + S, 2 P V's issue (MLA_SM90_FP8_TURNS),
-                       # 3 S and P V issued together, both in flight (fp8 on 96-key tiles);
-                       # two: 1 S and P V issued in one turn (MLA_SM90_16BIT_TURNS)
-    poly: int = 0      # fp8: n-tiles of 16 with exp2 on the FMA pipe (MLA_SM90_EXP2_POLY)
+                       # 3 S and P V issued together, both in flight (fp8 on 96-key tiles)
     active: int = 0    # consumers that run (0: all)
 
     @property
@@ -70,12 +68,12 @@ class Probe:
 
     @property
     def expression(self) -> str:
-        return f"probe::pipe_probe<{self.variant}, {self.parts}, {self.turns}, {self.poly}, {self.runners}>"
+        return f"probe::pipe_probe<{self.variant}, {self.parts}, {self.turns}, {self.runners}>"
 
     @property
     def keys(self) -> int:
-        """Keys of the variant's key tile (Wide16: 96, Narrow16: 64, else 128)."""
-        return 96 if "Wide16" in self.variant or "K96" in self.variant else 64 if "Narrow16" in self.variant else 128
+        """Keys of the variant's key tile (Fp8K96: 96, else 128)."""
+        return 96 if "K96" in self.variant else 128
 
     @property
     def tensor_cycles(self) -> int:
@@ -101,9 +99,6 @@ E4M3 = "mla::sm90::Wide<mla::sm90::VariantE4m3>"
 FP8 = "mla::sm90::Wide<mla::sm90::VariantFp8>"  # per token: S's rope by 16-bit wgmma
 B16 = "mla::sm90::Variant16<__nv_bfloat16>"
 FP8K96 = "probe::Fp8K96"  # per token on 96-key tiles (S, P and O apart in 160 registers; no kernel)
-B16X3 = "mla::sm90::Wide<mla::sm90::Variant16<__nv_bfloat16>>"  # three 16-bit consumers on 128-key tiles (no kernel)
-B16W = "mla::sm90::Wide16<mla::sm90::Variant16<__nv_bfloat16>>"  # MLA_SM90_16BIT_CONSUMERS 3's: 96-key tiles
-B16N = "probe::Narrow16"  # MLA_SM90_16BIT_KEYS 64's: two consumers on 64-key tiles
 PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-gemm", E4M3, 3, GEMMS, turns=1),
     Probe("e4m3-gemm-noturns", E4M3, 3, GEMMS),
@@ -113,16 +108,12 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("e4m3-loop", E4M3, 3, GEMMS | SOFTMAX, turns=1),
     Probe("e4m3-loop-turns2", E4M3, 3, GEMMS | SOFTMAX, turns=2),
     Probe("e4m3-loop-noturns", E4M3, 3, GEMMS | SOFTMAX),
-    Probe("e4m3-loop-poly2", E4M3, 3, GEMMS | SOFTMAX, turns=1, poly=2),
-    Probe("e4m3-loop-poly4", E4M3, 3, GEMMS | SOFTMAX, turns=1, poly=4),
     Probe("e4m3-softmax-noscales", E4M3, 3, SOFTMAX | NO_SCALES),
     Probe("e4m3-loop-noscales", E4M3, 3, GEMMS | SOFTMAX | NO_SCALES, turns=1),
     Probe("e4m3-loop-constscales", E4M3, 3, GEMMS | SOFTMAX | CONST_SCALES, turns=1),
     Probe("e4m3-softmax-rowsum", E4M3, 3, SOFTMAX | ROWSUM_MMA),
     Probe("e4m3-loop-rowsum", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1),
     Probe("e4m3-loop-rowsum-noscales", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA | NO_SCALES, turns=1),
-    Probe("e4m3-loop-rowsum-poly2", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1, poly=2),
-    Probe("e4m3-loop-rowsum-poly4", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA, turns=1, poly=4),
     Probe("e4m3-softmax-bytes", E4M3, 3, SOFTMAX | ROWSUM_MMA | EXP_BYTES),
     Probe("e4m3-softmax-bytes-1wg", E4M3, 3, SOFTMAX | ROWSUM_MMA | EXP_BYTES, active=1),
     Probe("e4m3-loop-bytes", E4M3, 3, GEMMS | SOFTMAX | ROWSUM_MMA | EXP_BYTES, turns=1),
@@ -137,12 +128,6 @@ PROBES: Dict[str, Probe] = {p.name: p for p in (
     Probe("bf16-softmax", B16, 2, SOFTMAX),
     Probe("bf16-loop-1wg", B16, 2, GEMMS | SOFTMAX, active=1),
     Probe("bf16-loop", B16, 2, GEMMS | SOFTMAX),
-    Probe("bf16-loop-turns", B16, 2, GEMMS | SOFTMAX, turns=1),
-    Probe("bf16x3-gemm", B16X3, 3, GEMMS, turns=1),
-    Probe("bf16x3-loop", B16X3, 3, GEMMS | SOFTMAX, turns=1),
-    Probe("bf16w-gemm", B16W, 3, GEMMS, turns=1),
-    Probe("bf16w-loop", B16W, 3, GEMMS | SOFTMAX, turns=1),
-    Probe("bf16n-loop", B16N, 2, GEMMS | SOFTMAX),
 )}
 
 
@@ -192,10 +177,7 @@ class LoadProbe:
 
 # The 16-bit kernel's key tile (80 KiB, 2 stages) and its tensor time at the full rate (two
 # consumers' S and P V: 2 x 20 x 64 = 2560 cycles), from an L2-sized span all CTAs share (a section
-# of heads) and from DRAM; the same bytes in flight cut finer (64-key tiles in 4 stages, alone and
-# against their 1280 cycles of tensor work) or coarser; and the 96-key tile of three 16-bit consumers
-# (60 KiB, 12 KiB blocks) against its tensor time (3 x (12 x 48 + 6 x 64) = 2880 cycles); the 16-bit
-# tile in clusters of 2 CTAs each loading its own (the clusters' placement alone), and in clusters of 2
+# of heads) and from DRAM; K's share of it in rings of 2 and 4 stages; the 16-bit tile in clusters of 2 CTAs each loading its own (the clusters' placement alone), and in clusters of 2
 # and 4 sharing it by multicast, alone and against the tensor time, and on 16 SMs alone (L2 output
 # or SM intake); the 16-bit tile's K (48 KiB) and V (32 KiB) in rings of their own, released after
 # S's and P V's shares of the tensor time as the kernel's consumers release them, with two stages
@@ -209,11 +191,8 @@ L2_SPAN, DRAM_SPAN = 16 * MIB, 40 * MIB  # an L2 section's keys and values; per 
 LOAD_PROBES: Dict[str, LoadProbe] = {p.name: p for p in (
     LoadProbe("l2-ring2", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True),
     LoadProbe("l2-ring2-hold", 80 * KIB, 16 * KIB, 2, 2560, _whole(80 * KIB, L2_SPAN), True),
-    LoadProbe("l2-ring4x40", 40 * KIB, 8 * KIB, 4, 0, _whole(40 * KIB, L2_SPAN), True),
-    LoadProbe("l2-ring4x40-hold", 40 * KIB, 8 * KIB, 4, 1280, _whole(40 * KIB, L2_SPAN), True),
     LoadProbe("l2-ring2x48", 48 * KIB, 16 * KIB, 2, 0, _whole(48 * KIB, L2_SPAN), True),
     LoadProbe("l2-ring4x48", 48 * KIB, 16 * KIB, 4, 0, _whole(48 * KIB, L2_SPAN), True),
-    LoadProbe("l2-ring2x60-hold", 60 * KIB, 12 * KIB, 2, 2880, _whole(60 * KIB, L2_SPAN), True),
     LoadProbe("dram-ring2", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, DRAM_SPAN), False),
     LoadProbe("l2-ring2-x16", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True, ctas=16),
     LoadProbe("l2-ring2-c2", 80 * KIB, 16 * KIB, 2, 0, _whole(80 * KIB, L2_SPAN), True, cluster=2),

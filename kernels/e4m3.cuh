@@ -49,7 +49,6 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(u32 two, float scale) {
 constexpr float kExpByteFloor = 1024.f;  // 2^10
 constexpr float kExpByteSteps = 8.f;     // e4m3's mantissa steps per power of 2
 constexpr float kExpByteBias = -0.4585f;
-constexpr float kExpByteLast = kExpByteFloor + 126.5f;  // carriers above: past byte 126 (0x7e: 448)
 // The per-row constant of the carriers' fused multiply-add: 2^10 + 56 + bias - 8 ref, for
 // exponents x = scale * s - ref; the scores' factor is 8 scale.
 __device__ __forceinline__ float exp_byte_base(float ref) {

@@ -78,11 +78,9 @@ __global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_ke
       mbar_init(sm.k_empty(s), kConsumerArrivals<V>);
       mbar_init(sm.v_empty(s), kConsumerArrivals<V>);
     }
-    // readers of the work slots: the consumers, the Q warp and the rope warp (each one arrival, or
-    // one per lane), and warp 0's thread when the scheduler warp hands out
-    constexpr int kWarpArrivals = MLA_SM90_ELECTED_ARRIVE ? 1 : 32;
-    scheduler(sm).template init<V>(kConsumerArrivals<V> + kWarpArrivals + (kRW ? kWarpArrivals : 0) +
-                                   (kSchedulerWarp<V> ? 1 : 0));
+    // readers of the work slots: the consumers, the Q warp and the rope warp (one arrival per
+    // lane), and warp 0's thread when the scheduler warp hands out
+    scheduler(sm).template init<V>(kConsumerArrivals<V> + 32 + (kRW ? 32 : 0) + (kSchedulerWarp<V> ? 1 : 0));
     fence_barrier_init();
   }
   if constexpr (kRowSumMma<V>) {  // e4m3 1.0 (0x38) in every byte of the ones block, for wgmma (the async proxy)

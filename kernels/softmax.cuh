@@ -15,22 +15,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// 2^x on the FMA pipe, for x <= 127 (relative error 1.0e-4): x = j + f with j = round(x) and f in
-// [-0.5, 0.5], 2^f by a degree-3 polynomial (minimax in relative error with p(0) = 1), j added to its
-// exponent field. The special-function unit does 16 exp2 per SM and cycle, the FMA pipe 128 fused
-// multiply-adds: a softmax that waits on the first can move part of its exp2 to the second (about 8
-// instructions each). x is first clamped to -127 by a max that keeps NaN: -inf (a masked score) then
-// gives exactly 0 (p(0) = 1, whose exponent field 127 - 127 is 0), x in [-127, -126.5] a subnormal
-// (f >= 0, so p >= 1: the field never goes below 0), and NaN stays NaN.
-__device__ __forceinline__ float poly_exp2(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: x + kRound holds round(x) in its low mantissa bits
-  asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));  // -127
-  const float t = __fadd_rn(x, kRound);
-  const float f = __fsub_rn(x, __fsub_rn(t, kRound));
-  const float p = fmaf(fmaf(fmaf(0.0550089329f, f, 0.242210969f), f, 0.693282902f), f, 1.f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 // Sets invisible scores to -inf: keys past the block's span (n_end), pairs the mask removes, and
 // (when `key_ok` is given) keys whose data could not be read. `row0` is the sequence row of g.
 // A row's visible keys are one interval (mask.cuh), found once per row as tile columns [lo, hi).
@@ -83,15 +67,14 @@ struct OnlineSoftmax {
   }
   // The same with a scale per row (scale_log2[r] for row g + 8 r): the fp8 kernel folds q_scale in.
   // With kLog2P > 0 the probabilities (and row_sum) come out multiplied by 2^kLog2P, for free: the
-  // exponent's reference is lowered by kLog2P (the fp8 kernel's kPScale). kPolyTiles of the kSTiles
-  // n-tiles (spread evenly) take their exp2 from poly_exp2 instead of the special-function unit.
+  // exponent's reference is lowered by kLog2P (the fp8 kernel's kPScale).
   // kSum false leaves row_sum alone: the caller sums the probabilities elsewhere and rescales the
   // sums itself (rescale_sums; MLA_SM90_FP8_ROWSUM_MMA sums them on the tensor pipe). kSlackQ > 0:
   // a row keeps its maximum (the exponents' reference) until a tile raises it by more than kSlackQ / 4
   // (log2 units), so that its factor is 1 on the tiles in between; the probabilities then reach
   // 2^(kSlackQ / 4 + kLog2P). kBytes: each probability is left as an exp_byte carrier of its e4m3
   // byte, unclamped (no sums: the caller's are P's bytes' on the tensor pipe; its pack clamps).
-  template <int kLog2P = 0, int kPolyTiles = 0, bool kSum = true, int kSlackQ = 0, bool kBytes = false, int kSTiles>
+  template <int kLog2P = 0, bool kSum = true, int kSlackQ = 0, bool kBytes = false, int kSTiles>
   __device__ __forceinline__ void update_scores(float (&s)[kSTiles][4], const float (&scale_log2)[2],
                                                 float (&corr)[2]) {
 #pragma unroll
@@ -115,7 +98,7 @@ struct OnlineSoftmax {
       corr[r] = fast_exp2(row_max[r] - ref);
       row_max[r] = mx;
       const float ref_p = ref - static_cast<float>(kLog2P);
-      static_assert(!(kBytes && (kSum || kPolyTiles)), "exp bytes: the sums elsewhere, no polynomial");
+      static_assert(!(kBytes && kSum), "exp bytes: the sums elsewhere");
       float scale8 = 0.f, base = 0.f;
       if constexpr (kBytes) {
         // made here in every tile (volatile): hoisted out of the loops, 8 scale would stay live beside
@@ -132,69 +115,11 @@ struct OnlineSoftmax {
             s[nt][e] = exp_byte(s[nt][e], scale8, base);
             continue;
           }
-          const float x = fmaf(s[nt][e], scale_log2[r], -ref_p);
-          const bool poly = (nt * kPolyTiles) / kSTiles != ((nt + 1) * kPolyTiles) / kSTiles;
-          s[nt][e] = poly ? poly_exp2(x) : fast_exp2(x);
+          s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2[r], -ref_p));
           if constexpr (kSum) sum += s[nt][e];
         }
       }
       if constexpr (kSum) row_sum[r] = row_sum[r] * corr[r] + sum;
-    }
-  }
-
-  // Bytes with a held reference (the Hopper fp8 kernels' MLA_SM90_FP8_HELD_MAX): s made exp_byte
-  // carriers against each row's current reference (row_max), no new maximum taken, so O's factors
-  // are 1. Returns whether the thread needs the exact step (rebase_carriers): a carrier past byte 126
-  // (a score more than the slack above its row's reference; one max over the thread's carriers, not
-  // two rows' maxima across the quad), or a row with no reference yet (nothing visible so far: its
-  // carriers are against 0). A NaN score needs no step: its carrier's byte is e4m3's NaN as it is.
-  template <int kLog2P, int kSTiles>
-  __device__ __forceinline__ bool held_carriers(float (&s)[kSTiles][4], const float (&scale_log2)[2]) const {
-    float m[kSTiles];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float scale8;
-      asm volatile("mul.f32 %0, %1, %2;" : "=f"(scale8) : "f"(scale_log2[r]), "f"(kExpByteSteps));
-      const float base = exp_byte_base((row_max[r] == neg_inf() ? 0.f : row_max[r]) - static_cast<float>(kLog2P));
-#pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt) {
-        s[nt][2 * r] = exp_byte(s[nt][2 * r], scale8, base);
-        s[nt][2 * r + 1] = exp_byte(s[nt][2 * r + 1], scale8, base);
-        const float pair = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
-        m[nt] = r == 0 ? pair : fmaxf(m[nt], pair);
-      }
-    }
-#pragma unroll
-    for (int step = 1; step < kSTiles; step *= 2)
-#pragma unroll
-      for (int i = 0; i + step < kSTiles; i += 2 * step) m[i] = fmaxf(m[i], m[i + step]);
-    return m[0] > kExpByteLast || row_max[0] == neg_inf() || row_max[1] == neg_inf();
-  }
-  // The exact step from held_carriers' carriers: each row's new maximum found on them (the
-  // carriers are monotone in the scores), the carriers moved onto it (a shift of 8 per log2 unit)
-  // and O's factors returned in corr, as update_scores does from the scores.
-  template <int kLog2P, int kSTiles>
-  __device__ __forceinline__ void rebase_carriers(float (&s)[kSTiles][4], float (&corr)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      // one chain of maxima, for its registers (a tree of the pairs' maxima would share them with
-      // held_carriers' check, live across the warp's vote: spills)
-      float m = neg_inf();
-#pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt) m = fmaxf(fmaxf(m, s[nt][2 * r]), s[nt][2 * r + 1]);
-      const float ref = row_max[r] == neg_inf() ? 0.f : row_max[r];  // the carriers' reference
-      // the largest scale * s of the tile: the carrier is 8 (scale * s - ref + kLog2P) + exp_byte_base(0)
-      const float seen = (quad_max(m) - exp_byte_base(0.f)) * (1.f / kExpByteSteps) + ref - static_cast<float>(kLog2P);
-      const float mx = fmaxf(row_max[r], seen);  // a NaN keeps the old, as in update_scores
-      const float ref_new = mx == neg_inf() ? 0.f : mx;
-      corr[r] = fast_exp2(row_max[r] - ref_new);
-      row_max[r] = mx;
-      const float shift = kExpByteSteps * (ref - ref_new);
-#pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt) {
-        s[nt][2 * r] += shift;
-        s[nt][2 * r + 1] += shift;
-      }
     }
   }
 

@@ -12,13 +12,11 @@ DQK = DV + DR  #: query / full key size
 QUERY_BLOCK = 128
 #: Rows of a half block: each of the Hopper kernel's two consumer warpgroups computes one (kWgRows).
 HALF_BLOCK = QUERY_BLOCK // 2
-#: Keys of one key tile of the Hopper kernel (its variants' ``kBlockN``, but for the three-consumer
-#: 16-bit build of a measurement switch: ``fp8.wide_16bit``). A half block whose rows see none of
+#: Keys of one key tile of the Hopper kernel (its variants' ``kBlockN``). A half block whose rows see none of
 #: the second half of its block's last key tile computes that tile's first ``KEY_TILE // 2`` keys
 #: only, which bounds the reach of a NaN in ``v`` there (``reference``).
 KEY_TILE = 128
 #: Consumer warpgroups of the Hopper kernel's fp8 variants (per token and all-e4m3) under a mask
-#: whose rows' keys have no lower end (the causal mask and no mask): the default of the kernel's
-#: ``MLA_SM90_FP8_CONSUMERS`` (kernels/sm90/config.cuh), which a slow CPU test holds to this value
-#: (:func:`mla_cupy.fp8.fp8_query_block`).
+#: whose rows' keys have no lower end (the causal mask and no mask: kernels/sm90/config.cuh, Wide),
+#: which a slow CPU test holds to this value (:func:`mla_cupy.fp8.fp8_query_block`).
 FP8_CONSUMERS = 3

@@ -103,12 +103,8 @@ def check_q_scale_values(q_scale) -> None:
 
 def fp8_consumers() -> int:
     """Consumer warpgroups of the Hopper kernel's fp8 variants (per token, all-e4m3) under a mask
-    without a lower bound: :data:`~mla_cupy.dims.FP8_CONSUMERS`, or the kernels'
-    ``MLA_SM90_FP8_CONSUMERS`` where this process builds them with another (``MLA_CUPY_DEFINES``:
-    :data:`mla_cupy.jit.DEFINES`)."""
-    from .jit import DEFINES
-
-    return int(DEFINES.get("MLA_SM90_FP8_CONSUMERS", FP8_CONSUMERS))
+    without a lower bound: :data:`~mla_cupy.dims.FP8_CONSUMERS`."""
+    return FP8_CONSUMERS
 
 
 def fp8_query_block(mask) -> int:
@@ -135,11 +131,8 @@ def scale_pairs(mask, paged: bool, cache_row_offsets) -> bool:
 def end_aligned(qb: int) -> bool:
     """Whether the Hopper kernel counts a sequence's ``qb``-row query blocks from its end (its
     part-filled block then at the sequence's start, where a causal mask shows it the fewest keys):
-    the blocks of three consumer warpgroups (``3 * HALF_BLOCK`` rows), unless this process builds the
-    kernels with ``MLA_SM90_END_ALIGNED`` 0 (``MLA_CUPY_DEFINES``)."""
-    from .jit import DEFINES
-
-    return qb == 3 * HALF_BLOCK and int(DEFINES.get("MLA_SM90_END_ALIGNED", 1)) != 0
+    the blocks of three consumer warpgroups (``3 * HALF_BLOCK`` rows)."""
+    return qb == 3 * HALF_BLOCK
 
 
 def fp8_skip_tail(qb: int) -> bool:
@@ -151,17 +144,8 @@ def fp8_skip_tail(qb: int) -> bool:
 
 def blocks_16bit(mask, rope8: bool = False) -> Tuple[int, int, bool]:
     """(query rows of a work tile, keys of a key tile, half tiles) of the Hopper kernel's 16-bit
-    variant (``rope8``: the one with an e4m3 rope) under ``mask``: 128, 128 and half tiles as it
-    ships. Two measurement switches change them where this process builds the kernels with them
-    (``MLA_CUPY_DEFINES``): ``MLA_SM90_16BIT_CONSUMERS`` 3 gives three consumer warpgroups, 192 rows
-    and 96-key tiles under a mask without a lower bound (the causal mask, no mask; not ``rope8``),
-    ``MLA_SM90_16BIT_KEYS`` 64 key tiles of 64 keys; neither has half tiles."""
-    from .jit import DEFINES
-
-    if not rope8 and not mask.bounded_below and int(DEFINES.get("MLA_SM90_16BIT_CONSUMERS", 2)) == 3:
-        return 3 * HALF_BLOCK, 96, False
-    keys = int(DEFINES.get("MLA_SM90_16BIT_KEYS", KEY_TILE))
-    return QUERY_BLOCK, keys, keys == KEY_TILE
+    variant (``rope8``: the one with an e4m3 rope) under ``mask``: 128, 128 and half tiles."""
+    return QUERY_BLOCK, KEY_TILE, True
 
 
 # ---------------------------------------------------------------------------------------------

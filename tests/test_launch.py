@@ -131,44 +131,10 @@ def _want_blocks(name, mask):
 def test_geometry_rows_are_the_references_query_blocks(mask):
     """Each mask's exported geometry (kGeometry<Mask>) as compiled: the query rows of a work tile
     are the reference's (fp8.fp8_query_block, which shapes the reach of a NaN in v), 64 per consumer
-    warpgroup, one producer warpgroup beside them. A default of MLA_SM90_FP8_CONSUMERS other than
-    dims.FP8_CONSUMERS fails here."""
+    warpgroup, one producer warpgroup beside them."""
     for name, (block_m, threads, q_rows, block_n, _) in _sm90_block_rows(mask).items():
         assert (block_m, block_n) == _want_blocks(name, mask), (name, block_m, block_n)
         assert q_rows == dims.HALF_BLOCK and threads == 128 * (1 + block_m // q_rows), (name, threads)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("consumers", [2, 3])
-@pytest.mark.parametrize("mask", [CausalMask(), SlidingWindowCausalMask(100)], ids=lambda m: type(m).__name__)
-def test_fp8_consumers_widen_the_unbounded_masks_only(mask, consumers):
-    """Built with MLA_SM90_FP8_CONSUMERS 3 (the default) the fp8 variants take 192 rows (three
-    consumers) under a mask without a lower bound, with 2 they take 128; 128 under the other masks,
-    and the 16-bit variants stay at 128."""
-    rows = _sm90_block_rows(mask, (("MLA_SM90_FP8_CONSUMERS", str(consumers)),))
-    for name, (block_m, threads, _, _, _) in rows.items():
-        want = 64 * consumers if name in FP8_VARIANTS and not mask.bounded_below else 128
-        assert (block_m, threads) == (want, 128 + 2 * want), (name, block_m, threads)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mask", [CausalMask(), NullMask(), SlidingWindowCausalMask(100)], ids=lambda m: type(m).__name__)
-@pytest.mark.parametrize("define", ["MLA_SM90_16BIT_CONSUMERS=3", "MLA_SM90_16BIT_KEYS=64"])
-def test_16bit_switches_shape_the_16bit_work_tiles_as_the_reference_sees_them(monkeypatch, mask, define):
-    """Built with MLA_SM90_16BIT_CONSUMERS 3 the 16-bit variant takes 192 rows and 96-key tiles
-    under a mask without a lower bound; with MLA_SM90_16BIT_KEYS 64 the 16-bit variants (the e4m3
-    rope's too) take 64-key tiles under every mask. The exported geometry is what fp8.blocks_16bit
-    says (the reference's NaN reach follows it); the fp8 variants keep theirs."""
-    name_, value = define.split("=")
-    monkeypatch.setattr(jit, "DEFINES", {name_: value})  # as MLA_CUPY_DEFINES sets it
-    rows = _sm90_block_rows(mask, ((name_, value),))
-    for name, (block_m, threads, _, block_n, smem) in rows.items():
-        assert (block_m, block_n) == _want_blocks(name, mask), (name, block_m, block_n)
-        assert threads == 128 + 2 * block_m, (name, threads)
-        assert smem <= 227 * 1024, (name, smem)  # what a Hopper CTA may have
-        wide = name == reg.VARIANT_16 and not mask.bounded_below and name_ == "MLA_SM90_16BIT_CONSUMERS"
-        narrow = name in (reg.VARIANT_16, reg.VARIANT_FP8_ROPE) and name_ == "MLA_SM90_16BIT_KEYS"
-        assert block_n == (96 if wide else 64 if narrow else 128), (name, block_n)
 
 
 def test_portable_module_and_pre_pass_export_theirs():

@@ -11,9 +11,6 @@ def test_tensor_cycles_per_key_tile():
     assert p["e4m3-gemm"].tensor_cycles == 3 * 10 * 64  # S 6 + P V 4 e4m3 k32 steps per consumer
     assert p["e4m3-loop-1wg"].tensor_cycles == 10 * 64
     assert p["bf16-loop"].tensor_cycles == 2 * 20 * 64  # S 12 + P V 8 16-bit k16 steps
-    assert p["bf16x3-loop"].tensor_cycles == 3 * 20 * 64
-    assert p["bf16w-loop"].tensor_cycles == 3 * (12 * 48 + 6 * 64)  # 96-key tiles: S m64n96 (48 cycles)
-    assert p["bf16n-loop"].tensor_cycles == 2 * (12 * 32 + 4 * 64)  # 64-key tiles: S m64n64 (32 cycles)
     assert p["e4m3-softmax"].tensor_cycles == 0 and p["bf16-softmax"].tensor_cycles == 0
     assert p["e4m3-loop-rowsum"].tensor_cycles == 3 * (10 * 64 + 4 * 4)  # and P times ones: m64n8k32, 4 cycles
     for name in ("e4m3-loop-noscales", "e4m3-loop-constscales"):  # the scales' work is no tensor work
@@ -32,20 +29,19 @@ def test_attention_flops_per_key_tile():
     p = probe.PROBES
     assert p["bf16-loop"].flops == 2 * 64 * 128 * (192 + 128) * 2  # two consumers of 64 rows, 128 keys
     assert p["e4m3-loop-1wg"].flops == 64 * 128 * (192 + 128) * 2
-    assert p["bf16w-loop"].flops == 3 * 64 * 96 * (192 + 128) * 2
+    assert p["fp8k96-loop-bytes"].flops == 3 * 64 * 96 * (192 + 128) * 2
     assert p["e4m3-loop-rowsum"].flops == p["e4m3-loop"].flops  # P times ones is no attention work
     assert p["bf16-softmax"].flops == 0 and p["e4m3-softmax"].flops == 0
 
 
 def test_expressions_name_the_template_arguments():
-    p = probe.PROBES["e4m3-loop-poly2"]
-    assert p.expression == "probe::pipe_probe<mla::sm90::Wide<mla::sm90::VariantE4m3>, 3, 1, 2, 3>"
-    assert probe.PROBES["bf16-loop-1wg"].expression.endswith("Variant16<__nv_bfloat16>, 3, 0, 0, 1>")
-    # turns only with every consumer running, turns of P V's issue alone only with three (pipe_probe.cu
-    # asserts it)
+    p = probe.PROBES["e4m3-loop-turns2"]
+    assert p.expression == "probe::pipe_probe<mla::sm90::Wide<mla::sm90::VariantE4m3>, 3, 2, 3>"
+    assert probe.PROBES["bf16-loop-1wg"].expression.endswith("Variant16<__nv_bfloat16>, 3, 0, 1>")
+    # turns only with three consumers, every one running (pipe_probe.cu asserts it)
     for q in probe.PROBES.values():
-        assert q.turns == 0 or (q.runners == q.consumers and (q.turns == 1 or q.consumers == 3))
-    assert probe.PROBES["fp8k96-loop-bytes-overlap"].expression == "probe::pipe_probe<probe::Fp8K96, 51, 3, 0, 3>"
+        assert q.turns == 0 or (q.runners == q.consumers == 3)
+    assert probe.PROBES["fp8k96-loop-bytes-overlap"].expression == "probe::pipe_probe<probe::Fp8K96, 51, 3, 3>"
 
 
 def test_load_probes_walk_an_l2_span_together_or_dram_apart():
@@ -53,8 +49,6 @@ def test_load_probes_walk_an_l2_span_together_or_dram_apart():
     ring2 = p["l2-ring2"]
     assert ring2.tile_bytes == (32 + 16 + 32) * 1024 and ring2.stages == 2  # the 16-bit kernel's K/V stage
     assert p["l2-ring2-hold"].hold == 2 * 20 * 64  # two consumers' wgmma of one key tile at the full rate
-    wide = p["l2-ring2x60-hold"]  # three consumers, 96-key tiles: S 12 x m64n96 (48 cycles), P V 6 x m64n128
-    assert wide.tile_bytes == 96 * (128 + 64 + 128) * 2 and wide.hold == 3 * (12 * 48 + 6 * 64)
     for q in p.values():
         assert q.ring_bytes <= 227 * 1024 - 1024  # the ring(s) fit beside the barriers
         probe.load_layout(q, 132)  # whole copies, whole tiles

@@ -34,23 +34,8 @@ constexpr int kOutStageRowBytes = kOutStageHalf * 2;                // 128
 // depth, and whether the two consumers take turns issuing their GEMMs.
 // ---------------------------------------------------------------------------------------------
 
-// 16-bit: the two consumers take turns issuing their GEMMs (a turn covers S_t's and P_{t-1}
-// V_{t-1}'s issue), as the fp8 variants do (1), instead of each issuing as soon as it is ready (0).
-#ifndef MLA_SM90_16BIT_TURNS
-#define MLA_SM90_16BIT_TURNS 0
-#endif
-
-// 16-bit: keys per key tile, 128 (2 stages of 80 KiB) or, as a measurement switch, 64 (4 stages of
-// 40 KiB: the same bytes in flight in finer stages, each released after half the tensor work; the
-// load and loop probes found both slower: benchmarks/NOTES.md).
-#ifndef MLA_SM90_16BIT_KEYS
-#define MLA_SM90_16BIT_KEYS 128
-#endif
-static_assert(MLA_SM90_16BIT_KEYS == 128 || MLA_SM90_16BIT_KEYS == 64, "16-bit key tiles of 128 or 64 keys");
-// The 16-bit ring's depth for key tiles of kKeys keys: the same shared memory in stages of either size.
-template <int kKeys> constexpr int kStages16 = kKeys == 64 ? 4 : 2;
-
-// 16-bit q, k, v and rope (bf16 or fp16): 2-stage ring of 80 KiB stages (MLA_SM90_16BIT_KEYS: 4 of 40).
+// 16-bit q, k, v and rope (bf16 or fp16): 2-stage ring of 80 KiB stages; the two consumers issue
+// their GEMMs as soon as each is ready (no turns).
 template <typename T>
 struct Variant16 {
   using Elem = T;
@@ -60,9 +45,9 @@ struct Variant16 {
   static constexpr bool kRopeE4m3 = false;          // e4m3 q / k rope under the per-token scales
   static constexpr bool kEvenKeyRows = false;       // every sequence's first key row even (EvenKeyRows)
   static constexpr int kNopeBlocks = 2;             // column blocks of a row's 128 nope values
-  static constexpr int kBlockN = MLA_SM90_16BIT_KEYS;  // keys per key tile
-  static constexpr int kStages = kStages16<kBlockN>;
-  static constexpr bool kPingpong = MLA_SM90_16BIT_TURNS != 0;
+  static constexpr int kBlockN = 128;               // keys per key tile
+  static constexpr int kStages = 2;
+  static constexpr bool kPingpong = false;
   static constexpr int kConsumers = 2;              // consumer warpgroups of kWgRows query rows
 };
 
@@ -116,9 +101,9 @@ struct EvenKeyRows : V {
   static constexpr bool kEvenKeyRows = true;
 };
 
-// fp8 with three consumer warpgroups (MLA_SM90_FP8_CONSUMERS 3, the default; 2 keeps them at two,
-// as the window and chunked masks are: measured 6-11% faster at 1x8192, 3-7% at 4x2048, 2-3%
-// slower at 16x512; benchmarks/NOTES.md): 192-row work tiles, so that each
+// fp8 with three consumer warpgroups under the causal mask and no mask (two, as the window and
+// chunked masks keep, measured 6-11% slower at 1x8192, 3-7% at 4x2048, 2-3% faster at 16x512;
+// benchmarks/NOTES.md): 192-row work tiles, so that each
 // K/V tile loaded serves 50% more query rows and three softmaxes interleave with the GEMMs. The
 // register file then allows 160 per consumer thread and 32 per producer thread (below), so:
 //   * P V is completed before S is issued (MLA_SM90_FP8_OVERLAP's 0: one GEMM in flight);
@@ -130,9 +115,6 @@ struct EvenKeyRows : V {
 //     protocol only (Mainloop::run_idle);
 //   * the causal and null masks only (a row's keys have one end); the window and chunked masks,
 //     whose second bound takes registers, keep two (a third spills).
-#ifndef MLA_SM90_FP8_CONSUMERS
-#define MLA_SM90_FP8_CONSUMERS 3
-#endif
 // How the three consumers share the tensor pipe: in turns, each issuing its P V and then, once P V
 // is complete, its S before passing the turn (1); in turns that cover P V's issue only, S issued
 // after the turn has passed (2); or without turns, each issuing as soon as it is ready (0).
@@ -145,41 +127,17 @@ struct Wide : V {
   static constexpr bool kPingpong = MLA_SM90_FP8_TURNS != 0;
 };
 
-// 16-bit with three consumer warpgroups (MLA_SM90_16BIT_CONSUMERS 3; a measurement switch, 2 by
-// default; measured 5-10% slower: its two 60 KiB stages are not fed fast enough, benchmarks/NOTES.md):
-// 192-row work tiles, so that each K/V tile loaded serves 50% more query rows. A 128 x 128 step of
-// the two-consumer kernel reads 80 KiB of keys and values for 10.5 MFLOP, about 6 TB/s from L2 at the
-// long cases' rate (benchmarks/NOTES.md, "The loads without the consumers"); 192 x 96
-// reads 60 KiB for 11.8 MFLOP, 35% fewer bytes per FLOP. Key tiles of 96 keys: Q (72 KiB for 192 rows)
-// beside two 128-key stages (160 KiB) does not fit the shared memory, beside two of 96 (120 KiB) it
-// does, with the output staging. Otherwise as the three-consumer fp8 kernels: turns, P V completed
-// before S, 160 registers per consumer and 32 per producer thread with a scheduler warp; the causal
-// and null masks only; no half tiles (the diagonal of 192 rows does not fall on 96-key tiles). Not the
-// fp8-rope variant: its rope warp, dequantizing rows at 32 registers, spills.
-#ifndef MLA_SM90_16BIT_CONSUMERS
-#define MLA_SM90_16BIT_CONSUMERS 2
-#endif
-template <class V>
-struct Wide16 : V {
-  static constexpr int kConsumers = 3;
-  static constexpr bool kPingpong = true;
-  static constexpr int kBlockN = 96;
-  static constexpr int kStages = 2;
-};
-// The three-consumer form of variant V.
-template <class V, bool kFp8 = V::kFp8> struct WideOf { using type = Wide<V>; };
-template <class V> struct WideOf<V, false> { using type = Wide16<V>; };
-// Variant V as it is compiled under Mask: its three-consumer form where the switches above ask for it.
+// Variant V as it is compiled under Mask: its three-consumer form (the fp8 variants under a mask
+// whose rows' keys have no lower end).
 template <class V, class Mask>
-constexpr bool kWideFor = !Mask::kBoundedBelow &&
-                          (V::kFp8 ? MLA_SM90_FP8_CONSUMERS == 3 : MLA_SM90_16BIT_CONSUMERS == 3 && !V::kRope8);
+constexpr bool kWideFor = V::kFp8 && !Mask::kBoundedBelow;
 template <class V, class Mask, bool kWide = kWideFor<V, Mask>>
 struct ForMaskT {
   using type = V;
 };
 template <class V, class Mask>
 struct ForMaskT<V, Mask, true> {
-  using type = typename WideOf<V>::type;
+  using type = Wide<V>;
 };
 template <class V, class Mask> using ForMask = typename ForMaskT<V, Mask>::type;
 
@@ -198,7 +156,6 @@ template <class V> constexpr int kScaleBox = V::kBlockN + 4;
 template <class V> constexpr int kBlockM = kWgRows * V::kConsumers;  // query rows per work tile
 template <class V> constexpr int kThreads = 128 * (1 + V::kConsumers);
 template <class V> constexpr int kConsumerThreads = 128 * V::kConsumers;
-template <class V> constexpr int kConsumerWarps = kConsumerThreads<V> / 32;
 template <class V> constexpr int kQBlk = kBlockM<V> * 128;  // one column block of the Q tile
 template <class V> constexpr int kEpilogueBar = kTurnBar + V::kConsumers;
 template <class V> constexpr int kOutStageBytes = V::kConsumers * kWgRows * kOutStageRowBytes;  // 16 KiB for 2
@@ -216,8 +173,8 @@ template <class V> constexpr int kConsumerRegs = V::kConsumers == 3 ? 160 : 216;
 template <class V> constexpr int kLaunchRegs = 65536 / kThreads<V> / 8 * 8;
 template <class V>
 constexpr bool kRegisterBudget = kProducerRegs<V> + V::kConsumers * kConsumerRegs<V> <= (1 + V::kConsumers) * kLaunchRegs<V>;
-static_assert(kRegisterBudget<Variant16<__half>> && kRegisterBudget<VariantFp8> &&
-                  kRegisterBudget<Wide<VariantFp8>> && kRegisterBudget<Wide16<Variant16<__half>>>, "register budget");
+static_assert(kRegisterBudget<Variant16<__half>> && kRegisterBudget<VariantFp8> && kRegisterBudget<Wide<VariantFp8>>,
+              "register budget");
 // A warp of the producer warpgroup that only decodes and hands out the work tiles (three consumers).
 template <class V> constexpr bool kSchedulerWarp = V::kConsumers == 3;
 constexpr int kSchedWarp = 3;
@@ -249,11 +206,6 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #ifndef MLA_SM90_SPLIT_MASKED
 #define MLA_SM90_SPLIT_MASKED 1
 #endif
-// Stage releases (mbarrier arrives) from one elected lane per consumer warp instead of every thread
-// (measured 0.7-1.4% slower than every thread: off).
-#ifndef MLA_SM90_ELECTED_ARRIVE
-#define MLA_SM90_ELECTED_ARRIVE 0
-#endif
 // The epilogue's normalization and lse with MUFU reciprocal and log2 instead of IEEE division and logf.
 #ifndef MLA_SM90_FAST_EPILOGUE
 #define MLA_SM90_FAST_EPILOGUE 1
@@ -273,19 +225,6 @@ template <class V> constexpr bool kRopeByTma = !V::kRope8;
 #define MLA_SM90_TMA_EPILOGUE 1
 #endif
 
-// fp8: this many of the 16 n-tiles of S per row take their exp2 from a polynomial on the FMA pipe
-// (softmax.cuh: poly_exp2) instead of the special-function unit (measured: all-e4m3 3.6% faster with
-// the key scales read after the GEMMs, level with them read before; fp8 per token 3-6% slower: off).
-#ifndef MLA_SM90_EXP2_POLY
-#define MLA_SM90_EXP2_POLY 0
-#endif
-// fp8: a tile's key scales read from shared memory right after its K stage is full, before the
-// consumer waits for its turn and issues its GEMMs; 0 reads them after the GEMMs are issued, where
-// the loads queue behind the GEMMs' shared-memory reads and the first multiply waits for them
-// (measured 7-8% slower on long sequences).
-#ifndef MLA_SM90_KSCALE_EARLY
-#define MLA_SM90_KSCALE_EARLY 1
-#endif
 
 // Three fp8 consumers: each row's sum of probabilities taken on the tensor pipe, P times a block of
 // ones (an m64n8k32 wgmma beside each of P V's k-steps; once P V is complete its sums join the rows'
@@ -313,36 +252,19 @@ constexpr bool kRowSumMma = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_ROWSUM
 #endif
 template <class V>
 constexpr bool kExpBytes = kRowSumMma<V> && MLA_SM90_FP8_EXP_BYTES != 0;
-// With P's bytes: in the mask-free key tiles each row's reference (the maximum its exponents are
-// taken from) held, no maximum taken: the carriers are made against it, one max over the thread's
-// float32 carriers tells whether one passed e4m3's range, and only then (a warp vote) the exact step
-// from the carriers (new maxima, carriers shifted, O and the sums rescaled) before P is packed
-// (measured 3-4% faster per token with N = 6, but over the contract's accuracy bound: off). The switch's value N (a measurement switch; 0: every tile takes its maximum) computes
-// P as 2^N P instead of 2^8 P (fp8.cuh: kLog2PScale), so that a score may rise 8.75 - N log2 units
-// above the reference before the exact step is needed.
-#ifndef MLA_SM90_FP8_HELD_MAX
-#define MLA_SM90_FP8_HELD_MAX 0
-#endif
-static_assert(MLA_SM90_FP8_HELD_MAX == 0 || (MLA_SM90_FP8_HELD_MAX >= 4 && MLA_SM90_FP8_HELD_MAX <= 8),
-              "MLA_SM90_FP8_HELD_MAX: 0, or log2 of P's scale, 4 .. 8");
-template <class V>
-constexpr bool kHeldMax = kExpBytes<V> && MLA_SM90_FP8_HELD_MAX != 0;
 
-// Query blocks of three consumers (192 rows) counted from each sequence's end (1), so that a
-// sequence whose length is not a multiple of 192 leaves its part-filled block at its start, where a
-// causal mask shows it the fewest keys, rather than at its end, where it sees the most: the block's
+// Query blocks of three consumers (192 rows) counted from each sequence's end, so that a sequence
+// whose length is not a multiple of 192 leaves its part-filled block at its start, where a causal
+// mask shows it the fewest keys, rather than at its end, where it sees the most: the block's
 // consumers without rows idle (run_idle) through every key tile of the block. Rows before a
 // sequence's first (a block's start may be negative) are never stored, as rows past its end are
-// not; a sequence of one block keeps its rows at the block's start. The default; 0: blocks from the
-// start, the last one part-filled (measured: 2-9% more time up to 4096 keys, 0-1% at 8192-16384).
-#ifndef MLA_SM90_END_ALIGNED
-#define MLA_SM90_END_ALIGNED 1
-#endif
+// not; a sequence of one block keeps its rows at the block's start. (Blocks from the start, the
+// last one part-filled, measured 2-9% more time up to 4096 keys, 0-1% at 8192-16384.)
 template <class V>
-constexpr bool kEndAligned = V::kConsumers == 3 && MLA_SM90_END_ALIGNED != 0;
+constexpr bool kEndAligned = V::kConsumers == 3;
 // The staged epilogue's TMA stores (MLA_SM90_TMA_EPILOGUE above), in the fp8 kernels of three
-// consumers with their blocks counted from the sequences' ends as measured (blocks from the start,
-// MLA_SM90_END_ALIGNED 0, spill 280 bytes in the per-token paged causal kernel with them).
+// consumers, whose blocks are counted from the sequences' ends (with blocks from the start the
+// per-token paged causal kernel spilled 280 bytes with them).
 template <class V>
 constexpr bool kTmaEpilogue = MLA_SM90_TMA_EPILOGUE == 2 ||
                               (MLA_SM90_TMA_EPILOGUE == 1 && V::kFp8 && V::kConsumers == 3 && kEndAligned<V>);
@@ -355,14 +277,6 @@ constexpr bool kTmaEpilogue = MLA_SM90_TMA_EPILOGUE == 2 ||
 // faster on the causal cases, level at 64 x 128 (benchmarks/NOTES.md).
 template <class V, class Mask>
 constexpr bool kSkipTail = V::kFp8 && V::kConsumers == 3 && Mask::kBoundedAbove;
-
-// The producer's order of copies: 1, K of key tile t and then V of tile t - 1 (the order the
-// consumers take them in); 0 (the default), K and V of tile t together, so that K of tile t + 1 waits
-// behind V of tile t, whose stage frees only once P V of tile t - 2 is complete.
-#ifndef MLA_SM90_K_AHEAD
-#define MLA_SM90_K_AHEAD 0
-#endif
-constexpr bool kKAhead = MLA_SM90_K_AHEAD != 0;
 
 // fp8: S_t issued beside P_{t-1} V_{t-1} and the softmax of tile t run while P V works (1), or P V
 // completed before S is issued (0: one GEMM in flight, no tile t - 1 state across the softmax;
@@ -389,7 +303,6 @@ constexpr bool kLazyRescale = MLA_SM90_LAZY_RESCALE == 1 || MLA_SM90_LAZY_RESCAL
 // The slack in quarters of a log2 unit: fp8 0.75 (kPScale * P <= 2^8.75 = 431, under e4m3's 448),
 // 16-bit 8 (P <= 256).
 template <class V> constexpr int kMaxSlackQ = MLA_SM90_LAZY_RESCALE == 2 ? (V::kFp8 ? 3 : 32) : 0;
-static_assert(!(MLA_SM90_LAZY_RESCALE == 2 && MLA_SM90_FP8_HELD_MAX), "the slack assumes P = 2^8 P (fp8.cuh)");
 // S_t issued beside P_{t-1} V_{t-1} (the overlap): with two consumers, in fp8 as the switch above
 // says; never with three (P V completed before S).
 template <class V> constexpr bool kOverlap = V::kConsumers == 2 && (!V::kFp8 || MLA_SM90_FP8_OVERLAP);
@@ -403,17 +316,15 @@ template <class V> constexpr bool kOverlap = V::kConsumers == 2 && (!V::kFp8 || 
 
 // Slots of the work tiles handed out (scheduler.cuh), a power of two.
 constexpr int kWorkSlots = 2;
-// A 16-bit consumer releases its Q rows as soon as its work tile's last S is complete (1), instead
-// of after that tile's softmax (0): the Q warp's load of the next rows starts a softmax earlier
-// (measured 0.2-0.5% faster). The fp8 variants release after the softmax (the early release
-// measured 0.3-1.5% slower in the three-consumer all-e4m3 kernel).
-#ifndef MLA_SM90_Q_EARLY_RELEASE
-#define MLA_SM90_Q_EARLY_RELEASE 1
-#endif
-template <class V> constexpr bool kQEarlyRelease = MLA_SM90_Q_EARLY_RELEASE == 1 && !V::kFp8;
+// A 16-bit consumer releases its Q rows as soon as its work tile's last S is complete, instead of
+// after that tile's softmax: the Q warp's load of the next rows starts a softmax earlier (measured
+// 0.2-0.5% faster). The fp8 variants release after the softmax (the early release measured 0.3-1.5%
+// slower in the three-consumer all-e4m3 kernel).
+template <class V> constexpr bool kQEarlyRelease = !V::kFp8;
 
-// Arrivals each consumer-released barrier expects: one per consumer warp, or one per thread.
-template <class V> constexpr int kConsumerArrivals = MLA_SM90_ELECTED_ARRIVE ? kConsumerWarps<V> : kConsumerThreads<V>;
+// Arrivals each consumer-released barrier expects: one per consumer thread (arrivals from one
+// elected lane per warp measured 0.7-1.4% slower).
+template <class V> constexpr int kConsumerArrivals = kConsumerThreads<V>;
 
 }  // namespace sm90
 }  // namespace mla

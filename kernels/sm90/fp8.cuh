@@ -59,9 +59,8 @@ struct WgmmaE4m3 {
 // subnormal range (below 2^-6, steps of 2^-9); scaled by 256 they stay normal down to 2^-14
 // (FlashAttention-3's max offset of 8). The factor costs nothing: the softmax subtracts
 // kLog2PScale less from each exponent (softmax.cuh). O and the row sums carry it and are scaled
-// back once per work tile. kPScale * P <= 256 stays below e4m3's largest value, 448 (with
-// MLA_SM90_FP8_HELD_MAX N, 2^N P reaches 2^8.75 = 431 before the held reference's exact step).
-constexpr int kLog2PScale = MLA_SM90_FP8_HELD_MAX ? MLA_SM90_FP8_HELD_MAX : 8;
+// back once per work tile. kPScale * P <= 256 stays below e4m3's largest value, 448.
+constexpr int kLog2PScale = 8;
 constexpr float kPScale = 1 << kLog2PScale;
 
 // kPScale * P of k-step kk (keys 32 kk .. 32 kk + 31, n-tiles 4 kk .. 4 kk + 3 of the S

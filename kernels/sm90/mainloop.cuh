@@ -1,5 +1,5 @@
-// The consumer mainloop: two warpgroups (three in fp8 under the causal and no mask, and in 16-bit
-// with MLA_SM90_16BIT_CONSUMERS 3), 64 query rows each. Per key tile, S = Q K^T by wgmma with both operands in shared memory, the online
+// The consumer mainloop: two warpgroups (three in fp8 under the causal and no mask), 64 query rows
+// each. Per key tile, S = Q K^T by wgmma with both operands in shared memory, the online
 // softmax in registers, and O += P V with P from registers and V read transposed from shared
 // memory (fp8: e4m3 P and V^T).
 //
@@ -26,7 +26,7 @@
 //     that one's softmax runs under the others' GEMMs. Consumer 0 has the first turn; all run the
 //     same GEMM blocks (same work tiles and counts; an idle consumer its turns alone), so turns go
 //     round exactly, and consumer 0 takes the last pass after the loop. (MLA_SM90_FP8_TURNS: what a
-//     turn covers with three consumers, or no turns; MLA_SM90_16BIT_TURNS: turns in 16-bit.)
+//     turn covers with three consumers, or no turns.)
 //   * Keys past a sequence's end arrive from TMA (the neighbour's rows, or zeros past Tk): their
 //     scores are masked and, in the one partial tile, their V rows are zeroed in shared memory
 //     before P V (fp8: their V^T columns), so a neighbour's NaN can never reach this sequence.
@@ -71,12 +71,11 @@ struct Mainloop {
   // P's e4m3 bytes from the exponent (kExpBytes) in the mask-free key tiles; a tile on a mask's edge,
   // where a row's last (and a short row's only) keys are, takes exp2 rounded to e4m3
   template <int kMode> static constexpr bool kBytesIn = kExpBytes<V> && kMode == kMaskNone;
-  // ... and the rows' references held there (kHeldMax: held_step)
-  template <int kMode> static constexpr bool kHeldIn = kHeldMax<V> && kMode == kMaskNone;
   // fp8 key scales: read from shared memory where they multiply with three consumers
-  // (dequantize_scores_at), else into registers before the GEMMs (MLA_SM90_KSCALE_EARLY) or after
+  // (dequantize_scores_at), else into registers as soon as the K stage is full, before the GEMMs
+  // (after them the loads queue behind the GEMMs' shared-memory reads: measured 7-8% slower)
   static constexpr bool kScalesInPlace = V::kFp8 && V::kConsumers == 3;
-  static constexpr bool kScalesEarly = V::kFp8 && MLA_SM90_KSCALE_EARLY && !kScalesInPlace;
+  static constexpr bool kScalesEarly = V::kFp8 && !kScalesInPlace;
   // ... in pairs where every tile's first key row is even (EvenKeyRows)
   static constexpr bool kScalePairs = kScalesInPlace && V::kEvenKeyRows;
   // Three consumers with a rope warp: the softmax step compiled on each side of the unreadable-key
@@ -86,8 +85,6 @@ struct Mainloop {
   // A work tile's last key tile may be a half tile (softmax.cuh: last_tile_is_half). Not in the fp8
   // variants: their chunked-mask kernels would spill (they run at the register limit), and their
   // time goes to the softmax, which a half tile does not shorten.
-  // Nor with three 16-bit consumers (Wide16: 96-key tiles, which a 192-row diagonal does not halve),
-  // nor on 64-key tiles (MLA_SM90_16BIT_KEYS 64: a tile is a half block's diagonal already).
   static constexpr bool kHalfTiles = MLA_SM90_HALF_TILE && MLA_SM90_SPLIT_MASKED && Mask::kBoundedAbove && !V::kFp8 &&
                                      V::kConsumers == 2 && V::kBlockN == 128;
   // Three fp8 consumers with MLA_SM90_FP8_TURNS 2: a turn covers P V's issue only (steps).
@@ -254,9 +251,9 @@ struct Mainloop {
   }
   // S of key tile t (ring position it) into probabilities: dequantized (fp8), masked as kMode says,
   // its K stage (with the rope rows and their flags) released. kHalf: S holds the tile's first 64
-  // keys; the rest of the tile is set to -inf here. Returns softmax_step's answer.
+  // keys; the rest of the tile is set to -inf here.
   template <int kMode, bool kHalf = false>
-  __device__ __forceinline__ bool scores_to_p(Tile& x, OnlineSoftmax& smx, int t, int it) const {
+  __device__ __forceinline__ void scores_to_p(Tile& x, OnlineSoftmax& smx, int t, int it) const {
     constexpr int kTiles = kHalf ? kST / 2 : kST;  // n-tiles of S the GEMM wrote
     fence_operands_first<kTiles>(x.sacc);
     const int s = it % kS;
@@ -273,41 +270,24 @@ struct Mainloop {
     if constexpr (kSoftmaxPerPath) {
       if (unreadable) {
         mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
-        return softmax_step<kMode>(x, smx, s);
+        softmax_step<kMode>(x, smx, s);
       } else {
-        return softmax_step<kMode>(x, smx, s);
+        softmax_step<kMode>(x, smx, s);
       }
     } else {
       if (unreadable) mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
-      return softmax_step<kMode>(x, smx, s);
+      softmax_step<kMode>(x, smx, s);
     }
   }
   // The K stage of ring stage s released, then S (dequantized and masked) made probabilities.
   // kMode: the tile's masking; the maximum's slack (MLA_SM90_LAZY_RESCALE 2) in the mask-free tiles
-  // only, the masked ones (a work tile's diagonal, few) keep their registers for the mask. Returns
-  // whether the thread's carriers need the exact step (kHeldIn: held_carriers), else false.
+  // only, the masked ones (a work tile's diagonal, few) keep their registers for the mask.
   template <int kMode>
-  __device__ __forceinline__ bool softmax_step(Tile& x, OnlineSoftmax& smx, int s) const {
+  __device__ __forceinline__ void softmax_step(Tile& x, OnlineSoftmax& smx, int s) const {
     TileHandout::release(sm.k_empty(s));
-    // fp8: kPScale * P (fp8.cuh), part of the exp2 on the FMA pipe if MLA_SM90_EXP2_POLY says so
-    constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0, kPoly = V::kFp8 ? MLA_SM90_EXP2_POLY : 0;
+    constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0;  // fp8: kPScale * P (fp8.cuh)
     constexpr int kSlackQ = kMode == kMaskNone ? kMaxSlackQ<V> : 0;
-    if constexpr (kHeldIn<kMode>) return smx.held_carriers<kLog2P>(x.sacc, x.row_scale);
-    smx.update_scores<kLog2P, kPoly, !kSumMma, kSlackQ, kBytesIn<kMode>>(x.sacc, x.row_scale, x.corr);
-    return false;
-  }
-  // kHeldIn: key tile t's carriers against the held references; only where a carrier of the warp
-  // passed e4m3's range (or a row has no reference yet) the exact step from the carriers, O and the
-  // sums rescaled (a warp-uniform branch with no wgmma); then P packed.
-  template <int kMode>
-  __device__ __forceinline__ void held_step(Tile& x, float (&o)[kOTiles][4], OnlineSoftmax& smx, int t, int it) const {
-    const bool rebase = scores_to_p<kMode>(x, smx, t, it);
-    if (__any_sync(0xffffffffu, rebase)) {
-      smx.rebase_carriers<kLog2PScale>(x.sacc, x.corr);
-      OnlineSoftmax::rescale(o, x.corr);
-      smx.rescale_sums(x.corr);
-    }
-    pack_probabilities<V, true>(x.sacc, x.pa);
+    smx.update_scores<kLog2P, !kSumMma, kSlackQ, kBytesIn<kMode>>(x.sacc, x.row_scale, x.corr);
   }
   // A work tile's first key tile: S issued, completed and made probabilities (masked). The paths
   // of a branch between wgmma shapes join with no wgmma in flight and S whole (here and in last_pv):
@@ -365,14 +345,10 @@ struct Mainloop {
         wgmma_wait<0>();
         release_q<true>(t + 1 == x.k.num_tiles);
         key_scales(x, t, it);
-        if constexpr (kHeldIn<kMode>) {
-          held_step<kMode>(x, o, smx, t, it);
-        } else {
-          scores_to_p<kMode>(x, smx, t, it);
-          rescale_o(o, x.corr);
-          if constexpr (kSumMma) smx.rescale_sums(x.corr);
-          pack_probabilities<V, kBytesIn<kMode>>(x.sacc, x.pa);
-        }
+        scores_to_p<kMode>(x, smx, t, it);
+        rescale_o(o, x.corr);
+        if constexpr (kSumMma) smx.rescale_sums(x.corr);
+        pack_probabilities<V, kBytesIn<kMode>>(x.sacc, x.pa);
       } else {
         if (kScalesEarly) wait_k(it), key_scales(x, t, it);
         turn_wait();

@@ -67,12 +67,11 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
           for (int c = 0; c < 2; ++c) tma_load_3d(sm.v(s) + c * kBlk<V>, &p.tm_v, sm.v_full(s), c * kColBlock, w.h, row);
         }
       };
-      // kKAhead: K of tile t, then V of tile t - 1 (the consumers' order: S_t beside P_{t-1} V_{t-1}),
-      // so that a V stage still in use does not hold back the next K; else K and V of tile t together.
+      // K and V of tile t together (V of tile t - 1 after K of tile t, the consumers' order,
+      // measured level: benchmarks/NOTES.md)
       auto load_tile = [&](int t) {
         load_k(t, it);
-        if (!kKAhead) load_v(t, it);
-        else if (t > 0) load_v(t - 1, it - 1);
+        load_v(t, it);
       };
       if constexpr (kSchedulerWarp<V>) {
         // one tile per iteration: an unrolled loop keeps each copy's addresses live past 32 registers
@@ -81,7 +80,6 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
       } else {
         for (int t = 0; t < k.num_tiles; ++t, ++it) load_tile(t);
       }
-      if (kKAhead) load_v(k.num_tiles - 1, it - 1);
     }
     if constexpr (kSchedulerWarp<V>) mbar_arrive(sched.issued());
     else idx = sched.next(idx);

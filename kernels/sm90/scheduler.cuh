@@ -147,18 +147,10 @@ struct TileHandout {
   }
   // Warp 0's thread with the scheduler warp: hand-out n, one arrival.
   __device__ __forceinline__ void take_one(int n, WorkInfo& k) const { mbar_arrive(empty(read(n, k))); }
-  // Reader threads (whole warps): hand-out n. One lane per warp releases the slot once every lane
-  // has read it (or every lane, with kConsumerArrivals<V> counting threads).
+  // Reader threads (whole warps): hand-out n, every lane releasing the slot once it has read it.
   __device__ __forceinline__ void take(int n, WorkInfo& k) const { release(empty(read(n, k))); }
-  // A reader warp's arrival on a barrier counted in kConsumerArrivals<V> units.
-  static __device__ __forceinline__ void release(u32 bar) {
-    if constexpr (MLA_SM90_ELECTED_ARRIVE) {
-      __syncwarp();  // every lane's reads of the released buffer are done
-      if (threadIdx.x % 32 == 0) mbar_arrive(bar);
-    } else {
-      mbar_arrive(bar);
-    }
-  }
+  // A reader thread's arrival on a barrier counted in kConsumerArrivals<V> units (one per thread).
+  static __device__ __forceinline__ void release(u32 bar) { mbar_arrive(bar); }
 };
 
 }  // namespace sm90

@@ -21,8 +21,8 @@ template <int kMode> struct MaskTag { static constexpr int value = kMode; };
 __device__ __forceinline__ i64 key_scale_index(i64 first_row) { return (first_row & 3) + 2 * (threadIdx.x % 4); }
 
 // The key scales of this thread's columns of a tile, read from its K stage as soon as it is full,
-// before the GEMMs that would hold the shared memory (MLA_SM90_KSCALE_EARLY), so that their latency
-// stays off the softmax's path.
+// before the GEMMs that would hold the shared memory, so that their latency stays off the softmax's
+// path.
 template <int kNT>
 __device__ __forceinline__ void load_key_scales(const float* box, i64 first_row, float (&ksc)[kNT][2]) {
   const float* p = box + key_scale_index(first_row);
