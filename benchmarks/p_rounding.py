@@ -24,28 +24,20 @@ Usage (CPU only)::
 from __future__ import annotations
 
 import argparse
-import re
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from mla_cupy.dims import DQK, HALF_BLOCK, KEY_TILE
+from mla_cupy._registry import VARIANT_FP8, sm90_schedule
+from mla_cupy.dims import DQK, kernel_float, kernel_int
+from mla_cupy.masks import CausalMask
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
-
-
-def _header_number(relpath: str, pattern: str) -> float:
-    """A constant read from a kernel header, so that the emulation follows the kernels' own."""
-    m = re.search(pattern, (KERNELS / relpath).read_text())
-    if m is None:
-        raise RuntimeError(f"{relpath}: no match for {pattern!r}")
-    return float(m.group(1))
-
-
-EXP_BYTE_BIAS = _header_number("e4m3.cuh", r"kExpByteBias = (-?[0-9.]+)f;")
-LOG2_PSCALE = int(_header_number("sm90/fp8.cuh", r"kLog2PScale = (\d+);"))
-CONSUMER_ROWS, WARP_ROWS = HALF_BLOCK, 16  # a consumer warpgroup's rows, a warp's rows of them
+# the kernels' own constants, so that the emulation follows them
+EXP_BYTE_BIAS = kernel_float("e4m3.cuh", "kExpByteBias")
+LOG2_PSCALE = kernel_int("sm90/fp8.cuh", "kLog2PScale")
+_SCHEDULE = sm90_schedule(VARIANT_FP8, CausalMask())  # the three-consumer fp8 kernels'
+CONSUMER_ROWS, WARP_ROWS = _SCHEDULE.q_rows, 16  # a consumer warpgroup's rows, a warp's rows of them
+KEY_TILE = _SCHEDULE.block_n
 E4M3_MAX = 448.0
 
 # the tests' case of long rows after cached keys (tests/test_gpu_fp8.py: LONG_FIRST_BLOCKS), 16 heads

@@ -12,6 +12,13 @@ namespace mla {
 typedef long long i64;
 typedef unsigned int u32;
 
+// The model's dimensions (DeepSeek's Multi-head Latent Attention): the values and the per-head
+// ("nope") part of q and k, the rope part every head shares, and q's and a key's whole head. The
+// Python side reads kDv and kDr from this text (mla_cupy/dims.py).
+constexpr int kDv = 128;
+constexpr int kDr = 64;
+constexpr int kDqk = kDv + kDr;
+
 // Positions are signed 64-bit; these bound "no limit" ranges well away from overflow.
 constexpr i64 kPosMin = -(1LL << 62);
 constexpr i64 kPosMax = (1LL << 62);

@@ -11,6 +11,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "params_abi.cuh"
+#include "prefill_params.cuh"
 #include "rope_source.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
@@ -18,9 +19,6 @@
 namespace mla {
 namespace sm80 {
 
-constexpr int kDv = 128;                     // value / nope head size
-constexpr int kDr = 64;                      // shared rope size
-constexpr int kDqk = kDv + kDr;              // 192
 constexpr int kBlockM = 128;                 // query rows per CTA
 constexpr int kBlockN = 64;                  // keys per tile
 constexpr int kWarps = 8;
@@ -57,22 +55,16 @@ static_assert(kBlockN * kRopeChunks == 2 * kThreads, "rope copy: two chunks per 
   X(const void*, q) X(const void*, k) X(const void*, v) X(void*, out) X(float*, lse)                \
   X(i64, q_st) X(i64, q_sh) X(i64, k_st) X(i64, k_sh) X(i64, v_st) X(i64, v_sh) X(i64, o_st) X(i64, o_sh)    \
   X(i64, lse_st)                                                                                    \
-  /* the ragged batch (tile_scheduler.cuh: SeqOffsets) */                                           \
-  X(const u32*, q_offsets) X(const u32*, kv_begin) X(const u32*, kv_end) X(const u32*, cache_offsets)        \
-  X(const i64*, q_start_pos)                                                                        \
-  /* the rope source (rope_source.cuh: RopeArgs) */                                                 \
-  X(const void*, rope_base) X(i64, rope_row_stride) X(i64, rope_block_stride) X(const u32*, lookup)          \
-  X(i64, lookup_stride) X(int, log2_page_size) X(u32, num_blocks) X(u32, max_pages)                  \
-  /* the work: one CTA per (query block, sequence, head) in tile_scheduler.cuh's order */             \
-  X(int, num_heads) X(int, heads_per_section) X(int, batch) X(int, num_m_blocks)                    \
-  /* softmax scale times log2(e), the mask's argument, merge into out / lse (chunked prefill) */     \
-  X(float, scale_log2) X(i64, mask_arg) X(int, accumulate)
+  /* the batch, the rope source, the work (one CTA per query block, sequence and head in */         \
+  /* tile_scheduler.cuh's order), the scores (prefill_params.cuh) */                               \
+  MLA_SEQ_OFFSET_PARAMS(X) MLA_ROPE_PARAMS(X) MLA_WORK_PARAMS(X) MLA_SCORE_PARAMS(X)
 
 MLA_DEFINE_PARAMS(Params, MLA_SM80_PARAMS)
 
-// What the launch code reads from the module besides the parameter layout: dynamic shared memory in
-// bytes, threads per CTA, query rows per CTA.
-__device__ const int kGeometry[] = {kSmemBytes, kThreads, kBlockM};
+// What the launch code reads from the module besides the parameter layout (params_abi.cuh): dynamic
+// shared memory in bytes, threads per CTA, query rows per CTA.
+#define MLA_SM80_GEOMETRY(X) X(smem, kSmemBytes) X(threads, kThreads) X(block_m, kBlockM)
+MLA_DEFINE_GEOMETRY(MLA_SM80_GEOMETRY)
 
 template <typename T, typename OutT, typename Mask, bool kPaged>
 __global__ void __launch_bounds__(kThreads, 1) mla_prefill_kernel(const __grid_constant__ Params p) {

@@ -37,21 +37,24 @@
 namespace mla {
 namespace sm90 {
 
-// What the launch code reads from the module besides the parameter layout (params.cuh), per mask
-// (a table per mask: kGeometry<Mask>) and variant (row: Variant*::kId), as compiled under that mask
-// (ForMask): dynamic shared memory in bytes, threads per CTA, query rows per work tile, keys per
-// key tile, floats of the fp8 key-scale box, rows of a Q box (one consumer's, and of an output box),
-// 1 if the staged epilogue stores by TMA (kTmaEpilogue: the host then builds out's map).
-constexpr int kGeometryFields = 7;
-#define MLA_SM90_GEOMETRY(V) kSmemBytes<ForMask<V, Mask>>, kThreads<ForMask<V, Mask>>, kBlockM<ForMask<V, Mask>>, \
-                             ForMask<V, Mask>::kBlockN, kScaleBox<ForMask<V, Mask>>, kWgRows,              \
-                             kTmaEpilogue<ForMask<V, Mask>>
-template <class Mask>
-__device__ const int kGeometry[kNumVariants][kGeometryFields] = {
-    {MLA_SM90_GEOMETRY(Variant16<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantFp8)},
-    {MLA_SM90_GEOMETRY(VariantFp8Rope<__nv_bfloat16>)}, {MLA_SM90_GEOMETRY(VariantE4m3)}};
+// What the launch code reads from the module besides the parameter layout (params.cuh,
+// params_abi.cuh), per variant V0 and mask, as compiled under that mask (V: ForMask): dynamic shared
+// memory in bytes, threads per CTA, query rows per work tile, keys per key tile, floats of the fp8
+// key-scale box, rows of a consumer warpgroup (of a Q box, and of an output box), 1 if the staged
+// epilogue stores by TMA (kTmaEpilogue: the host then builds out's map); and how the work is cut,
+// which the reference's reach of a NaN in v follows (mla_cupy/_registry.py: sm90_schedule): half
+// tiles on the diagonal (kHalfTilesFor), key tiles skipped at a work tile's end (kSkipTail), query
+// blocks counted from each sequence's end (kEndAligned), keys a key span starts on a multiple of
+// (kKeyAlign).
+#define MLA_SM90_GEOMETRY(X)                                                                         \
+  X(smem, kSmemBytes<V>) X(threads, kThreads<V>) X(block_m, kBlockM<V>) X(block_n, V::kBlockN)       \
+  X(scale_box, kScaleBox<V>) X(q_rows, kWgRows) X(out_tma, kTmaEpilogue<V>)                          \
+  X(half_tiles, (kHalfTilesFor<V, Mask>)) X(skip_tail, (kSkipTail<V, Mask>)) X(end_aligned, kEndAligned<V>) \
+  X(key_align, kKeyAlign<V>)
+MLA_GEOMETRY_NAMES(MLA_SM90_GEOMETRY)
+template <class V0, class Mask, class V = ForMask<V0, Mask>>
+__device__ const int kGeometry[] = MLA_GEOMETRY_VALUES(MLA_SM90_GEOMETRY);
 #undef MLA_SM90_GEOMETRY
-static_assert(kSmemBytes<Variant16<__half>> == kSmemBytes<Variant16<__nv_bfloat16>>, "one row per variant");
 
 template <class V0, typename OutT, typename Mask, bool kPaged>
 __global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_kernel(const __grid_constant__ Params p) {

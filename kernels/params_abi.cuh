@@ -11,6 +11,18 @@
 //                       then per field: offset, size, kind}
 //     kParamNames[]  = "name0,name1,...,"
 // Field kinds (ParamKind): a device pointer, int32, uint32, int64, float32, or a 128-byte TMA map.
+//
+// What else the launch code reads from a module (threads per CTA, tile sizes, how the work is cut)
+// is its geometry, named ints listed once as an X-macro of (name, value) pairs (a value with a
+// comma in parentheses):
+//     #define MY_GEOMETRY(X) X(threads, kThreads) X(rows_per_cta, kRowsPerCta)
+//     MLA_DEFINE_GEOMETRY(MY_GEOMETRY)
+// which defines, in the enclosing namespace,
+//     kGeometryNames[] = "threads,rows_per_cta,"
+//     kGeometry[]      = {field count, bytes of kGeometryNames, then the values}
+// A module whose geometry depends on template arguments defines the names with
+// MLA_GEOMETRY_NAMES(list) and each table as a variable template initialized with
+// MLA_GEOMETRY_VALUES(list).
 #pragma once
 #include <cuda/std/cstddef>  // offsetof
 #include "common.cuh"
@@ -35,6 +47,15 @@ template <> struct ParamKind<float> { static constexpr int value = kParamF32; };
   static_cast<int>(offsetof(MLA_PARAMS_STRUCT_, name)), static_cast<int>(sizeof(type)), ::mla::ParamKind<type>::value,
 
 // `list` is an X-macro over (type, name); the struct must be standard-layout (offsets by offsetof).
+#define MLA_GEOMETRY_NAME(name, value) #name ","
+#define MLA_GEOMETRY_COUNT(name, value) +1
+#define MLA_GEOMETRY_VALUE(name, value) , static_cast<int>(value)
+#define MLA_GEOMETRY_NAMES(list) __device__ const char kGeometryNames[] = list(MLA_GEOMETRY_NAME);
+#define MLA_GEOMETRY_VALUES(list) {0 list(MLA_GEOMETRY_COUNT), static_cast<int>(sizeof(kGeometryNames)) list(MLA_GEOMETRY_VALUE)}
+#define MLA_DEFINE_GEOMETRY(list) \
+  MLA_GEOMETRY_NAMES(list)        \
+  __device__ const int kGeometry[] = MLA_GEOMETRY_VALUES(list);
+
 #define MLA_DEFINE_PARAMS(Struct, list)                                                                       \
   struct Struct {                                                                                             \
     list(MLA_PARAM_FIELD)                                                                                     \

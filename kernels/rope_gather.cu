@@ -7,6 +7,7 @@
 // kernel masks them). A bandwidth-bound copy of 128 bytes per key: 8 threads per row, 16 bytes each.
 #include "common.cuh"
 #include "params_abi.cuh"
+#include "prefill_params.cuh"
 #include "rope_source.cuh"
 
 namespace mla {
@@ -19,13 +20,13 @@ constexpr int kRowsPerCta = kThreads / 8;  // 8 threads of 16 bytes per 128-byte
 // 16-bit type), the sequences' key rows [kv_begin[b], kv_end[b]) and absolute positions of key 0
 // (cache_offsets, or null: 0) of `batch` sequences, and the destination rows dst[tk][64].
 #define MLA_ROPE_GATHER_PARAMS(X)                                                                        \
-  X(const void*, rope_base) X(i64, rope_row_stride) X(i64, rope_block_stride) X(const u32*, lookup)       \
-  X(i64, lookup_stride) X(int, log2_page_size) X(u32, num_blocks) X(u32, max_pages)                      \
-  X(const u32*, kv_begin) X(const u32*, kv_end) X(const u32*, cache_offsets) X(int, batch)               \
+  MLA_ROPE_PARAMS(X) X(const u32*, kv_begin) X(const u32*, kv_end) X(const u32*, cache_offsets) X(int, batch)               \
   X(void*, dst) X(i64, tk)
 MLA_DEFINE_PARAMS(Params, MLA_ROPE_GATHER_PARAMS)
-// What the launch code reads besides the parameters: threads per CTA, rows per CTA and stride step.
-__device__ const int kGeometry[] = {kThreads, kRowsPerCta};
+// What the launch code reads besides the parameters (params_abi.cuh): threads per CTA, rows per CTA
+// and stride step.
+#define MLA_GATHER_GEOMETRY(X) X(threads, kThreads) X(rows_per_cta, kRowsPerCta)
+MLA_DEFINE_GEOMETRY(MLA_GATHER_GEOMETRY)
 }  // namespace rope_gather
 
 // Grid: (x, y); CTA (x, y) copies rows x * kRowsPerCta + i (stride gridDim.x * kRowsPerCta) of the

@@ -16,8 +16,10 @@ namespace vt_prepass {
   X(const unsigned char*, v) X(i64, v_st) X(i64, v_sh) X(const u32*, kv_begin) X(const u32*, kv_end) \
   X(int, batch) X(unsigned char*, vt) X(i64, cols)
 MLA_DEFINE_PARAMS(Params, MLA_VT_PARAMS)
-// What the launch code reads besides the parameters: threads per CTA, V^T columns per CTA.
-__device__ const int kGeometry[] = {kVtThreads, kVtCols};
+// What the launch code reads besides the parameters (params_abi.cuh): threads per CTA, V^T columns
+// per CTA.
+#define MLA_VT_GEOMETRY(X) X(threads, kVtThreads) X(cols_per_cta, kVtCols)
+MLA_DEFINE_GEOMETRY(MLA_VT_GEOMETRY)
 }  // namespace vt_prepass
 
 __global__ void __launch_bounds__(kVtThreads) transpose_v_e4m3_kernel(const __grid_constant__ vt_prepass::Params p) {

@@ -30,6 +30,16 @@ _PARAM_KINDS = {0: PTR, 1: I32, 2: U32, 3: I64, 4: F32, 5: TENSOR_MAP_DTYPE}
 _U64 = struct.Struct("<Q")
 
 
+def _param_dtype(ctype: str) -> np.dtype:
+    """The field dtype of a parameter's C type (kernels/params_abi.cuh: ParamKind)."""
+    if "*" in ctype:
+        return PTR
+    dt = {"int": I32, "u32": U32, "i64": I64, "float": F32, "TensorMap": TENSOR_MAP_DTYPE}.get(ctype)
+    if dt is None:
+        raise ValueError(f"a parameter of C type {ctype!r}: not a kind of kernels/params_abi.cuh")
+    return dt
+
+
 class ArgPack:
     """A kernel's parameters: ``ArgPack([("q", PTR), ("heads", I32), ...])`` for a parameter list
     (natural alignment, tensor maps on 64 bytes), or :meth:`from_export` for one parameter struct."""
@@ -46,6 +56,22 @@ class ArgPack:
             offsets.append(off)
             off += dt.itemsize
         self._init(names, formats, offsets, -(-off // 64) * 64, struct=False)
+
+    @classmethod
+    def from_fields(cls, fields: Sequence[Tuple[str, str]]) -> "ArgPack":
+        """The parameter struct that ``MLA_DEFINE_PARAMS`` (kernels/params_abi.cuh) makes of
+        ``(C type, name)`` fields (:func:`mla_cupy.dims.param_fields` reads them from a kernel's
+        text), laid out as C lays out a struct: each field on a multiple of its size (a tensor map
+        on 64 bytes), the size a multiple of the largest. For code without a compiled module (the
+        tests' fake GPU); a module's own export (:meth:`from_export`) is the same (a CPU test
+        compares them)."""
+        pack = cls([(name, _param_dtype(ctype)) for ctype, name in fields])  # the offsets
+        formats = [pack.dtype.fields[n][0] for n in pack.names]
+        offsets = [pack.offsets[n] for n in pack.names]
+        end = max((o + f.itemsize for o, f in zip(offsets, formats)), default=0)
+        align = max((min(f.itemsize, 64) for f in formats), default=1)
+        pack._init(list(pack.names), formats, offsets, -(-end // align) * align, struct=True)
+        return pack
 
     def _init(self, names, formats, offsets, itemsize: int, struct: bool) -> None:
         self.dtype = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})

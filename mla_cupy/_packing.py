@@ -171,7 +171,10 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
     gather_rows = paged and not rope_warp and tk > 0
     rope_row_bytes = None if rope_warp else (DR * dtype.itemsize if paged else stride16(rope, 0))
 
-    def make_maps(mk: tuple):
+    pack = ck.params
+    maps = map_fields(pack)
+
+    def make_maps(mk: tuple) -> bytes:
         qp, kp, vp, rp, op, qrp, ksp, rows = mk
         if gather_rows:
             rp = rows
@@ -180,11 +183,10 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
         rmap = (0,) if rope_warp else (rp, rope_row_bytes)
         f8 = (qrp, fp8_st, ksp) if fp8_st is not None else None
         om = (op, p.out_dtype, out_st) if out_st is not None else None
-        return prefill_maps(dtype, heads, tq, tk, (qp, q_st), (kp, k_st), (vp, v_st), rmap, f8, geom["block_n"],
-                            geom["scale_box"], geom["q_rows"], om)
+        by_name = prefill_maps(dtype, heads, tq, tk, (qp, q_st), (kp, k_st), (vp, v_st), rmap, f8, geom["block_n"],
+                               geom["scale_box"], geom["q_rows"], om)
+        return b"".join(by_name[n].tobytes() for n in maps)  # the struct's consecutive map fields
 
-    pack = ck.params
-    maps = map_fields(pack)
     values.update({n: ZERO_MAP for n in maps}, tile_counter=0)
     grid = min(nmb * p.batch * p.heads, sm_count(t.device_id))  # persistent: at most one CTA per SM
     values["tail_blocks"] = tail_blocks(p, values["heads_per_section"], nmb, grid)
@@ -217,18 +219,13 @@ def _gather_launch(t: Target, p: Problem, values: dict, tk: int) -> PreparedLaun
     return PreparedLaunch(ck.params, ck.fn, (per_seq, min(max(p.batch, 1), _GRID_Y_MAX), 1), ck.threads, 0, gv)
 
 
-#: The Hopper kernel's tensor maps in the order tma.prefill_maps returns them.
-SM90_MAPS = ("tm_q", "tm_k", "tm_v", "tm_rope", "tm_q_rope", "tm_k_scales", "tm_out")
-
-
 def map_fields(pack: ArgPack) -> tuple:
-    """The tensor-map fields of a parameter struct: :data:`SM90_MAPS`, consecutive, so that a run
+    """The tensor-map fields of a parameter struct, in its order: consecutive, so that a run
     rewrites them as one block."""
     maps = tuple(n for n in pack.names if pack.dtype.fields[n][0] == TENSOR_MAP_DTYPE)
     offs = [pack.offsets[n] for n in maps]
-    if maps != SM90_MAPS or offs != [offs[0] + TENSOR_MAP_DTYPE.itemsize * i for i in range(len(maps))]:
-        raise RuntimeError(f"the Hopper kernel's tensor maps are {maps} at offsets {offs}: expected {SM90_MAPS}, "
-                           "consecutive")
+    if not maps or offs != [offs[0] + TENSOR_MAP_DTYPE.itemsize * i for i in range(len(maps))]:
+        raise RuntimeError(f"the Hopper kernel's tensor maps are {maps} at offsets {offs}: expected consecutive ones")
     return maps
 
 
@@ -306,8 +303,7 @@ def rows_on(shape, sp: int):
 
 
 def _new_maps(rec: Record, mk: tuple) -> bytes:
-    maps = rec.make_maps(mk)
-    data = b"".join(m.tobytes() for m in maps)
+    data = rec.make_maps(mk)
     if len(rec.maps) >= rec.maps_max:
         rec.maps.clear()
     rec.maps[mk] = data

@@ -102,9 +102,10 @@ def check_plan_args(valid_length, cache_row_offsets, *, num_heads, dtype, mask, 
                 check_paged_table(lut_h, page_size, None, co_h, sk_h, name="page_table")
         if max_sq is None:
             max_sq = observed
-    check_grid(max_sq, batch, num_heads)
+    variant = variant_of(bool(fp8), bool(fp8_rope))
+    check_grid(max_sq, batch, num_heads, variant, mask)
     layout = with_key_offsets(Problem(batch, int(num_heads), tq, -1, dt, out_dtype, mask, scale, max_sq, paged,
-                                      variant_of(bool(fp8), bool(fp8_rope))), cro_h)
+                                      variant), cro_h)
     bounds = RunBounds(kv_total, lut_h if validate else None, co_h, sk_h, cro_h)
     return PlanArgs(layout, bounds, d_vl, d_cro, d_co, d_qs, d_lut)
 

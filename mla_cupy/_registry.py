@@ -6,11 +6,12 @@ target architecture (``all_families``).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import numpy as np
 
 from ._arrays import BF16, FP16, FP32
+from .dims import kernel_int
 from .masks import MASKS, Mask
 
 CPP_TYPE: Dict[np.dtype, str] = {BF16: "__nv_bfloat16", FP16: "__half", FP32: "float"}
@@ -27,10 +28,18 @@ MERGE = ("merge_states.cu", "mla::merge_states_kernel")
 SPIN = ("bench_spin.cu", ("mla::spin_kernel",))  # the benchmark's GPU-busy helper
 QUANTIZE = ("quantize.cu", "mla::quantize_rows_kernel")
 QUANTIZE_V = "mla::quantize_v_transposed_kernel"  # V's quantizer writing V^T too (quantize.cu)
-TRANSPOSE_V = ("transpose_v.cu", ("mla::transpose_v_e4m3_kernel", "mla::vt_prepass::kParamLayout",
-                                   "mla::vt_prepass::kParamNames", "mla::vt_prepass::kGeometry"))  # V^T for fp8
-ROPE_GATHER = ("rope_gather.cu", ("mla::rope_gather_kernel", "mla::rope_gather::kParamLayout",
-                                   "mla::rope_gather::kParamNames", "mla::rope_gather::kGeometry"))  # paged rope, Hopper
+
+
+def _exports(namespace: str, geometry: str = "kGeometry") -> Tuple[str, str, str, str]:
+    """What a module exports besides its kernels (kernels/params_abi.cuh), in this order: its
+    parameter struct's layout and field names, its geometry's field names and its geometry
+    (``geometry``: the table's name expression)."""
+    return (f"{namespace}::kParamLayout", f"{namespace}::kParamNames", f"{namespace}::kGeometryNames",
+            f"{namespace}::{geometry}")
+
+
+TRANSPOSE_V = ("transpose_v.cu", ("mla::transpose_v_e4m3_kernel",) + _exports("mla::vt_prepass"))  # V^T for fp8
+ROPE_GATHER = ("rope_gather.cu", ("mla::rope_gather_kernel",) + _exports("mla::rope_gather"))  # paged rope, Hopper
 
 Family = Tuple[str, Tuple[str, ...]]
 
@@ -59,23 +68,54 @@ def _prefill_family(kernel: Tuple[str, str], dtype: np.dtype, mask: Mask) -> Fam
 #: and k_rope under the per-token scales, read by TMA (the all-e4m3 mode).
 VARIANT_16, VARIANT_FP8, VARIANT_FP8_ROPE, VARIANT_E4M3 = "bf16", "fp8", "fp8_rope", "e4m3"
 #: Hopper kernel variants: the traits type of each (kernels/sm90/config.cuh) as a template of the
-#: 16-bit type, and its row in the exported geometry table (``kId``).
-SM90_VARIANTS = {VARIANT_16: ("mla::sm90::Variant16<{t}>", 0), VARIANT_FP8: ("mla::sm90::VariantFp8", 1),
-                 VARIANT_FP8_ROPE: ("mla::sm90::VariantFp8Rope<{t}>", 2), VARIANT_E4M3: ("mla::sm90::VariantE4m3", 3)}
+#: 16-bit type.
+SM90_VARIANTS = {VARIANT_16: "mla::sm90::Variant16<{t}>", VARIANT_FP8: "mla::sm90::VariantFp8",
+                 VARIANT_FP8_ROPE: "mla::sm90::VariantFp8Rope<{t}>", VARIANT_E4M3: "mla::sm90::VariantE4m3"}
+#: The fp8 per-token variants (e4m3 nope parts and V^T, per-token scales).
+FP8_VARIANTS = (VARIANT_FP8, VARIANT_E4M3)
 #: Variants with a plain rope only (no paged instantiation; the host refuses a paged cache).
 SM90_PLAIN_ONLY = (VARIANT_E4M3,)
 
-#: What every prefill module exports besides its kernels (kernels/params_abi.cuh): the parameter
-#: struct's layout and field names; the Hopper module also its geometry per mask and variant
-#: (:func:`sm90_exports`; kernels/mla_prefill_sm90.cu: kGeometry), the portable one per kernel.
-SM80_EXPORTS = ("mla::sm80::kParamLayout", "mla::sm80::kParamNames", "mla::sm80::kGeometry")
+#: What the portable module exports besides its kernels (:func:`_exports`).
+SM80_EXPORTS = _exports("mla::sm80")
 
 
-def sm90_exports(mask: Mask) -> Tuple[str, str, str]:
-    """The Hopper module's exports for ``mask``: its parameter layout and names, and its geometry
-    table as compiled under that mask (``kGeometry<Mask>``: a variant's consumer count may depend on
-    the mask, kernels/sm90/config.cuh: ForMask)."""
-    return ("mla::sm90::kParamLayout", "mla::sm90::kParamNames", f"mla::sm90::kGeometry<{mask.cpp_name}>")
+def sm90_exports(dtype: np.dtype, mask: Mask, variant: str = VARIANT_16, pairs: bool = False) -> Tuple[str, ...]:
+    """The Hopper module's exports (:func:`_exports`) for a variant under ``mask``: the geometry is
+    that variant's as compiled under that mask (``kGeometry<traits, Mask>``: the consumer count, and
+    so the work tile, may depend on the mask, kernels/sm90/config.cuh: ForMask)."""
+    return _exports("mla::sm90", f"kGeometry<{_sm90_traits(dtype, variant, pairs)}, {mask.cpp_name}>")
+
+
+class Schedule(NamedTuple):
+    """How the Hopper kernel of one variant cuts the work under one mask. Its module exports these
+    facts in its geometry (kernels/mla_prefill_sm90.cu: kGeometry), where the launch code reads
+    them; :func:`sm90_schedule` states them for what runs without a compiled module (the
+    reference's reach of a NaN in v, the tests' fake GPU), and ``tests/test_compile.py`` holds it to
+    every Hopper family's export."""
+
+    block_m: int       #: query rows of a work tile
+    block_n: int       #: keys of a key tile
+    q_rows: int        #: rows of a consumer warpgroup
+    half_tiles: bool   #: a warpgroup that sees none of the last key tile's second half computes its first half only
+    skip_tail: bool    #: a warpgroup computes no key tile past the one that holds its last row's last visible key
+    end_aligned: bool  #: query blocks are counted from each sequence's end
+    key_align: int     #: a work tile's key span starts on a multiple of this many keys
+
+
+def sm90_schedule(variant: str, mask: Mask) -> Schedule:
+    """The :class:`Schedule` of the Hopper kernel's ``variant`` under ``mask``: two consumer
+    warpgroups of ``kWgRows`` rows, three in the fp8 per-token variants under a mask whose rows' keys
+    have no lower end (the causal mask, no mask), which then count their query blocks from each
+    sequence's end and, under a mask bounded above, skip a warpgroup's invisible key tiles; half tiles
+    in the 16-bit variants under a mask bounded above; fp8 key spans on V^T's groups of
+    ``kVtAlign`` keys; ``kKeyTile`` keys a tile (kernels/sm90/config.cuh)."""
+    fp8 = variant in FP8_VARIANTS
+    three = fp8 and not mask.bounded_below
+    rows = kernel_int("sm90/config.cuh", "kWgRows")
+    return Schedule((3 if three else 2) * rows, kernel_int("sm90/config.cuh", "kKeyTile"), rows,
+                    not fp8 and mask.bounded_above, three and mask.bounded_above, three,
+                    kernel_int("vt_layout.cuh", "kVtAlign") if fp8 else 1)
 
 
 #: The traits wrapper of an fp8 variant for batches whose sequences all start at an even key row
@@ -83,7 +123,7 @@ def sm90_exports(mask: Mask) -> Tuple[str, str, str]:
 #: family, compiled when used.
 SCALE_PAIRS = "mla::sm90::EvenKeyRows<{}>"
 #: The variants that have it.
-SM90_PAIRED = (VARIANT_FP8, VARIANT_E4M3)
+SM90_PAIRED = FP8_VARIANTS
 
 
 def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = VARIANT_16, pairs: bool = False) -> Family:
@@ -93,17 +133,21 @@ def prefill_sm90(dtype: np.dtype, mask: Mask, variant: str = VARIANT_16, pairs: 
     ``pairs``: their kernels for even first key rows (:data:`SCALE_PAIRS`; a plain rope only)."""
     pageds = (False,) if variant in SM90_PLAIN_ONLY or pairs else (False, True)
     names = tuple(prefill_sm90_name(dtype, o, mask, paged, variant, pairs) for o in (dtype, FP32) for paged in pageds)
-    return PREFILL_SM90[0], names + sm90_exports(mask)
+    return PREFILL_SM90[0], names + sm90_exports(dtype, mask, variant, pairs)
+
+
+def _sm90_traits(dtype: np.dtype, variant: str, pairs: bool) -> str:
+    """The traits type of a Hopper variant (``pairs``: for even first key rows)."""
+    if pairs and variant not in SM90_PAIRED:
+        raise ValueError(f"pairs: the {variant!r} variant reads no key scales; {SM90_PAIRED} do")
+    traits = SM90_VARIANTS[variant].format(t=CPP_TYPE[np.dtype(dtype)])
+    return SCALE_PAIRS.format(traits) if pairs else traits
 
 
 def prefill_sm90_name(dtype: np.dtype, out_dtype: np.dtype, mask: Mask, paged: bool, variant: str = VARIANT_16,
                       pairs: bool = False) -> str:
-    if pairs and variant not in SM90_PAIRED:
-        raise ValueError(f"pairs: the {variant!r} variant reads no key scales; {SM90_PAIRED} do")
-    traits = SM90_VARIANTS[variant][0].format(t=CPP_TYPE[np.dtype(dtype)])
-    traits = SCALE_PAIRS.format(traits) if pairs else traits
-    return (f"{PREFILL_SM90[1]}<{traits}, {CPP_TYPE[np.dtype(out_dtype)]}, {mask.cpp_name}, "
-            f"{'true' if paged else 'false'}>")
+    return (f"{PREFILL_SM90[1]}<{_sm90_traits(dtype, variant, pairs)}, {CPP_TYPE[np.dtype(out_dtype)]}, "
+            f"{mask.cpp_name}, {'true' if paged else 'false'}>")
 
 
 def _prefill_name(kernel: Tuple[str, str], dtype, out_dtype, mask: Mask, paged: bool) -> str:
@@ -158,7 +202,7 @@ def _sm90_traits_label(arg: str) -> List[str]:
     head, tail = SCALE_PAIRS.split("{}")
     if arg.startswith(head) and arg.endswith(tail):
         return _sm90_traits_label(arg[len(head):-len(tail)]) + ["scale-pairs"]
-    for name, (pattern, _) in SM90_VARIANTS.items():
+    for name, pattern in SM90_VARIANTS.items():
         for t in _SHORT_TYPES:
             if arg == pattern.format(t=t):
                 return [_SHORT_TYPES["__nv_bfloat16" if "{t}" not in pattern else t], _VARIANT_NAMES[name]]

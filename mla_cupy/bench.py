@@ -30,7 +30,7 @@ import numpy as np
 from ._arrays import BF16, FP8_E4M3
 from .masks import CausalMask, Mask, NullMask
 from .reference import visible_pairs
-from .validation import DQK, DR, DV
+from .dims import DQK, DR, DV
 
 __all__ = ["BenchCase", "DEFAULT_CASES", "EXTRA_CASES", "CPU_CASES", "ALL_CASES", "resolve_cases", "CaseRun",
            "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "n_input_sets", "k192_of", "fa3_function", "fa3_varlen_call",

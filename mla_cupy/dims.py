@@ -1,22 +1,90 @@
-"""The model dimensions of DeepSeek's Multi-head Latent Attention that the kernels are built for."""
+"""The kernels' facts that Python code reads without a compiled module, read from the kernel sources'
+text by one small parser: where the sources are (:data:`KERNEL_DIR`), a numeric constant
+(:func:`kernel_int`: ``constexpr int NAME = 123;``, :func:`kernel_float`), a parameter list (:func:`param_fields`: the
+X-macros of ``kernels/params_abi.cuh``), and the model dimensions the checks and the reference use
+(:data:`DV`, :data:`DR`, :data:`DQK`, from ``kernels/common.cuh``).
+
+What a compiled module exports (its parameter struct, its geometry: ``mla_cupy._geometry``) is read
+from the module itself; what can only be read there but is needed without one (how the Hopper kernel
+cuts the work, for the reference: ``mla_cupy._registry.sm90_schedule``) is held to the exports by a
+CPU test that compiles the modules offline (``tests/test_compile.py``)."""
 from __future__ import annotations
 
-__all__ = ["DV", "DR", "DQK", "QUERY_BLOCK", "HALF_BLOCK", "KEY_TILE", "FP8_CONSUMERS"]
+import functools
+import re
+from pathlib import Path
+from typing import Dict, List, Tuple
 
-DV = 128  #: value / per-head ("nope") key size
-DR = 64  #: shared rope size
-DQK = DV + DR  #: query / full key size
+__all__ = ["KERNEL_DIR", "kernel_int", "kernel_float", "param_fields", "DV", "DR", "DQK"]
 
-#: Query rows of one work tile of the prefill kernels (kBlockM). The contract states how far a NaN
-#: in ``v`` reaches in these blocks: every row of a block whose visible key span holds the key.
-QUERY_BLOCK = 128
-#: Rows of a half block: each of the Hopper kernel's two consumer warpgroups computes one (kWgRows).
-HALF_BLOCK = QUERY_BLOCK // 2
-#: Keys of one key tile of the Hopper kernel (its variants' ``kBlockN``). A half block whose rows see none of
-#: the second half of its block's last key tile computes that tile's first ``KEY_TILE // 2`` keys
-#: only, which bounds the reach of a NaN in ``v`` there (``reference``).
-KEY_TILE = 128
-#: Consumer warpgroups of the Hopper kernel's fp8 variants (per token and all-e4m3) under a mask
-#: whose rows' keys have no lower end (the causal mask and no mask: kernels/sm90/config.cuh, Wide),
-#: which a slow CPU test holds to this value (:func:`mla_cupy.fp8.fp8_query_block`).
-FP8_CONSUMERS = 3
+
+def _find_kernel_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for cand in (here / "kernels", here.parent / "kernels"):  # installed wheel, then checkout
+        if (cand / "common.cuh").is_file():
+            return cand
+    raise ImportError(f"mla_cupy: kernel sources not found next to {here}")
+
+
+#: The kernel sources: ``kernels/`` of the checkout, or the copy inside an installed wheel.
+KERNEL_DIR: Path = _find_kernel_dir()
+
+
+@functools.lru_cache(maxsize=None)
+def _text(path: str) -> str:
+    return (KERNEL_DIR / path).read_text(encoding="utf-8")
+
+
+def _literal(path: str, ctype: str, name: str, literal: str) -> str:
+    found = re.findall(rf"\bconstexpr {ctype} {re.escape(name)} = ({literal});", _text(path))
+    if len(found) != 1:
+        raise RuntimeError(f"kernels/{path}: expected one literal 'constexpr {ctype} {name} = ...;', found {len(found)}")
+    return found[0]
+
+
+def kernel_int(path: str, name: str) -> int:
+    """The integer constant ``constexpr int NAME = <literal>;`` of ``kernels/<path>`` (it must be
+    there once, as a literal)."""
+    return int(_literal(path, "int", name, r"-?\d+"))
+
+
+def kernel_float(path: str, name: str) -> float:
+    """The float constant ``constexpr float NAME = <literal>f;`` of ``kernels/<path>``."""
+    return float(_literal(path, "float", name, r"-?[0-9.]+(?:e-?\d+)?f").rstrip("f"))
+
+
+_MACRO = re.compile(r"^#define (\w+)\(X\)((?:[^\n]*\\\n)*[^\n]*)", re.MULTILINE)
+_COMMENT = re.compile(r"/\*.*?\*/", re.DOTALL)
+_ITEM = re.compile(r"\bX\(\s*([^,()]+?)\s*,\s*(\w+)\s*\)|\b(\w+)\(X\)")
+
+
+@functools.lru_cache(maxsize=1)
+def _param_macros() -> Dict[str, str]:
+    """Every X-macro of a parameter list (``#define NAME(X) ...``) of the kernel sources: its body."""
+    macros: Dict[str, str] = {}
+    for path in sorted(KERNEL_DIR.rglob("*")):
+        if path.suffix in (".cu", ".cuh"):
+            for m in _MACRO.finditer(path.read_text(encoding="utf-8")):
+                macros[m.group(1)] = _COMMENT.sub(" ", m.group(2).replace("\\\n", " "))
+    return macros
+
+
+def param_fields(macro: str) -> List[Tuple[str, str]]:
+    """``(C type, name)`` of every field of the parameter list ``macro`` (e.g. ``"MLA_SM90_PARAMS"``),
+    in order, the lists it names (``MLA_ROPE_PARAMS(X)``) expanded in place: what
+    ``MLA_DEFINE_PARAMS`` makes a parameter struct of (:meth:`mla_cupy._launch.ArgPack.from_fields`)."""
+    body = _param_macros().get(macro)
+    if body is None:
+        raise KeyError(f"no parameter list {macro}(X) in the kernel sources")
+    fields: List[Tuple[str, str]] = []
+    for m in _ITEM.finditer(body):
+        fields += [(" ".join(m.group(1).split()), m.group(2))] if m.group(2) else param_fields(m.group(3))
+    return fields
+
+
+#: Values and the per-head ("nope") part of q and k (kernels/common.cuh: kDv).
+DV = kernel_int("common.cuh", "kDv")
+#: The rope part every head shares (kDr).
+DR = kernel_int("common.cuh", "kDr")
+#: A query's (and a key's) whole head: the nope part and the rope (kDqk).
+DQK = DV + DR

@@ -17,7 +17,7 @@ torch = require("torch", "mla_cupy.flash_attn")
 
 from . import torch_ops  # noqa: E402
 from .masks import CausalMask, Mask, NullMask, SlidingWindowCausalMask
-from .validation import DQK, DR, DV
+from .dims import DQK, DR, DV
 
 __all__ = ["flash_attn_varlen_func"]
 

@@ -18,11 +18,12 @@ import numpy as np
 
 from ._arrays import BF16, FP8_E4M3, FP32, as_device, checkable, device_pointer, is_device, is_torch, to_host
 from ._checks import OFFSET_DTYPES, U8, check_aligned, check_array, check_layout, check_offsets_layout, check_offsets_values, check_shape
-from .dims import DR, DV, FP8_CONSUMERS, HALF_BLOCK, KEY_TILE, QUERY_BLOCK
+from ._registry import VARIANT_FP8, sm90_schedule
+from .dims import DR, DV, kernel_int
 
 __all__ = ["VT_ALIGN", "VT_SIGMA", "TransposedV", "fp8_bytes", "check_fp8_arrays", "check_fp8_layout",
            "check_q_scale_values", "check_transposed_v_offsets", "vt_columns", "vt_shape", "transpose_v_host",
-           "untranspose_v_host", "transpose_v", "fp8_consumers", "fp8_query_block", "blocks_16bit"]
+           "untranspose_v_host", "transpose_v", "scale_pairs"]
 
 
 class E4m3HostView(np.ndarray):
@@ -99,62 +100,31 @@ def check_q_scale_values(q_scale) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The Hopper kernel's query blocks (the reference's NaN reach follows them)
-
-def fp8_consumers() -> int:
-    """Consumer warpgroups of the Hopper kernel's fp8 variants (per token, all-e4m3) under a mask
-    without a lower bound: :data:`~mla_cupy.dims.FP8_CONSUMERS`."""
-    return FP8_CONSUMERS
-
-
-def fp8_query_block(mask) -> int:
-    """Query rows of one work tile of the Hopper kernel's fp8 variants under ``mask``:
-    :data:`~mla_cupy.dims.HALF_BLOCK` rows per consumer warpgroup, :func:`fp8_consumers` of them
-    under a mask without a lower bound (the causal mask, no mask), two under the others."""
-    return QUERY_BLOCK if mask.bounded_below else HALF_BLOCK * fp8_consumers()
-
+# The key offsets' parity
 
 def scale_pairs(mask, paged: bool, cache_row_offsets) -> bool:
     """Whether the Hopper kernel's fp8 variants under ``mask`` read each key tile's scales in
     pairs for a batch of these key offsets (host values; None when the host did not read them):
-    where their consumer warpgroups read the scales from shared memory (the three of a mask without
-    a lower bound, :func:`fp8_query_block`), the rope is plain (a paged rope's kernels, with their
-    rope warp, spill with the pairs under the null mask) and every sequence's first key row is
-    even, so that a key tile's first scale sits at an even float of its box
-    (``kernels/sm90/config.cuh``: EvenKeyRows). Otherwise, or with offsets not read, the kernel
+    where their consumer warpgroups read the scales from shared memory (three of them: a mask
+    without a lower bound, :func:`mla_cupy._registry.sm90_schedule`), the rope is plain (a paged
+    rope's kernels, with their rope warp, spill with the pairs under the null mask) and every
+    sequence's first key row is even, so that a key tile's first scale sits at an even float of its
+    box (``kernels/sm90/config.cuh``: EvenKeyRows). Otherwise, or with offsets not read, the kernel
     that reads them one at a time."""
-    if cache_row_offsets is None or paged or fp8_query_block(mask) != 3 * HALF_BLOCK:
+    sched = sm90_schedule(VARIANT_FP8, mask)
+    if cache_row_offsets is None or paged or sched.block_m != 3 * sched.q_rows:
         return False
     return not np.any(np.asarray(cache_row_offsets, np.int64)[:-1] & 1)
-
-
-def end_aligned(qb: int) -> bool:
-    """Whether the Hopper kernel counts a sequence's ``qb``-row query blocks from its end (its
-    part-filled block then at the sequence's start, where a causal mask shows it the fewest keys):
-    the blocks of three consumer warpgroups (``3 * HALF_BLOCK`` rows)."""
-    return qb == 3 * HALF_BLOCK
-
-
-def fp8_skip_tail(qb: int) -> bool:
-    """Whether a consumer warpgroup of the Hopper kernel's fp8 variants, in ``qb``-row query blocks,
-    skips the key tiles past the one that holds its last row's last visible key (P V then ends
-    there for its rows): with three consumers (192-row blocks)."""
-    return qb == 3 * HALF_BLOCK
-
-
-def blocks_16bit(mask, rope8: bool = False) -> Tuple[int, int, bool]:
-    """(query rows of a work tile, keys of a key tile, half tiles) of the Hopper kernel's 16-bit
-    variant (``rope8``: the one with an e4m3 rope) under ``mask``: 128, 128 and half tiles."""
-    return QUERY_BLOCK, KEY_TILE, True
 
 
 # ---------------------------------------------------------------------------------------------
 # V^T (kernels/vt_layout.cuh, kernels/transpose_v.cu)
 
-VT_ALIGN = 16  #: kVtAlign: keys per aligned column group
+#: kernels/vt_layout.cuh: kVtAlign, keys per aligned column group
+VT_ALIGN = kernel_int("vt_layout.cuh", "kVtAlign")
 #: kernels/vt_tile.cuh: (kVtThreads, kVtCols), the threads and V^T columns of a CTA of the kernels
 #: that write V^T (the pre-pass also exports them; V's quantizer launches with these)
-VT_TILE = (128, 128)
+VT_TILE = (kernel_int("vt_tile.cuh", "kVtThreads"), kernel_int("vt_tile.cuh", "kVtCols"))
 #: column p of a 16-column group holds key VT_SIGMA[p] of the group (vt_layout.cuh: sigma)
 VT_SIGMA = np.array([2 * (p // 4) + (p & 1) + 8 * ((p >> 1) & 1) for p in range(VT_ALIGN)])
 

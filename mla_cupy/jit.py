@@ -31,6 +31,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .dims import KERNEL_DIR
+
 __all__ = [
     "KERNEL_DIR",
     "KernelCompileError",
@@ -50,17 +52,6 @@ __all__ = [
     "compiled_modules",
     "compile_count",
 ]
-
-
-def _find_kernel_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    for cand in (here / "kernels", here.parent / "kernels"):  # installed wheel, then checkout
-        if (cand / "common.cuh").is_file():
-            return cand
-    raise ImportError(f"mla_cupy: kernel sources not found next to {here}")
-
-
-KERNEL_DIR: Path = _find_kernel_dir()
 
 # Read once at import: path under kernels/ (e.g. "sm90/config.cuh") -> text.
 _RAW_SOURCES: Dict[str, str] = {
@@ -317,6 +308,12 @@ class OfflineBuild:
         """The log lines saying that wgmma instructions were serialized (:data:`WGMMA_SERIALIZED`)."""
         return [ln.strip() for ln in self.log.splitlines() if WGMMA_SERIALIZED.search(ln)]
 
+    def global_bytes(self, name: str) -> bytes:
+        """The initial bytes of the ``__device__`` global ``name`` (a name expression of the build,
+        e.g. ``"mla::sm90::kParamLayout"``) in the cubin: what :func:`get_global` reads from a
+        loaded module, without a GPU."""
+        return _elf_symbol(self.binary, self.lowered.get(name, name))
+
 
 _FN_START = re.compile(r"(?:Compiling entry function|Function properties for) '?([^' ]+)'?")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -352,6 +349,28 @@ def parse_ptxas_log(log: str) -> Dict[str, PtxasFunction]:
                 if mm:
                     found[current][key] = int(mm.group(1))
     return {name: PtxasFunction(name, **fields) for name, fields in found.items()}
+
+
+def _elf_symbol(elf: bytes, symbol: str) -> bytes:
+    """The bytes of ``symbol`` in a 64-bit ELF (a cubin): its section's data at the symbol's value
+    (zeros for a section without data)."""
+    if not isinstance(elf, bytes) or elf[:4] != b"\x7fELF":
+        raise ValueError("not an ELF: global_bytes reads a cubin (method='cubin')")
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+    # (type, offset, size, link) of each section header
+    sections = [struct.unpack_from("<4xI16xQQI", elf, shoff + i * shentsize) for i in range(shnum)]
+    want = symbol.encode()
+    for kind, offset, size, link in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        names = sections[link][1]
+        for at in range(offset, offset + size, 24):
+            name, _, _, index, value, nbytes = struct.unpack_from("<IBBHQQ", elf, at)
+            if elf[names + name:names + name + len(want) + 1] == want + b"\0":
+                sec_kind, sec_offset = sections[index][:2]
+                return bytes(nbytes) if sec_kind == 8 else elf[sec_offset + value:sec_offset + value + nbytes]  # 8: NOBITS
+    raise KeyError(f"{symbol}: no such symbol in the ELF")
 
 
 def _whole_elf(data: bytes) -> bytes:

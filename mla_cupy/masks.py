@@ -28,6 +28,9 @@ class Mask:
     #: Whether a query's visible keys start at a position that depends on the query (the window and
     #: chunked masks), as the kernels' ``kBoundedBelow`` (kernels/mask.cuh).
     bounded_below: ClassVar[bool] = False
+    #: Whether they end at a position that depends on the query (every mask but ``NullMask``), as the
+    #: kernels' ``kBoundedAbove``.
+    bounded_above: ClassVar[bool] = True
 
     @property
     def arg(self) -> int:
@@ -62,6 +65,7 @@ class NullMask(Mask):
     """Every key is visible to every query."""
 
     cpp_name: ClassVar[str] = "mla::NullMask"
+    bounded_above: ClassVar[bool] = False
 
     def visible(self, q_pos, k_pos):
         return np.ones(np.broadcast_shapes(np.shape(q_pos), np.shape(k_pos)), dtype=bool)

@@ -18,19 +18,15 @@ Non-finite inputs (the contract's rule, which the kernels follow):
 * a score is masked by replacing it with ``-inf``, so a NaN in ``q`` row i reaches row i only (of
   that head), and a NaN in a key's ``k`` (one head) or rope (every head) reaches exactly the rows
   that see that key;
-* ``P V`` runs over every key of a query block's span: a NaN (or Inf) in key j's ``v`` reaches
-  every row of each :data:`~mla_cupy.dims.QUERY_BLOCK`-row block of the sequence whose visible key
-  span holds key j (``0 * NaN``), rows that see no key included; the fp8 variants (per token,
-  all-e4m3) start the span on a multiple of 16 keys, and their blocks are
-  :func:`~mla_cupy.fp8.fp8_query_block` rows (192 under the causal mask and no mask when the kernel is
-  built with three fp8 consumers, counted from each sequence's end: :func:`~mla_cupy.fp8.end_aligned`;
-  a 64-row third of such a block stops at the key tile that holds its last row's last visible key:
-  :func:`~mla_cupy.fp8.fp8_skip_tail`); the 16-bit variants' blocks are 192 rows without half tiles under
-  those masks when the kernel is built with three 16-bit consumers, and 128 rows without half tiles
-  when it is built with 64-key tiles (measurement switches: :func:`~mla_cupy.fp8.blocks_16bit`).
-  Otherwise, in the 16-bit variants, a
-  :data:`~mla_cupy.dims.HALF_BLOCK`-row half of a block whose last row would see no key position
-  past the middle of the span's last :data:`~mla_cupy.dims.KEY_TILE`-key tile ends its span there.
+* ``P V`` runs over every key of a query block's span, as the Hopper kernel of the call's variant
+  cuts the work (:func:`~mla_cupy._registry.sm90_schedule`, held to the kernel's exported geometry
+  by a CPU test): a NaN (or Inf) in key j's ``v`` reaches every row of each 128-row block of the
+  sequence whose visible key span holds key j (``0 * NaN``), rows that see no key included; the
+  fp8 variants (per token, all-e4m3) start the span on a multiple of 16 keys, and under the causal
+  mask and no mask their blocks are 192 rows counted from each sequence's end, a 64-row third of
+  such a block stopping (causal) at the key tile that holds its last row's last visible key. In the
+  16-bit variants under a mask bounded above, a 64-row half of a block whose last row would see no
+  key position past the middle of the span's last 128-key tile ends its span there.
   This is the upper bound of the contract's reach, which the Hopper kernel meets exactly; the
   portable kernel reaches the rows that see the key and part of the rest;
 * a row whose visible scores are all ``-inf`` (or that sees no key) gives 0 and lse ``-inf``; a row
@@ -45,8 +41,9 @@ import numpy as np
 
 from ._arrays import FP8_E4M3, to_host
 from ._progress import Progress
-from .dims import DR, DV, HALF_BLOCK, KEY_TILE
-from .fp8 import VT_ALIGN, blocks_16bit, end_aligned, fp8_bytes, fp8_query_block, fp8_skip_tail
+from ._registry import VARIANT_16, Schedule, sm90_schedule
+from .dims import DR, DV
+from .fp8 import fp8_bytes
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
 from .validation import Problem, check_inputs, check_merge_inputs, check_merge_outputs
@@ -107,12 +104,13 @@ def _row_blocks(sq: int, qb: int, end_aligned: bool) -> np.ndarray:
     return sq - (np.arange(nb, dtype=np.int64)[::-1] + 1) * qb
 
 
-def _pv_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, bl: "_Blocks") -> Tuple[np.ndarray, np.ndarray]:
+def _pv_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, sched: Schedule) -> Tuple[np.ndarray, np.ndarray]:
     """``[begin, end)`` key indices over which each query row of a sequence takes part in ``P V``
-    (int64 arrays, one entry per row). A row's query block computes the span of keys its rows may
-    see, its start rounded down to ``key_align`` keys, in ``KEY_TILE``-key tiles; each
-    ``HALF_BLOCK``-row group of the block (a consumer warpgroup's rows) runs ``P V`` over the whole
-    span, or over less:
+    (int64 arrays, one entry per row), as the Hopper kernel cuts the work (``sched``: its
+    :class:`~mla_cupy._registry.Schedule` for the call's variant and mask). A row's query block of
+    ``block_m`` rows computes the span of keys its rows may see, its start rounded down to
+    ``key_align`` keys, in ``block_n``-key tiles; each ``q_rows``-row group of the block (a consumer
+    warpgroup's rows) runs ``P V`` over the whole span, or over less:
 
     * ``half_tiles``: over the last tile's first half only when the group's last row sees no key
       position at or past that tile's middle;
@@ -121,23 +119,24 @@ def _pv_spans(mask: Mask, q_pos: np.ndarray, k_pos0: int, sk: int, bl: "_Blocks"
     (A query's last visible key never decreases, so no row of the group sees past its last row.)"""
     sq = len(q_pos)
     begin, end = np.zeros(sq, np.int64), np.zeros(sq, np.int64)
-    for m0 in _row_blocks(sq, bl.qb, bl.end_aligned):
-        first, last = max(int(m0), 0), min(int(m0) + bl.qb, sq) - 1
+    tile = sched.block_n
+    for m0 in _row_blocks(sq, sched.block_m, sched.end_aligned):
+        first, last = max(int(m0), 0), min(int(m0) + sched.block_m, sq) - 1
         lo, hi = (int(x) for x in _clamped_range(mask, q_pos[first], q_pos[last], k_pos0, sk))
-        lo -= lo % bl.key_align
-        tiles = -(-(hi - lo) // KEY_TILE)
-        for g0 in range(int(m0), int(m0) + bl.qb, HALF_BLOCK):
-            r0, r1 = max(g0, 0), min(g0 + HALF_BLOCK, sq)
+        lo -= lo % sched.key_align
+        tiles = -(-(hi - lo) // tile)
+        for g0 in range(int(m0), int(m0) + sched.block_m, sched.q_rows):
+            r0, r1 = max(g0, 0), min(g0 + sched.q_rows, sq)
             if r0 >= r1:
                 continue
             e = hi
-            if tiles > 0 and (bl.half_tiles or bl.skip_tail):
+            if tiles > 0 and (sched.half_tiles or sched.skip_tail):
                 _, k_hi = mask.key_range(q_pos[r1 - 1], q_pos[r1 - 1])  # positions, whether keys sit there or not
                 seen = int(k_hi) - (k_pos0 + lo)  # one past the group's last visible key, from the span's start
-                if bl.half_tiles and seen <= (tiles - 1) * KEY_TILE + KEY_TILE // 2:
-                    e = min(hi, lo + (tiles - 1) * KEY_TILE + KEY_TILE // 2)
-                elif bl.skip_tail and seen < tiles * KEY_TILE:
-                    e = min(hi, lo + max(1, -(-seen // KEY_TILE)) * KEY_TILE)
+                if sched.half_tiles and seen <= (tiles - 1) * tile + tile // 2:
+                    e = min(hi, lo + (tiles - 1) * tile + tile // 2)
+                elif sched.skip_tail and seen < tiles * tile:
+                    e = min(hi, lo + max(1, -(-seen // tile)) * tile)
             begin[r0:r1], end[r0:r1] = lo, e
     return begin, end
 
@@ -430,44 +429,21 @@ def _layout(p: Problem, valid_length, cache_row_offsets, cache_offsets, q_start_
     return _Layout(vl[:-1], sq, cro[:-1], sk, q_pos0, k_pos0)
 
 
-class _Blocks(NamedTuple):
-    """How the Hopper kernel of a variant blocks the work, which shapes the reach of a NaN in ``v``
-    (_pv_spans): query blocks of ``qb`` rows, counted from each sequence's end (``end_aligned``) or
-    its start, key spans starting on multiples of ``key_align`` keys (fp8: V^T's layout), and how a
-    block's ``HALF_BLOCK``-row groups cut its span (``half_tiles``, ``skip_tail``)."""
-
-    key_align: int
-    half_tiles: bool
-    qb: int
-    end_aligned: bool = False
-    skip_tail: bool = False
-
-    @staticmethod
-    def of(fp8: bool, mask: Mask, rope8: bool = False) -> "_Blocks":
-        """The fp8 variants' (per token, all-e4m3) or the 16-bit ones' (``rope8``: with an e4m3
-        rope) under ``mask``."""
-        if fp8:
-            qb = fp8_query_block(mask)
-            return _Blocks(VT_ALIGN, False, qb, end_aligned(qb), fp8_skip_tail(qb))
-        qb, _, half_tiles = blocks_16bit(mask, rope8)
-        return _Blocks(1, half_tiles, qb, end_aligned(qb))
-
-
-def _work(p: Problem, lay: _Layout, bl: _Blocks) -> float:
+def _work(p: Problem, lay: _Layout, sched: Schedule) -> float:
     """(query row, head, key) pairs the call computes: the work a progress report counts."""
     total = 0
     for b in range(p.batch):
         q_pos = lay.q_pos0[b] + np.arange(lay.sq[b], dtype=np.int64)
-        begin, end = _pv_spans(p.mask, q_pos, int(lay.k_pos0[b]), int(lay.sk[b]), bl)
+        begin, end = _pv_spans(p.mask, q_pos, int(lay.k_pos0[b]), int(lay.sk[b]), sched)
         total += int((end - begin).sum())
     return float(total * p.heads)
 
 
-def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bool, bl: _Blocks,
+def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bool, sched: Schedule,
             bar: Progress) -> None:
     """The attention of every sequence, written into ``res`` (and ``res_lse``), merged into what
     they hold when ``accumulate``."""
-    qb = bl.qb
+    qb = sched.block_m
     xp, H = src.xp, p.heads
     for b in range(p.batch):
         q0, sq, kv0, sk = int(lay.q_row0[b]), int(lay.sq[b]), int(lay.kv_row0[b]), int(lay.sk[b])
@@ -477,7 +453,7 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
         q_pos = lay.q_pos0[b] + np.arange(sq, dtype=np.int64)
         k_pos = k_pos0 + np.arange(sk, dtype=np.int64)
         lo, hi = _clamped_range(p.mask, q_pos, q_pos, k_pos0, sk)
-        spans = _pv_spans(p.mask, q_pos, k_pos0, sk, bl)
+        spans = _pv_spans(p.mask, q_pos, k_pos0, sk, sched)
         kb = max(1, min(KEY_BLOCK, sk))
         hg = max(1, min(H, _STEP_ELEMS // (qb * kb)))
         state_rows = max(qb, _STATE_ELEMS // (hg * DV) // qb * qb)
@@ -530,18 +506,18 @@ def _attend(p: Problem, src: _Inputs, lay: _Layout, res, res_lse, accumulate: bo
                     res_lse[rows, hs] = lse_new.T.astype(res_lse.dtype, copy=False)
 
 
-def _run(p: Problem, src: _Inputs, lay: _Layout, out, lse, return_lse: bool, accumulate: bool, fp8: bool,
+def _run(p: Problem, src: _Inputs, lay: _Layout, out, lse, return_lse: bool, accumulate: bool,
          progress: Optional[bool], desc: str):
-    """The attention of a call, blocked as the Hopper kernel of the variant (``fp8``: per token or
-    all-e4m3) computes it (_Blocks)."""
-    bl = _Blocks.of(fp8, p.mask, p.rope_scaled_e4m3)
+    """The attention of a call, blocked as the Hopper kernel of its variant computes it
+    (:func:`~mla_cupy._registry.sm90_schedule`)."""
+    sched = sm90_schedule(p.variant, p.mask)
     xp = src.xp
     res = out if out is not None else xp.zeros((p.tq, p.heads, DV), p.out_dtype)
     res_lse = lse if lse is not None else (xp.full((p.tq, p.heads), -np.inf) if return_lse else None)
-    work = _work(p, lay, bl)
+    work = _work(p, lay, sched)
     show = work * _SECONDS_PER_PAIR > _PROGRESS_AFTER_S if progress is None else bool(progress)
     with np.errstate(invalid="ignore", over="ignore"), Progress(work, desc, show) as bar:
-        _attend(p, src, lay, res, res_lse, accumulate, bl, bar)
+        _attend(p, src, lay, res, res_lse, accumulate, sched, bar)
     return (res, res_lse) if return_lse else res
 
 
@@ -610,7 +586,7 @@ def mla_prefill(
                      k_rope_scales=k_rope_scales, lse=lse, accumulate=accumulate, kernel=kernel)
     src = _plain_inputs(q, k, v, k_rope, k_rope_scales)
     lay = _layout(p, valid_length, cache_row_offsets, cache_offsets, q_start_pos)
-    return _run(p, src, lay, out, lse, return_lse, accumulate, False, progress, "mla_cupy.reference.mla_prefill")
+    return _run(p, src, lay, out, lse, return_lse, accumulate, progress, "mla_cupy.reference.mla_prefill")
 
 
 def mla_prefill_fp8(
@@ -660,8 +636,7 @@ def mla_prefill_fp8(
                             f"{type(x).__name__}")
     src = _fp8_inputs(q_nope, q_rope, q_scale, k, k_scales, v, k_rope)
     lay = _layout(p, valid_length, cache_row_offsets, cache_offsets, q_start_pos)
-    return _run(p, src, lay, out, lse, return_lse, accumulate, True, progress,
-                "mla_cupy.reference.mla_prefill_fp8")
+    return _run(p, src, lay, out, lse, return_lse, accumulate, progress, "mla_cupy.reference.mla_prefill_fp8")
 
 
 def mla_prefill_fp8_rope(q, k, v, k_rope, k_rope_scales, valid_length, cache_row_offsets, **kw):
@@ -689,15 +664,15 @@ def mla_prefill_chunked(
     acc = src.xp.zeros((p.tq, p.heads, DV))
     acc_lse = src.xp.full((p.tq, p.heads), -np.inf)
     chunks = range(0, max(int(full.sk.max()) if p.batch else 0, 1), chunk_size)
-    bl = _Blocks.of(False, p.mask)
-    work = _work(p, full, bl)
+    sched = sm90_schedule(VARIANT_16, p.mask)
+    work = _work(p, full, sched)
     show = work * _SECONDS_PER_PAIR > _PROGRESS_AFTER_S if progress is None else bool(progress)
     with np.errstate(invalid="ignore", over="ignore"), Progress(work, "mla_cupy.reference.mla_prefill_chunked", show) as bar:
         for c0 in chunks:
             start = np.minimum(full.sk, c0)
             part = _Layout(full.q_row0, full.sq, full.kv_row0 + start, np.minimum(full.sk, c0 + chunk_size) - start,
                            full.q_pos0, full.k_pos0 + start)
-            _attend(p, src, part, acc, acc_lse, True, bl, bar)
+            _attend(p, src, part, acc, acc_lse, True, sched, bar)
     res = acc.astype(p.out_dtype) if out is None else out
     if out is not None:
         out[...] = acc

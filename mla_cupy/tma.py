@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -80,8 +80,9 @@ def stride16(x, dim: int) -> int:
 def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tuple[int, int]],
                  k: Tuple[int, Tuple[int, int]], v: Tuple[int, Tuple[int, int]], rope: tuple,
                  fp8: Optional[tuple], block_rows: int, scale_box: int, q_rows: int,
-                 out: Optional[tuple] = None) -> Tuple[np.void, ...]:
-    """The seven TMA descriptors of the Hopper kernel (Q, K, V, rope, q_rope, k_scales, out). ``q``,
+                 out: Optional[tuple] = None) -> Dict[str, np.void]:
+    """The TMA descriptors of the Hopper kernel by parameter name (kernels/sm90/params.cuh: tm_q,
+    tm_k, tm_v, tm_rope, tm_q_rope, tm_k_scales, tm_out; an unused one zero). ``q``,
     ``k``, ``v`` are ``(pointer, (head stride, row stride))`` in bytes; ``block_rows`` is the
     kernel's key tile height (rows of a K / V box), ``q_rows`` the rows of a Q box (each consumer's
     own rows: they load and release apart), ``scale_box`` the floats of the fp8 key-scale box (all
@@ -118,4 +119,4 @@ def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tu
     else:
         tm_r = ZERO_MAP
     tm_o = ZERO_MAP if out is None else encode_tiled(out[0], out[1], (DV, heads, tq), out[2], (DV // 2, 1, q_rows))
-    return tm_q, tm_k, tm_v, tm_r, tm_qr, tm_ks, tm_o
+    return dict(tm_q=tm_q, tm_k=tm_k, tm_v=tm_v, tm_rope=tm_r, tm_q_rope=tm_qr, tm_k_scales=tm_ks, tm_out=tm_o)

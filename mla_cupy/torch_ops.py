@@ -56,7 +56,7 @@ from ._arrays import checkable, cupy_stream, is_device
 from .fp8 import TransposedV, check_transposed_v_offsets, untranspose_v_host
 from .masks import MASK_KINDS, CausalMask, Mask
 from .paged import PagedKVCache
-from .validation import DV
+from .dims import DV
 
 __all__ = ["MASK_KINDS", "mask_args", "mask_from_args", "eager_cuda", "mla_prefill", "mla_prefill_fp8", "merge_states",
            "merge_states_"]

@@ -23,10 +23,10 @@ import numpy as np
 from ._arrays import BF16, FP16, FP32, FP8_E4M3, read_back, require_device
 from ._checks import (OFFSET_DTYPES, QSTART_DTYPES, U8, check_array, check_layout, check_offsets_array,
                       check_offsets_layout, check_offsets_values, check_shape, dtype_of, step_range)
-from .dims import DQK, DR, DV  # noqa: F401  (DQK, DR, DV: also read from here by older callers)
+from .dims import DQK, DR, DV
 from . import fp8 as _fp8
 from .fp8 import TransposedV, check_fp8_arrays, check_fp8_layout, check_q_scale_values, check_transposed_v_offsets
-from ._registry import VARIANT_16, VARIANT_E4M3, VARIANT_FP8, VARIANT_FP8_ROPE
+from ._registry import VARIANT_16, VARIANT_E4M3, VARIANT_FP8, VARIANT_FP8_ROPE, sm90_schedule
 from ._select import check_kernel_name
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
@@ -327,8 +327,10 @@ def check_paged_table(lut: np.ndarray, page_size: int, num_blocks: Optional[int]
             raise ValueError(f"{name}: block id {lut[b, p]} at [{b}, {p}] is outside {shown}")
 
 
-def check_grid(max_sq: int, batch: int, heads: int) -> None:
-    nmb = -(-max_sq // 128)
+def check_grid(max_sq: int, batch: int, heads: int, variant: str, mask: Mask) -> None:
+    """The work tiles of the grid (query blocks of the variant's Hopper kernel under ``mask``, as
+    many as the portable kernel's) fit in an int."""
+    nmb = -(-max_sq // sm90_schedule(variant, mask).block_m)
     if nmb * max(batch, 1) * heads > _MAX_I32:
         raise ValueError(f"q_max_seq_len: grid of {nmb} x {batch} x {heads} blocks exceeds 2^31 - 1")
 
@@ -521,5 +523,5 @@ def check_inputs(
     check_lse_layout(lse, heads)
     check_same_device([x for _, x in named])
     if max_sq is not None:
-        check_grid(max_sq, batch, heads)
+        check_grid(max_sq, batch, heads, variant, mask)
     return p

@@ -23,47 +23,32 @@ import numpy as np
 import pytest
 
 from mla_cupy._arrays import BF16
-from mla_cupy._launch import F32, I32, I64, PTR, TENSOR_MAP_DTYPE, U32, ArgPack
-
-_TM = TENSOR_MAP_DTYPE
-#: kernels/sm90/params.cuh, in its order
-SM90_PARAMS = [(n, _TM) for n in ("tm_q", "tm_k", "tm_v", "tm_rope", "tm_q_rope", "tm_k_scales", "tm_out")] + [
-    ("out", PTR), ("lse", PTR), ("o_st", I64), ("o_sh", I64), ("lse_st", I64), ("q_offsets", PTR), ("kv_begin", PTR),
-    ("kv_end", PTR), ("cache_offsets", PTR), ("q_start_pos", PTR), ("rope_base", PTR), ("rope_row_stride", I64),
-    ("rope_block_stride", I64), ("lookup", PTR), ("lookup_stride", I64), ("log2_page_size", I32), ("num_blocks", U32),
-    ("max_pages", U32), ("num_heads", I32), ("heads_per_section", I32), ("batch", I32), ("num_m_blocks", I32),
-    ("tail_blocks", I32), ("scale_log2", F32), ("mask_arg", I64), ("accumulate", I32), ("out_by_tma", I32), ("q_scale", PTR),
-    ("q_scale_stride", I64), ("rope_scales", PTR), ("rope_scale_row_stride", I64), ("rope_scale_block_stride", I64),
-    ("tile_counter", PTR)]
-#: kernels/mla_prefill_sm80.cu, in its order
-SM80_PARAMS = [("q", PTR), ("k", PTR), ("v", PTR), ("out", PTR), ("lse", PTR)] + [
-    (n, I64) for n in ("q_st", "q_sh", "k_st", "k_sh", "v_st", "v_sh", "o_st", "o_sh", "lse_st")] + [
-    ("q_offsets", PTR), ("kv_begin", PTR), ("kv_end", PTR), ("cache_offsets", PTR), ("q_start_pos", PTR),
-    ("rope_base", PTR), ("rope_row_stride", I64), ("rope_block_stride", I64), ("lookup", PTR), ("lookup_stride", I64),
-    ("log2_page_size", I32), ("num_blocks", U32), ("max_pages", U32), ("num_heads", I32), ("heads_per_section", I32),
-    ("batch", I32), ("num_m_blocks", I32), ("scale_log2", F32), ("mask_arg", I64), ("accumulate", I32)]
-VT_PARAMS = [("v", PTR), ("v_st", I64), ("v_sh", I64), ("kv_begin", PTR), ("kv_end", PTR), ("batch", I32),
-             ("vt", PTR), ("cols", I64)]
-GATHER_PARAMS = [("rope_base", PTR), ("rope_row_stride", I64), ("rope_block_stride", I64), ("lookup", PTR),
-                 ("lookup_stride", I64), ("log2_page_size", I32), ("num_blocks", U32), ("max_pages", U32),
-                 ("kv_begin", PTR), ("kv_end", PTR), ("cache_offsets", PTR), ("batch", I32), ("dst", PTR),
-                 ("tk", I64)]
+from mla_cupy._launch import ArgPack
+from mla_cupy._registry import sm90_schedule
+from mla_cupy.dims import param_fields
 
 
 class _Kernel:
     """Stands in for a RawKernel (a launch of it never reaches the driver)."""
 
 
+def _compiled(params: str, threads: int, smem: int, geometry: dict):
+    """A compiled kernel as mla_cupy._geometry gives it, its parameter struct read from the kernel's
+    own parameter list (the modules export the same: tests/test_compile.py)."""
+    return SimpleNamespace(params=ArgPack.from_fields(param_fields(params)), fn=_Kernel(), threads=threads,
+                           smem=smem, geometry=dict(geometry, threads=threads, smem=smem))
+
+
 def _kernels():
-    sm90 = SimpleNamespace(params=ArgPack(SM90_PARAMS), fn=_Kernel(), threads=384, smem=200 * 1024,
-                           geometry=dict(block_m=128, block_n=128, scale_box=144, q_rows=64, out_tma=1, threads=384,
-                                         smem=200 * 1024))
-    sm80 = SimpleNamespace(params=ArgPack(SM80_PARAMS), fn=_Kernel(), threads=256, smem=100 * 1024,
-                           geometry=dict(block_m=128, threads=256, smem=100 * 1024))
-    vt = SimpleNamespace(params=ArgPack(VT_PARAMS), fn=_Kernel(), threads=128, smem=0,
-                         geometry=dict(threads=128, cols_per_cta=128))
-    gather = SimpleNamespace(params=ArgPack(GATHER_PARAMS), fn=_Kernel(), threads=128, smem=0,
-                             geometry=dict(threads=128, rows_per_cta=16))
+    """(the Hopper kernel of a variant and mask, the portable kernel, the V^T pre-pass, the gather)."""
+    def sm90(variant, mask):
+        sched = sm90_schedule(variant, mask)
+        return _compiled("MLA_SM90_PARAMS", 128 * (1 + sched.block_m // sched.q_rows), 200 * 1024,
+                         dict(sched._asdict(), scale_box=sched.block_n + 16,
+                              out_tma=int(sched.end_aligned)))
+    sm80 = _compiled("MLA_SM80_PARAMS", 256, 100 * 1024, dict(block_m=128))
+    vt = _compiled("MLA_VT_PARAMS", 128, 0, dict(cols_per_cta=128))
+    gather = _compiled("MLA_ROPE_GATHER_PARAMS", 128, 0, dict(rows_per_cta=16))
     return sm90, sm80, vt, gather
 
 
@@ -114,9 +99,9 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
     gpu = FakeGpu(record, capability)
     sm90, sm80, vt, gather = _kernels()
 
-    def prefill_kernel(kernel, *a, **kw):
+    def prefill_kernel(kernel, dtype, out_dtype, mask, paged, variant, *a, **kw):
         gpu.packs += 1
-        return sm90 if kernel == "sm90" else sm80
+        return sm90(variant, mask) if kernel == "sm90" else sm80
 
     def encode(buf, dtype_code, rank, ptr, dims, strides, box, elem, *flags):
         """Writes what a map encodes (pointer, dtype, dims, strides, box) in its first words."""

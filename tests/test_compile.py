@@ -4,10 +4,13 @@ process per core; compiling them all takes minutes, so those tests are marked ``
 import os
 from concurrent.futures import ProcessPoolExecutor
 
+import numpy as np
 import pytest
 
+from mla_cupy import _geometry, dims, jit
 from mla_cupy import _registry as reg
-from mla_cupy import jit
+from mla_cupy._arrays import BF16, FP16
+from mla_cupy._launch import ArgPack
 from mla_cupy._registry import family_label
 from mla_cupy.masks import MASKS, CausalMask, Mask, NullMask
 
@@ -25,20 +28,31 @@ def _family_mask(names) -> Mask:
     return next(m for m in MASKS if m.cpp_name == cpp)
 
 
+def _exported(build, names):
+    """(parameter struct, geometry by name) a family's cubin exports (None, None without exports)."""
+    exports = [n for n in names if _leaf(n).startswith(("kParam", "kGeometry"))]
+    if len(exports) != 4:
+        return None, None
+    layout, param_names, geometry_names, geometry = (build.global_bytes(n) for n in exports)
+    return (ArgPack.from_export(np.frombuffer(layout, np.int32), param_names),
+            _geometry.geometry_of(np.frombuffer(geometry, np.int32), geometry_names))
+
+
 def _compile(job):
     """(cubin size, error or "", every exported table of the family in the cubin, functions that
-    use local memory as "name: N bytes stack frame, ...", ptxas' serialized-wgmma lines) of one
-    family."""
+    use local memory as "name: N bytes stack frame, ...", ptxas' serialized-wgmma lines, the
+    exported parameter struct and geometry) of one family."""
     arch, (filename, names) = job
     try:
         build = jit.compile_offline_with_log(filename, names, arch)
     except Exception as exc:  # reported per family by the tests below
-        return 0, f"{type(exc).__name__}: {exc}", False, [], []
+        return 0, f"{type(exc).__name__}: {exc}", False, [], [], (None, None)
     spills = [f"{f.name}: {f.stack_frame} bytes stack frame, {f.spill_stores} bytes spill stores, "
               f"{f.spill_loads} bytes spill loads" for f in build.functions().values() if f.spills]
     cubin = build.binary
     tables = [build.lowered[n].encode() for n in names if _leaf(n).startswith(("kParam", "kGeometry"))]
-    return len(cubin), "", all(t in cubin for t in tables), spills, build.serialized_wgmma()
+    return (len(cubin), "", all(t in cubin for t in tables), spills, build.serialized_wgmma(),
+            _exported(build, names))
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +68,50 @@ FAMILY_IDS = [f"{a}-{family_label(f)}" for a, f in FAMILIES]
 @pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(FAMILIES)), ids=FAMILY_IDS)
 def test_family_compiles(compiled, i):
-    size, err, has_tables, _, _ = compiled[i]
+    size, err, has_tables, _, _, _ = compiled[i]
     assert not err, err
     assert size > 1000  # a real cubin came back
     filename, names = FAMILIES[i][1]
-    exports = (reg.sm90_exports(_family_mask(names)) if filename == reg.PREFILL_SM90[0] else
+    exports = (reg.sm90_exports(*_sm90_args(names)) if filename == reg.PREFILL_SM90[0] else
                reg.SM80_EXPORTS if filename == reg.PREFILL_SM80[0] else ())
     # the launch code reads the parameter struct and the geometry from the module
     assert set(exports) <= set(names) and has_tables
+
+
+def _sm90_args(names):
+    """(dtype, mask, variant, pairs) of a Hopper family, from its first kernel's name."""
+    mask = _family_mask(names)
+    for dtype in (BF16, FP16):
+        for variant in reg.SM90_VARIANTS:
+            for pairs in ((False, True) if variant in reg.SM90_PAIRED else (False,)):
+                if reg.prefill_sm90(dtype, mask, variant, pairs)[1] == tuple(names):
+                    return dtype, mask, variant, pairs
+    raise AssertionError(f"no Hopper family of {names[0]}")
+
+
+# the parameter list of each module, in the kernels' text (the fake GPU packs from them: tests/_fake_gpu.py)
+PARAM_LISTS = {reg.PREFILL_SM90[0]: "MLA_SM90_PARAMS", reg.PREFILL_SM80[0]: "MLA_SM80_PARAMS",
+               reg.TRANSPOSE_V[0]: "MLA_VT_PARAMS", reg.ROPE_GATHER[0]: "MLA_ROPE_GATHER_PARAMS"}
+EXPORTING = [i for i, (_, f) in enumerate(FAMILIES) if f[0] in PARAM_LISTS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", EXPORTING, ids=[FAMILY_IDS[i] for i in EXPORTING])
+def test_exported_facts_are_what_python_states_without_a_module(compiled, i):
+    """What the Python side states of a kernel without a compiled module is what the compiled module
+    exports: its parameter struct is the one packed from the parameter list read from the kernel's
+    text (dims.param_fields), and a Hopper variant's geometry under its mask cuts the work as
+    _registry.sm90_schedule says (the reference's reach of a NaN in v follows it)."""
+    _, err, _, _, _, (pack, geometry) = compiled[i]
+    assert not err, err
+    filename, names = FAMILIES[i][1]
+    parsed = ArgPack.from_fields(dims.param_fields(PARAM_LISTS[filename]))
+    assert pack.dtype == parsed.dtype and pack.names == parsed.names
+    if filename == reg.PREFILL_SM90[0]:
+        _, mask, variant, _ = _sm90_args(names)
+        sched = reg.sm90_schedule(variant, mask)
+        assert {n: geometry[n] for n in sched._fields} == sched._asdict(), geometry
+        assert geometry["threads"] == 128 * (1 + geometry["block_m"] // geometry["q_rows"])
 
 
 # The portable kernel runs at its register limit (255): ptxas spills a few bytes in some of its
@@ -76,7 +126,7 @@ def test_family_has_no_spills_nor_serialized_wgmma(compiled, i):
     """ptxas' report of every function of the family: no stack frame, spill stores or spill loads,
     and no advisory that wgmma instructions were serialized (C7511, C7514, C7515, C7518, C7520 and
     kin: :data:`mla_cupy.jit.WGMMA_SERIALIZED` matches the message, whatever the code)."""
-    size, err, _, spills, serialized = compiled[i]
+    size, err, _, spills, serialized, _ = compiled[i]
     assert not err, err
     assert not spills, "local memory in use:\n" + "\n".join(spills)
     assert not serialized, "ptxas serialized wgmma:\n" + "\n".join(serialized)

@@ -69,84 +69,49 @@ def _ptx_globals(fam, names, arch="sm_90a", defines=()):
 
 
 def _pack_of(fam, exports):
+    """(parameter struct, geometry by name, the globals) a family exports, read from its PTX."""
     g = _ptx_globals(fam, exports, "sm_90a" if fam[0] != reg.PREFILL_SM80[0] else "sm_80")
     layout = np.frombuffer(g[exports[0]], np.int32)
-    return ArgPack.from_export(layout, g[exports[1]]), np.frombuffer(g[exports[2]], np.int32), g
+    geometry = _geometry.geometry_of(np.frombuffer(g[exports[3]], np.int32), g[exports[2]])
+    return ArgPack.from_export(layout, g[exports[1]]), geometry, g
 
 
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_rope"])
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8_rope", "e4m3"])
 def test_hopper_module_exports_its_parameter_struct_and_geometry(variant):
     """What mla_cupy._geometry.prefill_kernel reads from a loaded module (jit.get_global), taken from
     the PTX: the parameter struct (every field the packing writes, the seven tensor maps consecutive as
-    a run rewrites them), and a geometry row per variant within the limits of a Hopper CTA."""
-    fam = reg.prefill_sm90(BF16, CausalMask(), variant)
-    pack, table, _ = _pack_of(fam, reg.sm90_exports(CausalMask()))
+    a run rewrites them), and the variant's geometry under the mask, within the limits of a Hopper
+    CTA and as the reference's schedule says (_registry.sm90_schedule)."""
+    mask = CausalMask()
+    fam = reg.prefill_sm90(BF16, mask, variant)
+    pack, geom, _ = _pack_of(fam, reg.sm90_exports(BF16, mask, variant))
     assert pack.struct and pack.dtype.itemsize <= 4096  # kernel parameters: 4 KiB
-    assert _packing.map_fields(pack) == _packing.SM90_MAPS
+    assert _packing.map_fields(pack) == ("tm_q", "tm_k", "tm_v", "tm_rope", "tm_q_rope", "tm_k_scales", "tm_out")
     assert pack.dtype.fields["tm_q"][0] == TENSOR_MAP_DTYPE and pack.offsets["tm_q"] % 64 == 0
     for name in ("out", "lse", "q_offsets", "kv_begin", "kv_end", "tile_counter", "q_scale", "rope_scales"):
         assert pack.dtype.fields[name][0] == PTR, name
     assert pack.dtype.fields["scale_log2"][0] == F32 and pack.dtype.fields["mask_arg"][0] == I64
     assert pack.dtype.fields["num_heads"][0] == I32
-    rows = table.reshape(-1, len(_geometry.SM90_GEOMETRY))
-    assert rows.shape[0] == len(reg.SM90_VARIANTS)
-    for name, (_, row) in reg.SM90_VARIANTS.items():
-        geom = dict(zip(_geometry.SM90_GEOMETRY, rows[row].tolist()))
-        assert 100 * 1024 < geom["smem"] <= 227 * 1024, (name, geom)
-        want_m, want_n = _want_blocks(name, CausalMask())
-        assert geom["block_m"] == want_m and geom["block_n"] == want_n, geom
-        assert geom["threads"] == 128 * (1 + want_m // dims.HALF_BLOCK), geom
-        assert geom["scale_box"] >= geom["block_n"], geom  # a tile's key scales and the aligned start
-        assert geom["q_rows"] == dims.HALF_BLOCK, geom  # each consumer's Q rows, loaded apart
-        # the staged epilogue stores by TMA in the fp8 kernels of three consumers (config.cuh: kTmaEpilogue)
-        assert geom["out_tma"] == int(name in FP8_VARIANTS and want_m == 3 * dims.HALF_BLOCK), (name, geom)
-
-
-def _sm90_block_rows(mask, defines=()):
-    """variant -> (block_m, threads, q_rows, block_n, smem) of the Hopper module's geometry table for ``mask``."""
-    fam = reg.prefill_sm90(BF16, mask, "fp8")
-    exports = reg.sm90_exports(mask)
-    table = np.frombuffer(_ptx_globals(fam, exports, defines=defines)[exports[2]], np.int32)
-    rows = table.reshape(-1, len(_geometry.SM90_GEOMETRY))
-    out = {}
-    for name, (_, row) in reg.SM90_VARIANTS.items():
-        geom = dict(zip(_geometry.SM90_GEOMETRY, rows[row].tolist()))
-        out[name] = (geom["block_m"], geom["threads"], geom["q_rows"], geom["block_n"], geom["smem"])
-    return out
-
-
-FP8_VARIANTS = (reg.VARIANT_FP8, reg.VARIANT_E4M3)  # the Hopper kernel's fp8 traits (VariantFp8 and kin)
-
-
-def _want_blocks(name, mask):
-    """(query rows, keys) of a work tile and key tile of variant ``name`` under ``mask`` as the
-    reference sees the build (fp8.fp8_query_block, fp8.blocks_16bit)."""
-    if name in FP8_VARIANTS:
-        return fp8.fp8_query_block(mask), dims.KEY_TILE
-    return fp8.blocks_16bit(mask, rope8=name == reg.VARIANT_FP8_ROPE)[:2]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
-def test_geometry_rows_are_the_references_query_blocks(mask):
-    """Each mask's exported geometry (kGeometry<Mask>) as compiled: the query rows of a work tile
-    are the reference's (fp8.fp8_query_block, which shapes the reach of a NaN in v), 64 per consumer
-    warpgroup, one producer warpgroup beside them."""
-    for name, (block_m, threads, q_rows, block_n, _) in _sm90_block_rows(mask).items():
-        assert (block_m, block_n) == _want_blocks(name, mask), (name, block_m, block_n)
-        assert q_rows == dims.HALF_BLOCK and threads == 128 * (1 + block_m // q_rows), (name, threads)
+    assert 100 * 1024 < geom["smem"] <= 227 * 1024, geom
+    sched = reg.sm90_schedule(variant, mask)
+    assert {n: geom[n] for n in sched._fields} == sched._asdict(), geom
+    assert geom["threads"] == 128 * (1 + geom["block_m"] // geom["q_rows"]), geom
+    assert geom["scale_box"] >= geom["block_n"], geom  # a tile's key scales and the aligned start
+    # the staged epilogue stores by TMA in the fp8 kernels of three consumers (config.cuh: kTmaEpilogue)
+    assert geom["out_tma"] == int(variant in reg.FP8_VARIANTS and geom["block_m"] == 3 * geom["q_rows"]), geom
 
 
 def test_portable_module_and_pre_pass_export_theirs():
     fam = reg.prefill_sm80(FP16, ChunkedMask(5))
-    pack, table, _ = _pack_of(fam, reg.SM80_EXPORTS)
-    geom = dict(zip(_geometry.SM80_GEOMETRY, table.tolist()))
+    pack, geom, _ = _pack_of(fam, reg.SM80_EXPORTS)
+    assert set(geom) == {"smem", "threads", "block_m"}
     assert 64 * 1024 < geom["smem"] <= 164 * 1024 and geom["threads"] == 256 and geom["block_m"] == 128, geom
     assert {"q", "k", "v", "out", "lse", "q_st", "rope_base", "accumulate"} <= set(pack.names)
     fam = reg.transpose_v_family()
-    pack, table, _ = _pack_of(fam, fam[1][1:])
+    pack, geom, _ = _pack_of(fam, fam[1][1:])
     assert pack.names == ("v", "v_st", "v_sh", "kv_begin", "kv_end", "batch", "vt", "cols")
-    assert dict(zip(_geometry.VT_GEOMETRY, table.tolist())) == {"threads": 128, "cols_per_cta": 128}
+    assert geom == {"threads": 128, "cols_per_cta": 128}
+    assert (geom["threads"], geom["cols_per_cta"]) == fp8.VT_TILE  # what V's quantizer launches with
 
 
 def test_export_parser_rejects_a_malformed_layout():
@@ -170,8 +135,9 @@ def test_struct_launch_passes_one_pointer_to_the_whole_buffer():
 def test_launch_code_reads_the_exports_as_a_module_serves_them(monkeypatch):
     """mla_cupy._geometry._exports through jit.get_global's contract (the first ``count`` elements
     of a global), served here from the PTX: the struct and geometry it returns are those above."""
+    exports = reg.sm90_exports(BF16, CausalMask(), "fp8")
     fam = reg.prefill_sm90(BF16, CausalMask(), "fp8")
-    g = _ptx_globals(fam, reg.sm90_exports(CausalMask()))
+    g = _ptx_globals(fam, exports)
 
     def get_global(filename, names, name, dtype, count, arch=None):
         assert filename == fam[0] and name in names
@@ -180,11 +146,25 @@ def test_launch_code_reads_the_exports_as_a_module_serves_them(monkeypatch):
         return data[:count]
 
     monkeypatch.setattr(_geometry, "get_global", get_global)
-    n = len(_geometry.SM90_GEOMETRY) * len(reg.SM90_VARIANTS)
-    pack, table = _geometry._exports(fam, reg.sm90_exports(CausalMask()), n, "test")
-    want, want_table, _ = _pack_of(fam, reg.sm90_exports(CausalMask()))
+    pack, geometry = _geometry._exports(fam, exports, "test")
+    want, want_geometry, _ = _pack_of(fam, exports)
     assert pack.dtype == want.dtype and pack.names == want.names
-    assert table.tolist() == want_table.tolist()
+    assert geometry == want_geometry
+
+
+def test_the_parameter_lists_read_from_the_sources_are_the_exported_structs():
+    """The fake GPU's parameter structs (ArgPack.from_fields of dims.param_fields: the kernels' own
+    lists read from their text) are the structs the compiled modules export."""
+    fams = [(reg.prefill_sm90(BF16, CausalMask(), "fp8"), "MLA_SM90_PARAMS"),
+            (reg.prefill_sm80(BF16, CausalMask()), "MLA_SM80_PARAMS"),
+            (reg.transpose_v_family(), "MLA_VT_PARAMS"), (reg.rope_gather_family(), "MLA_ROPE_GATHER_PARAMS")]
+    for fam, macro in fams:
+        exports = [n for n in fam[1] if n.rsplit("::", 1)[-1].startswith("kParam")]
+        g = _ptx_globals(fam, exports, "sm_90a")
+        exported = ArgPack.from_export(np.frombuffer(g[exports[0]], np.int32), g[exports[1]])
+        parsed = ArgPack.from_fields(dims.param_fields(macro))
+        assert parsed.dtype == exported.dtype and parsed.names == exported.names, macro
+    assert dims.param_fields("MLA_ROPE_PARAMS")[0] == ("const void*", "rope_base")  # shared lists expanded in place
 
 
 def _causal_problem(heads, sq, sk=None, mask=None, fp8=False):

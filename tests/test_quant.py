@@ -161,13 +161,14 @@ def test_e4m3_mode_reference_tracks_bf16_attention(mask):
 
 def test_host_vt_model_is_the_kernels():
     """The host's V^T model (the CPU transposer and the reference need it without a compiled module)
-    has the kernels' group size and column order: kVtAlign and vt_sigma of kernels/vt_layout.cuh,
-    read from the header, the sigma formula evaluated here as the header writes it."""
+    has the kernels' group size and column order: kVtAlign of kernels/vt_layout.cuh (read by
+    mla_cupy.dims) and its vt_sigma, the formula evaluated here as the header writes it."""
     import re
-    from pathlib import Path
 
-    src = (Path(__file__).resolve().parent.parent / "kernels" / "vt_layout.cuh").read_text()
-    align = int(re.search(r"constexpr int kVtAlign = (\d+);", src).group(1))
+    from mla_cupy import dims
+
+    src = (dims.KERNEL_DIR / "vt_layout.cuh").read_text()
+    align = dims.kernel_int("vt_layout.cuh", "kVtAlign")
     body = re.search(r"int vt_sigma\(int p\) \{ return (.*?); \}", src).group(1)
     assert fp8.VT_ALIGN == align
     assert [eval(body, {}, {"p": p}) for p in range(align)] == list(fp8.VT_SIGMA)

@@ -72,16 +72,6 @@ def test_transposed_v_checks_what_it_is_built_from():
         TransposedV(good, cro[:0], 7)
 
 
-def test_the_vt_tile_constants_are_the_kernels():
-    """VT_TILE, with which V's quantizer launches, is kVtThreads / kVtCols of kernels/vt_tile.cuh."""
-    import re
-    from pathlib import Path
-
-    src = (Path(__file__).resolve().parent.parent / "kernels" / "vt_tile.cuh").read_text()
-    got = tuple(int(re.search(rf"constexpr int {n} = (\d+);", src).group(1)) for n in ("kVtThreads", "kVtCols"))
-    assert got == fp8.VT_TILE
-
-
 # ------------------------------------------------------------------------------------------------
 # the call paths, on a fake GPU
 

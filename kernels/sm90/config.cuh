@@ -3,14 +3,13 @@
 // the compiled module (mla_prefill_sm90.cu: kGeometry), never written again in Python.
 #pragma once
 #include "../common.cuh"
+#include "../vt_layout.cuh"
 
 namespace mla {
 namespace sm90 {
 
-constexpr int kDv = 128;                            // values and the per-head ("nope") part of q / k
-constexpr int kDr = 64;                             // the rope part every head shares
-constexpr int kDqk = kDv + kDr;                     // 192
 constexpr int kWgRows = 64;                         // query rows of a consumer warpgroup: one wgmma M
+constexpr int kKeyTile = 128;                       // keys per key tile of every variant
 constexpr int kQWarp = 2;                           // the producer warpgroup's Q loader (warp 1 may be the rope warp)
 constexpr int kColBlock = 64;                       // 16-bit elements per 128-byte swizzled column block
 constexpr int kOTiles = kDv / 8;                    // n-tiles of 8 values in O (16)
@@ -39,13 +38,12 @@ constexpr int kOutStageRowBytes = kOutStageHalf * 2;                // 128
 template <typename T>
 struct Variant16 {
   using Elem = T;
-  static constexpr int kId = 0;                     // index into the exported tables
   static constexpr bool kFp8 = false;               // e4m3 nope parts, V^T and P
   static constexpr bool kRope8 = false;             // e4m3 rope with one scale per key
   static constexpr bool kRopeE4m3 = false;          // e4m3 q / k rope under the per-token scales
   static constexpr bool kEvenKeyRows = false;       // every sequence's first key row even (EvenKeyRows)
   static constexpr int kNopeBlocks = 2;             // column blocks of a row's 128 nope values
-  static constexpr int kBlockN = 128;               // keys per key tile
+  static constexpr int kBlockN = kKeyTile;
   static constexpr int kStages = 2;
   static constexpr bool kPingpong = false;
   static constexpr int kConsumers = 2;              // consumer warpgroups of kWgRows query rows
@@ -57,7 +55,6 @@ struct Variant16 {
 // short to hide the softmax: the consumers take turns (FlashAttention-3's pingpong).
 struct VariantFp8 {
   using Elem = __nv_bfloat16;
-  static constexpr int kId = 1;
   static constexpr bool kFp8 = true;
   static constexpr bool kRope8 = false;
   static constexpr bool kRopeE4m3 = false;
@@ -66,14 +63,13 @@ struct VariantFp8 {
   static constexpr int kStages = 3;
   static constexpr bool kPingpong = true;
   static constexpr int kConsumers = 2;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kKeyTile;
 };
 
 // 16-bit q, k, v with an e4m3 rope and one float32 scale per key, dequantized by the rope warp:
 // Variant16 otherwise.
 template <typename T>
 struct VariantFp8Rope : Variant16<T> {
-  static constexpr int kId = 2;
   static constexpr bool kRope8 = true;
 };
 
@@ -83,11 +79,8 @@ struct VariantFp8Rope : Variant16<T> {
 // bytes (TMA and wgmma with the 64-byte swizzle). Key scales, V^T and the pingpong as VariantFp8.
 // A plain rope only: a paged e4m3 rope is refused by the host (no rope warp in this variant).
 struct VariantE4m3 : VariantFp8 {
-  static constexpr int kId = 3;
   static constexpr bool kRopeE4m3 = true;
 };
-
-constexpr int kNumVariants = 4;
 
 // Variant V for launches in which every sequence's first key row (cache_row_offsets[b]) is even,
 // which the host knows from the offsets it read: a key tile's first row is then even too (its
@@ -313,6 +306,17 @@ template <class V> constexpr bool kOverlap = V::kConsumers == 2 && (!V::kFp8 || 
 #ifndef MLA_SM90_HALF_TILE
 #define MLA_SM90_HALF_TILE 1
 #endif
+// Whether variant V under Mask has half tiles (softmax.cuh: last_tile_is_half): with a mask bounded
+// above, in the 16-bit variants of two consumers on 128-key tiles. Not in the fp8 variants: their
+// chunked-mask kernels would spill (they run at the register limit), and their time goes to the
+// softmax, which a half tile does not shorten.
+template <class V, class Mask>
+constexpr bool kHalfTilesFor = MLA_SM90_HALF_TILE && MLA_SM90_SPLIT_MASKED && Mask::kBoundedAbove && !V::kFp8 &&
+                               V::kConsumers == 2 && V::kBlockN == 128;
+
+// Keys a work tile's key span starts on a multiple of (scheduler.cuh): fp8, V^T's aligned groups
+// (kVtAlign keys, vt_layout.cuh); any key otherwise.
+template <class V> constexpr int kKeyAlign = V::kFp8 ? kVtAlign : 1;
 
 // Slots of the work tiles handed out (scheduler.cuh), a power of two.
 constexpr int kWorkSlots = 2;

@@ -82,11 +82,8 @@ struct Mainloop {
   // branch (scores_to_p), so that its two paths join after the softmax; joined before it (S masked
   // or not, then one softmax) ptxas spills 76-104 bytes in the consumers at 160 registers.
   static constexpr bool kSoftmaxPerPath = kRW && V::kConsumers == 3;
-  // A work tile's last key tile may be a half tile (softmax.cuh: last_tile_is_half). Not in the fp8
-  // variants: their chunked-mask kernels would spill (they run at the register limit), and their
-  // time goes to the softmax, which a half tile does not shorten.
-  static constexpr bool kHalfTiles = MLA_SM90_HALF_TILE && MLA_SM90_SPLIT_MASKED && Mask::kBoundedAbove && !V::kFp8 &&
-                                     V::kConsumers == 2 && V::kBlockN == 128;
+  // A work tile's last key tile may be a half tile (config.cuh: kHalfTilesFor).
+  static constexpr bool kHalfTiles = kHalfTilesFor<V, Mask>;
   // Three fp8 consumers with MLA_SM90_FP8_TURNS 2: a turn covers P V's issue only (steps).
   static constexpr bool kTurnCoversPvOnly = V::kFp8 && V::kConsumers == 3 && MLA_SM90_FP8_TURNS == 2;
   // Key tiles at a work tile's end that no row of this warpgroup sees skipped (config.cuh: kSkipTail).

@@ -3,6 +3,7 @@
 // (params_abi.cuh), and the launch code packs its buffer from that export.
 #pragma once
 #include "../params_abi.cuh"
+#include "../prefill_params.cuh"
 #include "ptx.cuh"
 
 namespace mla {
@@ -18,19 +19,12 @@ namespace sm90 {
   X(TensorMap, tm_k_scales) X(TensorMap, tm_out)                                                    \
   /* results: out [Tq, H, 128] (element strides o_st, o_sh), lse [Tq, H] (row stride lse_st) or null */ \
   X(void*, out) X(float*, lse) X(i64, o_st) X(i64, o_sh) X(i64, lse_st)                             \
-  /* the ragged batch (tile_scheduler.cuh: SeqOffsets) */                                           \
-  X(const u32*, q_offsets) X(const u32*, kv_begin) X(const u32*, kv_end) X(const u32*, cache_offsets)        \
-  X(const i64*, q_start_pos)                                                                        \
-  /* the rope source (rope_source.cuh: RopeArgs): a paged cache's table (the rope warp's flags),  */ \
-  /* an fp8 rope's rows                                                                          */ \
-  X(const void*, rope_base) X(i64, rope_row_stride) X(i64, rope_block_stride) X(const u32*, lookup)          \
-  X(i64, lookup_stride) X(int, log2_page_size) X(u32, num_blocks) X(u32, max_pages)                          \
-  /* the work: heads, L2 sections of heads, sequences, query blocks of the longest sequence, the  */ \
-  /* query blocks that end the launch outside the sections (tile_scheduler.cuh)                  */ \
-  X(int, num_heads) X(int, heads_per_section) X(int, batch) X(int, num_m_blocks) X(int, tail_blocks) \
-  /* softmax scale times log2(e), the mask's argument, merge into out / lse (chunked prefill),    */ \
-  /* 1 if tm_out maps out (the staged epilogue then stores whole row halves by TMA)               */ \
-  X(float, scale_log2) X(i64, mask_arg) X(int, accumulate) X(int, out_by_tma)                       \
+  /* the batch and the rope source (prefill_params.cuh; the rope: a paged cache's table, which */  \
+  /* the rope warp flags, or an fp8 rope's rows), the work and the query blocks that end the    */  \
+  /* launch outside the sections (tile_scheduler.cuh), the scores, and 1 if tm_out maps out (the */ \
+  /* staged epilogue then stores whole row halves by TMA)                                        */ \
+  MLA_SEQ_OFFSET_PARAMS(X) MLA_ROPE_PARAMS(X) MLA_WORK_PARAMS(X) X(int, tail_blocks) MLA_SCORE_PARAMS(X)      \
+  X(int, out_by_tma)                                                                                \
   /* fp8 per token: q_scale [Tq] (stride); fp8 rope: its scales per key (plain rows / paged slots) */ \
   X(const float*, q_scale) X(i64, q_scale_stride) X(const float*, rope_scales) X(i64, rope_scale_row_stride) \
   X(i64, rope_scale_block_stride)                                                                   \

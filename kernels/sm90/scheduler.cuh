@@ -61,8 +61,9 @@ __device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int
   const int first = max(k.m0, 0);                          // the tile's first and last rows that exist
   const int last = min(k.m0 + kBlockM<V>, k.w.sq) - 1;
   visible_key_span(mask, k.w, k.w.q_pos0 + first, k.w.q_pos0 + last, k.n_begin, k.n_end);
-  // fp8 per token: key tiles start on a multiple of kVtAlign keys (V^T's layout); the keys added are masked
-  if (V::kFp8) k.n_begin &= ~(kVtAlign - 1);
+  // fp8 per token: key tiles start on a multiple of kVtAlign keys (V^T's layout: kKeyAlign); the
+  // keys added are masked
+  if (kKeyAlign<V> > 1) k.n_begin &= ~(kKeyAlign<V> - 1);
   k.num_tiles = (k.n_end - k.n_begin + V::kBlockN - 1) / V::kBlockN;
   k.valid = 1;
   return true;

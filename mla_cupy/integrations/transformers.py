@@ -31,7 +31,7 @@ torch = require("torch", "mla_cupy.integrations.transformers", extra="transforme
 
 from .. import torch_ops  # noqa: E402
 from ..masks import CausalMask, NullMask
-from ..validation import DQK, DR, DV
+from ..dims import DQK, DR, DV
 
 __all__ = ["NAME", "register", "mla_attention_forward", "padding_mask", "sequence_ranges"]
 
