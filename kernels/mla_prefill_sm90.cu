@@ -113,24 +113,24 @@ __global__ void __launch_bounds__(kThreads<ForMask<V0, Mask>>, 1) mla_prefill_ke
   Mainloop<V, Mask, kPaged> mainloop(p, sm, Mask{p.mask_arg});
   TileTrace::begin();  // MLA_SM90_TRACE: cycle stamps per work tile (trace.cuh); else nothing
   for (int n = 0;; ++n) {
-    WorkInfo k;
+    WorkInfo work;
     TileTrace::stamp<kTa>(n);
-    sched.take(n, k);
+    sched.take(n, work);
     TileTrace::stamp<kTb>(n);
-    if (!k.valid) break;
+    if (!work.valid) break;
     if constexpr (V::kConsumers == 3) {
-      if (mainloop.idle(k)) {  // no row of this consumer in the work tile
-        mainloop.run_idle(k);
-        TileTrace::stored(n, k.num_tiles, k.m0, true);
+      if (mainloop.idle(work)) {  // no row of this consumer in the work tile
+        mainloop.run_idle(work);
+        TileTrace::stored(n, work.num_tiles, work.m0, true);
         continue;
       }
     }
     float o[kOTiles][4];
     OnlineSoftmax smx;
-    mainloop.run(k, o, smx);
+    mainloop.run(work, o, smx);
     TileTrace::stamp<kTc>(n);
-    epilogue_store<V, OutT>(p, sm, k, mainloop.row0(k), o, smx);
-    TileTrace::stored(n, k.num_tiles, k.m0, false);
+    epilogue_store<V, OutT>(p, sm, work, mainloop.row0(work), o, smx);
+    TileTrace::stored(n, work.num_tiles, work.m0, false);
   }
   TileTrace::finish();
   epilogue_drain<V, OutT>();

@@ -32,7 +32,7 @@ template <class V, typename OutT>
 constexpr bool kStagedEpilogue = MLA_SM90_SMEM_EPILOGUE && sizeof(OutT) == 2;
 
 template <class V, typename OutT>
-__device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& sm, const WorkInfo& k, int row0,
+__device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& sm, const WorkInfo& work, int row0,
                                                float (&o)[kOTiles][4], OnlineSoftmax& smx) {
   if constexpr (V::kFp8) {  // O holds kPScale * P V and the row sums kPScale * sum(P) (fp8.cuh)
 #pragma unroll
@@ -46,13 +46,13 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& s
   constexpr bool kFast = MLA_SM90_FAST_EPILOGUE;
   if constexpr (kStagedEpilogue<V, OutT>) {
     if (p.accumulate == 0) {
-      const WorkTile& w = k.w;
+      const WorkTile& w = work.w;
       const int lane = threadIdx.x % 32;
       const int cw = threadIdx.x / 128 - 1;
       const int wtid = threadIdx.x % 128;
       const int bar = kEpilogueBar<V> + cw;
       const u32 stage = sm.at(sm.s.out_stage) + cw * (kWgRows * kOutStageRowBytes);
-      const int wr0 = k.m0 + cw * kWgRows;  // the consumer's first row in the work tile
+      const int wr0 = work.m0 + cw * kWgRows;  // the consumer's first row in the work tile
       // every row of the consumer exists: its halves go by TMA; the first thread issues and waits
       const bool tma = kTmaEpilogue<V> && p.out_by_tma && row_exists<kEndAligned<V>>(wr0, w.sq) &&
                        row_exists<kEndAligned<V>>(wr0 + kWgRows - 1, w.sq);
@@ -108,7 +108,7 @@ __device__ __forceinline__ void epilogue_store(const Params& p, const Smem<V>& s
       return;
     }
   }
-  store_rows<OutT, kFast, kEndAligned<V>>(o, smx, k.w, row0, out, p.o_st, p.o_sh, p.lse, p.lse_st, p.accumulate != 0);
+  store_rows<OutT, kFast, kEndAligned<V>>(o, smx, work.w, row0, out, p.o_st, p.o_sh, p.lse, p.lse_st, p.accumulate != 0);
 }
 
 // After a consumer's last work tile: its TMA stores complete before the CTA exits (their source is

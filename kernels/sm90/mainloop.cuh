@@ -121,23 +121,23 @@ struct Mainloop {
   __device__ __forceinline__ void finish() const {
     if (cw == 0) turn_wait();
   }
-  // Whether this consumer has no row in work tile k (three consumers: a sequence's last block may
+  // Whether this consumer has no row in work tile `work` (three consumers: a sequence's last block may
   // leave the third, or the second and third, without rows; kEndAligned: its first block the first,
   // or the first and second); it then runs run_idle. With two the second computes such rows masked
   // (a block's first 64 rows always exist).
-  __device__ __forceinline__ bool idle(const WorkInfo& k) const {
+  __device__ __forceinline__ bool idle(const WorkInfo& work) const {
     // kEndAligned: rows before the first, or past the last (a sequence of one block keeps its rows
     // at the block's start)
-    if constexpr (kEndAligned<V>) return k.m0 + (cw + 1) * kWgRows <= 0 || k.m0 + cw * kWgRows >= k.w.sq;
-    return V::kConsumers == 3 && k.m0 + cw * kWgRows >= k.w.sq;
+    if constexpr (kEndAligned<V>) return work.m0 + (cw + 1) * kWgRows <= 0 || work.m0 + cw * kWgRows >= work.w.sq;
+    return V::kConsumers == 3 && work.m0 + cw * kWgRows >= work.w.sq;
   }
-  // The first consumer that runs work tile k (kEndAligned: the consumers before it have no rows).
-  static __device__ __forceinline__ int first_busy(const WorkInfo& k) {
-    return kEndAligned<V> && k.m0 < 0 ? -k.m0 / kWgRows : 0;
+  // The first consumer that runs work tile `work` (kEndAligned: the consumers before it have no rows).
+  static __device__ __forceinline__ int first_busy(const WorkInfo& work) {
+    return kEndAligned<V> && work.m0 < 0 ? -work.m0 / kWgRows : 0;
   }
-  // The sequence row of this thread's row g (rows g and g + 8) in work tile k.
-  __device__ __forceinline__ int row0(const WorkInfo& k) const {
-    return k.m0 + cw * kWgRows + warp_in_wg * 16 + (lane >> 2);
+  // The sequence row of this thread's row g (rows g and g + 8) in work tile `work`.
+  __device__ __forceinline__ int row0(const WorkInfo& work) const {
+    return work.m0 + cw * kWgRows + warp_in_wg * 16 + (lane >> 2);
   }
 
   // This consumer's Q rows released to the Q warp once every S of the work tile is complete: with
@@ -150,7 +150,7 @@ struct Mainloop {
 
   // One work tile in flight: what the per-tile steps below share.
   struct Tile {
-    const WorkInfo& k;
+    const WorkInfo& work;
     int wr0;                         // first sequence row of this warpgroup
     int r0;                          // sequence row of this thread's row g
     int key_lo[2], key_hi[2];        // visible keys of rows g, g + 8 from n_begin (row_key_ranges)
@@ -178,14 +178,14 @@ struct Mainloop {
   // kScalesEarly the caller waited before reading the key scales). kHalf: the tile's first 64 keys
   // only (S's n-tiles 8..15 are left as they were; scores_to_p<.., true> sets them to -inf).
   template <bool kHalf = false>
-  __device__ __forceinline__ void issue_qk(Tile& x, int it) const {
+  __device__ __forceinline__ void issue_qk(Tile& tile, int it) const {
     static_assert(!(kHalf && V::kFp8), "half tiles: 16-bit variants only");
     const int s = it % kS;
     if (!kScalesEarly) wait_k(it);
     // the rope warp's flags: read now, used after S, so the load's latency passes under the GEMMs
     // (the rope warp fenced its rows for wgmma before it arrived)
-    if (kRW) x.tile_flags = sm.s.tile_flags[s];
-    fence_operands_first<kHalf ? kST / 2 : kST>(x.sacc);
+    if (kRW) tile.tile_flags = sm.s.tile_flags[s];
+    fence_operands_first<kHalf ? kST / 2 : kST>(tile.sacc);
     const unsigned long long dk = make_desc(sm.k(s), 16, 1024), dr = make_desc(sm.rope(s), 16, 1024);
     wgmma_fence();
     if constexpr (V::kRopeE4m3) {
@@ -194,15 +194,15 @@ struct Mainloop {
       const unsigned long long dqr = make_desc(sm.q() + kQBlk<V> + cw * kWgRows * kDr, 16, 512, kDescSwizzle64);
       const unsigned long long dkr = make_desc(sm.rope(s), 16, 512, kDescSwizzle64);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(x.sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
+      for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(tile.sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) WgmmaE4m3::ss(x.sacc, desc_add(dqr, kk * 32), desc_add(dkr, kk * 32), 1);
+      for (int kk = 0; kk < 2; ++kk) WgmmaE4m3::ss(tile.sacc, desc_add(dqr, kk * 32), desc_add(dkr, kk * 32), 1);
     } else if constexpr (V::kFp8) {
       // 4 e4m3 k-steps of 32 bytes over the nope block, then 4 16-bit k-steps over the rope
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(x.sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
+      for (int kk = 0; kk < 4; ++kk) WgmmaE4m3::ss(tile.sacc, desc_add(dq, kk * 32), desc_add(dk, kk * 32), kk > 0);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) qk16<kHalf>(x.sacc, desc_add(dq, kQBlk<V> + kk * 32), desc_add(dr, kk * 32), 1);
+      for (int kk = 0; kk < 4; ++kk) qk16<kHalf>(tile.sacc, desc_add(dq, kQBlk<V> + kk * 32), desc_add(dr, kk * 32), 1);
     } else {
 #pragma unroll
       for (int kk = 0; kk < kQkSteps; ++kk) {
@@ -210,100 +210,100 @@ struct Mainloop {
         // 128-byte swizzled row
         const u32 step = (kk % 4) * 32;
         const unsigned long long dkk = kk / 4 < 2 ? desc_add(dk, (kk / 4) * kBlk<V> + step) : desc_add(dr, step);
-        qk16<kHalf>(x.sacc, desc_add(dq, (kk / 4) * kQBlk<V> + step), dkk, kk > 0);
+        qk16<kHalf>(tile.sacc, desc_add(dq, (kk / 4) * kQBlk<V> + step), dkk, kk > 0);
       }
     }
     wgmma_commit();
   }
   // O += P V of ring stage s, committed as one group (kHalf: the tile's first 64 keys).
   template <bool kHalf = false>
-  __device__ __forceinline__ void issue_pv(Tile& x, float (&o)[kOTiles][4], int s) const {
+  __device__ __forceinline__ void issue_pv(Tile& tile, float (&o)[kOTiles][4], int s) const {
     static_assert(!(kHalf && V::kFp8), "half tiles: 16-bit variants only");
     constexpr int kKeys = kHalf ? kBN / 2 : kBN;
     wgmma_fence();
-    if constexpr (V::kFp8) pv_mma_e4m3(o, x.pa, sm.v(s));
-    else pv_mma<T, kKeys>(o, x.pa, sm.v(s));
+    if constexpr (V::kFp8) pv_mma_e4m3(o, tile.pa, sm.v(s));
+    else pv_mma<T, kKeys>(o, tile.pa, sm.v(s));
     if constexpr (kSumMma) {  // every byte of the block is one: the same descriptor for each k-step
       const unsigned long long d1 = make_desc(sm.ones(), 16, 1024);
 #pragma unroll
-      for (int kk = 0; kk < kPvSteps<V>; ++kk) WgmmaE4m3::rs_n8(x.lsum, x.pa[kk], d1, kk > 0);
+      for (int kk = 0; kk < kPvSteps<V>; ++kk) WgmmaE4m3::rs_n8(tile.lsum, tile.pa[kk], d1, kk > 0);
     }
     wgmma_commit();
   }
   // kSumMma, after a P V is complete: its sums of P added to the rows' (relative to the same
   // maximum as that P; row_sum is rescaled with O after each softmax step). Each lane of a quad holds
   // its rows' whole sums.
-  __device__ __forceinline__ void add_row_sums(Tile& x, OnlineSoftmax& smx) const {
+  __device__ __forceinline__ void add_row_sums(Tile& tile, OnlineSoftmax& smx) const {
     if constexpr (kSumMma) {
-      fence_operands(x.lsum);
-      smx.row_sum[0] += x.lsum[0][0];
-      smx.row_sum[1] += x.lsum[0][2];
+      fence_operands(tile.lsum);
+      smx.row_sum[0] += tile.lsum[0][0];
+      smx.row_sum[1] += tile.lsum[0][2];
     }
   }
   // fp8: the key scales of key tile t (ring position it) into registers (kScalesEarly: before the GEMMs).
-  __device__ __forceinline__ void key_scales(Tile& x, int t, int it) const {
+  __device__ __forceinline__ void key_scales(Tile& tile, int t, int it) const {
     if constexpr (V::kFp8 && !kScalesInPlace)
       load_key_scales(reinterpret_cast<const float*>(sm.s.stage[it % kS].k + kKScalesOffset<V>),
-                      x.k.w.kv_row0 + x.k.n_begin + t * kBN, x.ksc);
+                      tile.work.w.kv_row0 + tile.work.n_begin + t * kBN, tile.ksc);
   }
   // S of key tile t (ring position it) into probabilities: dequantized (fp8), masked as kMode says,
   // its K stage (with the rope rows and their flags) released. kHalf: S holds the tile's first 64
   // keys; the rest of the tile is set to -inf here.
   template <int kMode, bool kHalf = false>
-  __device__ __forceinline__ void scores_to_p(Tile& x, OnlineSoftmax& smx, int t, int it) const {
+  __device__ __forceinline__ void scores_to_p(Tile& tile, OnlineSoftmax& smx, int t, int it) const {
     constexpr int kTiles = kHalf ? kST / 2 : kST;  // n-tiles of S the GEMM wrote
-    fence_operands_first<kTiles>(x.sacc);
+    fence_operands_first<kTiles>(tile.sacc);
     const int s = it % kS;
-    if constexpr (kScalesInPlace) dequantize_scores_at<kTiles, kScalePairs>(x.sacc, sm.k_scales(s) + x.scale_at);
-    else if constexpr (V::kFp8) dequantize_scores<kTiles>(x.sacc, x.ksc);
+    if constexpr (kScalesInPlace) dequantize_scores_at<kTiles, kScalePairs>(tile.sacc, sm.k_scales(s) + tile.scale_at);
+    else if constexpr (V::kFp8) dequantize_scores<kTiles>(tile.sacc, tile.ksc);
 #pragma unroll
-    for (int nt = kTiles; nt < kST; ++nt) x.sacc[nt][0] = x.sacc[nt][1] = x.sacc[nt][2] = x.sacc[nt][3] = neg_inf();
+    for (int nt = kTiles; nt < kST; ++nt) tile.sacc[nt][0] = tile.sacc[nt][1] = tile.sacc[nt][2] = tile.sacc[nt][3] = neg_inf();
     bool masked = kMode == kMaskApply;
-    if (kMode == kMaskTest) masked = tile_needs_mask<kBN>(x.key_lo, x.key_hi, t);
-    if (masked) mask_tile(x.sacc, x.key_lo, x.key_hi, t);
+    if (kMode == kMaskTest) masked = tile_needs_mask<kBN>(tile.key_lo, tile.key_hi, t);
+    if (masked) mask_tile(tile.sacc, tile.key_lo, tile.key_hi, t);
     // a key of the tile could not be read (rare): its own mask, branch-free, so that the loops keep
     // the plain rope's code (a byte flag per score under the key-range test tripled them)
-    const bool unreadable = kRW && (x.tile_flags & kTileUnreadable);
+    const bool unreadable = kRW && (tile.tile_flags & kTileUnreadable);
     if constexpr (kSoftmaxPerPath) {
       if (unreadable) {
-        mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
-        softmax_step<kMode>(x, smx, s);
+        mask_unreadable<kST, kSumMma>(tile.sacc, sm.s.key_ok[s]);
+        softmax_step<kMode>(tile, smx, s);
       } else {
-        softmax_step<kMode>(x, smx, s);
+        softmax_step<kMode>(tile, smx, s);
       }
     } else {
-      if (unreadable) mask_unreadable<kST, kSumMma>(x.sacc, sm.s.key_ok[s]);
-      softmax_step<kMode>(x, smx, s);
+      if (unreadable) mask_unreadable<kST, kSumMma>(tile.sacc, sm.s.key_ok[s]);
+      softmax_step<kMode>(tile, smx, s);
     }
   }
   // The K stage of ring stage s released, then S (dequantized and masked) made probabilities.
   // kMode: the tile's masking; the maximum's slack (MLA_SM90_LAZY_RESCALE 2) in the mask-free tiles
   // only, the masked ones (a work tile's diagonal, few) keep their registers for the mask.
   template <int kMode>
-  __device__ __forceinline__ void softmax_step(Tile& x, OnlineSoftmax& smx, int s) const {
+  __device__ __forceinline__ void softmax_step(Tile& tile, OnlineSoftmax& smx, int s) const {
     TileHandout::release(sm.k_empty(s));
     constexpr int kLog2P = V::kFp8 ? kLog2PScale : 0;  // fp8: kPScale * P (fp8.cuh)
     constexpr int kSlackQ = kMode == kMaskNone ? kMaxSlackQ<V> : 0;
-    smx.update_scores<kLog2P, !kSumMma, kSlackQ, kBytesIn<kMode>>(x.sacc, x.row_scale, x.corr);
+    smx.update_scores<kLog2P, !kSumMma, kSlackQ, kBytesIn<kMode>>(tile.sacc, tile.row_scale, tile.corr);
   }
   // A work tile's first key tile: S issued, completed and made probabilities (masked). The paths
   // of a branch between wgmma shapes join with no wgmma in flight and S whole (here and in last_pv):
   // otherwise ptxas serializes every wgmma of the kernel (advisories C7511 / C7515).
   template <bool kHalf>
-  __device__ __forceinline__ void first_tile(Tile& x, OnlineSoftmax& smx, int it) const {
+  __device__ __forceinline__ void first_tile(Tile& tile, OnlineSoftmax& smx, int it) const {
     turn_wait();
-    issue_qk<kHalf>(x, it);
+    issue_qk<kHalf>(tile, it);
     turn_pass();
-    if (!kScalesEarly) key_scales(x, 0, it);
+    if (!kScalesEarly) key_scales(tile, 0, it);
     wgmma_wait<0>();
-    release_q<true>(x.k.num_tiles == 1);
-    scores_to_p<kMaskApply, kHalf>(x, smx, 0, it);
+    release_q<true>(tile.work.num_tiles == 1);
+    scores_to_p<kMaskApply, kHalf>(tile, smx, 0, it);
   }
   // The last tile's P V, issued and completed.
   template <bool kHalf>
-  __device__ __forceinline__ void last_pv(Tile& x, float (&o)[kOTiles][4], int s) const {
+  __device__ __forceinline__ void last_pv(Tile& tile, float (&o)[kOTiles][4], int s) const {
     turn_wait();
-    issue_pv<kHalf>(x, o, s);
+    issue_pv<kHalf>(tile, o, s);
     turn_pass();
     wgmma_wait<0>();
   }
@@ -322,65 +322,65 @@ struct Mainloop {
   // of a third consumer warpgroup: with both GEMMs in flight at 160 registers ptxas serializes every
   // wgmma, C7512).
   template <int kMode>
-  __device__ __forceinline__ void steps(Tile& x, float (&o)[kOTiles][4], OnlineSoftmax& smx, int& t, int end) {
+  __device__ __forceinline__ void steps(Tile& tile, float (&o)[kOTiles][4], OnlineSoftmax& smx, int& t, int end) {
     for (; t < end; ++t, ++it) {
       const int s = it % kS;
       const u32 parity = (it / kS) & 1;
       if constexpr (!kOverlap<V>) {
         turn_wait();
-        mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
-        issue_pv(x, o, x.prev_s);
+        mbar_wait(sm.v_full(tile.prev_s), tile.prev_parity);
+        issue_pv(tile, o, tile.prev_s);
         if (kTurnCoversPvOnly) turn_pass();
         wgmma_wait<0>();
         fence_operands(o);
-        fence_operands(x.pa);
-        add_row_sums(x, smx);
-        TileHandout::release(sm.v_empty(x.prev_s));
+        fence_operands(tile.pa);
+        add_row_sums(tile, smx);
+        TileHandout::release(sm.v_empty(tile.prev_s));
         if (kScalesEarly) wait_k(it);
-        issue_qk(x, it);
+        issue_qk(tile, it);
         if (!kTurnCoversPvOnly) turn_pass();
         wgmma_wait<0>();
-        release_q<true>(t + 1 == x.k.num_tiles);
-        key_scales(x, t, it);
-        scores_to_p<kMode>(x, smx, t, it);
-        rescale_o(o, x.corr);
-        if constexpr (kSumMma) smx.rescale_sums(x.corr);
-        pack_probabilities<V, kBytesIn<kMode>>(x.sacc, x.pa);
+        release_q<true>(t + 1 == tile.work.num_tiles);
+        key_scales(tile, t, it);
+        scores_to_p<kMode>(tile, smx, t, it);
+        rescale_o(o, tile.corr);
+        if constexpr (kSumMma) smx.rescale_sums(tile.corr);
+        pack_probabilities<V, kBytesIn<kMode>>(tile.sacc, tile.pa);
       } else {
-        if (kScalesEarly) wait_k(it), key_scales(x, t, it);
+        if (kScalesEarly) wait_k(it), key_scales(tile, t, it);
         turn_wait();
-        issue_qk(x, it);
-        mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
-        issue_pv(x, o, x.prev_s);
+        issue_qk(tile, it);
+        mbar_wait(sm.v_full(tile.prev_s), tile.prev_parity);
+        issue_pv(tile, o, tile.prev_s);
         turn_pass();
-        if (!kScalesEarly) key_scales(x, t, it);
+        if (!kScalesEarly) key_scales(tile, t, it);
         wgmma_wait<1>();  // S_t is ready (groups complete in order); P V may still run
-        release_q<true>(t + 1 == x.k.num_tiles);
-        scores_to_p<kMode>(x, smx, t, it);
+        release_q<true>(t + 1 == tile.work.num_tiles);
+        scores_to_p<kMode>(tile, smx, t, it);
         wgmma_wait<0>();
         fence_operands(o);
-        fence_operands(x.pa);
-        TileHandout::release(sm.v_empty(x.prev_s));
-        rescale_o(o, x.corr);
-        pack_probabilities<V, kBytesIn<kMode>>(x.sacc, x.pa);
+        fence_operands(tile.pa);
+        TileHandout::release(sm.v_empty(tile.prev_s));
+        rescale_o(o, tile.corr);
+        pack_probabilities<V, kBytesIn<kMode>>(tile.sacc, tile.pa);
       }
-      x.prev_s = s;
-      x.prev_parity = parity;
+      tile.prev_s = s;
+      tile.prev_parity = parity;
     }
   }
 
-  // A work tile's per-row state in x (x.k set): rows, visible key ranges, softmax scales; its
+  // A work tile's per-row state in `tile` (tile.work set): rows, visible key ranges, softmax scales; its
   // fully visible key tiles [t_lo, t_hi) of this warpgroup; returns whether the last key tile is a
   // half tile for it (1 or 0).
-  __device__ __forceinline__ int prepare(Tile& x, int& t_lo, int& t_hi) const {
-    const WorkInfo& k = x.k;
-    const WorkTile& w = k.w;
-    x.wr0 = k.m0 + cw * kWgRows;
-    x.r0 = row0(k);
-    row_key_ranges<kEndAligned<V>>(mask, w, x.r0, k.n_begin, k.n_end, x.key_lo, x.key_hi);
+  __device__ __forceinline__ int prepare(Tile& tile, int& t_lo, int& t_hi) const {
+    const WorkInfo& work = tile.work;
+    const WorkTile& w = work.w;
+    tile.wr0 = work.m0 + cw * kWgRows;
+    tile.r0 = row0(work);
+    row_key_ranges<kEndAligned<V>>(mask, w, tile.r0, work.n_begin, work.n_end, tile.key_lo, tile.key_hi);
     // the warpgroup's first row that exists (kEndAligned: rows before the sequence's first do not)
-    const int wr_first = kEndAligned<V> ? max(x.wr0, 0) : x.wr0;
-    if constexpr (kScalesInPlace) x.scale_at = static_cast<u32>(4 * key_scale_index(w.kv_row0 + k.n_begin));  // bytes
+    const int wr_first = kEndAligned<V> ? max(tile.wr0, 0) : tile.wr0;
+    if constexpr (kScalesInPlace) tile.scale_at = static_cast<u32>(4 * key_scale_index(w.kv_row0 + work.n_begin));  // bytes
     // fp8: S_ij = q_scale[i] k_scales[j] raw_ij; k_scales[j] multiplies the scores (before the mask:
     // scales may be 0), q_scale[i] >= 0 (the API checks it) folds into the row's scale, as the
     // maximum of q_scale[i] x is q_scale[i] max(x): one multiply per score instead of two on the
@@ -388,84 +388,84 @@ struct Mainloop {
     // zero scale would turn masked -inf scores into NaN).
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      x.row_scale[r] = p.scale_log2;
+      tile.row_scale[r] = p.scale_log2;
       if constexpr (V::kFp8) {
-        const float qs = row_exists<kEndAligned<V>>(x.r0 + 8 * r, w.sq)
-                             ? p.q_scale[(w.q_row0 + x.r0 + 8 * r) * p.q_scale_stride] : 1.f;
+        const float qs = row_exists<kEndAligned<V>>(tile.r0 + 8 * r, w.sq)
+                             ? p.q_scale[(w.q_row0 + tile.r0 + 8 * r) * p.q_scale_stride] : 1.f;
         const float rs = qs * p.scale_log2;
-        x.row_scale[r] = rs == 0.f ? 1.17549435e-38f : rs;  // FLT_MIN
+        tile.row_scale[r] = rs == 0.f ? 1.17549435e-38f : rs;  // FLT_MIN
       }
     }
     t_lo = t_hi = 0;
-    if constexpr (MLA_SM90_SPLIT_MASKED) full_tile_range<kBN>(mask, w, wr_first, k.n_begin, k.n_end, k.num_tiles, t_lo, t_hi);
+    if constexpr (MLA_SM90_SPLIT_MASKED) full_tile_range<kBN>(mask, w, wr_first, work.n_begin, work.n_end, work.num_tiles, t_lo, t_hi);
     // A half last tile: none of this warpgroup's rows sees the second half of the last key tile
     // (consumer 0 on a causal diagonal), so its S and P V take the first 64 keys.
-    return kHalfTiles ? last_tile_is_half<kBN>(mask, w, wr_first, k.n_begin, k.num_tiles, t_hi) : 0;
+    return kHalfTiles ? last_tile_is_half<kBN>(mask, w, wr_first, work.n_begin, work.num_tiles, t_hi) : 0;
   }
   // Waits for this consumer's Q rows of the work tile; key tile 0's ring position becomes "previous".
-  __device__ __forceinline__ void wait_q(Tile& x) {
+  __device__ __forceinline__ void wait_q(Tile& tile) {
     mbar_wait(sm.q_full(cw), nq & 1);
     ++nq;
-    x.prev_s = it % kS;
-    x.prev_parity = (it / kS) & 1;
+    tile.prev_s = it % kS;
+    tile.prev_parity = (it / kS) & 1;
   }
 
-  // The mainloop of work tile k: O (unnormalized; fp8: times kPScale) and the softmax state of this
+  // The mainloop of work tile `work`: O (unnormalized; fp8: times kPScale) and the softmax state of this
   // thread's two rows.
-  __device__ __forceinline__ void run(const WorkInfo& k, float (&o)[kOTiles][4], OnlineSoftmax& smx) {
+  __device__ __forceinline__ void run(const WorkInfo& work, float (&o)[kOTiles][4], OnlineSoftmax& smx) {
 #pragma unroll
     for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     smx.init();
-    if (k.num_tiles == 0) return;
-    Tile x{k};
-    x.tile_flags = 0;
+    if (work.num_tiles == 0) return;
+    Tile tile{work};
+    tile.tile_flags = 0;
     int t_lo, t_hi;
-    const int half = prepare(x, t_lo, t_hi);
-    wait_q(x);
+    const int half = prepare(tile, t_lo, t_hi);
+    wait_q(tile);
     // Tile 0: S only (O is still zero, nothing to rescale).
-    if (kScalesEarly) wait_k(it), key_scales(x, 0, it);
-    if (kHalfTiles && half && k.num_tiles == 1) first_tile<kHalfTiles>(x, smx, it);
-    else first_tile<false>(x, smx, it);
-    pack_probabilities<V, kBytesIn<kMaskApply>>(x.sacc, x.pa);
+    if (kScalesEarly) wait_k(it), key_scales(tile, 0, it);
+    if (kHalfTiles && half && work.num_tiles == 1) first_tile<kHalfTiles>(tile, smx, it);
+    else first_tile<false>(tile, smx, it);
+    pack_probabilities<V, kBytesIn<kMaskApply>>(tile.sacc, tile.pa);
     ++it;
     int t = 1;
     // kSkipTail: the key tiles this warpgroup computes (the rest of the work tile it cannot see)
-    const int t_end = kSkip ? visible_tiles<kBN>(mask, k.w, kEndAligned<V> ? max(x.wr0, 0) : x.wr0, k.n_begin,
-                                                  k.num_tiles)
-                            : k.num_tiles;
+    const int t_end = kSkip ? visible_tiles<kBN>(mask, work.w, kEndAligned<V> ? max(tile.wr0, 0) : tile.wr0, work.n_begin,
+                                                  work.num_tiles)
+                            : work.num_tiles;
     if constexpr (MLA_SM90_SPLIT_MASKED) {
-      steps<kMaskApply>(x, o, smx, t, t_lo);
-      steps<kMaskNone>(x, o, smx, t, t_hi);
-      steps<kMaskApply>(x, o, smx, t, t_end);
+      steps<kMaskApply>(tile, o, smx, t, t_lo);
+      steps<kMaskNone>(tile, o, smx, t, t_hi);
+      steps<kMaskApply>(tile, o, smx, t, t_end);
     } else {
-      steps<kMaskTest>(x, o, smx, t, t_end);
+      steps<kMaskTest>(tile, o, smx, t, t_end);
     }
     release_q<false>();  // every S of this work tile is done: the Q warp may load our next rows
 
-    if (kSkip && t_end < k.num_tiles) {
+    if (kSkip && t_end < work.num_tiles) {
       // The last computed tile's P V in the turn of the first skipped tile, then the skipped tiles'
       // protocol (skip_tail); each path completes its wgmma before they join.
       turn_wait();
-      mbar_wait(sm.v_full(x.prev_s), x.prev_parity);
-      issue_pv(x, o, x.prev_s);
+      mbar_wait(sm.v_full(tile.prev_s), tile.prev_parity);
+      issue_pv(tile, o, tile.prev_s);
       turn_pass();
       wgmma_wait<0>();
       fence_operands(o);
-      fence_operands(x.pa);
-      TileHandout::release(sm.v_empty(x.prev_s));
-      skip_tail(k, t_end);
+      fence_operands(tile.pa);
+      TileHandout::release(sm.v_empty(tile.prev_s));
+      skip_tail(work, t_end);
     } else {
       // The last tile's P V, after its V rows past the span's end are zeroed.
-      const int last = x.prev_s;
-      zero_v_tail(k, last, x.prev_parity);
-      if (kHalfTiles && half) last_pv<kHalfTiles>(x, o, last);
-      else last_pv<false>(x, o, last);
+      const int last = tile.prev_s;
+      zero_v_tail(work, last, tile.prev_parity);
+      if (kHalfTiles && half) last_pv<kHalfTiles>(tile, o, last);
+      else last_pv<false>(tile, o, last);
       fence_operands(o);
-      fence_operands(x.pa);
+      fence_operands(tile.pa);
       TileHandout::release(sm.v_empty(last));
     }
     if constexpr (kSumMma) {
-      add_row_sums(x, smx);
+      add_row_sums(tile, smx);
       // each lane of a quad holds its rows' whole sums and the epilogue adds the quad's four
       // (row_weights: quad_sum), so each lane gives a quarter (exact: a power of two)
       smx.row_sum[0] *= 0.25f;
@@ -473,24 +473,24 @@ struct Mainloop {
     }
   }
 
-  // Threads of the consumers that run work tile k (not run_idle), which zero V's tail together:
+  // Threads of the consumers that run work tile `work` (not run_idle), which zero V's tail together:
   // every consumer's with two; with three, the idle ones (the last by rows; kEndAligned: the first, or the last) stay out of that
   // barrier, since an aligned bar.sync must be one instruction for all its threads (compute-
   // sanitizer's synccheck: "divergent threads in block" when run_idle had a copy of it).
-  __device__ __forceinline__ int zeroing_threads(const WorkInfo& k) const {
+  __device__ __forceinline__ int zeroing_threads(const WorkInfo& work) const {
     if constexpr (V::kConsumers == 3)
-      return 128 * (min(V::kConsumers, (k.w.sq - k.m0 + kWgRows - 1) / kWgRows) - first_busy(k));
+      return 128 * (min(V::kConsumers, (work.w.sq - work.m0 + kWgRows - 1) / kWgRows) - first_busy(work));
     else return kConsumerThreads<V>;
   }
   // Waits for the last key tile's V (ring stage `last`) and zeroes its rows past the span's end (the
   // neighbour's keys), by the consumers that run the work tile together, the stores made visible
   // to wgmma before any of them reads V.
-  __device__ __forceinline__ void zero_v_tail(const WorkInfo& k, int last, u32 parity) const {
+  __device__ __forceinline__ void zero_v_tail(const WorkInfo& work, int last, u32 parity) const {
     mbar_wait(sm.v_full(last), parity);
-    const int valid = k.n_end - (k.n_begin + (k.num_tiles - 1) * kBN);
+    const int valid = work.n_end - (work.n_begin + (work.num_tiles - 1) * kBN);
     if (valid < kBN) {
-      const int tid = thread_index_here() - 128 * (1 + first_busy(k));  // 0 .. zeroing threads - 1 (the consumers in order)
-      const int nthreads = zeroing_threads(k);
+      const int tid = thread_index_here() - 128 * (1 + first_busy(work));  // 0 .. zeroing threads - 1 (the consumers in order)
+      const int nthreads = zeroing_threads(work);
       if constexpr (V::kFp8) {
         zero_vt_keys_from(sm.v(last), valid, tid, nthreads);  // V^T: key columns
       } else {
@@ -522,19 +522,19 @@ struct Mainloop {
     prev_parity = (it / kS) & 1;
   }
 
-  // kSkipTail: key tiles t_end .. of work tile k, which no row of this consumer sees (their P V
+  // kSkipTail: key tiles t_end .. of work tile `work`, which no row of this consumer sees (their P V
   // taken care of by the caller up to tile t_end - 1, in tile t_end's turn): no GEMM, the protocol
   // of run only, so that every count agrees: tile t_end's K stage released once full; per later key
   // tile a turn, its K stage and the previous tile's V stage released once full; the last tile's V
   // tail zeroed with the other running consumers (zeroing_threads counts this one), its last turn.
-  __device__ __forceinline__ void skip_tail(const WorkInfo& k, int t_end) {
+  __device__ __forceinline__ void skip_tail(const WorkInfo& work, int t_end) {
     wait_k(it);
     TileHandout::release(sm.k_empty(it % kS));
     int prev_s = it % kS;
     u32 prev_parity = (it / kS) & 1;
     ++it;
-    for (int t = t_end + 1; t < k.num_tiles; ++t, ++it) idle_tile(true, prev_s, prev_parity);
-    zero_v_tail(k, prev_s, prev_parity);
+    for (int t = t_end + 1; t < work.num_tiles; ++t, ++it) idle_tile(true, prev_s, prev_parity);
+    zero_v_tail(work, prev_s, prev_parity);
     turn_wait();
     turn_pass();
     TileHandout::release(sm.v_empty(prev_s));
@@ -544,14 +544,14 @@ struct Mainloop {
   // only, step for step, so that every count agrees: its Q rows taken and released, per key tile
   // a turn and the K stage released once full, V released once full a tile later, the last
   // tile's turn and its V released once full (the others zero its tail: zeroing_threads).
-  __device__ __forceinline__ void run_idle(const WorkInfo& k) {
-    if (k.num_tiles == 0) return;
+  __device__ __forceinline__ void run_idle(const WorkInfo& work) {
+    if (work.num_tiles == 0) return;
     mbar_wait(sm.q_full(cw), nq & 1);
     ++nq;
     TileHandout::release(sm.q_empty(cw));
     int prev_s = 0;
     u32 prev_parity = 0;
-    for (int t = 0; t < k.num_tiles; ++t, ++it) idle_tile(t > 0, prev_s, prev_parity);
+    for (int t = 0; t < work.num_tiles; ++t, ++it) idle_tile(t > 0, prev_s, prev_parity);
     mbar_wait(sm.v_full(prev_s), prev_parity);
     turn_wait();
     turn_pass();

@@ -32,23 +32,23 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
   int it = 0;  // key tiles loaded so far: the position in the K/V ring, continued across work tiles
   int idx = blockIdx.x;
   for (int n = 0;; ++n) {
-    WorkInfo k;
+    WorkInfo work;
     if constexpr (kSchedulerWarp<V>) {
-      sched.take_one(n, k);
+      sched.take_one(n, work);
     } else {
-      idx = sched.find<V>(p, mask, idx, k);
-      sched.publish(n, k);
+      idx = sched.find<V>(p, mask, idx, work);
+      sched.publish(n, work);
     }
-    if (!k.valid) break;
-    if (k.num_tiles > 0) {
-      const WorkTile& w = k.w;
+    if (!work.valid) break;
+    if (work.num_tiles > 0) {
+      const WorkTile& w = work.w;
       // fp8: the sequence's first column in V^T (vt_layout.cuh)
-      const i64 vt_col = V::kFp8 ? vt_col0(static_cast<u32>(w.kv_row0), w.b) + k.n_begin : 0;
+      const i64 vt_col = V::kFp8 ? vt_col0(static_cast<u32>(w.kv_row0), w.b) + work.n_begin : 0;
       // K of key tile t into ring position i, and V of key tile t into ring position i (each tile's K
       // and V share a position; their stages are released apart)
       auto load_k = [&](int t, int i) {
         const int s = i % kS;
-        const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * V::kBlockN);
+        const int row = static_cast<int>(w.kv_row0 + work.n_begin + t * V::kBlockN);
         mbar_wait(sm.k_empty(s), ((i / kS) & 1) ^ 1);  // the first pass over the ring does not wait
         mbar_expect_tx(sm.k_full(s), kKTxBytes);
         for (int c = 0; c < V::kNopeBlocks; ++c)
@@ -58,7 +58,7 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
       };
       auto load_v = [&](int t, int i) {
         const int s = i % kS;
-        const int row = static_cast<int>(w.kv_row0 + k.n_begin + t * V::kBlockN);
+        const int row = static_cast<int>(w.kv_row0 + work.n_begin + t * V::kBlockN);
         mbar_wait(sm.v_empty(s), ((i / kS) & 1) ^ 1);
         mbar_expect_tx(sm.v_full(s), kVBytes<V>);
         if constexpr (V::kFp8) {  // V^T: 128 values x 128 key columns (16-byte aligned: the tile starts on a group)
@@ -76,9 +76,9 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem<V>& sm
       if constexpr (kSchedulerWarp<V>) {
         // one tile per iteration: an unrolled loop keeps each copy's addresses live past 32 registers
 #pragma unroll 1
-        for (int t = 0; t < k.num_tiles; ++t, ++it) load_tile(t);
+        for (int t = 0; t < work.num_tiles; ++t, ++it) load_tile(t);
       } else {
-        for (int t = 0; t < k.num_tiles; ++t, ++it) load_tile(t);
+        for (int t = 0; t < work.num_tiles; ++t, ++it) load_tile(t);
       }
     }
     if constexpr (kSchedulerWarp<V>) mbar_arrive(sched.issued());
@@ -97,16 +97,16 @@ __device__ __forceinline__ void q_load(const Params& p, const Smem<V>& sm, const
   const bool leader = threadIdx.x % 32 == 0;
   int nq = 0;  // Q tiles loaded so far
   for (int n = 0;; ++n) {
-    WorkInfo k;
-    sched.take(n, k);
-    if (!k.valid) break;
-    if (k.num_tiles == 0) continue;
-    const WorkTile& w = k.w;
+    WorkInfo work;
+    sched.take(n, work);
+    if (!work.valid) break;
+    if (work.num_tiles == 0) continue;
+    const WorkTile& w = work.w;
     if (leader) {
       for (int c = 0; c < V::kConsumers; ++c) {
         mbar_wait(sm.q_empty(c), (nq & 1) ^ 1);  // consumer c is done with its previous rows
         mbar_expect_tx(sm.q_full(c), kQBytes<V> / V::kConsumers);
-        const int qrow = static_cast<int>(w.q_row0 + k.m0) + c * kWgRows;
+        const int qrow = static_cast<int>(w.q_row0 + work.m0) + c * kWgRows;
         const u32 rows = sm.q() + c * kWgRows * 128;  // this consumer's first row: 128-byte rows
         if constexpr (V::kFp8) {
           tma_load_3d(rows, &p.tm_q, sm.q_full(c), 0, w.h, qrow);  // 128 e4m3 nope values

@@ -29,25 +29,25 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
                     p.log2_page_size, p.num_blocks, p.max_pages};
   int it = 0;
   for (int n = 0;; ++n) {
-    WorkInfo k;
-    sched.take(n, k);
-    if (!k.valid) break;
-    const WorkTile& w = k.w;
+    WorkInfo work;
+    sched.take(n, work);
+    if (!work.valid) break;
+    const WorkTile& w = work.w;
     // The blocks of the lane's rope rows of a tile (kNoBlock past the span; 0 for a plain source),
     // looked up one tile ahead so the page-table reads overlap the wait for a free stage.
     u32 blk[kRopeRows];
     auto lookup_rows = [&](int t) {
 #pragma unroll
       for (int i = 0; i < kRopeRows; ++i) {
-        const int j = k.n_begin + t * V::kBlockN + lane + 32 * i;
-        blk[i] = j >= k.n_end ? kNoBlock : (kPaged ? Paged::block(ra, w.b, w.k_pos0 + j) : 0u);
+        const int j = work.n_begin + t * V::kBlockN + lane + 32 * i;
+        blk[i] = j >= work.n_end ? kNoBlock : (kPaged ? Paged::block(ra, w.b, w.k_pos0 + j) : 0u);
       }
     };
-    if (k.num_tiles > 0) lookup_rows(0);
-    for (int t = 0; t < k.num_tiles; ++t, ++it) {
+    if (work.num_tiles > 0) lookup_rows(0);
+    for (int t = 0; t < work.num_tiles; ++t, ++it) {
       const int s = it % kS;
-      const int n0 = k.n_begin + t * V::kBlockN;
-      const int rows = min(V::kBlockN, k.n_end - n0);  // keys of the span in this tile
+      const int n0 = work.n_begin + t * V::kBlockN;
+      const int rows = min(V::kBlockN, work.n_end - n0);  // keys of the span in this tile
       const i64 t0 = w.k_pos0 + n0;                 // cache position of the tile's row 0
       bool bad = false;                             // a key of the span cannot be read
 #pragma unroll
@@ -93,7 +93,7 @@ __device__ __forceinline__ void rope_warp_load(const Params& p, const Smem<V>& s
       } else {
         mbar_arrive(sm.k_full(s));  // the flags only: the rows come by warp 0's TMA
       }
-      if (t + 1 < k.num_tiles) lookup_rows(t + 1);
+      if (t + 1 < work.num_tiles) lookup_rows(t + 1);
     }
   }
 }

@@ -46,26 +46,26 @@ __device__ __forceinline__ SeqOffsets seq_offsets(const Params& p) {
 
 // Decodes work tile idx; false when it has no rows (its sequence is shorter than the query block).
 template <class V, class Mask>
-__device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int idx, WorkInfo& k) {
+__device__ __forceinline__ bool plan_work(const Params& p, const Mask& mask, int idx, WorkInfo& work) {
   if (!decode_work_tile(seq_offsets(p), idx, p.num_heads, p.heads_per_section, p.batch, p.num_m_blocks,
-                        kBlockM<V>, k.w, kEndAligned<V>, p.tail_blocks))
+                        kBlockM<V>, work.w, kEndAligned<V>, p.tail_blocks))
     return false;
   if constexpr (kEndAligned<V>) {
-    k.m0 = k.w.sq - (k.w.m_block + 1) * kBlockM<V>;  // negative for a sequence's part-filled first block
+    work.m0 = work.w.sq - (work.w.m_block + 1) * kBlockM<V>;  // negative for a sequence's part-filled first block
     // a sequence of one block keeps its rows at the block's start: the same keys either way, and its
     // first consumer busy (its rows end-aligned measured 0.4-1.4% slower at 64x128)
-    if (k.w.sq <= kBlockM<V>) k.m0 = 0;
+    if (work.w.sq <= kBlockM<V>) work.m0 = 0;
   } else {
-    k.m0 = k.w.m_block * kBlockM<V>;
+    work.m0 = work.w.m_block * kBlockM<V>;
   }
-  const int first = max(k.m0, 0);                          // the tile's first and last rows that exist
-  const int last = min(k.m0 + kBlockM<V>, k.w.sq) - 1;
-  visible_key_span(mask, k.w, k.w.q_pos0 + first, k.w.q_pos0 + last, k.n_begin, k.n_end);
+  const int first = max(work.m0, 0);                          // the tile's first and last rows that exist
+  const int last = min(work.m0 + kBlockM<V>, work.w.sq) - 1;
+  visible_key_span(mask, work.w, work.w.q_pos0 + first, work.w.q_pos0 + last, work.n_begin, work.n_end);
   // fp8 per token: key tiles start on a multiple of kVtAlign keys (V^T's layout: kKeyAlign); the
   // keys added are masked
-  if (kKeyAlign<V> > 1) k.n_begin &= ~(kKeyAlign<V> - 1);
-  k.num_tiles = (k.n_end - k.n_begin + V::kBlockN - 1) / V::kBlockN;
-  k.valid = 1;
+  if (kKeyAlign<V> > 1) work.n_begin &= ~(kKeyAlign<V> - 1);
+  work.num_tiles = (work.n_end - work.n_begin + V::kBlockN - 1) / V::kBlockN;
+  work.valid = 1;
   return true;
 }
 
@@ -102,18 +102,18 @@ struct TileHandout {
     }
     return nxt;
   }
-  // Producer thread: from index idx on, the first work tile with rows into k (k.valid = 0 past the
+  // Producer thread: from index idx on, the first work tile with rows into `work` (work.valid = 0 past the
   // end); returns its index.
   template <class V, class Mask>
-  __device__ __forceinline__ int find(const Params& p, const Mask& mask, int idx, WorkInfo& k) const {
+  __device__ __forceinline__ int find(const Params& p, const Mask& mask, int idx, WorkInfo& work) const {
     for (; idx < num_work; idx = next(idx))
-      if (plan_work<V>(p, mask, idx, k)) return idx;
-    k.valid = 0;
+      if (plan_work<V>(p, mask, idx, work)) return idx;
+    work.valid = 0;
     return idx;
   }
-  // Producer thread: hand-out n is k.
-  __device__ __forceinline__ void publish(int n, const WorkInfo& k) const {
-    slot(n) = k;
+  // Producer thread: hand-out n is `work`.
+  __device__ __forceinline__ void publish(int n, const WorkInfo& work) const {
+    slot(n) = work;
     published(n);
   }
   // Hand-out n's slot, once its readers have released hand-out n - 2; published(n) hands it out.
@@ -130,26 +130,26 @@ struct TileHandout {
   __device__ __forceinline__ void run(const Params& p, const Mask& mask) const {
     int idx = blockIdx.x;
     for (int n = 0;; ++n) {
-      WorkInfo& k = slot(n);  // decoded in place: at 32 registers a WorkInfo held whole spills
-      idx = find<V>(p, mask, idx, k);
+      WorkInfo& work = slot(n);  // decoded in place: at 32 registers a WorkInfo held whole spills
+      idx = find<V>(p, mask, idx, work);
       published(n);
-      if (!k.valid) break;
+      if (!work.valid) break;
       mbar_wait(issued(), n & 1);
       idx = next(idx);
     }
   }
-  // Hand-out n into k once published; returns its slot, for the reader's release.
-  __device__ __forceinline__ int read(int n, WorkInfo& k) const {
+  // Hand-out n into `work` once published; returns its slot, for the reader's release.
+  __device__ __forceinline__ int read(int n, WorkInfo& work) const {
     const int s = slot_of(n);
     mbar_wait(full(s), pass_of(n));
     asm volatile("" ::: "memory");  // the slot is read after the wait
-    k = slots[s];
+    work = slots[s];
     return s;
   }
   // Warp 0's thread with the scheduler warp: hand-out n, one arrival.
-  __device__ __forceinline__ void take_one(int n, WorkInfo& k) const { mbar_arrive(empty(read(n, k))); }
+  __device__ __forceinline__ void take_one(int n, WorkInfo& work) const { mbar_arrive(empty(read(n, work))); }
   // Reader threads (whole warps): hand-out n, every lane releasing the slot once it has read it.
-  __device__ __forceinline__ void take(int n, WorkInfo& k) const { release(empty(read(n, k))); }
+  __device__ __forceinline__ void take(int n, WorkInfo& work) const { release(empty(read(n, work))); }
   // A reader thread's arrival on a barrier counted in kConsumerArrivals<V> units (one per thread).
   static __device__ __forceinline__ void release(u32 bar) { mbar_arrive(bar); }
 };
