@@ -1,17 +1,22 @@
 """Argument packing of the prefill launches: for one array layout of a plan, the prepared
 launches with every kernel argument packed (:class:`Record`), and the run-time step that rewrites
-the data pointers (and the Hopper kernel's tensor maps) before launching (:func:`launch_record`)."""
+the data pointers (and the Hopper kernel's tensor maps) before launching (:func:`launch_record`).
+
+A record knows a run's arrays by slot, their positions in the run's tuple of arrays
+(:class:`~mla_cupy._run_args.PrefillArrays`), and keeps the names of those positions for its
+messages; a launch hands it the pointers of a run's arrays as a list in that order."""
 from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Callable, Dict, List, Optional
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._arrays import device_pointer, optional_ptr
 from ._checks import check_aligned, dtype_of
 from ._geometry import prefill_kernel
 from ._launch import TENSOR_MAP_DTYPE, ArgPack, PreparedLaunch
-from ._run_args import KS, LSE, OUT, QR, QS, ROPE, RSC, SLOTS, WS, K, Q, Target, V
+from ._run_args import PrefillArrays, Target
 from ._select import heads_per_section, sm_count, tail_blocks
 from .dims import DR, DV
 from .fp8 import vt_launch, vt_shape
@@ -20,7 +25,7 @@ from .validation import Problem
 from . import workspace
 from .workspace import tile_counter
 
-__all__ = ["Record", "pack", "launch_record"]
+__all__ = ["Record", "pack", "aligned_slots", "launch_record"]
 
 LOG2E = 1.4426950408889634
 _GRID_Y_MAX = 65535  # the largest gridDim.y (the gather's kernel strides over more sequences)
@@ -29,20 +34,27 @@ _MAPS_MAX = 1024  # pointer sets whose tensor maps are remembered per layout
 _ROWS_STREAMS_MAX = 64  # streams whose gathered rope rows a record keeps
 
 
+#: A forward run's slot (its position in :class:`~mla_cupy._run_args.PrefillArrays`) of each array.
+_SLOT = {name: i for i, name in enumerate(PrefillArrays._fields)}
+
+
 class Record:
     """One array layout of a plan: the prepared launches, and what a run rewrites in them (pointer
     fields as (byte offset, slot, addend); the slots whose pointers key the tensor maps, with the
-    gathered rope rows' pointer; the slots that must be 16-byte aligned; the byte offset of the
-    ``q_start_pos`` pointer, for a launch that passes its own)."""
+    gathered rope rows' pointer; the slots that must be 16-byte aligned and the names of every slot,
+    for the message; the byte offset of the ``q_start_pos`` pointer, for a launch that passes its
+    own), and the lock its launches take: a record is rewritten and launched by one thread at a
+    time, so that threads and streams share it safely."""
 
     __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "maps_max", "vt", "vt_fields", "align",
-                 "counter", "map_field", "q_start_field", "last_maps", "last_stream", "gather", "gather_fields",
-                 "rows_bytes", "rows", "keep_rows")
+                 "names", "counter", "map_field", "q_start_field", "last_maps", "last_stream", "gather",
+                 "gather_fields", "rows_bytes", "rows", "keep_rows", "lock")
 
     def __init__(self, launch: Optional[PreparedLaunch], ptr_fields, align, map_slots=None, make_maps=None, vt=None,
                  vt_fields=(), counter=None, map_field=None, q_start_field=None, gather=None, gather_fields=(),
-                 rows_bytes: int = 0):
-        self.launch, self.ptr_fields, self.align = launch, ptr_fields, align
+                 rows_bytes: int = 0, names: Tuple[str, ...] = PrefillArrays._fields):
+        self.launch, self.ptr_fields, self.align, self.names = launch, ptr_fields, align, names
+        self.lock = threading.Lock()
         self.map_slots, self.make_maps, self.maps, self.maps_max = map_slots, make_maps, {}, _MAPS_MAX
         self.vt, self.vt_fields = vt, vt_fields
         # Hopper, paged 16-bit rope: the gather into key rows of rows_bytes, its pointer fields
@@ -58,16 +70,31 @@ class Record:
         # schedule of the counter): a run that changes neither skips rewriting them
 
 
-def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Record:
-    """Pack the kernel arguments of layout ``p`` with the arrays ``d`` (device arrays in
-    :data:`~mla_cupy._run_args.SLOTS` order) of its first run on stream ``sp``.
-    ``workspace_for(given, shape, sp)`` gives the fp8 variant's V^T workspace."""
+def aligned_slots(problem: Problem, arrays: PrefillArrays) -> Tuple[int, ...]:
+    """The slots of the arrays that must start 16-byte aligned, as the checks of a call and of a
+    plan's run require (validation: check_layout, check_fp8_layout, check_workspace): q, k, v, the
+    rope (a paged one's blocks), out and the fp8 q_rope when they hold anything, the fp8 key scales
+    with keys, and an fp8 pre-pass's workspace. A launch whose pointer there is misaligned is
+    refused (:func:`launch_record`), a one-shot call's then checked again."""
+    names = ["q", "k", "v", "k_rope", "out"]
+    if problem.fp8:
+        names += ["q_rope"] + (["k_scales"] if problem.tk else [])
+    aligned = tuple(_SLOT[n] for n in names if getattr(arrays, n) is not None and math.prod(getattr(arrays, n).shape))
+    return aligned + ((_SLOT["workspace"],) if problem.fp8 and not problem.v_transposed else ())
+
+
+def pack(target: Target, problem: Problem, arrays: PrefillArrays, raw_stream: int, workspace_for: Callable) -> Record:
+    """The launch record of the checked ``problem`` for the layout of ``arrays`` (device arrays, the
+    results given), packed for its first run on the raw stream ``raw_stream``.
+    ``workspace_for(given, shape, raw_stream)`` gives the fp8 variant's V^T workspace."""
+    p, t = problem, target
+    align = aligned_slots(p, arrays)
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
-        return Record(None, (), ())
+        return Record(None, (), align)
     dev = t.device_id
     ck = prefill_kernel(t.kernel, p.dtype, p.out_dtype, p.mask, p.paged, p.variant, dev, p.scale_pairs)
     nmb = -(-p.max_sq // ck.geometry["block_m"])
-    out, lse = d[OUT], d[LSE]
+    out, lse = arrays.out, arrays.lse
     oitem = p.out_dtype.itemsize
     o = t.offsets
     values: Dict[str, Any] = dict(
@@ -76,27 +103,23 @@ def pack(t: Target, p: Problem, d: list, sp: int, workspace_for: Callable) -> Re
         o_sh=out.strides[1] // oitem, lse_st=0 if lse is None else lse.strides[0] // 4, num_heads=p.heads,
         heads_per_section=heads_per_section(p, dev), batch=p.batch, num_m_blocks=nmb, scale_log2=p.scale * LOG2E,
         mask_arg=p.mask.arg, accumulate=int(t.accumulate))
-    rope_add = _rope_args(t, p, d, values)
-    fields = [("out", OUT, 0), ("lse", LSE, 0), ("rope_base", ROPE, rope_add)]
-    align = [i for i in (Q, K, V, OUT) if math.prod(d[i].shape)]
-    if not p.rope_scaled_e4m3 and math.prod(d[ROPE].shape):  # read by TMA
-        align.append(ROPE)
+    rope_add = _rope_args(t, p, arrays, values)
+    fields = [("out", "out", 0), ("lse", "lse", 0), ("rope_base", "k_rope", rope_add)]
     if t.kernel == "sm80":
         item = p.dtype.itemsize
-        q, k, v = d[Q], d[K], d[V]
+        q, k, v = arrays.q, arrays.k, arrays.v
         values.update(q=device_pointer(q), k=device_pointer(k), v=device_pointer(v),
                       q_st=q.strides[0] // item, q_sh=q.strides[1] // item, k_st=k.strides[0] // item,
                       k_sh=k.strides[1] // item, v_st=v.strides[0] // item, v_sh=v.strides[1] // item)
         launch = PreparedLaunch(ck.params, ck.fn, (nmb * p.batch * p.heads, 1, 1), ck.threads, ck.smem, values)
-        fields += [("q", Q, 0), ("k", K, 0), ("v", V, 0)]
-        return Record(launch, _offsets_of(ck.params, fields), tuple(align),
-                      q_start_field=ck.params.offsets["q_start_pos"])
-    return _sm90_record(t, p, d, ck, values, fields, align, nmb, sp, workspace_for)
+        fields += [("q", "q", 0), ("k", "k", 0), ("v", "v", 0)]
+        return Record(launch, _offsets_of(ck.params, fields), align, q_start_field=ck.params.offsets["q_start_pos"])
+    return _sm90_record(t, p, arrays, ck, values, fields, align, nmb, raw_stream, workspace_for)
 
 
-def _rope_args(t: Target, p: Problem, d: list, values: dict) -> int:
+def _rope_args(t: Target, p: Problem, arrays: PrefillArrays, values: dict) -> int:
     """The rope_* parameters into ``values``; returns the byte offset of the rope from its array's pointer."""
-    rope, rs = d[ROPE], d[RSC]
+    rope, rs = arrays.k_rope, arrays.k_rope_scales
     item = dtype_of(rope).itemsize
     if p.paged:
         lut = t.page_table
@@ -117,46 +140,40 @@ def _rope_args(t: Target, p: Problem, d: list, values: dict) -> int:
     return 0
 
 
-def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list, align: list, nmb: int, sp: int,
-                 workspace_for: Callable) -> Record:
-    q, k, v, rope = d[Q], d[K], d[V], d[ROPE]
+def _sm90_record(t: Target, p: Problem, arrays: PrefillArrays, ck, values: dict, fields: list, align: tuple,
+                 nmb: int, raw_stream: int, workspace_for: Callable) -> Record:
+    q, k, v, rope = arrays.q, arrays.k, arrays.v, arrays.k_rope
     geom = ck.geometry
     values.setdefault("rope_scales", 0)
     values.setdefault("rope_scale_row_stride", 0)
     values.setdefault("rope_scale_block_stride", 0)
-    if d[RSC] is not None:
-        fields.append(("rope_scales", RSC, 4 * (t.rope_offset // 64) if p.paged else 0))
+    if arrays.k_rope_scales is not None:
+        fields.append(("rope_scales", "k_rope_scales", 4 * (t.rope_offset // 64) if p.paged else 0))
     q_st = (stride16(q, 1), stride16(q, 0))
     k_st = (stride16(k, 1), stride16(k, 0))
     v_st = (stride16(v, 1), stride16(v, 0))
     vt = None
     vt_fields: tuple = ()
-    v_slot = V
+    v_slot = "v"
     fp8_st = None
     values.update(q_scale=0, q_scale_stride=0)
     if p.fp8:
-        qr, qs = d[QR], d[QS]
-        fp8_st = (stride16(qr, 1), stride16(qr, 0))
-        values.update(q_scale=device_pointer(qs), q_scale_stride=int(qs.strides[0]) // 4)
-        fields.append(("q_scale", QS, 0))
-        if math.prod(qr.shape):
-            align.append(QR)
+        q_rope, q_scale = arrays.q_rope, arrays.q_scale
+        fp8_st = (stride16(q_rope, 1), stride16(q_rope, 0))
+        values.update(q_scale=device_pointer(q_scale), q_scale_stride=int(q_scale.strides[0]) // 4)
+        fields.append(("q_scale", "q_scale", 0))
         shape = vt_shape(p.heads, p.tk, p.batch)
         cols = shape[2]
-        v_st = (cols, DV * cols)  # the kernel reads V^T: the caller's (slot V), or the pre-pass's (slot WS)
-        if p.tk:
-            align.append(KS)
+        v_st = (cols, DV * cols)  # the kernel reads V^T: the caller's (in v), or the pre-pass's (the workspace)
         if not p.v_transposed:
-            if p.tk:
-                align.append(WS)
-            ws = workspace_for(d[WS], shape, sp)
-            v_slot = WS
+            ws = workspace_for(arrays.workspace, shape, raw_stream)
+            v_slot = "workspace"
             if p.tk:
                 vt = vt_launch(v, t.offsets.kv_begin, t.offsets.kv_end, p.batch, ws.reshape(-1)[:math.prod(shape)]
                                .reshape(shape), t.device_id)
-                vt_fields = _offsets_of(vt.pack, [("v", V, 0), ("vt", WS, 0)])
+                vt_fields = _offsets_of(vt.pack, [("v", "v", 0), ("vt", "workspace", 0)])
     heads, tq, tk, dtype = p.heads, p.tq, p.tk, p.dtype
-    out = d[OUT]
+    out = arrays.out
     # out's map where the kernel's staged epilogue stores by TMA: 16-bit rows written whole, not merged
     # into (its layout, last dimension contiguous and the rest in multiples of 16 bytes, is a run's
     # check_layout)
@@ -171,11 +188,11 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
     gather_rows = paged and not rope_warp and tk > 0
     rope_row_bytes = None if rope_warp else (DR * dtype.itemsize if paged else stride16(rope, 0))
 
-    pack = ck.params
-    maps = map_fields(pack)
+    params = ck.params
+    maps = map_fields(params)
 
-    def make_maps(mk: tuple) -> bytes:
-        qp, kp, vp, rp, op, qrp, ksp, rows = mk
+    def make_maps(map_key: tuple) -> bytes:
+        qp, kp, vp, rp, op, qrp, ksp, rows = map_key
         if gather_rows:
             rp = rows
         if not tk:  # no keys: nothing is read through K, V or the rope; a map of a null buffer is refused
@@ -190,15 +207,16 @@ def _sm90_record(t: Target, p: Problem, d: list, ck, values: dict, fields: list,
     values.update({n: ZERO_MAP for n in maps}, tile_counter=0)
     grid = min(nmb * p.batch * p.heads, sm_count(t.device_id))  # persistent: at most one CTA per SM
     values["tail_blocks"] = tail_blocks(p, values["heads_per_section"], nmb, grid)
-    launch = PreparedLaunch(pack, ck.fn, (grid, 1, 1), ck.threads, ck.smem, values)
+    launch = PreparedLaunch(params, ck.fn, (grid, 1, 1), ck.threads, ck.smem, values)
     gather = gather_fields = None
     if gather_rows:
         gather = _gather_launch(t, p, values, tk)
-        gather_fields = _offsets_of(gather.pack, [("rope_base", ROPE, t.rope_offset * dtype.itemsize)])
-    return Record(launch, _offsets_of(pack, fields), tuple(align),
-                   map_slots=(Q, K, v_slot, ROPE, OUT, QR, KS), make_maps=make_maps, vt=vt, vt_fields=vt_fields,
-                   counter=(pack.offsets["tile_counter"], t.device_id), map_field=maps[0],
-                   q_start_field=pack.offsets["q_start_pos"], gather=gather, gather_fields=gather_fields or (),
+        gather_fields = _offsets_of(gather.pack, [("rope_base", "k_rope", t.rope_offset * dtype.itemsize)])
+    map_slots = tuple(_SLOT[n] for n in ("q", "k", v_slot, "k_rope", "out", "q_rope", "k_scales"))
+    return Record(launch, _offsets_of(params, fields), align,
+                   map_slots=map_slots, make_maps=make_maps, vt=vt, vt_fields=vt_fields,
+                   counter=(params.offsets["tile_counter"], t.device_id), map_field=maps[0],
+                   q_start_field=params.offsets["q_start_pos"], gather=gather, gather_fields=gather_fields or (),
                    rows_bytes=tk * DR * dtype.itemsize if gather_rows else 0)
 
 
@@ -230,26 +248,33 @@ def map_fields(pack: ArgPack) -> tuple:
 
 
 def _offsets_of(pack, fields) -> tuple:
-    return tuple((pack.offsets[name], slot, add) for name, slot, add in fields)
+    """(byte offset, slot, addend) of each (parameter, array, addend): the parameter's place in the
+    packed buffer, the array's slot in a run's pointers."""
+    return tuple((pack.offsets[param], _SLOT[array], add) for param, array, add in fields)
 
 
-def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] = None,
+def launch_record(rec: Record, ptrs: List[int], raw_stream: int, q_start: Optional[int] = None,
                   new_rows: Optional[Callable] = None) -> None:
     """Check the pointers' alignment, rewrite them (and the tensor maps they key) into the record's
-    launches, and launch on stream ``sp``; ``q_start``: the ``q_start_pos`` pointer of this launch
-    (a widened copy made per call) instead of the packed one. A paged 16-bit rope's key rows come
-    from ``new_rows(shape, sp)`` (default CuPy's pool on ``sp``): a plan's record keeps those of
-    each stream from its first launch there (launches on one stream reuse them in order, launches
-    on different streams never share them, a graph captured on ``sp`` reads rows that stay
+    launches, and launch on the raw stream ``raw_stream``; ``q_start``: the ``q_start_pos`` pointer
+    of this launch (a widened copy made per call) instead of the packed one. A paged 16-bit rope's key rows come
+    from ``new_rows(shape, raw_stream)`` (default CuPy's pool on that stream): a plan's record keeps
+    those of each stream from its first launch there (launches on one stream reuse them in order,
+    launches on different streams never share them, a graph captured there reads rows that stay
     allocated while the plan lives); any other record allocates them per launch and lets them go
-    once the kernels are enqueued (the pools reuse them in stream order). One thread at a time per
-    record."""
+    once the kernels are enqueued (the pools reuse them in stream order). Holds the record's lock."""
+    with rec.lock:
+        _launch_record(rec, ptrs, raw_stream, q_start, new_rows)
+
+
+def _launch_record(rec: Record, ptrs: List[int], raw_stream: int, q_start: Optional[int],
+                   new_rows: Optional[Callable]) -> None:
     acc = 0
     for i in rec.align:
         acc |= ptrs[i]
     if acc & 15:
         for i in rec.align:
-            check_aligned(ptrs[i], SLOTS[i])
+            check_aligned(ptrs[i], rec.names[i])
     if rec.launch is None:
         return
     launch = rec.launch
@@ -261,50 +286,50 @@ def launch_record(rec: Record, ptrs: List[int], sp: int, q_start: Optional[int] 
     rows = None
     rows_ptr = 0
     if rec.gather is not None:
-        rows = rec.rows.get(sp)
+        rows = rec.rows.get(raw_stream)
         if rows is None:
-            rows = (new_rows or rows_on)((rec.rows_bytes,), sp)
+            rows = (new_rows or rows_on)((rec.rows_bytes,), raw_stream)
             if rec.keep_rows:
                 if len(rec.rows) >= _ROWS_STREAMS_MAX:
                     rec.rows.clear()
-                rec.rows[sp] = rows
+                rec.rows[raw_stream] = rows
         rows_ptr = device_pointer(rows)
         gmem = rec.gather._mem
         for off, i, add in rec.gather_fields:
             _U64.pack_into(gmem, off, ptrs[i] + add)
         _U64.pack_into(gmem, rec.gather.pack.offsets["dst"], rows_ptr)
     if rec.map_slots is not None:
-        mk = tuple([ptrs[i] for i in rec.map_slots]) + (rows_ptr,)
-        if mk != rec.last_maps:
-            maps = rec.maps.get(mk)
+        map_key = tuple([ptrs[i] for i in rec.map_slots]) + (rows_ptr,)
+        if map_key != rec.last_maps:
+            maps = rec.maps.get(map_key)
             if maps is None:
-                maps = _new_maps(rec, mk)
+                maps = _new_maps(rec, map_key)
             launch.set_bytes(rec.map_field, maps)
-            rec.last_maps = mk
+            rec.last_maps = map_key
     if rec.counter is not None:
-        ck = (sp, workspace.DYNAMIC_SCHEDULE)
-        if ck != rec.last_stream:
-            _U64.pack_into(mem, rec.counter[0], tile_counter(rec.counter[1], sp))
-            rec.last_stream = ck
+        schedule = (raw_stream, workspace.DYNAMIC_SCHEDULE)
+        if schedule != rec.last_stream:
+            _U64.pack_into(mem, rec.counter[0], tile_counter(rec.counter[1], raw_stream))
+            rec.last_stream = schedule
     if rec.vt is not None:
         vmem = rec.vt._mem
         for off, i, add in rec.vt_fields:
             _U64.pack_into(vmem, off, ptrs[i] + add)
-        rec.vt.launch(sp)
+        rec.vt.launch(raw_stream)
     if rec.gather is not None:
-        rec.gather.launch(sp)
-    launch.launch(sp)
+        rec.gather.launch(raw_stream)
+    launch.launch(raw_stream)
     del rows  # a per-launch allocation goes back to its pool: reused in stream order, after these kernels
 
 
-def rows_on(shape, sp: int):
-    """A paged rope's key rows: ``prod(shape)`` bytes from CuPy's pool on stream ``sp``."""
-    return workspace.allocate_on(shape, sp, "the paged rope's key rows", "split the batch")
+def rows_on(shape, raw_stream: int):
+    """A paged rope's key rows: ``prod(shape)`` bytes from CuPy's pool on the raw stream ``raw_stream``."""
+    return workspace.allocate_on(shape, raw_stream, "the paged rope's key rows", "split the batch")
 
 
-def _new_maps(rec: Record, mk: tuple) -> bytes:
-    data = rec.make_maps(mk)
+def _new_maps(rec: Record, map_key: tuple) -> bytes:
+    data = rec.make_maps(map_key)
     if len(rec.maps) >= rec.maps_max:
         rec.maps.clear()
-    rec.maps[mk] = data
+    rec.maps[map_key] = data
     return data

@@ -11,7 +11,7 @@ import numpy as np
 
 from ._arrays import BF16, FP32, checkable, to_host
 from ._checks import OFFSET_DTYPES, U8, check_array, check_layout, check_shape, dtype_of
-from ._run_args import KS, LSE, OUT, Q, QR, QS, ROPE, RSC, SLOTS, V, WS, K, Target
+from ._run_args import PrefillArrays, Target
 from ._select import check_kernel_name
 from .fp8 import TransposedV, check_fp8_arrays, check_fp8_layout, check_no_workspace
 from .paged import PagedKVCache, check_page_geometry
@@ -111,59 +111,59 @@ def check_plan_args(valid_length, cache_row_offsets, *, num_heads, dtype, mask, 
 
 
 
-def check_run(p: Problem, t: Target, bounds: RunBounds, d: list) -> Problem:
-    """The arrays ``d`` of a run (in :data:`~mla_cupy._run_args.SLOTS` order, as
-    :func:`~mla_cupy._arrays.checkable` gives them; v of an fp8 run may be a
-    :class:`~mla_cupy.fp8.TransposedV` over such data, whose offsets the plan checks) against the
-    plan's problem ``p``, in argument order, then on the device. Returns the problem of the run
+def check_run(p: Problem, t: Target, bounds: RunBounds, arrays: PrefillArrays) -> Problem:
+    """The arrays of a run (as :func:`~mla_cupy._arrays.checkable` gives them; v of an fp8 run may
+    be a :class:`~mla_cupy.fp8.TransposedV` over such data, whose offsets the plan checks) against
+    the plan's problem ``p``, in argument order, then on the device. Returns the problem of the run
     (its Tq and Tk, and whether v is V^T)."""
+    a = arrays
     if p.fp8:
-        tq, heads, tk = check_fp8_arrays(d[Q], d[QR], d[QS], d[K], d[KS], d[V])
+        tq, heads, tk = check_fp8_arrays(a.q, a.q_rope, a.q_scale, a.k, a.k_scales, a.v)
         dtype = BF16
         qname = "q_nope"
     else:
-        tq, heads, tk, dtype = check_qkv(d[Q], d[K], d[V], device=True)
+        tq, heads, tk, dtype = check_qkv(a.q, a.k, a.v, device=True)
         qname = "q"
     if heads != p.heads:
-        raise ValueError(f"{qname}: expected H = {p.heads} heads (the plan's num_heads), got shape {list(d[Q].shape)}")
+        raise ValueError(f"{qname}: expected H = {p.heads} heads (the plan's num_heads), got shape {list(a.q.shape)}")
     if dtype != p.dtype:
         raise TypeError(f"{qname}: expected dtype {p.dtype.name} (the plan's dtype), got {dtype.name}")
     if p.tq >= 0 and tq != p.tq:
         raise ValueError(f"{qname}: expected Tq = {p.tq} rows (valid_length[-1] of the plan), got shape "
-                         f"{list(d[Q].shape)}")
+                         f"{list(a.q.shape)}")
     if bounds.kv_total is not None and tk < bounds.kv_total:
         raise ValueError(f"k: expected at least {bounds.kv_total} rows (cache_row_offsets[-1] of the plan), got shape "
-                         f"{list(d[K].shape)}")
-    if p.fp8 and (dtype_of(d[QR]) == U8) != p.all_e4m3:
+                         f"{list(a.k.shape)}")
+    if p.fp8 and (dtype_of(a.q_rope) == U8) != p.all_e4m3:
         raise TypeError(f"q_rope: the plan was built for {'e4m3' if p.all_e4m3 else 'bfloat16'} rope parts (fp8_rope="
-                        f"{p.fp8_rope}), got dtype {dtype_of(d[QR]).name}")
-    rope = _rope_view(p, t, d[ROPE], d[RSC])
-    if check_rope(rope, d[RSC], tk, dtype, device=True, fp8=p.fp8, all_e4m3=p.all_e4m3) != p.fp8_rope:
+                        f"{p.fp8_rope}), got dtype {dtype_of(a.q_rope).name}")
+    rope = _rope_view(p, t, a.k_rope, a.k_rope_scales)
+    if check_rope(rope, a.k_rope_scales, tk, dtype, device=True, fp8=p.fp8, all_e4m3=p.all_e4m3) != p.fp8_rope:
         raise TypeError(f"k_rope: the plan was built for {'an fp8' if p.fp8_rope else 'a 16-bit'} rope (fp8_rope="
                         f"{p.fp8_rope}), got dtype {dtype_of(rope.blocks if p.paged else rope).name}")
-    check_out(d[OUT], p.out_dtype, tq, heads)
-    vt = isinstance(d[V], TransposedV)
+    check_out(a.out, p.out_dtype, tq, heads)
+    vt = isinstance(a.v, TransposedV)
     if vt:
-        check_no_workspace(d[WS])
+        check_no_workspace(a.workspace)
     run_p = replace(p, tq=tq, tk=tk, v_transposed=vt)
-    check_lse_and_accumulate(run_p, d[OUT], d[LSE], t.accumulate)
+    check_lse_and_accumulate(run_p, a.out, a.lse, t.accumulate)
     if p.paged and bounds.table is not None:
         check_paged_table(bounds.table, t.page_size, int(rope.blocks.shape[0]), bounds.cache_offsets, bounds.kv_sizes)
-    named = [(qname, d[Q])]
-    named += [("q_rope", d[QR]), ("q_scale", d[QS]), ("k", d[K]), ("k_scales", d[KS])] if p.fp8 else [("k", d[K])]
-    named += [("v.data", d[V].data) if vt else ("v", d[V])]
-    named += [(n, x) for n, x in rope_arrays(rope, d[RSC]) if n != "k_rope.lookup_table"]
-    named += [("out", d[OUT]), ("lse", d[LSE]), ("workspace", d[WS])]
+    named = [(qname, a.q)]
+    named += [("q_rope", a.q_rope), ("q_scale", a.q_scale), ("k", a.k), ("k_scales", a.k_scales)] if p.fp8 else [("k", a.k)]
+    named += [("v.data", a.v.data) if vt else ("v", a.v)]
+    named += [(n, x) for n, x in rope_arrays(rope, a.k_rope_scales) if n != "k_rope.lookup_table"]
+    named += [("out", a.out), ("lse", a.lse), ("workspace", a.workspace)]
     require_devices(named)
     if p.fp8:
-        check_fp8_layout(d[Q], d[QR], d[K], d[KS], d[V])
+        check_fp8_layout(a.q, a.q_rope, a.k, a.k_scales, a.v)
     else:
-        for i in (Q, K, V):
-            check_layout(d[i], SLOTS[i])
+        for name in ("q", "k", "v"):
+            check_layout(getattr(a, name), name)
     check_rope_layout(rope)
-    if d[OUT] is not None:
-        check_layout(d[OUT], "out")
-    check_lse_layout(d[LSE], heads)
+    if a.out is not None:
+        check_layout(a.out, "out")
+    check_lse_layout(a.lse, heads)
     check_same_device([x for _, x in named] + [t.page_table])
     return run_p
 

@@ -1,21 +1,44 @@
 """What a run of a plan takes and what a plan fixes, described once for the checks and the
-packing: the slots of a run's arrays (:data:`SLOTS`), the offsets a launch reads (:class:`Offsets`)
-and what a plan fixes besides its :class:`~mla_cupy.validation.Problem` (:class:`Target`)."""
+packing: a run's arrays by name (:class:`PrefillArrays`), the offsets a launch reads
+(:class:`Offsets`) and what a plan fixes besides its :class:`~mla_cupy.validation.Problem`
+(:class:`Target`).
+
+A direction of the pipeline (the forward prefill here) has its run's arrays as one ``NamedTuple``:
+the checks read them by name, and the packing turns each field into a slot of the launch record,
+its position in the tuple, so that a launch rewrites the pointers of a list in that order
+(:func:`mla_cupy._arrays.pointers_and_layouts`) without naming anything. Another direction brings
+its own tuple of arrays to the same record and launch machinery."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["SLOTS", "Q", "K", "V", "ROPE", "OUT", "LSE", "RSC", "QR", "QS", "KS", "WS", "Offsets", "Target"]
+__all__ = ["PrefillArrays", "Offsets", "Target"]
 
-#: Argument slots of a run, in this order: the arrays (and pointers) of a run are a list over them.
-SLOTS = ("q", "k", "v", "k_rope", "out", "lse", "k_rope_scales", "q_rope", "q_scale", "k_scales", "workspace")
-Q, K, V, ROPE, OUT, LSE, RSC, QR, QS, KS, WS = range(len(SLOTS))
+
+class PrefillArrays(NamedTuple):
+    """The arrays of one forward run, in the order of its launch record's pointer slots; None
+    where a run has none. The fp8 per-token variant's ``q`` and ``k`` are its e4m3 nope parts, its
+    ``v`` the e4m3 values or the data of V^T made ahead; a paged rope's ``k_rope`` is its blocks,
+    ``k_rope_scales`` their scales."""
+
+    q: Any
+    k: Any
+    v: Any
+    k_rope: Any
+    out: Any = None
+    lse: Any = None
+    k_rope_scales: Any = None
+    q_rope: Any = None
+    q_scale: Any = None
+    k_scales: Any = None
+    workspace: Any = None  #: fp8: where the pre-pass writes V^T
 
 
 @dataclass(frozen=True)
 class Offsets:
-    """Device pointers of the offset arrays a launch reads, and the arrays they belong to."""
+    """Device pointers of the offset arrays a launch reads, and the arrays they belong to (kept
+    alive with a plan's launches; none for the one-shot calls' cached plans)."""
 
     keep: tuple
     q_offsets: int

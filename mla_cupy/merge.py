@@ -8,7 +8,7 @@ import numpy as np
 from . import _registry as reg
 from . import reference
 from ._arrays import FP32, as_device, device_pointer, is_device, is_torch, result_wrapper, stream_of
-from .api import checkable_args, launch_call
+from ._plan_cache import checkable_args, launch_checked
 from .dims import DV
 from .jit import get_function
 from .masks import Mask
@@ -127,8 +127,8 @@ def mla_prefill_chunked(
             begin = (cro64[:-1] + cp.minimum(sk, c0)).astype(cp.uint32)
             end = (cro64[:-1] + cp.minimum(sk, c0 + chunk_size)).astype(cp.uint32)
             chunk_co = (k_pos0 + cp.minimum(sk, c0)).astype(cp.uint32)
-        offsets = offsets_of(vl, device_pointer(begin), device_pointer(end), chunk_co, q_pos0, keep=(begin, end))
-        launch_call(part_p, q, k, v, k_rope, acc, acc_lse, offsets, kernel, i > 0, s.ptr)
+        offsets = offsets_of(vl, device_pointer(begin), device_pointer(end), chunk_co, q_pos0)
+        launch_checked(part_p, q, k, v, k_rope, acc, acc_lse, offsets, kernel, i > 0, s.ptr)
     with s:
         if out is None:
             out = empty_result((p.tq, p.heads, DV), p.out_dtype, torch_q)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import replace
 from typing import Dict, Optional
 
 import numpy as np
@@ -22,10 +23,11 @@ from ._arrays import (FP32, as_device, checkable, cupy_or_none, device_pointer, 
 from ._checks import check_offsets_layout, dtype_of
 from ._packing import Record, launch_record, pack
 from ._plan_checks import RunBounds, check_plan_args, check_run
-from ._run_args import LSE, OUT, Q, SLOTS, V, WS, Offsets, Target
+from ._run_args import Offsets, PrefillArrays, Target
+from . import _select
 from ._select import choose_kernel
 from .dims import DV
-from .fp8 import TransposedV, check_transposed_v_offsets
+from .fp8 import TransposedV, check_transposed_v_offsets, fp8_bytes
 from .masks import Mask
 from .paged import PagedKVCache
 from .validation import Problem, check_same_device
@@ -34,9 +36,12 @@ from .workspace import allocate_on, check_workspace, empty_result
 __all__ = ["plan", "PrefillPlan"]
 
 _RECORDS_MAX = 256  # array layouts remembered per plan
+_MAPS_MAX = 1024  # tensor-map sets (one per set of data pointers) a plan's record remembers
+#: ... and a one-shot call's plan's, of which the plan cache holds many
+ONE_SHOT_MAPS_MAX = 64
 
 
-def _q_start_i64(q_start_pos):
+def q_start_i64(q_start_pos):
     """The kernels read int64 positions: an int32 array is widened (a B-element copy, at plan time)."""
     if q_start_pos is None or dtype_of(q_start_pos) == np.int64:
         return q_start_pos
@@ -100,16 +105,21 @@ class PrefillPlan:
     """
 
     def __init__(self, layout: Problem, target: Target, *, return_lse: bool, bounds: RunBounds = RunBounds(),
-                 cache_row_offsets: tuple = (None, None)):
+                 cache_row_offsets: tuple = (None, None), one_shot: bool = False):
         self._p = layout
         self._cro = cache_row_offsets  # (as given to plan(), as the kernels read it): a TransposedV's must be one
         self._t = target
         self._bounds = bounds
+        # a one-shot call's plan (the plan cache holds many): its records hold no device memory between
+        # launches (a paged rope's key rows allocated per launch) and remember fewer tensor maps
+        self._one_shot = one_shot
+        self._fp8 = layout.fp8
         self.kernel = target.kernel
         self.accumulate = bool(target.accumulate)
         self.return_lse = bool(return_lse)
         self.page_size, self.rope_offset = target.page_size, target.rope_offset
         self._records: Dict[tuple, Record] = {}
+        self._last: tuple = (None, None)  # (layout key, record) of the last run
         self._lock = threading.Lock()
         self._workspace = None
         cp = cupy_or_none()
@@ -164,7 +174,7 @@ class PrefillPlan:
         out, and ``lse`` when the plan was built with ``return_lse=True``. ``out`` / ``lse`` are the
         arrays passed, or new ones of the kind of ``q`` (torch in, torch out).
         """
-        if self._p.fp8:
+        if self._fp8:
             raise TypeError("run: this plan is for fp8 inputs; call plan.run_fp8(q_nope, q_rope, q_scale, k, k_scales, v, "
                             "k_rope, ...)")
         if type(k_rope) is PagedKVCache:
@@ -172,7 +182,7 @@ class PrefillPlan:
                 k_rope_scales = k_rope.scales
             self._check_cache_matches(k_rope)
             k_rope = k_rope.blocks
-        return self._run((q, k, v, k_rope, out, lse, k_rope_scales, None, None, None, None), stream)
+        return self._run(PrefillArrays(q, k, v, k_rope, out, lse, k_rope_scales), stream)
 
     def run_fp8(self, q_nope, q_rope, q_scale, k, k_scales, v, k_rope, *, out=None, lse=None, stream=None,
                 workspace=None):
@@ -191,16 +201,15 @@ class PrefillPlan:
         values (a read of the TransposedV's offsets per run), any other refuses it
         (``ValueError`` naming ``v``). Its H and Tk are checked with the other arrays, on the first
         run of a layout."""
-        if not self._p.fp8:
+        if not self._fp8:
             raise TypeError("run_fp8: this plan is for 16-bit inputs; call plan.run(q, k, v, k_rope, ...)")
-        from .fp8 import fp8_bytes
-
         q_nope, k, v = fp8_bytes(q_nope, "q_nope"), fp8_bytes(k, "k"), fp8_bytes(v, "v")
         q_rope, k_rope = fp8_bytes(q_rope, "q_rope"), fp8_bytes(k_rope, "k_rope")
         if type(k_rope) is PagedKVCache:
             self._check_cache_matches(k_rope)
             k_rope = k_rope.blocks
-        return self._run((q_nope, k, v, k_rope, out, lse, None, q_rope, q_scale, k_scales, workspace), stream)
+        return self._run(PrefillArrays(q_nope, k, v, k_rope, out, lse, None, q_rope, q_scale, k_scales, workspace),
+                         stream)
 
     def _check_cache_matches(self, cache: PagedKVCache) -> None:
         if not self._p.paged:
@@ -214,67 +223,83 @@ class PrefillPlan:
             raise ValueError("k_rope.lookup_table: a paged plan reads the page table it was built with; pass the cache "
                              "blocks (or a PagedKVCache over that table)")
 
-    def _run(self, a: tuple, stream):
-        torch_in = is_torch(a[Q])
-        tv = a[V] if type(a[V]) is TransposedV else None  # V^T made ahead: its data in slot V
+    def _run(self, arrays: PrefillArrays, stream):
+        """A run: the record of its arrays' layout (checked and packed by the first run of that
+        layout), its pointers rewritten and launched (:func:`~mla_cupy._packing.launch_record`)."""
+        torch_in = is_torch(arrays.q)
+        v = arrays.v
+        tv = v if type(v) is TransposedV else None  # V^T made ahead: its data in place of v
         if tv is not None:
             given, device = self._cro
             check_transposed_v_offsets(tv, self._p.batch, given, self._bounds.cache_row_offsets is not None,
                                        self._bounds.cache_row_offsets, also=device)
-            a = a[:V] + (tv.data,) + a[V + 1:]
-        out, lse = a[OUT], a[LSE]
+            arrays = arrays._replace(v=tv.data)
+        out, lse = arrays.out, arrays.lse
         if out is None or (lse is None and self.return_lse):
-            check_run(self._p, self._t, self._bounds, self._checkable(a, tv))
-            a, out, lse = self._allocate(a, torch_in)
+            check_run(self._p, self._t, self._bounds, self._checkable(arrays, tv))
+            arrays = self._with_results(arrays, torch_in)
+            out, lse = arrays.out, arrays.lse
         try:
-            ptrs, layouts = pointers_and_layouts(a)  # read without converting the arrays
+            ptrs, layouts = pointers_and_layouts(arrays)  # read without converting the arrays
         except (TypeError, AttributeError):  # read through DLPack, or not an array: the CuPy views (or the error)
-            ptrs, layouts = pointers_and_layouts([None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)])
+            ptrs, layouts = pointers_and_layouts(self._checkable(arrays, None))
         key = (*layouts, None if tv is None else tv.num_keys)
-        rec = self._records.get(key)
-        if rec is None:
-            d = self._checkable(a, tv)
-            run_p = check_run(self._p, self._t, self._bounds, d)  # device arrays from here on
-            if tv is not None:
-                d[V] = d[V].data
-            sp = stream_ptr(stream, torch_in)
-            rec = self._remember(key, self._record(run_p, d, sp))
-        elif stream is None and not torch_in:
-            sp = self._current_stream().ptr
+        last_key, rec = self._last  # the previous run's layout: most runs' own (no hash)
+        if key != last_key:
+            rec = self._records.get(key)
+            if rec is None:
+                rec = self._first_run(key, arrays, tv, stream, torch_in)
+            self._last = (key, rec)
+        if stream is None and not torch_in:
+            raw_stream = self._current_stream().ptr
         else:
-            sp = stream_ptr(stream, torch_in)
-        if self._p.fp8 and tv is None and a[WS] is None:
-            ptrs[WS] = self._workspace.data.ptr if self._workspace is not None else 0
-        with self._lock:
-            launch_record(rec, ptrs, sp)
+            raw_stream = stream_ptr(stream, torch_in)
+        if self._fp8 and tv is None and arrays.workspace is None:
+            ptrs[_WORKSPACE] = self._workspace.data.ptr if self._workspace is not None else 0
+        launch_record(rec, ptrs, raw_stream)
         return (out, lse) if self.return_lse else out
 
     @staticmethod
-    def _checkable(a: tuple, tv) -> list:
+    def _checkable(arrays: PrefillArrays, tv) -> PrefillArrays:
         """A run's arrays as the checks read them (:func:`~mla_cupy._arrays.checkable`); with ``tv``
-        (slot V holding its data) slot V is the TransposedV over the checkable data."""
-        d = [None if x is None else checkable(x, SLOTS[i]) for i, x in enumerate(a)]
+        (v holding its data) v is the TransposedV over the checkable data."""
+        checkable_arrays = PrefillArrays(*(None if x is None else checkable(x, name)
+                                           for name, x in zip(PrefillArrays._fields, arrays)))
         if tv is not None:
-            d[V] = tv.with_data(d[V])
-        return d
+            checkable_arrays = checkable_arrays._replace(v=tv.with_data(checkable_arrays.v))
+        return checkable_arrays
 
-    def _allocate(self, a: tuple, torch_in: bool):
-        p = self._p
-        q = a[Q]
-        tq = int(q.shape[0])
+    def _with_results(self, arrays: PrefillArrays, torch_in: bool) -> PrefillArrays:
+        """``arrays`` with new ``out`` (and, for a plan that returns it, ``lse``) where none is given:
+        of the kind of ``q`` (torch in, torch out)."""
+        p, q = self._p, arrays.q
         like = q if torch_in else None
-        out, lse = a[OUT], a[LSE]
         wrap = result_wrapper(q)
+        out, lse = arrays.out, arrays.lse
         if out is None:
-            out = wrap(empty_result((tq, p.heads, DV), p.out_dtype, like))
+            out = wrap(empty_result((int(q.shape[0]), p.heads, DV), p.out_dtype, like))
         if lse is None and self.return_lse:
-            lse = wrap(empty_result((tq, p.heads), FP32, like, "lse"))
-        a = a[:OUT] + (out, lse) + a[LSE + 1:]
-        return a, out, lse
+            lse = wrap(empty_result((int(q.shape[0]), p.heads), FP32, like, "lse"))
+        return arrays._replace(out=out, lse=lse)
 
     # -- the first run of a layout: checks and packing --------------------------------------------
-    def _record(self, p: Problem, d: list, sp: int) -> Record:
-        return pack(self._t, p, d, sp, self._workspace_for)
+    def _first_run(self, key: tuple, arrays: PrefillArrays, tv, stream, torch_in: bool) -> Record:
+        """The record of a layout the plan has not run: the run's arrays checked against the plan
+        (:func:`~mla_cupy._plan_checks.check_run`), packed and remembered under ``key``."""
+        checkable_arrays = self._checkable(arrays, tv)
+        run_p = check_run(self._p, self._t, self._bounds, checkable_arrays)  # device arrays from here on
+        if tv is not None:
+            checkable_arrays = checkable_arrays._replace(v=checkable_arrays.v.data)
+        raw_stream = stream_ptr(stream, torch_in)
+        return self._remember(key, self._pack(run_p, checkable_arrays, raw_stream, self._workspace_for))
+
+    def _pack(self, problem: Problem, arrays: PrefillArrays, raw_stream: int, workspace_for) -> Record:
+        """The launch record of the checked ``problem`` for the layout of ``arrays`` (device arrays,
+        results given): the one packing of every run and every one-shot call."""
+        rec = pack(self._t, problem, arrays, raw_stream, workspace_for)
+        rec.maps_max = ONE_SHOT_MAPS_MAX if self._one_shot else _MAPS_MAX
+        rec.keep_rows = not self._one_shot
+        return rec
 
     def _remember(self, key: tuple, rec: Record) -> Record:
         with self._lock:
@@ -283,19 +308,42 @@ class PrefillPlan:
             self._records[key] = rec
         return rec
 
-    def _workspace_for(self, given, shape, sp: int):
+    def _workspace_for(self, given, shape, raw_stream: int):
         """The V^T workspace of a run: the caller's (checked), or the plan's own, grown to ``shape``
         (allocated on the run's stream)."""
         if given is not None:
             return check_workspace(given, shape)
         if self._workspace is None or self._workspace.size < math.prod(shape):
-            self._workspace = workspace_on(shape, sp)
+            self._workspace = workspace_on(shape, raw_stream)
         return self._workspace
 
+    # -- a one-shot call's plan -------------------------------------------------------------------
+    def _first_launch(self, arrays: PrefillArrays, raw_stream: int, q_start: Optional[int] = None,
+                      new_rows=None) -> Record:
+        """The launch of the checked call this plan was built for (:func:`call_plan`; device arrays,
+        results and the fp8 workspace given): its record packed and launched, after which the plan
+        holds no array of the call (its offsets are pointers; the page table's pointer and geometry
+        are in the record), so that the plan cache keeps none alive. Returns the record, which every
+        later call of the same key launches."""
+        rec = self._pack(self._p, arrays, raw_stream, _given_workspace)
+        self._t = replace(self._t, page_table=None)
+        launch_record(rec, pointers_and_layouts(arrays)[0], raw_stream, q_start, new_rows)
+        return rec
 
-def workspace_on(shape, sp: int):
-    """A new V^T workspace of ``prod(shape)`` bytes (at least one), from CuPy's pool on stream ``sp``."""
-    return allocate_on(shape, sp)
+
+#: The slot of a forward run's V^T workspace, which a plan may fill with its own.
+_WORKSPACE = PrefillArrays._fields.index("workspace")
+
+
+def _given_workspace(given, shape, raw_stream: int):
+    """A one-shot call's V^T workspace: the caller's, or the one it allocated for the call (checked)."""
+    return check_workspace(given, shape)
+
+
+def workspace_on(shape, raw_stream: int):
+    """A new V^T workspace of ``prod(shape)`` bytes (at least one), from CuPy's pool on the raw
+    stream ``raw_stream``."""
+    return allocate_on(shape, raw_stream)
 
 
 def plan(
@@ -370,16 +418,14 @@ def plan(
                            accumulate=accumulate, validate=validate)
     layout = args.problem
     _require_gpu()
-    from ._select import device_id
-
-    dev = device_id()
+    dev = _select.device_id()
     vl, cro = _upload(args.valid_length, "valid_length"), _upload(args.cache_row_offsets, "cache_row_offsets")
-    co, qs = _upload(args.cache_offsets, "cache_offsets"), _q_start_i64(_upload(args.q_start_pos, "q_start_pos"))
+    co, qs = _upload(args.cache_offsets, "cache_offsets"), q_start_i64(_upload(args.q_start_pos, "q_start_pos"))
     lut = _upload(args.page_table, "page_table") if layout.paged else None
     if lut is not None and lut.shape[1] > 1 and int(lut.strides[1]) != dtype_of(lut).itemsize:
         raise ValueError(f"page_table: the last dimension must be contiguous, got strides {tuple(lut.strides)}")
     check_same_device([vl, cro, co, qs, lut])
-    chosen = _kernel_for(layout, kernel, dev)
+    chosen = kernel_for(layout, kernel, dev)
     cro_ptr = device_pointer(cro)
     offsets = offsets_of(vl, cro_ptr, cro_ptr + 4, co, qs, keep=(cro, lut))
     target = Target(chosen, dev, offsets, bool(accumulate), lut, page_size or 0, rope_offset if layout.paged else 0)
@@ -387,8 +433,9 @@ def plan(
                        cache_row_offsets=(cache_row_offsets, cro))
 
 
-def _kernel_for(p: Problem, kernel: str, dev: int) -> str:
-    """The kernel a plan runs; the fp8 variants need the Hopper one."""
+def kernel_for(p: Problem, kernel: str, dev: int) -> str:
+    """The kernel a plan of ``p`` runs for the ``kernel`` argument on device ``dev``; the fp8
+    variants need the Hopper one."""
     chosen = choose_kernel(kernel, p.paged, dev)
     if (p.fp8 or p.fp8_rope) and (kernel == "sm80" or chosen != "sm90"):
         what = "the fp8 per-token variant" if p.fp8 else "an fp8 rope"
@@ -397,22 +444,17 @@ def _kernel_for(p: Problem, kernel: str, dev: int) -> str:
     return chosen
 
 
-def call_record(p: Problem, offsets: Offsets, kernel: str, arrays: tuple, stream_ptr: int, *, accumulate: bool,
-                page_table=None, page_size: int = 0, rope_offset: int = 0, maps_max: Optional[int] = None) -> Record:
-    """The launch record of one checked call (:func:`mla_cupy.mla_prefill`, the chunks of
-    :func:`mla_cupy.mla_prefill_chunked`) on the current device: its layout is ``p``, already
-    checked with its device arrays ``arrays`` (in :data:`SLOTS` order; the fp8 variant's with its
-    workspace). The record keeps no reference to an array (a paged rope's rows are allocated per
-    launch); ``maps_max`` bounds the tensor maps it remembers."""
-    from ._select import device_id
-
-    dev = device_id()
-    target = Target(_kernel_for(p, kernel, dev), dev, offsets, bool(accumulate), page_table, page_size, rope_offset)
-    rec = pack(target, p, list(arrays), stream_ptr, lambda given, shape, sp: check_workspace(given, shape))
-    rec.keep_rows = False  # cached by the plan cache, many at once: no device memory held between calls
-    if maps_max is not None:
-        rec.maps_max = maps_max
-    return rec
+def call_plan(problem: Problem, offsets: Offsets, kernel: str, accumulate: bool, *, page_table=None,
+              page_size: int = 0, rope_offset: int = 0, return_lse: bool = False) -> PrefillPlan:
+    """The plan of one checked call (:func:`mla_cupy.mla_prefill` and what is built on it; the
+    chunks of :func:`mla_cupy.mla_prefill_chunked`): what :func:`plan` builds from a layout, built
+    from the call's checked ``problem`` and ``offsets`` (pointers: the call keeps its arrays alive
+    until its launch, and the plan keeps none: ``offsets.keep`` is dropped) on the current device.
+    Its first launch is :meth:`PrefillPlan._first_launch`; the plan cache keeps it."""
+    dev = _select.device_id()
+    target = Target(kernel_for(problem, kernel, dev), dev, replace(offsets, keep=()), bool(accumulate), page_table,
+                    page_size, rope_offset)
+    return PrefillPlan(problem, target, return_lse=return_lse, one_shot=True)
 
 
 def offsets_of(valid_length, kv_begin_ptr: int, kv_end_ptr: int, cache_offsets, q_start_pos, keep: tuple = ()) -> Offsets:

@@ -51,7 +51,7 @@ from ._optional import require
 
 torch = require("torch", "mla_cupy.torch_ops")
 
-from . import _select, api, reference  # noqa: E402
+from . import _plan_cache, _select, reference  # noqa: E402
 from ._arrays import checkable, cupy_stream, is_device
 from .fp8 import TransposedV, check_transposed_v_offsets, untranspose_v_host
 from .masks import MASK_KINDS, CausalMask, Mask
@@ -180,8 +180,8 @@ def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], 
         arrays, extra = (*head, rope, vl, cro), plain_scales
     key = None
     if out.get_device() == _select.device_id():
-        served, key = api.cached_call(*arrays, **call, **_variant(fp8, extra),
-                                      new_workspace=_torch_workspace(out.device))
+        served, key = _plan_cache.from_cache(*arrays, **call, **_variant(fp8, extra),
+                                             new_workspace=_torch_workspace(out.device))
         if served:
             return
     with _torch_context(out.device):
@@ -190,8 +190,8 @@ def _prefill_cuda(fp8: bool, inputs: tuple, out: Tensor, lse: Optional[Tensor], 
                      q_start_pos=_cupy(args["q_start_pos"]))
         extra = tuple(_cupy(x) for x in extra) if fp8 else _cupy(extra)
         v = v.with_data(_cupy(v.data)) if isinstance(v, TransposedV) else _cupy(v)
-        api.checked_call(_cupy(q), _cupy(k), v, _cupy_rope(rope), _cupy(vl), _cupy(cro), **views,
-                         **_variant(fp8, extra), key=key)
+        _plan_cache.checked_call(_cupy(q), _cupy(k), v, _cupy_rope(rope), _cupy(vl), _cupy(cro), **views,
+                                 **_variant(fp8, extra), key=key)
 
 
 def _variant(fp8: bool, extra) -> dict:

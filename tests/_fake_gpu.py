@@ -86,7 +86,7 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
     import cupy
 
     import mla_cupy._arrays as arrays
-    import mla_cupy.api as api
+    import mla_cupy._plan_cache as launch_services
     import mla_cupy._plan_checks as plan_checks
     import mla_cupy.fp8 as fp8
     import mla_cupy.prefill_plan as prefill_plan
@@ -175,9 +175,12 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
         mp.setattr(plan_checks, "to_host", to_host)
         mp.setattr(prefill_plan, "_require_gpu", lambda: None)
         # device memory the one-shot calls allocate: host memory here
-        mp.setattr(api, "empty_result", lambda shape, dtype, like, name="out": host_cupy(np.zeros(shape, dtype)))
-        mp.setattr(api, "workspace_on", lambda shape, sp: host_cupy(np.zeros(max(int(np.prod(shape)), 1), np.uint8)))
-        mp.setattr(api, "_widened", lambda q_start_pos, sp: host_cupy(host_array(q_start_pos).astype(np.int64)))
+        mp.setattr(launch_services, "empty_result",
+                   lambda shape, dtype, like, name="out": host_cupy(np.zeros(shape, dtype)))
+        mp.setattr(launch_services, "workspace_on",
+                   lambda shape, raw_stream: host_cupy(np.zeros(max(int(np.prod(shape)), 1), np.uint8)))
+        mp.setattr(launch_services, "widened",
+                   lambda q_start_pos, raw_stream: host_cupy(host_array(q_start_pos).astype(np.int64)))
         tma._encode_cached.cache_clear()
         try:
             yield gpu

@@ -63,13 +63,14 @@ def test_many_tiles_per_cta_in_l2_sections(kernel):
     (the Q / K / V rings carry over between tiles), and the heads fall into several L2 sections."""
     import cupy as cp
 
-    from mla_cupy import api
+    from mla_cupy._select import heads_per_section
+    from mla_cupy.validation import check_inputs
 
     c = make_case([700, 300, 7], [2000, 300, 64], 128, BF16, seed=21)
-    p = api.check_inputs(*[cp.asarray(a) for a in (c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets)],
-                         scale=None, mask=None, q_max_seq_len=None, cache_offsets=None, q_start_pos=None, out=None,
-                         out_dtype=None, validate=True, device=True, read_offsets=True)
-    assert 1 < api.heads_per_section(p, cp.cuda.runtime.getDevice()) < 128
+    p = check_inputs(*[cp.asarray(a) for a in (c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets)],
+                     scale=None, mask=None, q_max_seq_len=None, cache_offsets=None, q_start_pos=None, out=None,
+                     out_dtype=None, validate=True, device=True, read_offsets=True)
+    assert 1 < heads_per_section(p, cp.cuda.runtime.getDevice()) < 128
     run_and_check(c, kernel=kernel)
     run_and_check(c, mask=SlidingWindowCausalMask(300), kernel=kernel)
 
@@ -312,7 +313,7 @@ def test_inf_in_v_is_inf_where_seen_nan_where_multiplied_by_zero(kernel, mask):
 def test_auto_picks_the_hopper_kernel_on_hopper():
     import cupy as cp
 
-    from mla_cupy.api import choose_kernel
+    from mla_cupy._select import choose_kernel
 
     want = "sm90" if cp.cuda.Device().compute_capability == "90" else "sm80"
     assert choose_kernel("auto", paged=False) == want

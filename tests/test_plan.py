@@ -381,7 +381,7 @@ def test_one_stream_resolver():
     """Every entry point reads ``stream=`` through mla_cupy._arrays.stream_ptr: a raw int, an object
     with an int ``ptr`` (CuPy streams), one with ``cuda_stream`` (torch streams); anything else
     (a bool too) is a TypeError naming the argument."""
-    from mla_cupy import _arrays, api, prefill_plan
+    from mla_cupy import _arrays, _plan_cache, prefill_plan
 
     class CupyLike:
         ptr = 0x1234
@@ -394,7 +394,7 @@ def test_one_stream_resolver():
     for bad in (True, "0", 1.0):
         with pytest.raises(TypeError, match=r"^stream: expected a cupy.cuda.Stream, a torch.cuda.Stream or a raw "):
             _arrays.stream_ptr(bad, False)
-    assert api.stream_ptr is prefill_plan.stream_ptr is _arrays.stream_ptr
+    assert _plan_cache.stream_ptr is prefill_plan.stream_ptr is _arrays.stream_ptr
 
 
 def test_raw_streams_become_cupy_streams_without_deprecated_classes():

@@ -320,10 +320,10 @@ def test_read_back_equals_the_synchronous_reads(gpu):
 # the variants
 
 def test_int32_q_start_pos_is_widened_per_call(gpu, monkeypatch):
-    from mla_cupy import api
+    from mla_cupy import _plan_cache
 
-    widened, widen = [], api._widened
-    monkeypatch.setattr(api, "_widened", lambda qs, sp: widened.append(widen(qs, sp)) or widened[-1])
+    widened, widen = [], _plan_cache.widened
+    monkeypatch.setattr(_plan_cache, "widened", lambda qs, sp: widened.append(widen(qs, sp)) or widened[-1])
     d = arrays()
     qs = host_cupy(np.array([1, 0], np.int32))
     for _ in range(3):
@@ -392,12 +392,13 @@ def test_a_paged_rope_is_gathered_into_key_rows(gpu, monkeypatch, via):
 
 
 def test_fp8_takes_a_workspace_per_call(gpu, monkeypatch):
-    from mla_cupy import api
+    from mla_cupy import _plan_cache
 
     if gpu.capability != "90":
         pytest.skip("the fp8 variant runs on the Hopper kernel")
-    spaces, new_space = [], api.workspace_on
-    monkeypatch.setattr(api, "workspace_on", lambda shape, sp: spaces.append(new_space(shape, sp)) or spaces[-1])
+    spaces, new_space = [], _plan_cache.workspace_on
+    monkeypatch.setattr(_plan_cache, "workspace_on",
+                        lambda shape, sp: spaces.append(new_space(shape, sp)) or spaces[-1])
     a, vl, cro, out = fp8_arrays()
     for _ in range(3):
         mla_cupy.mla_prefill_fp8(*a, vl, cro, out=out, **FAST)
@@ -413,13 +414,14 @@ def test_fp8_takes_a_workspace_per_call(gpu, monkeypatch):
 
 
 def test_launches_of_checked_problems_are_cached(gpu):
-    """``launch_call`` (the chunks of mla_prefill_chunked): keyed by the problem, the offsets'
+    """``launch_checked`` (the chunks of mla_prefill_chunked): keyed by the problem, the offsets'
     pointers and the layouts."""
-    from mla_cupy import api
+    from mla_cupy import _plan_cache
     from mla_cupy.prefill_plan import offsets_of
+    from mla_cupy.validation import check_inputs
 
     d = arrays()
-    p = api.check_inputs(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"], scale=None,
+    p = check_inputs(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"], scale=None,
                          mask=None, q_max_seq_len=5, cache_offsets=None, q_start_pos=None, out=d["out"],
                          out_dtype=None, validate=False, device=True, read_offsets=False)
     cro = d["cache_row_offsets"].data.ptr
@@ -427,7 +429,7 @@ def test_launches_of_checked_problems_are_cached(gpu):
     o2 = offsets_of(d["valid_length"], cro + 4, cro + 8, None, None)
     args = (d["q"], d["k"], d["v"], d["k_rope"], d["out"], None)
     for o in (o1, o1, o2, o2):
-        api.launch_call(p, *args, o, "auto", False, 0)
+        _plan_cache.launch_checked(p, *args, o, "auto", False, 0)
     assert counts() == (2, 2)
     assert gpu.values()["kv_begin"] == cro + 4
 
