@@ -339,16 +339,16 @@ def _kind(t: type) -> int:
     kind = _KINDS.get(t)
     if kind is None:
         cp = cupy_or_none()
-        kind = _CUPY_ARRAY if cp is not None and t is cp.ndarray else \
-            _TORCH if t.__module__.startswith("torch") else _OTHER
+        kind = (_CUPY_ARRAY if cp is not None and t is cp.ndarray else
+                _TORCH if t.__module__.startswith("torch") else _OTHER)
         _KINDS[t] = kind
     return kind
 
 
 def _layout_key(x: Any) -> tuple:
     """The layout of an array of another kind (a Numba device array, a NumPy array...)."""
-    return type(x), tuple(int(n) for n in x.shape), tuple(int(n) for n in getattr(x, "strides", None) or ()), \
-        str(x.dtype)
+    return (type(x), tuple(int(n) for n in x.shape), tuple(int(n) for n in getattr(x, "strides", None) or ()),
+            str(x.dtype))
 
 
 def _other_pointer(x: Any) -> int:

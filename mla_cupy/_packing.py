@@ -20,17 +20,18 @@ from ._run_args import PrefillArrays, Target
 from ._select import heads_per_section, sm_count, tail_blocks
 from .dims import DR, DV
 from .fp8 import vt_launch, vt_shape
-from .tma import ZERO_MAP, prefill_maps, stride16
+from .tma import ZERO_MAP, prefill_maps
 from .validation import Problem
 from . import workspace
-from .workspace import tile_counter
+from .workspace import check_workspace, tile_counter
 
 __all__ = ["Record", "pack", "aligned_slots", "launch_record"]
 
 LOG2E = 1.4426950408889634
 _GRID_Y_MAX = 65535  # the largest gridDim.y (the gather's kernel strides over more sequences)
 _U64 = struct.Struct("<Q")
-_MAPS_MAX = 1024  # pointer sets whose tensor maps are remembered per layout
+_MAPS_MAX = 1024  # pointer sets whose tensor maps a plan's record remembers
+_ONE_SHOT_MAPS_MAX = 64  # ... and a one-shot call's, of which the plan cache holds many
 _ROWS_STREAMS_MAX = 64  # streams whose gathered rope rows a record keeps
 
 
@@ -83,12 +84,30 @@ def aligned_slots(problem: Problem, arrays: PrefillArrays) -> Tuple[int, ...]:
     return aligned + ((_SLOT["workspace"],) if problem.fp8 and not problem.v_transposed else ())
 
 
-def pack(target: Target, problem: Problem, arrays: PrefillArrays, raw_stream: int, workspace_for: Callable) -> Record:
-    """The launch record of the checked ``problem`` for the layout of ``arrays`` (device arrays, the
-    results given), packed for its first run on the raw stream ``raw_stream``.
-    ``workspace_for(given, shape, raw_stream)`` gives the fp8 variant's V^T workspace."""
+def pack(target: Target, problem: Problem, arrays: PrefillArrays, raw_stream: int,
+         workspace_for: Optional[Callable] = None, *, one_shot: bool = False) -> Record:
+    """The launch record of the checked ``problem`` on ``target`` for the layout of ``arrays``
+    (device arrays, the results given; a one-shot call's arrays may go on past the run's fields),
+    packed for its first launch on the raw stream ``raw_stream``: every plan's run and every
+    one-shot call packs here. ``workspace_for(given, shape, raw_stream)`` gives the fp8 variant's
+    V^T workspace (default: the one given, checked). A one-shot call's record (``one_shot``; the
+    plan cache holds many) holds no device memory between launches (a paged rope's key rows are
+    allocated per launch) and remembers fewer tensor maps."""
     p, t = problem, target
     align = aligned_slots(p, arrays)
+    rec = _packed(t, p, arrays, align, raw_stream, workspace_for or _given_workspace)
+    rec.maps_max = _ONE_SHOT_MAPS_MAX if one_shot else _MAPS_MAX
+    rec.keep_rows = not one_shot
+    return rec
+
+
+def _given_workspace(given, shape, raw_stream: int):
+    """The V^T workspace given with a call (or allocated for it by the caller), checked."""
+    return check_workspace(given, shape)
+
+
+def _packed(t: Target, p: Problem, arrays: PrefillArrays, align: tuple, raw_stream: int,
+            workspace_for: Callable) -> Record:
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
         return Record(None, (), align)
     dev = t.device_id
@@ -235,6 +254,13 @@ def _gather_launch(t: Target, p: Problem, values: dict, tk: int) -> PreparedLaun
     # CTAs per sequence: together about one row each (a sequence's rows are strided over them)
     per_seq = min(max(1, -(-tk // (rows * max(p.batch, 1)))), _GRID_Y_MAX)
     return PreparedLaunch(ck.params, ck.fn, (per_seq, min(max(p.batch, 1), _GRID_Y_MAX), 1), ck.threads, 0, gv)
+
+
+def stride16(x, dim: int) -> int:
+    """Byte stride of ``dim`` of ``x`` for a tensor map (a size-1 dimension's stride is arbitrary:
+    16)."""
+    st = int(x.strides[dim])
+    return st if x.shape[dim] > 1 and st % 16 == 0 else 16
 
 
 def map_fields(pack: ArgPack) -> tuple:

@@ -3,13 +3,14 @@ that keeps it short.
 
 A one-shot call (:func:`mla_cupy.mla_prefill`, :func:`mla_cupy.mla_prefill_fp8`, and what is built
 on them: the torch ops, the chunks of :func:`mla_cupy.mla_prefill_chunked`) is a cached plan: its
-key is looked up (:func:`from_cache`); a call seen before launches the record of the plan that its
-first call built, only its data pointers rewritten, as :meth:`PrefillPlan.run
-<mla_cupy.prefill_plan.PrefillPlan.run>` does; any other call is checked in argument order, gets the
-plan of its checked problem (:func:`mla_cupy.prefill_plan.call_plan`), whose first launch packs its
-record, and is kept under its key (:func:`checked_call`). Runs of a plan and one-shot calls end in
-the same step (:func:`~mla_cupy._packing.launch_record`), with one alignment rule (the record's)
-and one packing (``PrefillPlan._pack``).
+key is looked up (:func:`from_cache`); a call seen before launches the record that its first call
+packed, only its data pointers rewritten, as :meth:`PrefillPlan.run
+<mla_cupy.prefill_plan.PrefillPlan.run>` does; any other call is checked in argument order, planned
+(its checked problem on its target, :func:`mla_cupy.prefill_plan.call_target`, what
+:func:`mla_cupy.plan` fixes), packed, launched and kept under its key (:func:`checked_call`,
+:class:`CachedCall`). Runs of a plan and one-shot calls share one packing
+(:func:`~mla_cupy._packing.pack`), one alignment rule (the record's) and one launch step
+(:func:`~mla_cupy._packing.launch_record`).
 
 What the key holds, and why a cached plan can never launch stale arguments, is told at
 :func:`from_cache` and in the README ("The one-shot calls' plan cache"). The store is bounded,
@@ -26,12 +27,12 @@ import numpy as np
 from . import _select
 from ._arrays import (FP32, checkable, cupy_stream, device_pointer, is_torch, pointers_and_layouts, result_wrapper,
                       stream_ptr)
-from ._packing import Record, launch_record
+from ._packing import Record, launch_record, pack
 from ._run_args import Offsets, PrefillArrays
 from .dims import DV
 from .fp8 import TransposedV, check_no_workspace, same_offsets, vt_shape
 from .paged import PagedKVCache
-from .prefill_plan import PrefillPlan, call_plan, offsets_of, q_start_i64, workspace_on
+from .prefill_plan import call_target, offsets_of, q_start_i64, workspace_on
 from .validation import Problem, check_inputs, check_values, with_key_offsets
 from .workspace import empty_result
 
@@ -48,12 +49,13 @@ record (``hits``), calls that checked their arguments and packed a record (``mis
 
 
 class CachedCall(NamedTuple):
-    """A call kept in the plan cache: the plan of its checked problem (which holds no array and no
-    value read from one), the record its first launch packed, and what each call makes afresh: the
-    fp8 variant's V^T workspace (its shape, when the call allocates one) and an int64 copy of an
-    int32 ``q_start_pos`` (``widen_q_start``)."""
+    """A call kept in the plan cache, its plan: the checked problem, the launch record packed for it
+    on the call's target (:func:`~mla_cupy.prefill_plan.call_target`: kernel, device, offsets'
+    pointers), and what each call makes afresh: the fp8 variant's V^T workspace (its shape, when
+    the call allocates one) and an int64 copy of an int32 ``q_start_pos`` (``widen_q_start``). It
+    holds no array and no value read from one."""
 
-    plan: PrefillPlan
+    problem: Problem
     record: Record
     workspace_shape: Optional[tuple]
     widen_q_start: bool
@@ -243,7 +245,7 @@ def from_cache(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask,
         misaligned |= ptrs[i]
     if misaligned & 15:
         return False, None
-    p = entry.plan._p
+    p = entry.problem
     if validate or q_max_seq_len is None:
         observed, key_offsets = check_values(valid_length, cache_row_offsets, cache_offsets, k_rope, q_scale, tq=p.tq,
                                              tk=p.tk, q_max_seq_len=None if q_max_seq_len is None else p.max_sq,
@@ -253,14 +255,15 @@ def from_cache(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mask,
             return False, key
     torch_in = is_torch(q)
     raw_stream = stream_ptr(stream, torch_in)
-    like = q if torch_in else None
     given_out, given_lse = out, lse
-    if out is None:
-        out = empty_result((p.tq, p.heads, DV), p.out_dtype, like)
-        ptrs[_OUT] = device_pointer(out)
-    if lse is None and return_lse:
-        lse = empty_result((p.tq, p.heads), FP32, like, "lse")
-        ptrs[_LSE] = device_pointer(lse)
+    if out is None or (lse is None and return_lse):
+        torch_device = q.device if torch_in else None  # torch in, torch out
+        if out is None:
+            out = empty_result((p.tq, p.heads, DV), p.out_dtype, torch_device)
+            ptrs[_OUT] = device_pointer(out)
+        if lse is None and return_lse:
+            lse = empty_result((p.tq, p.heads), FP32, torch_device, "lse")
+            ptrs[_LSE] = device_pointer(lse)
     q_start, q_start_64 = None, None  # q_start_64: alive until the launch is enqueued
     if entry.widen_q_start:
         q_start_64 = widened(checkable(q_start_pos, "q_start_pos"), raw_stream)
@@ -320,13 +323,13 @@ def checked_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mas
     its results allocated, planned and launched (``fp8 = (q_rope, q_scale, k_scales)``, with q / k /
     v the e4m3 nope parts); its plan is kept in the plan cache under ``key`` (from
     :func:`from_cache`; None: not kept)."""
-    like = q if is_torch(q) else None  # torch callers get results from torch's allocator
-    torch_in = like is not None
+    torch_in = is_torch(q)
+    torch_device = q.device if torch_in else None  # torch callers get results from torch's allocator
     wrap = result_wrapper(q)
     given_out, given_lse = out, lse
-    q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse, k_rope_scales, fp8 = \
-        checkable_args(q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse,
-                       k_rope_scales, fp8)
+    (q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse, k_rope_scales,
+     fp8) = checkable_args(q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse,
+                           k_rope_scales, fp8)
     if isinstance(v, TransposedV):
         check_no_workspace(workspace)
     p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
@@ -336,9 +339,9 @@ def checked_call(q, k, v, k_rope, valid_length, cache_row_offsets, *, scale, mas
                      api="mla_prefill_fp8" if fp8 is not None else "mla_prefill")
     raw_stream = stream_ptr(stream, torch_in)
     if out is None:
-        out = empty_result((p.tq, p.heads, DV), p.out_dtype, like)
+        out = empty_result((p.tq, p.heads, DV), p.out_dtype, torch_device)
     if lse is None and return_lse:
-        lse = empty_result((p.tq, p.heads), FP32, like, "lse")
+        lse = empty_result((p.tq, p.heads), FP32, torch_device, "lse")
     q_start_64 = q_start_pos
     if q_start_pos is not None and np.dtype(q_start_pos.dtype) != np.int64:
         q_start_64 = widened(q_start_pos, raw_stream)
@@ -359,15 +362,16 @@ def launch_checked(p: Problem, q, k, v, k_rope, out, lse, offsets: Offsets, kern
     """Plan and launch a checked call (device arrays, ``out`` and ``lse`` given) with ``offsets``
     (its own, or a chunk's of :func:`mla_cupy.mla_prefill_chunked`) and keep its plan under ``key``
     (None: with the key of a checked call, ``p`` and the offsets' pointers standing for the checks
-    and the offsets, looked up first). The fp8 variant's workspace is allocated here unless given or
-    v is V^T."""
+    and the offsets, looked up first). The plan's record is packed as a plan's run packs one
+    (:func:`~mla_cupy._packing.pack`, on the call's :func:`~mla_cupy.prefill_plan.call_target`);
+    the fp8 variant's workspace is allocated here unless given or v is V^T."""
     paged = isinstance(k_rope, PagedKVCache)
     rope, rope_scales = (k_rope.blocks, k_rope.scales) if paged else (k_rope, k_rope_scales)
     q_rope, q_scale, k_scales = fp8 if fp8 is not None else (None, None, None)
-    arrays = PrefillArrays(q, k, v.data if isinstance(v, TransposedV) else v, rope, out, lse, rope_scales, q_rope,
-                           q_scale, k_scales, workspace)
+    arrays = CallArrays(q, k, v.data if isinstance(v, TransposedV) else v, rope, out, lse, rope_scales, q_rope,
+                        q_scale, k_scales, workspace, page_table=k_rope.lookup_table if paged else None)
+    ptrs, layouts = pointers_and_layouts(arrays)
     if key is None and CACHE.maxsize > 0:
-        ptrs, layouts = pointers_and_layouts(CallArrays(*arrays, page_table=k_rope.lookup_table if paged else None))
         key = (p, offsets.q_offsets, offsets.kv_begin, offsets.kv_end, offsets.cache_offsets, offsets.q_start, kernel,
                _select.device_id(), kernel == "auto" and _select.sm90_disabled(), bool(accumulate),
                (k_rope.page_size, k_rope.rope_offset) if paged else None, *ptrs[_RUN_SLOTS:], *layouts)
@@ -378,10 +382,13 @@ def launch_checked(p: Problem, q, k, v, k_rope, out, lse, offsets: Offsets, kern
     workspace_shape = None
     if p.fp8 and not p.v_transposed and workspace is None:  # a workspace per call, from the pool
         workspace_shape = vt_shape(p.heads, p.tk, p.batch)
-        arrays = arrays._replace(workspace=(new_workspace or workspace_on)(workspace_shape, raw_stream))
-    plan = call_plan(p, offsets, kernel, accumulate, page_table=k_rope.lookup_table if paged else None,
-                     page_size=k_rope.page_size if paged else 0, rope_offset=k_rope.rope_offset if paged else 0)
+        workspace = (new_workspace or workspace_on)(workspace_shape, raw_stream)
+        arrays = arrays._replace(workspace=workspace)
+        ptrs[_WORKSPACE] = device_pointer(workspace)
+    target = call_target(p, offsets, kernel, accumulate, page_table=arrays.page_table,
+                         page_size=k_rope.page_size if paged else 0, rope_offset=k_rope.rope_offset if paged else 0)
+    record = pack(target, p, arrays, raw_stream, one_shot=True)
     CACHE.count(False)
-    record = plan._first_launch(arrays, raw_stream, new_rows=new_workspace)
+    launch_record(record, ptrs, raw_stream, None, new_workspace)
     if key is not None:
-        CACHE.put(key, CachedCall(plan, record, workspace_shape if record.vt is not None else None, widen_q_start))
+        CACHE.put(key, CachedCall(p, record, workspace_shape if record.vt is not None else None, widen_q_start))

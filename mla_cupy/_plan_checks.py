@@ -13,10 +13,11 @@ from ._arrays import BF16, FP32, checkable, to_host
 from ._checks import OFFSET_DTYPES, U8, check_array, check_layout, check_shape, dtype_of
 from ._run_args import PrefillArrays, Target
 from ._select import check_kernel_name
-from .fp8 import TransposedV, check_fp8_arrays, check_fp8_layout, check_no_workspace
+from .fp8 import TransposedV, check_no_workspace
 from .paged import PagedKVCache, check_page_geometry
-from .validation import (DEVICE_DTYPES, Problem, check_accumulate, check_grid, check_lse_and_accumulate,
-                         check_lse_layout, check_offset_values, check_offsets, check_out, check_out_dtype,
+from .validation import (DEVICE_DTYPES, Problem, check_accumulate, check_fp8_arrays, check_fp8_layout, check_grid,
+                         check_lse_and_accumulate, check_lse_layout, check_offset_values, check_offsets, check_out,
+                         check_out_dtype,
                          check_paged_table, check_positions, check_qkv, check_rope, check_rope_layout,
                          check_same_device, check_scalars, require_devices, rope_arrays, variant_of,
                          with_key_offsets)

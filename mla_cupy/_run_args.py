@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["PrefillArrays", "Offsets", "Target"]
+__all__ = ["PrefillArrays", "prefill_arrays", "Offsets", "Target"]
 
 
 class PrefillArrays(NamedTuple):
@@ -33,6 +33,16 @@ class PrefillArrays(NamedTuple):
     q_scale: Any = None
     k_scales: Any = None
     workspace: Any = None  #: fp8: where the pre-pass writes V^T
+
+
+_new_tuple = tuple.__new__
+
+
+def prefill_arrays(q, k, v, k_rope, out=None, lse=None, k_rope_scales=None, q_rope=None, q_scale=None, k_scales=None,
+                   workspace=None) -> PrefillArrays:
+    """A forward run's arrays, as ``PrefillArrays(...)`` makes them but without the class call's
+    dispatch: every run and every one-shot call builds one."""
+    return _new_tuple(PrefillArrays, (q, k, v, k_rope, out, lse, k_rope_scales, q_rope, q_scale, k_scales, workspace))
 
 
 @dataclass(frozen=True)

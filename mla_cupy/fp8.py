@@ -4,7 +4,7 @@
 float8_e4m3fn bytes (uint8), q's rope in bfloat16 (or, the all-e4m3 mode, both rope parts as e4m3
 bytes under the same scales), and one float32 scale per query and per key
 token (:mod:`mla_cupy.quant` makes them from 16-bit data). This module holds what only that variant
-needs: viewing fp8 data as the bytes the kernels read, the checks of its arrays, and V^T, the layout
+needs: viewing fp8 data as the bytes the kernels read, and V^T, the layout
 of V that the e4m3 tensor cores read for P V (``kernels/vt_layout.cuh``): its size, its NumPy model,
 the device pre-pass that writes it (``kernels/transpose_v.cu``), and :class:`TransposedV`, a V^T
 made ahead of the call (by :func:`mla_cupy.quant.quantize_per_token`), which a call takes in place
@@ -16,13 +16,13 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from ._arrays import BF16, FP8_E4M3, FP32, as_device, checkable, device_pointer, is_device, is_torch, to_host
-from ._checks import OFFSET_DTYPES, U8, check_aligned, check_array, check_layout, check_offsets_layout, check_offsets_values, check_shape
+from ._arrays import BF16, FP8_E4M3, as_device, checkable, device_pointer, is_device, is_torch, to_host
+from ._checks import OFFSET_DTYPES, U8, check_array, check_layout, check_offsets_layout, check_offsets_values, check_shape
 from ._registry import VARIANT_FP8, sm90_schedule
-from .dims import DR, DV, kernel_int
+from .dims import DV, kernel_int
 
-__all__ = ["VT_ALIGN", "VT_SIGMA", "TransposedV", "fp8_bytes", "check_fp8_arrays", "check_fp8_layout",
-           "check_q_scale_values", "check_transposed_v_offsets", "vt_columns", "vt_shape", "transpose_v_host",
+__all__ = ["VT_ALIGN", "VT_SIGMA", "TransposedV", "fp8_bytes", "check_transposed_v", "check_transposed_v_offsets",
+           "check_contiguous", "vt_columns", "vt_shape", "transpose_v_host",
            "untranspose_v_host", "transpose_v", "scale_pairs"]
 
 
@@ -43,60 +43,6 @@ def fp8_bytes(x: Any, name: str) -> Any:
     if FP8_E4M3 is not None and isinstance(x, np.ndarray) and x.dtype == FP8_E4M3:
         return x.view(np.uint8).view(E4m3HostView)
     return x
-
-
-def check_fp8_arrays(q_nope, q_rope, q_scale, k, k_scales, v) -> Tuple[int, int, int]:
-    """Rank, dtype and shape of the per-token variant's arrays, in argument order (SPEC "Data
-    types"): e4m3 bytes of q_nope / k / v (or a :class:`TransposedV` of the call's H and Tk for
-    v), bfloat16 q_rope (or e4m3 bytes: the all-e4m3 mode, k_rope then e4m3 too), float32 scales.
-    Returns (Tq, H, Tk)."""
-    check_array(q_nope, "q_nope", 3, (U8,))
-    tq, heads = int(q_nope.shape[0]), int(q_nope.shape[1])
-    check_shape(q_nope, "q_nope", (None, None, DV), f"[Tq, H, Dv] e4m3 bytes with Dv = {DV}")
-    if heads < 1:
-        raise ValueError(f"q_nope: expected at least one head, got shape {list(q_nope.shape)}")
-    check_array(q_rope, "q_rope", 3, (BF16, U8))
-    check_shape(q_rope, "q_rope", (tq, heads, DR), f"[Tq, H, Dr] bfloat16 or e4m3 bytes with Dr = {DR}")
-    check_array(q_scale, "q_scale", 2, (FP32,))
-    check_shape(q_scale, "q_scale", (tq, 1), "[Tq, 1] float32, one scale per query token")
-    check_array(k, "k", 3, (U8,))
-    tk = int(k.shape[0])
-    check_shape(k, "k", (None, heads, DV), f"[Tk, H, Dv] e4m3 bytes with H = {heads} from q_nope")
-    check_array(k_scales, "k_scales", 2, (FP32,))
-    check_shape(k_scales, "k_scales", (tk, 1), "[Tk, 1] float32, one scale per key token")
-    if isinstance(v, TransposedV):
-        check_transposed_v(v, heads, tk)
-    else:
-        check_array(v, "v", 3, (U8,))
-        check_shape(v, "v", (tk, heads, DV), "the shape of k, [Tk, H, Dv] e4m3 bytes")
-    return tq, heads, tk
-
-
-def check_fp8_layout(q_nope, q_rope, k, k_scales, v) -> None:
-    """Device layout of the per-token variant's arrays (q_scale is read one value per row: any
-    layout)."""
-    for name, x in (("q_nope", q_nope), ("q_rope", q_rope), ("k", k)):
-        check_layout(x, name)
-    tk = int(k_scales.shape[0])
-    if tk > 1 and int(k_scales.strides[0]) != 4:
-        raise ValueError(f"k_scales: expected contiguous scales (stride 4 bytes; they are copied by TMA), got strides "
-                         f"{tuple(k_scales.strides)}")
-    if tk:
-        check_aligned(device_pointer(k_scales), "k_scales")
-    if isinstance(v, TransposedV):
-        check_contiguous(v.data, "v.data")
-        check_aligned(device_pointer(v.data), "v.data")
-    else:
-        check_layout(v, "v")
-
-
-def check_q_scale_values(q_scale) -> None:
-    """The kernel folds q_scale into each row's softmax scale (max of q_scale * x): negative (or NaN)
-    scales would break that; the quantizers give amax / 448, or 1 for an all-zero row."""
-    qs = to_host(q_scale).reshape(-1)
-    if not (qs >= 0).all():
-        i = int(np.argmax(~(qs >= 0)))
-        raise ValueError(f"q_scale: expected non-negative scales, got q_scale[{i}] = {qs[i]}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ import re
 import struct
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np

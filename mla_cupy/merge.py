@@ -44,21 +44,21 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=N
     """
     if _on_host(out_a):
         return reference.merge_states(out_a, lse_a, out_b, lse_b, out=out, lse_out=lse_out, stream=stream)
-    torch_in = out_a if is_torch(out_a) else None
+    torch_device = out_a.device if is_torch(out_a) else None  # torch in, torch out
     wrap = result_wrapper(out_a)
     a, b = as_device(out_a, "out_a"), as_device(out_b, "out_b")
     la, lb = as_device(lse_a, "lse_a"), as_device(lse_b, "lse_b")
     check_merge_inputs(a, la, b, lb, device=True)
     t, h, dv = (int(n) for n in a.shape)
-    s = stream_of(stream, torch_in is not None)
+    s = stream_of(stream, torch_device is not None)
     with s:
         out = None if out is None else as_device(out, "out")
         lse_out = None if lse_out is None else as_device(lse_out, "lse_out")
         check_merge_outputs(out, lse_out, (t, h, dv), device=True)
         if out is None:
-            out = empty_result((t, h, dv), a.dtype, torch_in)
+            out = empty_result((t, h, dv), a.dtype, torch_device)
         if lse_out is None:
-            lse_out = empty_result((t, h), FP32, torch_in, "lse_out")
+            lse_out = empty_result((t, h), FP32, torch_device, "lse_out")
     if t * h:
         fn = get_function(*reg.merge_family(), reg.merge_name(a.dtype, out.dtype))
         ia, io = np.dtype(a.dtype).itemsize, np.dtype(out.dtype).itemsize
@@ -104,14 +104,14 @@ def mla_prefill_chunked(
                                              return_lse=return_lse, stream=stream, validate=validate, kernel=kernel)
     import cupy as cp
 
-    torch_q = q if is_torch(q) else None
+    torch_device = q.device if is_torch(q) else None  # torch in, torch out
     wrap = result_wrapper(q)
     q, k, v, k_rope, vl, cro, co, qs, out, _, _, _ = checkable_args(q, k, v, k_rope, valid_length, cache_row_offsets,
                                                                     cache_offsets, q_start_pos, out)
     p = check_inputs(q, k, v, k_rope, vl, cro, scale=scale, mask=mask, q_max_seq_len=None, cache_offsets=co,
                      q_start_pos=qs, out=out, out_dtype=out_dtype, validate=validate, device=True, read_offsets=True,
                      kernel=kernel, api="mla_prefill_chunked")
-    s = stream_of(stream, torch_q is not None)
+    s = stream_of(stream, torch_device is not None)
     with s:
         vl64, cro64 = cp.asarray(vl).astype(cp.int64), cp.asarray(cro).astype(cp.int64)
         sk = cro64[1:] - cro64[:-1]
@@ -131,7 +131,7 @@ def mla_prefill_chunked(
         launch_checked(part_p, q, k, v, k_rope, acc, acc_lse, offsets, kernel, i > 0, s.ptr)
     with s:
         if out is None:
-            out = empty_result((p.tq, p.heads, DV), p.out_dtype, torch_q)
+            out = empty_result((p.tq, p.heads, DV), p.out_dtype, torch_device)
         out[...] = acc.astype(out.dtype, copy=False)
     return (wrap(out), wrap(acc_lse)) if return_lse else wrap(out)
 

@@ -23,7 +23,7 @@ from ._arrays import (FP32, as_device, checkable, cupy_or_none, device_pointer, 
 from ._checks import check_offsets_layout, dtype_of
 from ._packing import Record, launch_record, pack
 from ._plan_checks import RunBounds, check_plan_args, check_run
-from ._run_args import Offsets, PrefillArrays, Target
+from ._run_args import Offsets, PrefillArrays, Target, prefill_arrays
 from . import _select
 from ._select import choose_kernel
 from .dims import DV
@@ -36,9 +36,6 @@ from .workspace import allocate_on, check_workspace, empty_result
 __all__ = ["plan", "PrefillPlan"]
 
 _RECORDS_MAX = 256  # array layouts remembered per plan
-_MAPS_MAX = 1024  # tensor-map sets (one per set of data pointers) a plan's record remembers
-#: ... and a one-shot call's plan's, of which the plan cache holds many
-ONE_SHOT_MAPS_MAX = 64
 
 
 def q_start_i64(q_start_pos):
@@ -105,14 +102,11 @@ class PrefillPlan:
     """
 
     def __init__(self, layout: Problem, target: Target, *, return_lse: bool, bounds: RunBounds = RunBounds(),
-                 cache_row_offsets: tuple = (None, None), one_shot: bool = False):
+                 cache_row_offsets: tuple = (None, None)):
         self._p = layout
         self._cro = cache_row_offsets  # (as given to plan(), as the kernels read it): a TransposedV's must be one
         self._t = target
         self._bounds = bounds
-        # a one-shot call's plan (the plan cache holds many): its records hold no device memory between
-        # launches (a paged rope's key rows allocated per launch) and remember fewer tensor maps
-        self._one_shot = one_shot
         self._fp8 = layout.fp8
         self.kernel = target.kernel
         self.accumulate = bool(target.accumulate)
@@ -182,7 +176,7 @@ class PrefillPlan:
                 k_rope_scales = k_rope.scales
             self._check_cache_matches(k_rope)
             k_rope = k_rope.blocks
-        return self._run(PrefillArrays(q, k, v, k_rope, out, lse, k_rope_scales), stream)
+        return self._run(prefill_arrays(q, k, v, k_rope, out, lse, k_rope_scales), stream)
 
     def run_fp8(self, q_nope, q_rope, q_scale, k, k_scales, v, k_rope, *, out=None, lse=None, stream=None,
                 workspace=None):
@@ -208,7 +202,7 @@ class PrefillPlan:
         if type(k_rope) is PagedKVCache:
             self._check_cache_matches(k_rope)
             k_rope = k_rope.blocks
-        return self._run(PrefillArrays(q_nope, k, v, k_rope, out, lse, None, q_rope, q_scale, k_scales, workspace),
+        return self._run(prefill_arrays(q_nope, k, v, k_rope, out, lse, None, q_rope, q_scale, k_scales, workspace),
                          stream)
 
     def _check_cache_matches(self, cache: PagedKVCache) -> None:
@@ -218,8 +212,8 @@ class PrefillPlan:
             raise ValueError(f"k_rope: page_size {cache.page_size} / rope_offset {cache.rope_offset} differ from the "
                              f"plan's {self.page_size} / {self.rope_offset}")
         table = self._t.page_table
-        if cache.lookup_table is not table and device_pointer(as_device(cache.lookup_table, "k_rope.lookup_table")) \
-                != device_pointer(table):
+        if cache.lookup_table is not table and (device_pointer(as_device(cache.lookup_table, "k_rope.lookup_table"))
+                                                != device_pointer(table)):
             raise ValueError("k_rope.lookup_table: a paged plan reads the page table it was built with; pass the cache "
                              "blocks (or a PagedKVCache over that table)")
 
@@ -273,13 +267,13 @@ class PrefillPlan:
         """``arrays`` with new ``out`` (and, for a plan that returns it, ``lse``) where none is given:
         of the kind of ``q`` (torch in, torch out)."""
         p, q = self._p, arrays.q
-        like = q if torch_in else None
+        torch_device = q.device if torch_in else None
         wrap = result_wrapper(q)
         out, lse = arrays.out, arrays.lse
         if out is None:
-            out = wrap(empty_result((int(q.shape[0]), p.heads, DV), p.out_dtype, like))
+            out = wrap(empty_result((int(q.shape[0]), p.heads, DV), p.out_dtype, torch_device))
         if lse is None and self.return_lse:
-            lse = wrap(empty_result((int(q.shape[0]), p.heads), FP32, like, "lse"))
+            lse = wrap(empty_result((int(q.shape[0]), p.heads), FP32, torch_device, "lse"))
         return arrays._replace(out=out, lse=lse)
 
     # -- the first run of a layout: checks and packing --------------------------------------------
@@ -291,15 +285,7 @@ class PrefillPlan:
         if tv is not None:
             checkable_arrays = checkable_arrays._replace(v=checkable_arrays.v.data)
         raw_stream = stream_ptr(stream, torch_in)
-        return self._remember(key, self._pack(run_p, checkable_arrays, raw_stream, self._workspace_for))
-
-    def _pack(self, problem: Problem, arrays: PrefillArrays, raw_stream: int, workspace_for) -> Record:
-        """The launch record of the checked ``problem`` for the layout of ``arrays`` (device arrays,
-        results given): the one packing of every run and every one-shot call."""
-        rec = pack(self._t, problem, arrays, raw_stream, workspace_for)
-        rec.maps_max = ONE_SHOT_MAPS_MAX if self._one_shot else _MAPS_MAX
-        rec.keep_rows = not self._one_shot
-        return rec
+        return self._remember(key, pack(self._t, run_p, checkable_arrays, raw_stream, self._workspace_for))
 
     def _remember(self, key: tuple, rec: Record) -> Record:
         with self._lock:
@@ -317,27 +303,9 @@ class PrefillPlan:
             self._workspace = workspace_on(shape, raw_stream)
         return self._workspace
 
-    # -- a one-shot call's plan -------------------------------------------------------------------
-    def _first_launch(self, arrays: PrefillArrays, raw_stream: int, q_start: Optional[int] = None,
-                      new_rows=None) -> Record:
-        """The launch of the checked call this plan was built for (:func:`call_plan`; device arrays,
-        results and the fp8 workspace given): its record packed and launched, after which the plan
-        holds no array of the call (its offsets are pointers; the page table's pointer and geometry
-        are in the record), so that the plan cache keeps none alive. Returns the record, which every
-        later call of the same key launches."""
-        rec = self._pack(self._p, arrays, raw_stream, _given_workspace)
-        self._t = replace(self._t, page_table=None)
-        launch_record(rec, pointers_and_layouts(arrays)[0], raw_stream, q_start, new_rows)
-        return rec
-
 
 #: The slot of a forward run's V^T workspace, which a plan may fill with its own.
 _WORKSPACE = PrefillArrays._fields.index("workspace")
-
-
-def _given_workspace(given, shape, raw_stream: int):
-    """A one-shot call's V^T workspace: the caller's, or the one it allocated for the call (checked)."""
-    return check_workspace(given, shape)
 
 
 def workspace_on(shape, raw_stream: int):
@@ -444,17 +412,16 @@ def kernel_for(p: Problem, kernel: str, dev: int) -> str:
     return chosen
 
 
-def call_plan(problem: Problem, offsets: Offsets, kernel: str, accumulate: bool, *, page_table=None,
-              page_size: int = 0, rope_offset: int = 0, return_lse: bool = False) -> PrefillPlan:
-    """The plan of one checked call (:func:`mla_cupy.mla_prefill` and what is built on it; the
-    chunks of :func:`mla_cupy.mla_prefill_chunked`): what :func:`plan` builds from a layout, built
-    from the call's checked ``problem`` and ``offsets`` (pointers: the call keeps its arrays alive
-    until its launch, and the plan keeps none: ``offsets.keep`` is dropped) on the current device.
-    Its first launch is :meth:`PrefillPlan._first_launch`; the plan cache keeps it."""
+def call_target(problem: Problem, offsets: Offsets, kernel: str, accumulate: bool, *, page_table=None,
+                page_size: int = 0, rope_offset: int = 0) -> Target:
+    """What a plan of one checked call fixes besides its problem (:func:`mla_cupy.mla_prefill` and
+    what is built on it; the chunks of :func:`mla_cupy.mla_prefill_chunked`), as :func:`plan` fixes
+    it for a layout: the kernel of the ``kernel`` argument on the current device, the offsets'
+    pointers (``offsets.keep`` dropped: the call keeps its arrays alive until its launch) and a
+    paged rope's table and geometry."""
     dev = _select.device_id()
-    target = Target(kernel_for(problem, kernel, dev), dev, replace(offsets, keep=()), bool(accumulate), page_table,
-                    page_size, rope_offset)
-    return PrefillPlan(problem, target, return_lse=return_lse, one_shot=True)
+    return Target(kernel_for(problem, kernel, dev), dev, replace(offsets, keep=()), bool(accumulate), page_table,
+                  page_size, rope_offset)
 
 
 def offsets_of(valid_length, kv_begin_ptr: int, kv_end_ptr: int, cache_offsets, q_start_pos, keep: tuple = ()) -> Offsets:

@@ -35,7 +35,7 @@ Non-finite inputs (the contract's rule, which the kernels follow):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import numpy as np
 

@@ -17,7 +17,7 @@ from ._arrays import BF16, FP16
 from ._launch import TENSOR_MAP_DTYPE
 from .dims import DQK, DR, DV
 
-__all__ = ["encode_tiled", "TENSOR_MAP_DTYPE", "ZERO_MAP", "stride16", "prefill_maps"]
+__all__ = ["encode_tiled", "TENSOR_MAP_DTYPE", "ZERO_MAP", "prefill_maps"]
 
 # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / _FLOAT16 / _UINT8 (e4m3 bytes) / _FLOAT32 (fp8 scales)
 _DTYPE_CODE = {BF16: 9, FP16: 6, np.dtype(np.uint8): 0, np.dtype(np.float32): 7}
@@ -69,12 +69,6 @@ def _encode_cached(ptr: int, dtype: np.dtype, dims, strides_bytes, box, swizzle:
 # The Hopper prefill kernel's maps (kernels/sm90/params.cuh: tm_q .. tm_out)
 
 ZERO_MAP = np.zeros(1, TENSOR_MAP_DTYPE)[0]  #: an unused map parameter
-
-
-def stride16(x, dim: int) -> int:
-    """Byte stride of ``dim`` for a tensor map (a size-1 dimension's stride is arbitrary: use 16)."""
-    st = int(x.strides[dim])
-    return st if x.shape[dim] > 1 and st % 16 == 0 else 16
 
 
 def prefill_maps(dtype: np.dtype, heads: int, tq: int, tk: int, q: Tuple[int, Tuple[int, int]],

@@ -20,18 +20,18 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._arrays import BF16, FP16, FP32, FP8_E4M3, read_back, require_device
-from ._checks import (OFFSET_DTYPES, QSTART_DTYPES, U8, check_array, check_layout, check_offsets_array,
+from ._arrays import BF16, FP16, FP32, FP8_E4M3, device_pointer, read_back, require_device, to_host
+from ._checks import (OFFSET_DTYPES, QSTART_DTYPES, U8, check_aligned, check_array, check_layout, check_offsets_array,
                       check_offsets_layout, check_offsets_values, check_shape, dtype_of, step_range)
 from .dims import DQK, DR, DV
 from . import fp8 as _fp8
-from .fp8 import TransposedV, check_fp8_arrays, check_fp8_layout, check_q_scale_values, check_transposed_v_offsets
+from .fp8 import TransposedV, check_contiguous, check_transposed_v, check_transposed_v_offsets
 from ._registry import VARIANT_16, VARIANT_E4M3, VARIANT_FP8, VARIANT_FP8_ROPE, sm90_schedule
 from ._select import check_kernel_name
 from .masks import CausalMask, Mask
 from .paged import PagedKVCache
 
-__all__ = ["Problem", "variant_of", "check_inputs", "check_lse_and_accumulate", "check_scalars", "check_offsets",
+__all__ = ["Problem", "variant_of", "check_inputs", "check_fp8_arrays", "check_fp8_layout", "check_lse_and_accumulate", "check_scalars", "check_offsets",
            "check_offset_values", "check_values", "check_paged_table", "check_same_device", "check_merge_inputs",
            "check_merge_outputs", "DEVICE_DTYPES", "OFFSET_DTYPES"]
 
@@ -182,6 +182,42 @@ def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, dev
     if not fp8_rope and k_rope_scales is not None:
         raise ValueError("k_rope_scales: only an fp8 (uint8) k_rope has scales")
     return fp8_rope
+
+
+def check_fp8_arrays(q_nope, q_rope, q_scale, k, k_scales, v) -> Tuple[int, int, int]:
+    """Rank, dtype and shape of the per-token variant's arrays, in argument order (SPEC "Data
+    types"): e4m3 bytes of q_nope / k / v (or a :class:`TransposedV` of the call's H and Tk for
+    v), bfloat16 q_rope (or e4m3 bytes: the all-e4m3 mode, k_rope then e4m3 too), float32 scales.
+    Returns (Tq, H, Tk)."""
+    check_array(q_nope, "q_nope", 3, (U8,))
+    tq, heads = int(q_nope.shape[0]), int(q_nope.shape[1])
+    check_shape(q_nope, "q_nope", (None, None, DV), f"[Tq, H, Dv] e4m3 bytes with Dv = {DV}")
+    if heads < 1:
+        raise ValueError(f"q_nope: expected at least one head, got shape {list(q_nope.shape)}")
+    check_array(q_rope, "q_rope", 3, (BF16, U8))
+    check_shape(q_rope, "q_rope", (tq, heads, DR), f"[Tq, H, Dr] bfloat16 or e4m3 bytes with Dr = {DR}")
+    check_array(q_scale, "q_scale", 2, (FP32,))
+    check_shape(q_scale, "q_scale", (tq, 1), "[Tq, 1] float32, one scale per query token")
+    check_array(k, "k", 3, (U8,))
+    tk = int(k.shape[0])
+    check_shape(k, "k", (None, heads, DV), f"[Tk, H, Dv] e4m3 bytes with H = {heads} from q_nope")
+    check_array(k_scales, "k_scales", 2, (FP32,))
+    check_shape(k_scales, "k_scales", (tk, 1), "[Tk, 1] float32, one scale per key token")
+    if isinstance(v, TransposedV):
+        check_transposed_v(v, heads, tk)
+    else:
+        check_array(v, "v", 3, (U8,))
+        check_shape(v, "v", (tk, heads, DV), "the shape of k, [Tk, H, Dv] e4m3 bytes")
+    return tq, heads, tk
+
+
+def check_q_scale_values(q_scale) -> None:
+    """The kernel folds q_scale into each row's softmax scale (max of q_scale * x): negative (or NaN)
+    scales would break that; the quantizers give amax / 448, or 1 for an all-zero row."""
+    qs = to_host(q_scale).reshape(-1)
+    if not (qs >= 0).all():
+        i = int(np.argmax(~(qs >= 0)))
+        raise ValueError(f"q_scale: expected non-negative scales, got q_scale[{i}] = {qs[i]}")
 
 
 def check_offsets(valid_length, cache_row_offsets) -> int:
@@ -392,6 +428,24 @@ def require_devices(named: Sequence[Tuple[str, Any]], api: Optional[str] = None)
     for name, x in named:
         if x is not None:
             require_device(x, name, api)
+
+
+def check_fp8_layout(q_nope, q_rope, k, k_scales, v) -> None:
+    """Device layout of the per-token variant's arrays (q_scale is read one value per row: any
+    layout)."""
+    for name, x in (("q_nope", q_nope), ("q_rope", q_rope), ("k", k)):
+        check_layout(x, name)
+    tk = int(k_scales.shape[0])
+    if tk > 1 and int(k_scales.strides[0]) != 4:
+        raise ValueError(f"k_scales: expected contiguous scales (stride 4 bytes; they are copied by TMA), got strides "
+                         f"{tuple(k_scales.strides)}")
+    if tk:
+        check_aligned(device_pointer(k_scales), "k_scales")
+    if isinstance(v, TransposedV):
+        check_contiguous(v.data, "v.data")
+        check_aligned(device_pointer(v.data), "v.data")
+    else:
+        check_layout(v, "v")
 
 
 def check_rope_layout(k_rope) -> None:

@@ -24,18 +24,18 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, cupy.cuda.memory.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def empty_result(shape, dtype, like_torch: Optional[Any], name: str = "out"):
-    """Allocate a result through torch's allocator for torch callers, CuPy's pool otherwise (on the
-    current stream). Running out of device memory is a ``MemoryError`` naming the result; the
-    process stays usable."""
+def empty_result(shape, dtype, torch_device: Optional[Any], name: str = "out"):
+    """Allocate a result through torch's allocator on ``torch_device`` for torch callers (the device
+    of their tensors), CuPy's pool otherwise (``None``; on the current stream). Running out of
+    device memory is a ``MemoryError`` naming the result; the process stays usable."""
     import cupy
 
     try:
-        if like_torch is not None:
+        if torch_device is not None:
             import torch
 
             tdt = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}.get(np.dtype(dtype), torch.bfloat16)
-            return cupy.from_dlpack(torch.empty(shape, dtype=tdt, device=like_torch.device))
+            return cupy.from_dlpack(torch.empty(shape, dtype=tdt, device=torch_device))
         return cupy.empty(shape, dtype=dtype)
     except (cupy.cuda.memory.OutOfMemoryError, RuntimeError) as exc:
         if not _is_oom(exc):
