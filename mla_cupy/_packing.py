@@ -93,9 +93,8 @@ def pack(target: Target, problem: Problem, arrays: PrefillArrays, raw_stream: in
     V^T workspace (default: the one given, checked). A one-shot call's record (``one_shot``; the
     plan cache holds many) holds no device memory between launches (a paged rope's key rows are
     allocated per launch) and remembers fewer tensor maps."""
-    p, t = problem, target
-    align = aligned_slots(p, arrays)
-    rec = _packed(t, p, arrays, align, raw_stream, workspace_for or _given_workspace)
+    align = aligned_slots(problem, arrays)
+    rec = _packed(target, problem, arrays, align, raw_stream, workspace_for or _given_workspace)
     rec.maps_max = _ONE_SHOT_MAPS_MAX if one_shot else _MAPS_MAX
     rec.keep_rows = not one_shot
     return rec
@@ -106,25 +105,25 @@ def _given_workspace(given, shape, raw_stream: int):
     return check_workspace(given, shape)
 
 
-def _packed(t: Target, p: Problem, arrays: PrefillArrays, align: tuple, raw_stream: int,
+def _packed(target: Target, p: Problem, arrays: PrefillArrays, align: tuple, raw_stream: int,
             workspace_for: Callable) -> Record:
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
         return Record(None, (), align)
-    dev = t.device_id
-    ck = prefill_kernel(t.kernel, p.dtype, p.out_dtype, p.mask, p.paged, p.variant, dev, p.scale_pairs)
+    dev = target.device_id
+    ck = prefill_kernel(target.kernel, p.dtype, p.out_dtype, p.mask, p.paged, p.variant, dev, p.scale_pairs)
     nmb = -(-p.max_sq // ck.geometry["block_m"])
     out, lse = arrays.out, arrays.lse
     oitem = p.out_dtype.itemsize
-    o = t.offsets
+    o = target.offsets
     values: Dict[str, Any] = dict(
         out=device_pointer(out), lse=optional_ptr(lse), q_offsets=o.q_offsets, kv_begin=o.kv_begin, kv_end=o.kv_end,
         cache_offsets=o.cache_offsets, q_start_pos=o.q_start, o_st=out.strides[0] // oitem,
         o_sh=out.strides[1] // oitem, lse_st=0 if lse is None else lse.strides[0] // 4, num_heads=p.heads,
         heads_per_section=heads_per_section(p, dev), batch=p.batch, num_m_blocks=nmb, scale_log2=p.scale * LOG2E,
-        mask_arg=p.mask.arg, accumulate=int(t.accumulate))
-    rope_add = _rope_args(t, p, arrays, values)
+        mask_arg=p.mask.arg, accumulate=int(target.accumulate))
+    rope_add = _rope_args(target, p, arrays, values)
     fields = [("out", "out", 0), ("lse", "lse", 0), ("rope_base", "k_rope", rope_add)]
-    if t.kernel == "sm80":
+    if target.kernel == "sm80":
         item = p.dtype.itemsize
         q, k, v = arrays.q, arrays.k, arrays.v
         values.update(q=device_pointer(q), k=device_pointer(k), v=device_pointer(v),
@@ -133,23 +132,24 @@ def _packed(t: Target, p: Problem, arrays: PrefillArrays, align: tuple, raw_stre
         launch = PreparedLaunch(ck.params, ck.fn, (nmb * p.batch * p.heads, 1, 1), ck.threads, ck.smem, values)
         fields += [("q", "q", 0), ("k", "k", 0), ("v", "v", 0)]
         return Record(launch, _offsets_of(ck.params, fields), align, q_start_field=ck.params.offsets["q_start_pos"])
-    return _sm90_record(t, p, arrays, ck, values, fields, align, nmb, raw_stream, workspace_for)
+    return _sm90_record(target, p, arrays, ck, values, fields, align, nmb, raw_stream, workspace_for)
 
 
-def _rope_args(t: Target, p: Problem, arrays: PrefillArrays, values: dict) -> int:
+def _rope_args(target: Target, p: Problem, arrays: PrefillArrays, values: dict) -> int:
     """The rope_* parameters into ``values``; returns the byte offset of the rope from its array's pointer."""
     rope, rs = arrays.k_rope, arrays.k_rope_scales
     item = dtype_of(rope).itemsize
     if p.paged:
-        lut = t.page_table
-        add = t.rope_offset * item
+        lut = target.page_table
+        add = target.rope_offset * item
         values.update(rope_base=device_pointer(rope) + add, rope_row_stride=int(rope.strides[1]) // item,
                       rope_block_stride=int(rope.strides[0]) // item, lookup=device_pointer(lut),
-                      lookup_stride=int(lut.strides[0]) // 4, log2_page_size=int(math.log2(t.page_size)),
+                      lookup_stride=int(lut.strides[0]) // 4, log2_page_size=int(math.log2(target.page_size)),
                       num_blocks=int(rope.shape[0]), max_pages=int(lut.shape[1]))
         if rs is not None:  # the rope's scale of slot 0
-            values.update(rope_scales=device_pointer(rs) + 4 * (t.rope_offset // 64),
-                          rope_scale_row_stride=int(rs.strides[1]) // 4, rope_scale_block_stride=int(rs.strides[0]) // 4)
+            values.update(rope_scales=device_pointer(rs) + 4 * (target.rope_offset // 64),
+                          rope_scale_row_stride=int(rs.strides[1]) // 4,
+                          rope_scale_block_stride=int(rs.strides[0]) // 4)
         return add
     values.update(rope_base=device_pointer(rope), rope_row_stride=int(rope.strides[0]) // item, rope_block_stride=0,
                   lookup=0, lookup_stride=0, log2_page_size=0, num_blocks=0, max_pages=0)
@@ -159,7 +159,7 @@ def _rope_args(t: Target, p: Problem, arrays: PrefillArrays, values: dict) -> in
     return 0
 
 
-def _sm90_record(t: Target, p: Problem, arrays: PrefillArrays, ck, values: dict, fields: list, align: tuple,
+def _sm90_record(target: Target, p: Problem, arrays: PrefillArrays, ck, values: dict, fields: list, align: tuple,
                  nmb: int, raw_stream: int, workspace_for: Callable) -> Record:
     q, k, v, rope = arrays.q, arrays.k, arrays.v, arrays.k_rope
     geom = ck.geometry
@@ -167,7 +167,7 @@ def _sm90_record(t: Target, p: Problem, arrays: PrefillArrays, ck, values: dict,
     values.setdefault("rope_scale_row_stride", 0)
     values.setdefault("rope_scale_block_stride", 0)
     if arrays.k_rope_scales is not None:
-        fields.append(("rope_scales", "k_rope_scales", 4 * (t.rope_offset // 64) if p.paged else 0))
+        fields.append(("rope_scales", "k_rope_scales", 4 * (target.rope_offset // 64) if p.paged else 0))
     q_st = (stride16(q, 1), stride16(q, 0))
     k_st = (stride16(k, 1), stride16(k, 0))
     v_st = (stride16(v, 1), stride16(v, 0))
@@ -188,15 +188,15 @@ def _sm90_record(t: Target, p: Problem, arrays: PrefillArrays, ck, values: dict,
             ws = workspace_for(arrays.workspace, shape, raw_stream)
             v_slot = "workspace"
             if p.tk:
-                vt = vt_launch(v, t.offsets.kv_begin, t.offsets.kv_end, p.batch, ws.reshape(-1)[:math.prod(shape)]
-                               .reshape(shape), t.device_id)
+                vt = vt_launch(v, target.offsets.kv_begin, target.offsets.kv_end, p.batch,
+                               ws.reshape(-1)[:math.prod(shape)].reshape(shape), target.device_id)
                 vt_fields = _offsets_of(vt.pack, [("v", "v", 0), ("vt", "workspace", 0)])
     heads, tq, tk, dtype = p.heads, p.tq, p.tk, p.dtype
     out = arrays.out
     # out's map where the kernel's staged epilogue stores by TMA: 16-bit rows written whole, not merged
     # into (its layout, last dimension contiguous and the rest in multiples of 16 bytes, is a run's
     # check_layout)
-    by_tma = geom["out_tma"] and p.out_dtype.itemsize == 2 and not t.accumulate
+    by_tma = geom["out_tma"] and p.out_dtype.itemsize == 2 and not target.accumulate
     out_st = (stride16(out, 1), stride16(out, 0)) if by_tma else None
     values["out_by_tma"] = int(out_st is not None)
     paged, rope_warp = p.paged, p.rope_scaled_e4m3  # the rope warp reads the scaled e4m3 rope (no map)
@@ -224,28 +224,28 @@ def _sm90_record(t: Target, p: Problem, arrays: PrefillArrays, ck, values: dict,
         return b"".join(by_name[n].tobytes() for n in maps)  # the struct's consecutive map fields
 
     values.update({n: ZERO_MAP for n in maps}, tile_counter=0)
-    grid = min(nmb * p.batch * p.heads, sm_count(t.device_id))  # persistent: at most one CTA per SM
+    grid = min(nmb * p.batch * p.heads, sm_count(target.device_id))  # persistent: at most one CTA per SM
     values["tail_blocks"] = tail_blocks(p, values["heads_per_section"], nmb, grid)
     launch = PreparedLaunch(params, ck.fn, (grid, 1, 1), ck.threads, ck.smem, values)
     gather = gather_fields = None
     if gather_rows:
-        gather = _gather_launch(t, p, values, tk)
-        gather_fields = _offsets_of(gather.pack, [("rope_base", "k_rope", t.rope_offset * dtype.itemsize)])
+        gather = _gather_launch(target, p, values, tk)
+        gather_fields = _offsets_of(gather.pack, [("rope_base", "k_rope", target.rope_offset * dtype.itemsize)])
     map_slots = tuple(_SLOT[n] for n in ("q", "k", v_slot, "k_rope", "out", "q_rope", "k_scales"))
     return Record(launch, _offsets_of(params, fields), align,
                    map_slots=map_slots, make_maps=make_maps, vt=vt, vt_fields=vt_fields,
-                   counter=(params.offsets["tile_counter"], t.device_id), map_field=maps[0],
+                   counter=(params.offsets["tile_counter"], target.device_id), map_field=maps[0],
                    q_start_field=params.offsets["q_start_pos"], gather=gather, gather_fields=gather_fields or (),
                    rows_bytes=tk * DR * dtype.itemsize if gather_rows else 0)
 
 
-def _gather_launch(t: Target, p: Problem, values: dict, tk: int) -> PreparedLaunch:
+def _gather_launch(target: Target, p: Problem, values: dict, tk: int) -> PreparedLaunch:
     """The gather of a paged 16-bit rope into ``tk`` key rows (kernels/rope_gather.cu), with the
     cache's table and geometry of the prefill launch's ``values``; its rope and rows pointers are
     written per launch."""
     from ._geometry import rope_gather_kernel
 
-    ck = rope_gather_kernel(t.device_id)
+    ck = rope_gather_kernel(target.device_id)
     names = ("rope_base", "rope_row_stride", "rope_block_stride", "lookup", "lookup_stride", "log2_page_size",
              "num_blocks", "max_pages", "kv_begin", "kv_end", "cache_offsets")
     gv = {n: values[n] for n in names}

@@ -181,11 +181,11 @@ def quantize_per_token(q, k, v, k_rope, *, e4m3_rope: bool = False, cache_row_of
     q_scale = _scale(_row_amax(q32))[:, None]
     k_amax = np.maximum(_row_amax(k32), _row_amax(r32)) if e4m3_rope else _row_amax(k32)
     k_scales = _scale(k_amax)[:, None]
-    qs = q32 / q_scale[:, :, None]
+    q_scaled = q32 / q_scale[:, :, None]
     rope_of = to_e4m3 if e4m3_rope else (lambda x: x.astype(out_dtype))
     out = {
-        "q_nope": to_e4m3(qs[:, :, :DV]),
-        "q_rope": rope_of(qs[:, :, DV:]),
+        "q_nope": to_e4m3(q_scaled[:, :, :DV]),
+        "q_rope": rope_of(q_scaled[:, :, DV:]),
         "q_scale": q_scale,
         "k": to_e4m3(k32 / k_scales[:, :, None]),
         "k_scales": k_scales,

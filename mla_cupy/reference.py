@@ -146,11 +146,11 @@ def visible_pairs(valid_length, cache_row_offsets, mask: Optional[Mask] = None, 
     mask = CausalMask() if mask is None else mask
     vl, cro = to_host(valid_length).astype(np.int64), to_host(cache_row_offsets).astype(np.int64)
     co = None if cache_offsets is None else to_host(cache_offsets).astype(np.int64)
-    qs = None if q_start_pos is None else to_host(q_start_pos).astype(np.int64)
+    q_start = None if q_start_pos is None else to_host(q_start_pos).astype(np.int64)
     total = 0
     for b in range(len(vl) - 1):
         sq, sk = int(vl[b + 1] - vl[b]), int(cro[b + 1] - cro[b])
-        qp, kp = positions(b, sq, sk, co, qs)
+        qp, kp = positions(b, sq, sk, co, q_start)
         lo, hi = _clamped_range(mask, qp, qp, int(kp[0]) if sk else 0, sk)
         total += int((hi - lo).sum())
     return total

@@ -214,10 +214,10 @@ def check_fp8_arrays(q_nope, q_rope, q_scale, k, k_scales, v) -> Tuple[int, int,
 def check_q_scale_values(q_scale) -> None:
     """The kernel folds q_scale into each row's softmax scale (max of q_scale * x): negative (or NaN)
     scales would break that; the quantizers give amax / 448, or 1 for an all-zero row."""
-    qs = to_host(q_scale).reshape(-1)
-    if not (qs >= 0).all():
-        i = int(np.argmax(~(qs >= 0)))
-        raise ValueError(f"q_scale: expected non-negative scales, got q_scale[{i}] = {qs[i]}")
+    scales = to_host(q_scale).reshape(-1)
+    if not (scales >= 0).all():
+        i = int(np.argmax(~(scales >= 0)))
+        raise ValueError(f"q_scale: expected non-negative scales, got q_scale[{i}] = {scales[i]}")
 
 
 def check_offsets(valid_length, cache_row_offsets) -> int:
@@ -331,13 +331,13 @@ def check_values(valid_length, cache_row_offsets, cache_offsets, k_rope, q_scale
     largest query count of a sequence and the key offsets (int64, on the host)."""
     paged = validate and isinstance(k_rope, PagedKVCache)
     scales = validate and q_scale is not None and tq
-    vl, cro, co, lut, qs = read_back((valid_length, cache_row_offsets, cache_offsets,
-                                      k_rope.lookup_table if paged else None, q_scale if scales else None))
+    vl, cro, co, lut, q_scales = read_back((valid_length, cache_row_offsets, cache_offsets,
+                                            k_rope.lookup_table if paged else None, q_scale if scales else None))
     observed, _vl, cro, co = _offset_values(vl, cro, co, tq=tq, tk=tk, q_max_seq_len=q_max_seq_len, validate=validate)
     if paged:
         check_paged_table(lut.astype(np.int64), k_rope.page_size, int(k_rope.blocks.shape[0]), co, np.diff(cro))
     if scales:
-        check_q_scale_values(qs)
+        check_q_scale_values(q_scales)
     return observed, cro
 
 

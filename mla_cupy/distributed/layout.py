@@ -172,11 +172,11 @@ class ZigzagLayout:
             raise ValueError(f"cache_offsets: expected {batch} entries (B), got {len(co)}")
         if np.any(co < 0) or np.any(co + sk > _MAX_I32):
             raise ValueError(f"cache_offsets: key positions must lie in [0, {_MAX_I32}], got first positions {co.tolist()[:8]}")
-        qs = co + sk - sq if q_start_pos is None else _host_ints(q_start_pos, "q_start_pos")
-        if len(qs) != batch:
-            raise ValueError(f"q_start_pos: expected {batch} entries (B), got {len(qs)}")
+        q_start = co + sk - sq if q_start_pos is None else _host_ints(q_start_pos, "q_start_pos")
+        if len(q_start) != batch:
+            raise ValueError(f"q_start_pos: expected {batch} entries (B), got {len(q_start)}")
         w = int(world_size)
-        return cls(Split(sq, qs, vl[:-1], w), Split(sk, co, cro[:-1], w))
+        return cls(Split(sq, q_start, vl[:-1], w), Split(sk, co, cro[:-1], w))
 
 
 def check_layout_arg(layout: Any) -> ZigzagLayout:
