@@ -21,6 +21,12 @@ except ImportError:  # pragma: no cover - ml_dtypes is a base dependency
 FP16 = np.dtype(np.float16)
 FP32 = np.dtype(np.float32)
 
+#: An array as the API takes it (for type hints): a CuPy array, a torch tensor, an object with
+#: ``__cuda_array_interface__`` or DLPack, or a NumPy array where host data is accepted.
+Array = Any
+#: A ``stream=`` argument: a CuPy stream, a torch stream, a raw ``cudaStream_t`` int, or None.
+Stream = Any
+
 __all__ = ["BF16", "FP16", "FP32", "FP8_E4M3", "INSTALL_GPU", "cupy_or_none", "gpu_missing", "require_gpu", "as_device",
            "checkable", "is_device", "require_device", "is_torch", "result_wrapper", "to_host", "read_back",
            "stream_ptr", "stream_of", "pointers_and_layouts"]

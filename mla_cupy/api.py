@@ -3,23 +3,27 @@ of the launch services (:mod:`mla_cupy._plan_cache`), which check every argument
 the call, or launch the plan of a call seen before."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple, Union
 
+from ._arrays import Array, Stream
 from ._plan_cache import prefill
-from .fp8 import fp8_bytes
+from .fp8 import TransposedV, fp8_bytes
 from .masks import Mask
 from .paged import PagedKVCache
+
+#: What a prefill returns: ``out``, or ``(out, lse)`` with ``return_lse=True``.
+Result = Union[Array, Tuple[Array, Array]]
 
 __all__ = ["mla_prefill", "mla_prefill_fp8"]
 
 
 def mla_prefill(
-    q, k, v, k_rope: Union[Any, PagedKVCache], valid_length, cache_row_offsets, *,
-    scale: Optional[float] = None, mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
-    cache_offsets=None, q_start_pos=None, out=None, out_dtype=None, return_lse: bool = False,
-    lse=None, accumulate: bool = False, stream=None, validate: bool = True, kernel: str = "auto",
-    k_rope_scales=None,
-):
+    q: Array, k: Array, v: Array, k_rope: Union[Array, PagedKVCache], valid_length: Array, cache_row_offsets: Array,
+    *, scale: Optional[float] = None, mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
+    cache_offsets: Optional[Array] = None, q_start_pos: Optional[Array] = None, out: Optional[Array] = None,
+    out_dtype: Any = None, return_lse: bool = False, lse: Optional[Array] = None, accumulate: bool = False,
+    stream: Stream = None, validate: bool = True, kernel: str = "auto", k_rope_scales: Optional[Array] = None,
+) -> Result:
     """Multi-head Latent Attention prefill over a ragged batch (MAX's ``flare_mla_prefill``).
 
     Parameters
@@ -107,11 +111,13 @@ def mla_prefill(
 
 
 def mla_prefill_fp8(
-    q_nope, q_rope, q_scale, k, k_scales, v, k_rope: Union[Any, PagedKVCache], valid_length, cache_row_offsets, *,
+    q_nope: Array, q_rope: Array, q_scale: Array, k: Array, k_scales: Array, v: Union[Array, TransposedV],
+    k_rope: Union[Array, PagedKVCache], valid_length: Array, cache_row_offsets: Array, *,
     scale: Optional[float] = None, mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
-    cache_offsets=None, q_start_pos=None, out=None, out_dtype=None, return_lse: bool = False,
-    lse=None, accumulate: bool = False, stream=None, validate: bool = True, kernel: str = "auto", workspace=None,
-):
+    cache_offsets: Optional[Array] = None, q_start_pos: Optional[Array] = None, out: Optional[Array] = None,
+    out_dtype: Any = None, return_lse: bool = False, lse: Optional[Array] = None, accumulate: bool = False,
+    stream: Stream = None, validate: bool = True, kernel: str = "auto", workspace: Optional[Array] = None,
+) -> Result:
     """MLA prefill with fp8 per-token inputs (MAX's ``q_nope, q_rope, q_scale, k, k_scales``
     overload), on the Hopper kernel: Q K^T of the nope part and P V on the e4m3 tensor cores.
 

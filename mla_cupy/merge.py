@@ -1,26 +1,28 @@
 """Exact merging of partial attention results over disjoint key sets, and chunked prefill."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _registry as reg
 from . import reference
-from ._arrays import FP32, as_device, device_pointer, is_device, is_torch, result_wrapper, stream_of
+from ._arrays import FP32, Array, Stream, as_device, device_pointer, is_device, is_torch, result_wrapper, stream_of
 from ._plan_cache import checkable_args, launch_checked
 from .dims import DV
 from .jit import get_function
 from .masks import Mask
+from .paged import PagedKVCache
 from .prefill_plan import offsets_of
 from .reference import check_chunk_size
-from .validation import check_inputs, check_merge_inputs, check_merge_outputs
+from .validation import Problem, check_inputs, check_merge_inputs, check_merge_outputs
 from .workspace import empty_result
 
 __all__ = ["merge_states", "mla_prefill_chunked"]
 
 
-def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=None):
+def merge_states(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array, *, out: Optional[Array] = None,
+                 lse_out: Optional[Array] = None, stream: Stream = None) -> Tuple[Array, Array]:
     """Merge two partial attention results over disjoint key sets.
 
     ``out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / (exp(lse_a - m) + exp(lse_b - m))`` with
@@ -74,16 +76,17 @@ def merge_states(out_a, lse_a, out_b, lse_b, *, out=None, lse_out=None, stream=N
     return wrap(out), wrap(lse_out)
 
 
-def _on_host(x) -> bool:
+def _on_host(x: Any) -> bool:
     """A NumPy array (not a device array dressed as one): the float64 reference runs."""
     return isinstance(x, np.ndarray) and not is_device(x)
 
 
 def mla_prefill_chunked(
-    q, k, v, k_rope, valid_length, cache_row_offsets, *, chunk_size: int, scale: Optional[float] = None,
-    mask: Optional[Mask] = None, cache_offsets=None, q_start_pos=None, out=None, out_dtype=None,
-    return_lse: bool = False, stream=None, validate: bool = True, kernel: str = "auto",
-):
+    q: Array, k: Array, v: Array, k_rope: Union[Array, PagedKVCache], valid_length: Array, cache_row_offsets: Array, *,
+    chunk_size: int, scale: Optional[float] = None, mask: Optional[Mask] = None, cache_offsets: Optional[Array] = None,
+    q_start_pos: Optional[Array] = None, out: Optional[Array] = None, out_dtype: Any = None, return_lse: bool = False,
+    stream: Stream = None, validate: bool = True, kernel: str = "auto",
+) -> Union[Array, Tuple[Array, Array]]:
     """``mla_prefill`` over each sequence's keys in chunks of ``chunk_size``, merged exactly.
 
     Chunk ``c`` covers keys ``[c * chunk_size, (c + 1) * chunk_size)`` of every sequence, with the
@@ -106,10 +109,10 @@ def mla_prefill_chunked(
 
     torch_device = q.device if is_torch(q) else None  # torch in, torch out
     wrap = result_wrapper(q)
-    q, k, v, k_rope, vl, cro, co, qs, out, _, _, _ = checkable_args(q, k, v, k_rope, valid_length, cache_row_offsets,
-                                                                    cache_offsets, q_start_pos, out)
+    q, k, v, k_rope, vl, cro, co, q_start, out, _, _, _ = checkable_args(q, k, v, k_rope, valid_length,
+                                                                         cache_row_offsets, cache_offsets, q_start_pos, out)
     p = check_inputs(q, k, v, k_rope, vl, cro, scale=scale, mask=mask, q_max_seq_len=None, cache_offsets=co,
-                     q_start_pos=qs, out=out, out_dtype=out_dtype, validate=validate, device=True, read_offsets=True,
+                     q_start_pos=q_start, out=out, out_dtype=out_dtype, validate=validate, device=True, read_offsets=True,
                      kernel=kernel, api="mla_prefill_chunked")
     s = stream_of(stream, torch_device is not None)
     with s:
@@ -117,7 +120,7 @@ def mla_prefill_chunked(
         sk = cro64[1:] - cro64[:-1]
         sq = vl64[1:] - vl64[:-1]
         k_pos0 = cp.zeros(p.batch, cp.int64) if co is None else cp.asarray(co).astype(cp.int64)
-        q_pos0 = (k_pos0 + sk - sq) if qs is None else cp.asarray(qs).astype(cp.int64)
+        q_pos0 = (k_pos0 + sk - sq) if q_start is None else cp.asarray(q_start).astype(cp.int64)
         max_sk = int(sk.max().get()) if p.batch else 0
         acc = cp.zeros((p.tq, p.heads, DV), cp.float32)
         acc_lse = cp.full((p.tq, p.heads), -np.inf, cp.float32)
@@ -136,7 +139,7 @@ def mla_prefill_chunked(
     return (wrap(out), wrap(acc_lse)) if return_lse else wrap(out)
 
 
-def _with_f32_output(p):
+def _with_f32_output(p: Problem) -> Problem:
     """The same problem with a float32 output (partial results are merged in float32)."""
     from dataclasses import replace
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import replace
-from typing import Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 
-from ._arrays import (FP32, as_device, checkable, cupy_or_none, device_pointer, is_torch, optional_ptr,
+from ._arrays import (FP32, Array, Stream, as_device, checkable, cupy_or_none, device_pointer, is_torch, optional_ptr,
                       pointers_and_layouts, result_wrapper, stream_ptr)
 from ._checks import check_offsets_layout, dtype_of
 from ._packing import Record, launch_record, pack
@@ -58,6 +58,10 @@ def _require_gpu() -> None:
     if not count:
         raise RuntimeError("plan: needs a CUDA GPU and CuPy (pip install mla_cupy[cuda12] or [cuda13]); on a CPU use "
                            "mla_cupy.reference.mla_prefill")
+
+
+def _no_stream() -> Any:
+    raise RuntimeError("plan: needs CuPy for its runs' default stream (pip install mla_cupy[cuda12] or [cuda13])")
 
 
 def _upload(x, name: str):
@@ -115,28 +119,63 @@ class PrefillPlan:
         self._records: Dict[tuple, Record] = {}
         self._last: tuple = (None, None)  # (layout key, record) of the last run
         self._lock = threading.Lock()
-        self._workspace = None
+        self._workspace: Optional[Array] = None
         cp = cupy_or_none()
-        self._current_stream = cp.cuda.get_current_stream if cp is not None else None
+        self._current_stream: Callable[[], Any] = cp.cuda.get_current_stream if cp is not None else _no_stream
 
     # -- what the plan is -----------------------------------------------------------------------
-    batch = property(lambda self: self._p.batch)
-    num_heads = property(lambda self: self._p.heads)
-    dtype = property(lambda self: self._p.dtype)
-    out_dtype = property(lambda self: self._p.out_dtype)
-    mask = property(lambda self: self._p.mask)
-    scale = property(lambda self: self._p.scale)
-    q_max_seq_len = property(lambda self: self._p.max_sq)
-    num_queries = property(lambda self: self._p.tq if self._p.tq >= 0 else None)
-    paged = property(lambda self: self._p.paged)
-    fp8 = property(lambda self: self._p.fp8)
-    fp8_rope = property(lambda self: self._p.fp8_rope)
-    #: Whether its fp8 kernel reads a key tile's scales in pairs (:func:`mla_cupy.fp8.scale_pairs`:
-    #: every sequence's first key row even, as the plan read the offsets).
-    scale_pairs = property(lambda self: self._p.scale_pairs)
+    @property
+    def batch(self) -> int:
+        return self._p.batch
 
     @property
-    def workspace(self):
+    def num_heads(self) -> int:
+        return self._p.heads
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._p.dtype
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        return self._p.out_dtype
+
+    @property
+    def mask(self) -> Mask:
+        return self._p.mask
+
+    @property
+    def scale(self) -> float:
+        return self._p.scale
+
+    @property
+    def q_max_seq_len(self) -> Optional[int]:
+        return self._p.max_sq
+
+    @property
+    def num_queries(self) -> Optional[int]:
+        return self._p.tq if self._p.tq >= 0 else None
+
+    @property
+    def paged(self) -> bool:
+        return self._p.paged
+
+    @property
+    def fp8(self) -> bool:
+        return self._p.fp8
+
+    @property
+    def fp8_rope(self) -> bool:
+        return self._p.fp8_rope
+
+    @property
+    def scale_pairs(self) -> bool:
+        """Whether its fp8 kernel reads a key tile's scales in pairs (:func:`mla_cupy.fp8.scale_pairs`:
+        every sequence's first key row even, as the plan read the offsets)."""
+        return self._p.scale_pairs
+
+    @property
+    def workspace(self) -> Optional[Array]:
         """The V^T workspace this fp8 plan owns (None before its first run without ``workspace=``)."""
         return self._workspace
 
@@ -147,7 +186,9 @@ class PrefillPlan:
                 f"fp8_rope={p.fp8_rope})")
 
     # -- runs -------------------------------------------------------------------------------------
-    def run(self, q, k, v, k_rope, *, k_rope_scales=None, out=None, lse=None, stream=None):
+    def run(self, q: Array, k: Array, v: Array, k_rope: Union[Array, PagedKVCache], *,
+            k_rope_scales: Optional[Array] = None, out: Optional[Array] = None, lse: Optional[Array] = None,
+            stream: Stream = None) -> Union[Array, Tuple[Array, Array]]:
         """The prefill of one layer with this plan's layout.
 
         Parameters
@@ -178,8 +219,10 @@ class PrefillPlan:
             k_rope = k_rope.blocks
         return self._run(prefill_arrays(q, k, v, k_rope, out, lse, k_rope_scales), stream)
 
-    def run_fp8(self, q_nope, q_rope, q_scale, k, k_scales, v, k_rope, *, out=None, lse=None, stream=None,
-                workspace=None):
+    def run_fp8(self, q_nope: Array, q_rope: Array, q_scale: Array, k: Array, k_scales: Array,
+                v: Union[Array, TransposedV], k_rope: Union[Array, PagedKVCache], *, out: Optional[Array] = None,
+                lse: Optional[Array] = None, stream: Stream = None,
+                workspace: Optional[Array] = None) -> Union[Array, Tuple[Array, Array]]:
         """The prefill of one layer of fp8 per-token inputs with this (fp8) plan's layout; the
         arrays are those of :func:`mla_cupy.mla_prefill_fp8`. ``workspace`` (a contiguous uint8
         device array of at least ``prod(fp8.vt_shape(H, Tk, B))`` bytes) receives V^T; without it
@@ -315,10 +358,11 @@ def workspace_on(shape, raw_stream: int):
 
 
 def plan(
-    valid_length, cache_row_offsets, *, num_heads: int, dtype, mask: Optional[Mask] = None,
-    scale: Optional[float] = None, q_max_seq_len: Optional[int] = None, kernel: str = "auto", cache_offsets=None,
-    q_start_pos=None, page_table=None, page_size: Optional[int] = None, rope_offset: int = 512, fp8: bool = False,
-    fp8_rope: bool = False, out_dtype=None, return_lse: bool = False, accumulate: bool = False, validate: bool = True,
+    valid_length: Array, cache_row_offsets: Array, *, num_heads: int, dtype: Any, mask: Optional[Mask] = None,
+    scale: Optional[float] = None, q_max_seq_len: Optional[int] = None, kernel: str = "auto",
+    cache_offsets: Optional[Array] = None, q_start_pos: Optional[Array] = None, page_table: Optional[Array] = None,
+    page_size: Optional[int] = None, rope_offset: int = 512, fp8: bool = False, fp8_rope: bool = False,
+    out_dtype: Any = None, return_lse: bool = False, accumulate: bool = False, validate: bool = True,
 ) -> PrefillPlan:
     """Build the prefill plan of one batch layout, to run once per layer (:meth:`PrefillPlan.run`).
 
@@ -388,14 +432,14 @@ def plan(
     _require_gpu()
     dev = _select.device_id()
     vl, cro = _upload(args.valid_length, "valid_length"), _upload(args.cache_row_offsets, "cache_row_offsets")
-    co, qs = _upload(args.cache_offsets, "cache_offsets"), q_start_i64(_upload(args.q_start_pos, "q_start_pos"))
+    co, q_start = _upload(args.cache_offsets, "cache_offsets"), q_start_i64(_upload(args.q_start_pos, "q_start_pos"))
     lut = _upload(args.page_table, "page_table") if layout.paged else None
     if lut is not None and lut.shape[1] > 1 and int(lut.strides[1]) != dtype_of(lut).itemsize:
         raise ValueError(f"page_table: the last dimension must be contiguous, got strides {tuple(lut.strides)}")
-    check_same_device([vl, cro, co, qs, lut])
+    check_same_device([vl, cro, co, q_start, lut])
     chosen = kernel_for(layout, kernel, dev)
     cro_ptr = device_pointer(cro)
-    offsets = offsets_of(vl, cro_ptr, cro_ptr + 4, co, qs, keep=(cro, lut))
+    offsets = offsets_of(vl, cro_ptr, cro_ptr + 4, co, q_start, keep=(cro, lut))
     target = Target(chosen, dev, offsets, bool(accumulate), lut, page_size or 0, rope_offset if layout.paged else 0)
     return PrefillPlan(layout, target, return_lse=return_lse, bounds=args.bounds,
                        cache_row_offsets=(cache_row_offsets, cro))

@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
@@ -438,7 +438,7 @@ def mla_prefill(q: Tensor, k: Tensor, v: Tensor, k_rope: Any, valid_length: Tens
                 cache_offsets: Optional[Tensor] = None, q_start_pos: Optional[Tensor] = None, out: Optional[Tensor] = None,
                 out_dtype: Optional[torch.dtype] = None, return_lse: bool = False, lse: Optional[Tensor] = None,
                 accumulate: bool = False, validate: bool = True, kernel: str = "auto",
-                k_rope_scales: Optional[Tensor] = None):
+                k_rope_scales: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """:func:`mla_cupy.mla_prefill` through the ``mla_cupy::mla_prefill`` ops (traceable by
     ``torch.compile``; capturable in a CUDA graph with ``q_max_seq_len`` and ``validate=False``).
 
@@ -457,13 +457,13 @@ def mla_prefill(q: Tensor, k: Tensor, v: Tensor, k_rope: Any, valid_length: Tens
                          return_lse=return_lse, lse=lse, accumulate=accumulate, validate=validate, kernel=kernel)
 
 
-def mla_prefill_fp8(q_nope: Tensor, q_rope: Tensor, q_scale: Tensor, k: Tensor, k_scales: Tensor, v: Tensor,
+def mla_prefill_fp8(q_nope: Tensor, q_rope: Tensor, q_scale: Tensor, k: Tensor, k_scales: Tensor, v: Any,
                     k_rope: Any, valid_length: Tensor, cache_row_offsets: Tensor, *, scale: Optional[float] = None,
                     mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
                     cache_offsets: Optional[Tensor] = None, q_start_pos: Optional[Tensor] = None,
                     out: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None, return_lse: bool = False,
                     lse: Optional[Tensor] = None, accumulate: bool = False, validate: bool = True,
-                    kernel: str = "auto"):
+                    kernel: str = "auto") -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """:func:`mla_cupy.mla_prefill_fp8` through the ``mla_cupy::mla_prefill_fp8`` ops; arguments
     as there (fp8 data as ``torch.float8_e4m3fn`` or uint8 tensors), without ``stream``. The V^T
     workspace of each call comes from torch's allocator.

@@ -29,6 +29,7 @@ def test_wheel_contents(wheel):
                        if p.suffix in (".cu", ".cuh")}
     assert "sm90/mainloop.cuh" in kernels  # the Hopper kernel's role headers
     assert "cli.py" not in names and "mla_cupy/cli.py" in names and "mla_cupy/__init__.py" in names
+    assert "mla_cupy/py.typed" in names  # the package's type hints are for its users too
     assert not any(n.startswith("tests/") for n in names)
 
 
