@@ -2,15 +2,18 @@
 launches with every kernel argument packed (:class:`Record`), and the run-time step that rewrites
 the data pointers (and the Hopper kernel's tensor maps) before launching (:func:`launch_record`).
 
-A record knows a run's arrays by slot, their positions in the run's tuple of arrays
-(:class:`~mla_cupy._run_args.PrefillArrays`), and keeps the names of those positions for its
-messages; a launch hands it the pointers of a run's arrays as a list in that order."""
+A record knows a run's arrays by slot, their positions in the run's tuple of arrays (a direction's
+``NamedTuple``, the forward's :class:`~mla_cupy._run_args.PrefillArrays`), and keeps the names of
+those positions for its messages; a launch hands it the pointers of a run's arrays as a list in that
+order. Besides its main launch a record has the launches before and after it (:class:`Step`: the
+forward's fp8 V^T pre-pass and paged-rope gather; a direction with more passes adds its own) and
+optionally a scratch buffer per stream (the forward's gathered key rows)."""
 from __future__ import annotations
 
 import math
 import struct
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from ._arrays import device_pointer, optional_ptr
 from ._checks import check_aligned, dtype_of
@@ -25,50 +28,72 @@ from .validation import Problem
 from . import workspace
 from .workspace import check_workspace, tile_counter
 
-__all__ = ["Record", "pack", "aligned_slots", "launch_record"]
+__all__ = ["Record", "Step", "pack", "aligned_slots", "launch_record", "slots_of"]
 
 LOG2E = 1.4426950408889634
 _GRID_Y_MAX = 65535  # the largest gridDim.y (the gather's kernel strides over more sequences)
 _U64 = struct.Struct("<Q")
 _MAPS_MAX = 1024  # pointer sets whose tensor maps a plan's record remembers
 _ONE_SHOT_MAPS_MAX = 64  # ... and a one-shot call's, of which the plan cache holds many
-_ROWS_STREAMS_MAX = 64  # streams whose gathered rope rows a record keeps
+_SCRATCH_STREAMS_MAX = 64  # streams whose scratch (gathered rope rows) a record keeps
 
 
-#: A forward run's slot (its position in :class:`~mla_cupy._run_args.PrefillArrays`) of each array.
-_SLOT = {name: i for i, name in enumerate(PrefillArrays._fields)}
+_SLOTS: Dict[type, Dict[str, int]] = {}
+
+
+def slots_of(arrays_type: type) -> Dict[str, int]:
+    """The slot (position) of each array of a direction's tuple of arrays, by name."""
+    slots = _SLOTS.get(arrays_type)
+    if slots is None:
+        slots = _SLOTS[arrays_type] = {name: i for i, name in enumerate(arrays_type._fields)}
+    return slots
+
+
+class Step(NamedTuple):
+    """A launch of a record besides its main one: its pointer fields (byte offset, slot, addend),
+    rewritten per launch like the main launch's, and the byte offset where it takes the record's
+    scratch pointer (None: it takes none)."""
+
+    launch: PreparedLaunch
+    fields: tuple = ()
+    scratch_field: Optional[int] = None
 
 
 class Record:
     """One array layout of a plan: the prepared launches, and what a run rewrites in them (pointer
     fields as (byte offset, slot, addend); the slots whose pointers key the tensor maps, with the
-    gathered rope rows' pointer; the slots that must be 16-byte aligned and the names of every slot,
-    for the message; the byte offset of the ``q_start_pos`` pointer, for a launch that passes its
-    own), and the lock its launches take: a record is rewritten and launched by one thread at a
-    time, so that threads and streams share it safely."""
+    scratch's pointer; the slots that must be 16-byte aligned and the names of every slot, for the
+    message; the byte offset of the ``q_start_pos`` pointer, for a launch that passes its own), the
+    launches before and after the main one (:class:`Step`), and the lock its launches take: a record
+    is rewritten and launched by one thread at a time, so that threads and streams share it safely."""
 
-    __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "maps_max", "vt", "vt_fields", "align",
-                 "names", "counter", "map_field", "q_start_field", "last_maps", "last_stream", "gather",
-                 "gather_fields", "rows_bytes", "rows", "keep_rows", "lock")
+    __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "maps_max", "before", "after", "align",
+                 "names", "counter", "map_field", "q_start_field", "last_maps", "last_stream", "scratch_bytes",
+                 "scratch", "keep_scratch", "lock")
 
-    def __init__(self, launch: Optional[PreparedLaunch], ptr_fields, align, map_slots=None, make_maps=None, vt=None,
-                 vt_fields=(), counter=None, map_field=None, q_start_field=None, gather=None, gather_fields=(),
-                 rows_bytes: int = 0, names: Tuple[str, ...] = PrefillArrays._fields):
+    def __init__(self, launch: Optional[PreparedLaunch], ptr_fields, align, names: Tuple[str, ...],
+                 map_slots=None, make_maps=None, before: Tuple[Step, ...] = (), after: Tuple[Step, ...] = (),
+                 counter=None, map_field=None, q_start_field=None, scratch_bytes: int = 0):
         self.launch, self.ptr_fields, self.align, self.names = launch, ptr_fields, align, names
         self.lock = threading.Lock()
         self.map_slots, self.make_maps, self.maps, self.maps_max = map_slots, make_maps, {}, _MAPS_MAX
-        self.vt, self.vt_fields = vt, vt_fields
-        # Hopper, paged 16-bit rope: the gather into key rows of rows_bytes, its pointer fields
-        # besides the rows' ("dst"), and (keep_rows: a plan's record) the rows of each stream it
-        # launched on; without keep_rows (the plan cache's records) each launch allocates its own
-        self.gather, self.gather_fields, self.rows_bytes = gather, gather_fields, rows_bytes
-        self.rows: Dict[int, Any] = {}
-        self.keep_rows = True
+        self.before, self.after = before, after
+        # scratch_bytes (0: none) per launch, for the steps that take it and for the tensor maps
+        # (Hopper, paged 16-bit rope: the gathered key rows); with keep_scratch (a plan's record) the
+        # scratch of each stream it launched on, without it (the plan cache's records) one per launch
+        self.scratch_bytes = scratch_bytes
+        self.scratch: Dict[int, Any] = {}
+        self.keep_scratch = True
         self.counter = counter  # Hopper: (byte offset of tile_counter, device), set per stream at launch
         self.map_field = map_field  # Hopper: the first of the consecutive tensor-map fields
         self.q_start_field = q_start_field
         self.last_maps = self.last_stream = None  # what the buffer holds now (map pointers; stream and
         # schedule of the counter): a run that changes neither skips rewriting them
+
+    def reads(self, slot: int) -> bool:
+        """Whether a launch of the record reads the pointer of ``slot``."""
+        fields = [self.ptr_fields] + [step.fields for step in self.before + self.after]
+        return any(i == slot for f in fields for _, i, _ in f) or slot in (self.map_slots or ())
 
 
 def aligned_slots(problem: Problem, arrays: PrefillArrays) -> Tuple[int, ...]:
@@ -80,8 +105,9 @@ def aligned_slots(problem: Problem, arrays: PrefillArrays) -> Tuple[int, ...]:
     names = ["q", "k", "v", "k_rope", "out"]
     if problem.fp8:
         names += ["q_rope"] + (["k_scales"] if problem.tk else [])
-    aligned = tuple(_SLOT[n] for n in names if getattr(arrays, n) is not None and math.prod(getattr(arrays, n).shape))
-    return aligned + ((_SLOT["workspace"],) if problem.fp8 and not problem.v_transposed else ())
+    slot = slots_of(type(arrays))
+    aligned = tuple(slot[n] for n in names if getattr(arrays, n) is not None and math.prod(getattr(arrays, n).shape))
+    return aligned + ((slot["workspace"],) if problem.fp8 and not problem.v_transposed else ())
 
 
 def pack(target: Target, problem: Problem, arrays: PrefillArrays, raw_stream: int,
@@ -91,12 +117,12 @@ def pack(target: Target, problem: Problem, arrays: PrefillArrays, raw_stream: in
     packed for its first launch on the raw stream ``raw_stream``: every plan's run and every
     one-shot call packs here. ``workspace_for(given, shape, raw_stream)`` gives the fp8 variant's
     V^T workspace (default: the one given, checked). A one-shot call's record (``one_shot``; the
-    plan cache holds many) holds no device memory between launches (a paged rope's key rows are
-    allocated per launch) and remembers fewer tensor maps."""
+    plan cache holds many) holds no device memory between launches (its scratch, a paged rope's key
+    rows, is allocated per launch) and remembers fewer tensor maps."""
     align = aligned_slots(problem, arrays)
     rec = _packed(target, problem, arrays, align, raw_stream, workspace_for or _given_workspace)
     rec.maps_max = _ONE_SHOT_MAPS_MAX if one_shot else _MAPS_MAX
-    rec.keep_rows = not one_shot
+    rec.keep_scratch = not one_shot
     return rec
 
 
@@ -107,8 +133,9 @@ def _given_workspace(given, shape, raw_stream: int):
 
 def _packed(target: Target, p: Problem, arrays: PrefillArrays, align: tuple, raw_stream: int,
             workspace_for: Callable) -> Record:
+    names = type(arrays)._fields
     if p.batch == 0 or p.tq == 0 or not p.max_sq:
-        return Record(None, (), align)
+        return Record(None, (), align, names)
     dev = target.device_id
     ck = prefill_kernel(target.kernel, p.dtype, p.out_dtype, p.mask, p.paged, p.variant, dev, p.scale_pairs)
     nmb = -(-p.max_sq // ck.geometry["block_m"])
@@ -131,7 +158,8 @@ def _packed(target: Target, p: Problem, arrays: PrefillArrays, align: tuple, raw
                       k_sh=k.strides[1] // item, v_st=v.strides[0] // item, v_sh=v.strides[1] // item)
         launch = PreparedLaunch(ck.params, ck.fn, (nmb * p.batch * p.heads, 1, 1), ck.threads, ck.smem, values)
         fields += [("q", "q", 0), ("k", "k", 0), ("v", "v", 0)]
-        return Record(launch, _offsets_of(ck.params, fields), align, q_start_field=ck.params.offsets["q_start_pos"])
+        return Record(launch, _offsets_of(ck.params, fields, slots_of(type(arrays))), align, names,
+                      q_start_field=ck.params.offsets["q_start_pos"])
     return _sm90_record(target, p, arrays, ck, values, fields, align, nmb, raw_stream, workspace_for)
 
 
@@ -162,6 +190,7 @@ def _rope_args(target: Target, p: Problem, arrays: PrefillArrays, values: dict) 
 def _sm90_record(target: Target, p: Problem, arrays: PrefillArrays, ck, values: dict, fields: list, align: tuple,
                  nmb: int, raw_stream: int, workspace_for: Callable) -> Record:
     q, k, v, rope = arrays.q, arrays.k, arrays.v, arrays.k_rope
+    slot = slots_of(type(arrays))
     geom = ck.geometry
     values.setdefault("rope_scales", 0)
     values.setdefault("rope_scale_row_stride", 0)
@@ -171,8 +200,7 @@ def _sm90_record(target: Target, p: Problem, arrays: PrefillArrays, ck, values: 
     q_st = (stride16(q, 1), stride16(q, 0))
     k_st = (stride16(k, 1), stride16(k, 0))
     v_st = (stride16(v, 1), stride16(v, 0))
-    vt = None
-    vt_fields: tuple = ()
+    before: List[Step] = []
     v_slot = "v"
     fp8_st = None
     values.update(q_scale=0, q_scale_stride=0)
@@ -190,7 +218,7 @@ def _sm90_record(target: Target, p: Problem, arrays: PrefillArrays, ck, values: 
             if p.tk:
                 vt = vt_launch(v, target.offsets.kv_begin, target.offsets.kv_end, p.batch,
                                ws.reshape(-1)[:math.prod(shape)].reshape(shape), target.device_id)
-                vt_fields = _offsets_of(vt.pack, [("v", "v", 0), ("vt", "workspace", 0)])
+                before.append(Step(vt, _offsets_of(vt.pack, [("v", "v", 0), ("vt", "workspace", 0)], slot)))
     heads, tq, tk, dtype = p.heads, p.tq, p.tk, p.dtype
     out = arrays.out
     # out's map where the kernel's staged epilogue stores by TMA: 16-bit rows written whole, not merged
@@ -227,16 +255,16 @@ def _sm90_record(target: Target, p: Problem, arrays: PrefillArrays, ck, values: 
     grid = min(nmb * p.batch * p.heads, sm_count(target.device_id))  # persistent: at most one CTA per SM
     values["tail_blocks"] = tail_blocks(p, values["heads_per_section"], nmb, grid)
     launch = PreparedLaunch(params, ck.fn, (grid, 1, 1), ck.threads, ck.smem, values)
-    gather = gather_fields = None
-    if gather_rows:
+    if gather_rows:  # after the V^T pre-pass, as before every launch
         gather = _gather_launch(target, p, values, tk)
-        gather_fields = _offsets_of(gather.pack, [("rope_base", "k_rope", target.rope_offset * dtype.itemsize)])
-    map_slots = tuple(_SLOT[n] for n in ("q", "k", v_slot, "k_rope", "out", "q_rope", "k_scales"))
-    return Record(launch, _offsets_of(params, fields), align,
-                   map_slots=map_slots, make_maps=make_maps, vt=vt, vt_fields=vt_fields,
-                   counter=(params.offsets["tile_counter"], target.device_id), map_field=maps[0],
-                   q_start_field=params.offsets["q_start_pos"], gather=gather, gather_fields=gather_fields or (),
-                   rows_bytes=tk * DR * dtype.itemsize if gather_rows else 0)
+        before.append(Step(gather, _offsets_of(gather.pack, [("rope_base", "k_rope", target.rope_offset * dtype.itemsize)],
+                                               slot), gather.pack.offsets["dst"]))
+    map_slots = tuple(slot[n] for n in ("q", "k", v_slot, "k_rope", "out", "q_rope", "k_scales"))
+    return Record(launch, _offsets_of(params, fields, slot), align, type(arrays)._fields,
+                  map_slots=map_slots, make_maps=make_maps, before=tuple(before),
+                  counter=(params.offsets["tile_counter"], target.device_id), map_field=maps[0],
+                  q_start_field=params.offsets["q_start_pos"],
+                  scratch_bytes=tk * DR * dtype.itemsize if gather_rows else 0)
 
 
 def _gather_launch(target: Target, p: Problem, values: dict, tk: int) -> PreparedLaunch:
@@ -273,28 +301,29 @@ def map_fields(pack: ArgPack) -> tuple:
     return maps
 
 
-def _offsets_of(pack, fields) -> tuple:
+def _offsets_of(pack, fields, slot: Dict[str, int]) -> tuple:
     """(byte offset, slot, addend) of each (parameter, array, addend): the parameter's place in the
-    packed buffer, the array's slot in a run's pointers."""
-    return tuple((pack.offsets[param], _SLOT[array], add) for param, array, add in fields)
+    packed buffer, the array's slot in a run's pointers (``slot``: by name)."""
+    return tuple((pack.offsets[param], slot[array], add) for param, array, add in fields)
 
 
 def launch_record(rec: Record, ptrs: List[int], raw_stream: int, q_start: Optional[int] = None,
-                  new_rows: Optional[Callable] = None) -> None:
+                  new_scratch: Optional[Callable] = None) -> None:
     """Check the pointers' alignment, rewrite them (and the tensor maps they key) into the record's
-    launches, and launch on the raw stream ``raw_stream``; ``q_start``: the ``q_start_pos`` pointer
-    of this launch (a widened copy made per call) instead of the packed one. A paged 16-bit rope's key rows come
-    from ``new_rows(shape, raw_stream)`` (default CuPy's pool on that stream): a plan's record keeps
-    those of each stream from its first launch there (launches on one stream reuse them in order,
-    launches on different streams never share them, a graph captured there reads rows that stay
-    allocated while the plan lives); any other record allocates them per launch and lets them go
-    once the kernels are enqueued (the pools reuse them in stream order). Holds the record's lock."""
+    launches, and launch its steps before, its main launch and its steps after on the raw stream
+    ``raw_stream``; ``q_start``: the ``q_start_pos`` pointer of this launch (a widened copy made per
+    call) instead of the packed one. A record's scratch (a paged 16-bit rope's key rows) comes from
+    ``new_scratch(shape, raw_stream)`` (default CuPy's pool on that stream): a plan's record keeps
+    that of each stream from its first launch there (launches on one stream reuse it in order,
+    launches on different streams never share it, a graph captured there reads scratch that stays
+    allocated while the plan lives); any other record allocates it per launch and lets it go once
+    the kernels are enqueued (the pools reuse it in stream order). Holds the record's lock."""
     with rec.lock:
-        _launch_record(rec, ptrs, raw_stream, q_start, new_rows)
+        _launch_record(rec, ptrs, raw_stream, q_start, new_scratch)
 
 
 def _launch_record(rec: Record, ptrs: List[int], raw_stream: int, q_start: Optional[int],
-                   new_rows: Optional[Callable]) -> None:
+                   new_scratch: Optional[Callable]) -> None:
     acc = 0
     for i in rec.align:
         acc |= ptrs[i]
@@ -309,23 +338,19 @@ def _launch_record(rec: Record, ptrs: List[int], raw_stream: int, q_start: Optio
         _U64.pack_into(mem, off, ptrs[i] + add)
     if q_start is not None:
         _U64.pack_into(mem, rec.q_start_field, q_start)
-    rows = None
-    rows_ptr = 0
-    if rec.gather is not None:
-        rows = rec.rows.get(raw_stream)
-        if rows is None:
-            rows = (new_rows or rows_on)((rec.rows_bytes,), raw_stream)
-            if rec.keep_rows:
-                if len(rec.rows) >= _ROWS_STREAMS_MAX:
-                    rec.rows.clear()
-                rec.rows[raw_stream] = rows
-        rows_ptr = device_pointer(rows)
-        gmem = rec.gather._mem
-        for off, i, add in rec.gather_fields:
-            _U64.pack_into(gmem, off, ptrs[i] + add)
-        _U64.pack_into(gmem, rec.gather.pack.offsets["dst"], rows_ptr)
+    scratch = None
+    scratch_ptr = 0
+    if rec.scratch_bytes:
+        scratch = rec.scratch.get(raw_stream)
+        if scratch is None:
+            scratch = (new_scratch or scratch_on)((rec.scratch_bytes,), raw_stream)
+            if rec.keep_scratch:
+                if len(rec.scratch) >= _SCRATCH_STREAMS_MAX:
+                    rec.scratch.clear()
+                rec.scratch[raw_stream] = scratch
+        scratch_ptr = device_pointer(scratch)
     if rec.map_slots is not None:
-        map_key = tuple([ptrs[i] for i in rec.map_slots]) + (rows_ptr,)
+        map_key = tuple([ptrs[i] for i in rec.map_slots]) + (scratch_ptr,)
         if map_key != rec.last_maps:
             maps = rec.maps.get(map_key)
             if maps is None:
@@ -337,19 +362,26 @@ def _launch_record(rec: Record, ptrs: List[int], raw_stream: int, q_start: Optio
         if schedule != rec.last_stream:
             _U64.pack_into(mem, rec.counter[0], tile_counter(rec.counter[1], raw_stream))
             rec.last_stream = schedule
-    if rec.vt is not None:
-        vmem = rec.vt._mem
-        for off, i, add in rec.vt_fields:
-            _U64.pack_into(vmem, off, ptrs[i] + add)
-        rec.vt.launch(raw_stream)
-    if rec.gather is not None:
-        rec.gather.launch(raw_stream)
+    for step in rec.before:
+        _launch_step(step, ptrs, scratch_ptr, raw_stream)
     launch.launch(raw_stream)
-    del rows  # a per-launch allocation goes back to its pool: reused in stream order, after these kernels
+    for step in rec.after:
+        _launch_step(step, ptrs, scratch_ptr, raw_stream)
+    del scratch  # a per-launch allocation goes back to its pool: reused in stream order, after these kernels
 
 
-def rows_on(shape, raw_stream: int):
-    """A paged rope's key rows: ``prod(shape)`` bytes from CuPy's pool on the raw stream ``raw_stream``."""
+def _launch_step(step: Step, ptrs: List[int], scratch_ptr: int, raw_stream: int) -> None:
+    smem = step.launch._mem
+    for off, i, add in step.fields:
+        _U64.pack_into(smem, off, ptrs[i] + add)
+    if step.scratch_field is not None:
+        _U64.pack_into(smem, step.scratch_field, scratch_ptr)
+    step.launch.launch(raw_stream)
+
+
+def scratch_on(shape, raw_stream: int):
+    """A record's scratch (a paged rope's key rows): ``prod(shape)`` bytes from CuPy's pool on the raw
+    stream ``raw_stream``."""
     return workspace.allocate_on(shape, raw_stream, "the paged rope's key rows", "split the batch")
 
 

@@ -391,4 +391,4 @@ def launch_checked(p: Problem, q, k, v, k_rope, out, lse, offsets: Offsets, kern
     CACHE.count(False)
     launch_record(record, ptrs, raw_stream, None, new_workspace)
     if key is not None:
-        CACHE.put(key, CachedCall(p, record, workspace_shape if record.vt is not None else None, widen_q_start))
+        CACHE.put(key, CachedCall(p, record, workspace_shape if record.reads(_WORKSPACE) else None, widen_q_start))

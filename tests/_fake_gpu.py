@@ -156,7 +156,7 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
         mp.setattr(packing, "prefill_kernel", prefill_kernel)
         mp.setattr(geometry, "transpose_v_kernel", lambda dev: vt)
         mp.setattr(geometry, "rope_gather_kernel", lambda dev: gather)
-        mp.setattr(packing, "rows_on", lambda shape, sp: host_cupy(np.zeros(max(int(np.prod(shape)), 1), np.uint8)))
+        mp.setattr(packing, "scratch_on", lambda shape, sp: host_cupy(np.zeros(max(int(np.prod(shape)), 1), np.uint8)))
         mp.setattr(packing, "tile_counter", lambda dev, sp: 0x7000 + (sp & 0xff) * 8)
         mp.setattr(tma, "_driver", lambda: encode)
         if record:

@@ -358,8 +358,8 @@ def test_a_paged_rope_is_gathered_into_key_rows(gpu, monkeypatch, via):
     d = arrays(sk=(40, 3))
     blocks, lut = build_paged(d["case"], 16, seed=1)
     cache = PagedKVCache(host_cupy(blocks), host_cupy(lut), 16, rope_offset=0)
-    rows, new_rows = [], _packing.rows_on
-    monkeypatch.setattr(_packing, "rows_on", lambda shape, sp: rows.append(new_rows(shape, sp)) or rows[-1])
+    rows, new_rows = [], _packing.scratch_on
+    monkeypatch.setattr(_packing, "scratch_on", lambda shape, sp: rows.append(new_rows(shape, sp)) or rows[-1])
     tk = int(d["k"].shape[0])
     if via == "plan":
         pl = mla_cupy.plan(d["valid_length"], d["cache_row_offsets"], num_heads=4, dtype=BF16, q_max_seq_len=5,
