@@ -12,7 +12,7 @@ import pytest
 from mla_cupy import _geometry, _packing, _registry as reg, dims, fp8, jit
 from mla_cupy._arrays import BF16, FP16
 from mla_cupy._launch import F32, I32, I64, PTR, TENSOR_MAP_DTYPE, ArgPack, PreparedLaunch
-from mla_cupy.masks import MASKS, CausalMask, ChunkedMask, NullMask, SlidingWindowCausalMask
+from mla_cupy.masks import CausalMask, ChunkedMask, NullMask, SlidingWindowCausalMask
 
 
 class _NoKernel:

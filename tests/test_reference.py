@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from mla_cupy import fp8, reference
+from mla_cupy import reference
 from mla_cupy.masks import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, SlidingWindowCausalMask
 from mla_cupy.paged import PagedKVCache
 
