@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import replace
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Generic, Optional, Tuple, TypeVar, Union, overload
 
 import numpy as np
 
@@ -77,6 +77,31 @@ def _upload(x, name: str):
     return x
 
 
+_T = TypeVar("_T")
+
+
+class _FromProblem(Generic[_T]):
+    """A read-only attribute of a plan that its :class:`~mla_cupy.validation.Problem` holds, typed
+    as what ``get`` returns."""
+
+    __slots__ = ("get",)
+
+    def __init__(self, get: Callable[[Problem], _T]):
+        self.get = get
+
+    @overload
+    def __get__(self, plan: None, owner: Any = None) -> _FromProblem[_T]: ...
+
+    @overload
+    def __get__(self, plan: PrefillPlan, owner: Any = None) -> _T: ...
+
+    def __get__(self, plan: Optional[PrefillPlan], owner: Any = None) -> Union[_T, _FromProblem[_T]]:
+        return self if plan is None else self.get(plan._p)
+
+    def __set__(self, plan: PrefillPlan, value: Any) -> None:
+        raise AttributeError("a plan's attributes are read-only")
+
+
 class PrefillPlan:
     """The prefill of one batch layout, built by :func:`plan`; run it with :meth:`run` (or, for an
     fp8 plan, :meth:`run_fp8`) once per layer.
@@ -124,49 +149,17 @@ class PrefillPlan:
         self._current_stream: Callable[[], Any] = cp.cuda.get_current_stream if cp is not None else _no_stream
 
     # -- what the plan is -----------------------------------------------------------------------
-    @property
-    def batch(self) -> int:
-        return self._p.batch
-
-    @property
-    def num_heads(self) -> int:
-        return self._p.heads
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self._p.dtype
-
-    @property
-    def out_dtype(self) -> np.dtype:
-        return self._p.out_dtype
-
-    @property
-    def mask(self) -> Mask:
-        return self._p.mask
-
-    @property
-    def scale(self) -> float:
-        return self._p.scale
-
-    @property
-    def q_max_seq_len(self) -> Optional[int]:
-        return self._p.max_sq
-
-    @property
-    def num_queries(self) -> Optional[int]:
-        return self._p.tq if self._p.tq >= 0 else None
-
-    @property
-    def paged(self) -> bool:
-        return self._p.paged
-
-    @property
-    def fp8(self) -> bool:
-        return self._p.fp8
-
-    @property
-    def fp8_rope(self) -> bool:
-        return self._p.fp8_rope
+    batch = _FromProblem(lambda p: p.batch)
+    num_heads = _FromProblem(lambda p: p.heads)
+    dtype = _FromProblem(lambda p: p.dtype)
+    out_dtype = _FromProblem(lambda p: p.out_dtype)
+    mask = _FromProblem(lambda p: p.mask)
+    scale = _FromProblem(lambda p: p.scale)
+    q_max_seq_len = _FromProblem(lambda p: p.max_sq)
+    num_queries = _FromProblem(lambda p: p.tq if p.tq >= 0 else None)
+    paged = _FromProblem(lambda p: p.paged)
+    fp8 = _FromProblem(lambda p: p.fp8)
+    fp8_rope = _FromProblem(lambda p: p.fp8_rope)
 
     @property
     def scale_pairs(self) -> bool:
