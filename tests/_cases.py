@@ -38,8 +38,8 @@ def make_case(sq: Sequence[int], sk: Sequence[int], heads: int, dtype=BF16, seed
     vl = np.concatenate([[0], np.cumsum(sq)]).astype(offset_dtype)
     cro = np.concatenate([[0], np.cumsum(sk)]).astype(offset_dtype)
     co = None if cache_offsets is None else np.asarray(cache_offsets, np.uint32)
-    qs = None if q_start_pos is None else np.asarray(q_start_pos, np.int64)
-    return Case(q, k, v, k_rope, vl, cro, co, qs)
+    q_start = None if q_start_pos is None else np.asarray(q_start_pos, np.int64)
+    return Case(q, k, v, k_rope, vl, cro, co, q_start)
 
 
 def rel_err(out: np.ndarray, ref: np.ndarray) -> float:

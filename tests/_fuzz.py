@@ -191,13 +191,13 @@ def split_keys(case: Case, split: Sequence[int]):
     sq = np.diff(case.valid_length.astype(np.int64))
     s = np.minimum(np.asarray(split, np.int64), sk)
     co = np.zeros(len(sk), np.int64) if case.cache_offsets is None else case.cache_offsets.astype(np.int64)
-    qs = co + sk - sq if case.q_start_pos is None else case.q_start_pos.astype(np.int64)
+    q_start = co + sk - sq if case.q_start_pos is None else case.q_start_pos.astype(np.int64)
     parts = []
     for lo, hi, pos in ((cro[:-1], cro[:-1] + s, co), (cro[:-1] + s, cro[1:], co + s)):
         rows = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)] + [np.zeros(0, np.int64)])
         offsets = np.concatenate([[0], np.cumsum(hi - lo)]).astype(np.uint32)
         parts.append((rows, offsets, pos.astype(np.uint32)))
-    return parts, qs
+    return parts, q_start
 
 
 def _run_accumulate(p: Problem, case: Case) -> float:
@@ -213,12 +213,12 @@ def _run_accumulate(p: Problem, case: Case) -> float:
     tq = case.q.shape[0]
     out = cp.full((tq, p.heads, 128), np.nan, cp.float32)
     lse = cp.full((tq, p.heads), np.nan, cp.float32)
-    parts, qs = split_keys(case, p.split)
+    parts, q_start = split_keys(case, p.split)
     for i, (rows, offsets, co) in enumerate(parts):
         r = cp.asarray(rows)
         mla_cupy.mla_prefill(d["q"], d["k"][r], d["v"][r], d["k_rope"][r] if rope is None else rope, d["valid_length"],
                              cp.asarray(offsets), mask=p.mask_object(), cache_offsets=cp.asarray(co),
-                             q_start_pos=cp.asarray(qs), out=out, lse=lse, accumulate=i > 0, kernel=p.kernel)
+                             q_start_pos=cp.asarray(q_start), out=out, lse=lse, accumulate=i > 0, kernel=p.kernel)
     ref, ref_lse = reference_result(case, mask=p.mask_object(), k_rope=ref_rope)
     return check_result(case, out, lse, ref, ref_lse)
 
@@ -314,11 +314,11 @@ def draw(seed: int, index: int) -> Problem:
         co = [page_size * int(rng.integers(0, 3)) + int(rng.integers(1, page_size)) for _ in range(b)]
     else:
         co = [int(rng.integers(0, 1001)) for _ in range(b)] if rng.random() < 0.5 else None
-    qs = [int(rng.integers(-300, 1501)) for _ in range(b)] if rng.random() < 0.4 else None
+    q_start = [int(rng.integers(-300, 1501)) for _ in range(b)] if rng.random() < 0.4 else None
     fields = dict(
         variant=name, kernel=kernel, sq=tuple(sq), sk=tuple(sk), heads=heads, dtype=str(rng.choice(v.dtypes)),
         mask=(mask_name, mask_arg), cache_offsets=None if co is None else tuple(co),
-        q_start_pos=None if qs is None else tuple(qs), out_f32=bool(rng.random() < v.out_f32),
+        q_start_pos=None if q_start is None else tuple(q_start), out_f32=bool(rng.random() < v.out_f32),
         lse=bool(rng.random() < v.lse), page_size=page_size, data_seed=int(rng.integers(0, 2**31)))
     if v.extra is not None:
         fields.update(v.extra(rng, sk))

@@ -47,11 +47,11 @@ def run_fp8(case, fq, k_rope=None, mask=None, out_dtype=None, **kw):
     if out is None:
         out = cp.full((case.q.shape[0], case.q.shape[1], 128), np.nan, odt)
     co = None if case.cache_offsets is None else cp.asarray(case.cache_offsets)
-    qs = None if case.q_start_pos is None else cp.asarray(case.q_start_pos)
+    q_start = None if case.q_start_pos is None else cp.asarray(case.q_start_pos)
     got, lse = mla_cupy.mla_prefill_fp8(dev["q_nope"], dev["q_rope"], dev["q_scale"], dev["k"], dev["k_scales"], dev["v"],
                                         dev["k_rope"] if k_rope is None else k_rope, cp.asarray(case.valid_length),
-                                        cp.asarray(case.cache_row_offsets), mask=mask, cache_offsets=co, q_start_pos=qs,
-                                        out=out, out_dtype=out_dtype, return_lse=True, **kw)
+                                        cp.asarray(case.cache_row_offsets), mask=mask, cache_offsets=co,
+                                        q_start_pos=q_start, out=out, out_dtype=out_dtype, return_lse=True, **kw)
     assert got is out
     return cp.asnumpy(got).astype(np.float64), cp.asnumpy(lse)
 
@@ -550,13 +550,13 @@ def test_e4m3_lse_and_accumulate_over_two_key_sets(name):
     tq = c.q.shape[0]
     out = cp.full((tq, 16, 128), np.nan, cp.float32)
     lse = cp.full((tq, 16), np.nan, cp.float32)
-    parts, qs = split_keys(c, first_keys)
+    parts, q_start = split_keys(c, first_keys)
     for i, (rows, offsets, co) in enumerate(parts):
         r = cp.asarray(rows)
         mla_cupy.mla_prefill_fp8(dev["q_nope"], dev["q_rope"], dev["q_scale"], dev["k"][r], dev["k_scales"][r],
                                  dev["v"][r], dev["k_rope"][r], cp.asarray(c.valid_length), cp.asarray(offsets),
-                                 mask=mask, cache_offsets=cp.asarray(co), q_start_pos=cp.asarray(qs), out=out, lse=lse,
-                                 accumulate=i > 0)
+                                 mask=mask, cache_offsets=cp.asarray(co), q_start_pos=cp.asarray(q_start), out=out,
+                                 lse=lse, accumulate=i > 0)
     ref, ref_lse = _ref_fp8(c, fq, mask)
     assert_like_reference(cp.asnumpy(out).astype(np.float64), ref, c.valid_length, tol=tol,
                           got_lse=cp.asnumpy(lse), ref_lse=ref_lse)

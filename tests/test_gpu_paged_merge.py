@@ -199,14 +199,14 @@ def test_accumulate_merges_in_the_epilogue(kernel):
     # part 1: sequence 0 keys [0, 200), sequence 1 none; part 2: the rest of both
     for i, (begin, end) in enumerate((([0, 500], [200, 500]), ([200, 500], [500, 800]))):
         co = cp.asarray(np.array([begin[0] - cro[0], begin[1] - cro[1]], np.uint32))
-        qs = cp.asarray(np.array([400, 263], np.int64))  # the one-shot call's query positions (end-aligned)
+        q_start = cp.asarray(np.array([400, 263], np.int64))  # the one-shot call's query positions (end-aligned)
         lens = np.array(end) - np.array(begin)
         # keys of chunk i: rows begin[b] .. end[b] of k / v for each sequence, gathered into one packed batch
         rows = np.concatenate([np.arange(begin[b], end[b]) for b in range(2)])
         kc, vc, rc = d["k"][rows], d["v"][rows], d["k_rope"][rows]
         offs = cp.asarray(np.array([0, lens[0], lens[0] + lens[1]], np.uint32))
         mla_cupy.mla_prefill(d["q"], kc, vc, rc, d["valid_length"], offs, mask=NullMask(), cache_offsets=co,
-                             q_start_pos=qs, out=acc, lse=acc_lse, accumulate=i > 0, kernel=kernel)
+                             q_start_pos=q_start, out=acc, lse=acc_lse, accumulate=i > 0, kernel=kernel)
     assert not bool(cp.isnan(acc).any())
     assert float(cp.linalg.norm(acc - full) / cp.linalg.norm(full)) < 5e-3
     np.testing.assert_allclose(acc_lse.get(), full_lse.get(), rtol=1e-4, atol=1e-4)

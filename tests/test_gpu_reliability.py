@@ -39,10 +39,10 @@ def test_more_than_2_31_elements(kernel):
     cro = cp.arange(0, tk + 1, sk, dtype=cp.uint32)
     out = mla_cupy.mla_prefill(q, k, v, kr, vl, cro, kernel=kernel)
     for b in (0, 351, B - 2, B - 1):
-        qs, ks = slice(b * sq, (b + 1) * sq), slice(b * sk, (b + 1) * sk)
+        q_rows, k_rows = slice(b * sq, (b + 1) * sq), slice(b * sk, (b + 1) * sk)
         one = cp.asarray(np.array([0, sq], np.uint32)), cp.asarray(np.array([0, sk], np.uint32))
-        ref = reference.mla_prefill(q[qs], k[ks], v[ks], kr[ks], *one)  # float64 on the GPU
-        got = out[qs].astype(cp.float64)
+        ref = reference.mla_prefill(q[q_rows], k[k_rows], v[k_rows], kr[k_rows], *one)  # float64 on the GPU
+        got = out[q_rows].astype(cp.float64)
         assert float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref)) < 1e-2, b
     del q, k, v, kr, out
     cp.get_default_memory_pool().free_all_blocks()

@@ -323,11 +323,11 @@ def test_int32_q_start_pos_is_widened_per_call(gpu, monkeypatch):
     from mla_cupy import _plan_cache
 
     widened, widen = [], _plan_cache.widened
-    monkeypatch.setattr(_plan_cache, "widened", lambda qs, sp: widened.append(widen(qs, sp)) or widened[-1])
+    monkeypatch.setattr(_plan_cache, "widened", lambda q_start, sp: widened.append(widen(q_start, sp)) or widened[-1])
     d = arrays()
-    qs = host_cupy(np.array([1, 0], np.int32))
+    q_start = host_cupy(np.array([1, 0], np.int32))
     for _ in range(3):
-        call(d, q_start_pos=qs, **FAST)
+        call(d, q_start_pos=q_start, **FAST)
         assert gpu.values()["q_start_pos"] == widened[-1].data.ptr  # this call's int64 copy
     assert counts() == (2, 1) and len({w.data.ptr for w in widened}) == 3
 

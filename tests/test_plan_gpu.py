@@ -371,7 +371,7 @@ def test_plan_cache_hits_equal_uncached_calls(kernel, variant, plan_cache):
     c = _case(1)
     d = upload(c)
     layers = _cache_layers(c, d, variant == "paged")
-    qs = d["q_start_pos"].astype(cp.int32) if variant == "int32-q_start_pos" else d["q_start_pos"]
+    q_start = d["q_start_pos"].astype(cp.int32) if variant == "int32-q_start_pos" else d["q_start_pos"]
     given = variant != "allocated"
     bound = None if variant == "validate" else 260
 
@@ -380,7 +380,7 @@ def test_plan_cache_hits_equal_uncached_calls(kernel, variant, plan_cache):
         lse = cp.full((c.q.shape[0], 16), np.nan, cp.float32) if given else None
         return mla_cupy.mla_prefill(lay["q"], lay["k"], lay["v"], lay["k_rope"], d["valid_length"],
                                     d["cache_row_offsets"], mask=SlidingWindowCausalMask(70),
-                                    cache_offsets=d["cache_offsets"], q_start_pos=qs, out=out, lse=lse,
+                                    cache_offsets=d["cache_offsets"], q_start_pos=q_start, out=out, lse=lse,
                                     return_lse=True, kernel=kernel, q_max_seq_len=bound,
                                     validate=variant == "validate")
 
@@ -431,11 +431,11 @@ def test_repeated_one_shot_calls_allocate_nothing(variant, plan_cache):
     d = upload(c)
     out = cp.empty((c.q.shape[0], 16, 128), BF16)
     lse = cp.empty((c.q.shape[0], 16), cp.float32) if variant == "bf16-lse" else None
-    qs = d["q_start_pos"] if variant == "int64-q_start_pos" else None
+    q_start = d["q_start_pos"] if variant == "int64-q_start_pos" else None
 
     def call():
         mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
-                             cache_offsets=d["cache_offsets"], q_start_pos=qs, out=out, lse=lse, q_max_seq_len=260,
+                             cache_offsets=d["cache_offsets"], q_start_pos=q_start, out=out, lse=lse, q_max_seq_len=260,
                              validate=False)
     calls = _allocations_in(call)
     assert calls == 0, f"{calls} allocations in 50 calls"

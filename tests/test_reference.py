@@ -69,15 +69,15 @@ MASK_CASES = [
 
 @pytest.mark.parametrize("kind,arg,mask", MASK_CASES, ids=[m[0] for m in MASK_CASES])
 @pytest.mark.parametrize(
-    "sq,sk,co,qs",
+    "sq,sk,co,q_start",
     [
         ([7, 1, 0, 9], [7, 4, 3, 0], None, None),       # Sq > Sk, empty sequences
         ([3, 5], [11, 9], [20, 0], None),                # prefix context with cache offsets
         ([6, 4], [6, 10], [2, 7], [-3, 12]),             # explicit (negative) query positions
     ],
 )
-def test_reference_matches_naive(kind, arg, mask, sq, sk, co, qs):
-    c = make_case(sq, sk, heads=2, dtype=np.float64, seed=len(sq) * 7 + sum(sk), cache_offsets=co, q_start_pos=qs)
+def test_reference_matches_naive(kind, arg, mask, sq, sk, co, q_start):
+    c = make_case(sq, sk, heads=2, dtype=np.float64, seed=len(sq) * 7 + sum(sk), cache_offsets=co, q_start_pos=q_start)
     scale = 0.11
     out, lse = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets, scale=scale,
                                      mask=mask, cache_offsets=c.cache_offsets, q_start_pos=c.q_start_pos,
@@ -460,10 +460,10 @@ def test_fp8_reference_is_the_attention_of_the_dequantized_inputs():
     from mla_cupy._arrays import FP8_E4M3
 
     e = {n: f[n].view(FP8_E4M3).astype(np.float64) for n in ("q_nope", "k", "v")}
-    qs, ks = f["q_scale"].astype(np.float64)[:, :, None], f["k_scales"].astype(np.float64)[:, :, None]
-    want = reference.mla_prefill(qs * np.concatenate([e["q_nope"], f["q_rope"].astype(np.float64)], -1), ks * e["k"],
-                                 e["v"], ks * f["k_rope"].astype(np.float64), c.valid_length, c.cache_row_offsets,
-                                 cache_offsets=c.cache_offsets, q_start_pos=c.q_start_pos)
+    q_scales, k_scales = f["q_scale"].astype(np.float64)[:, :, None], f["k_scales"].astype(np.float64)[:, :, None]
+    want = reference.mla_prefill(q_scales * np.concatenate([e["q_nope"], f["q_rope"].astype(np.float64)], -1),
+                                 k_scales * e["k"], e["v"], k_scales * f["k_rope"].astype(np.float64), c.valid_length,
+                                 c.cache_row_offsets, cache_offsets=c.cache_offsets, q_start_pos=c.q_start_pos)
     got, _ = run_fp8(c, f, CausalMask())
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
     as_e4m3 = {n: f[n].view(FP8_E4M3) for n in ("q_nope", "k", "v")}  # ml_dtypes arrays are taken too
@@ -568,11 +568,11 @@ def halves(c, split):
     """Two calls' arguments: keys [0, split) and [split, Sk) of a one-sequence case, with the
     one-shot call's query positions."""
     sq, sk = int(c.valid_length[-1]), int(c.cache_row_offsets[-1])
-    qs = np.array([sk - sq], np.int64)
+    q_start = np.array([sk - sq], np.int64)
     parts = []
     for lo, hi in ((0, split), (split, sk)):
         parts.append((c.k[lo:hi], c.v[lo:hi], c.k_rope[lo:hi], np.array([0, hi - lo], np.uint32),
-                      dict(cache_offsets=np.array([lo], np.uint32), q_start_pos=qs)))
+                      dict(cache_offsets=np.array([lo], np.uint32), q_start_pos=q_start)))
     return parts
 
 

@@ -117,9 +117,9 @@ def test_opcheck_in_place_and_merge():
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
 def test_cpu_kernel_is_the_reference(mask):
     c = _case(2, sq=(3, 7), sk=(9, 4))
-    qs = torch.tensor([2, 5], dtype=torch.int64)
-    o, l = ops.mla_prefill(*_args(c), mask=mask, scale=0.1, q_start_pos=qs, return_lse=True)
-    ro, rl = _ref(c, mask=mask, scale=0.1, q_start_pos=qs.numpy())
+    q_start = torch.tensor([2, 5], dtype=torch.int64)
+    o, l = ops.mla_prefill(*_args(c), mask=mask, scale=0.1, q_start_pos=q_start, return_lse=True)
+    ro, rl = _ref(c, mask=mask, scale=0.1, q_start_pos=q_start.numpy())
     np.testing.assert_allclose(o.numpy(), ro, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(l.numpy(), rl, rtol=1e-5, atol=1e-6)
 
@@ -140,12 +140,12 @@ def test_paged_cache_through_the_ops():
 def test_accumulate_over_two_key_chunks_equals_one_call():
     c = _case(4, sq=(6,), sk=(10,))
     full, full_lse = ops.mla_prefill(*_args(c), return_lse=True)
-    qs = torch.tensor([4], dtype=torch.int64)  # the one-shot call's query positions: 10 - 6
+    q_start = torch.tensor([4], dtype=torch.int64)  # the one-shot call's query positions: 10 - 6
     out, lse = torch.zeros(6, H, 128), torch.full((6, H), -float("inf"))
     for lo, hi in ((0, 5), (5, 10)):
         part = dict(c, k=c["k"][lo:hi], v=c["v"][lo:hi], k_rope=c["k_rope"][lo:hi],
                     cache_row_offsets=torch.tensor([0, hi - lo], dtype=torch.int32))
-        ops.mla_prefill(*_args(part), cache_offsets=torch.tensor([lo], dtype=torch.int32), q_start_pos=qs,
+        ops.mla_prefill(*_args(part), cache_offsets=torch.tensor([lo], dtype=torch.int32), q_start_pos=q_start,
                         out=out, lse=lse, accumulate=True)
     torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, full_lse, rtol=1e-5, atol=1e-6)

@@ -72,11 +72,11 @@ def test_split_keys_partitions_every_sequence():
                       cache_offsets=(10, 0, 7), split=(1, 9, 0), data_seed=1)
     case = p.case()
     (rows_a, off_a, co_a), (rows_b, off_b, co_b) = _fuzz.split_keys(case, p.split)[0]
-    qs = _fuzz.split_keys(case, p.split)[1]
+    q_start = _fuzz.split_keys(case, p.split)[1]
     assert list(rows_a) == [0, 4, 5, 6, 7, 8, 9] and list(off_a) == [0, 1, 7, 7]
     assert list(rows_b) == [1, 2, 3] and list(off_b) == [0, 3, 3, 3]
     assert list(co_a) == [10, 0, 7] and list(co_b) == [11, 6, 7]
-    assert list(qs) == [10 + 4 - 3, 0 + 6 - 0, 7 + 0 - 5]  # the whole problem's end-aligned queries
+    assert list(q_start) == [10 + 4 - 3, 0 + 6 - 0, 7 + 0 - 5]  # the whole problem's end-aligned queries
 
 
 def _failing(p):
