@@ -203,3 +203,53 @@ def all_families() -> List[Tuple[str, Family]]:
              for v in SM90_PAIRED]
     fams += [merge_family(), SPIN, quantize_family(), transpose_v_family(), rope_gather_family()]
     return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward (kernels/backward.cuh): a main kernel per architecture, one module per (dtype, mask)
+# as the forward's, and the passes around it in one module per dtype.
+
+BACKWARD_MAIN = {"sm90": ("mla_backward_sm90.cu", "mla::sm90_bwd"), "sm80": ("mla_backward_sm80.cu", "mla::sm80_bwd")}
+BACKWARD_PASSES = "mla_backward_prepost.cu"
+BACKWARD_PRE_EXPORTS = ("mla::bwd::pre::kParamLayout", "mla::bwd::pre::kParamNames", "mla::bwd::pre::kGeometry")
+BACKWARD_DQ_EXPORTS = ("mla::bwd::post_dq::kParamLayout", "mla::bwd::post_dq::kParamNames",
+                       "mla::bwd::post_dq::kGeometry")
+BACKWARD_ROPE_EXPORTS = ("mla::bwd::post_rope::kParamLayout", "mla::bwd::post_rope::kParamNames",
+                         "mla::bwd::post_rope::kGeometry")
+#: dq_accum's layouts (kernels/mla_backward_prepost.cu: DqLayout): row-major, the Hopper kernel's
+BACKWARD_DQ_LAYOUTS = ("mla::bwd::kDqRowMajor", "mla::bwd::kDqWgmma")
+
+
+def backward_main_exports(kernel: str) -> Tuple[str, str, str]:
+    ns = BACKWARD_MAIN[kernel][1]
+    return (f"{ns}::kParamLayout", f"{ns}::kParamNames", f"{ns}::kGeometry")
+
+
+def backward_main_name(kernel: str, dtype: np.dtype, mask: Mask) -> str:
+    return f"{BACKWARD_MAIN[kernel][1]}::mla_backward_kernel<{CPP_TYPE[np.dtype(dtype)]}, {mask.cpp_name}>"
+
+
+def backward_main(kernel: str, dtype: np.dtype, mask: Mask) -> Family:
+    """The backward main kernel of ``kernel`` (``'sm90'`` / ``'sm80'``) for (dtype, mask), with its exports."""
+    return BACKWARD_MAIN[kernel][0], (backward_main_name(kernel, dtype, mask),) + backward_main_exports(kernel)
+
+
+def backward_pre_name(dtype: np.dtype, out_dtype: np.dtype) -> str:
+    return f"mla::bwd::pre_kernel<{CPP_TYPE[np.dtype(dtype)]}, {CPP_TYPE[np.dtype(out_dtype)]}>"
+
+
+def backward_dq_name(dtype: np.dtype, layout: int) -> str:
+    return f"mla::bwd::dq_kernel<{CPP_TYPE[np.dtype(dtype)]}, {BACKWARD_DQ_LAYOUTS[layout]}>"
+
+
+def backward_rope_name(dtype: np.dtype) -> str:
+    return f"mla::bwd::rope_kernel<{CPP_TYPE[np.dtype(dtype)]}>"
+
+
+def backward_passes(dtype: np.dtype) -> Family:
+    """The pre-pass (dout's dtype with out in it or float32), the dq pass (either layout) and the
+    rope pass for ``dtype``, with each one's exports."""
+    names = tuple(backward_pre_name(dtype, o) for o in (dtype, FP32))
+    names += tuple(backward_dq_name(dtype, lay) for lay in range(len(BACKWARD_DQ_LAYOUTS)))
+    names += (backward_rope_name(dtype),) + BACKWARD_PRE_EXPORTS + BACKWARD_DQ_EXPORTS + BACKWARD_ROPE_EXPORTS
+    return BACKWARD_PASSES, names

@@ -1,0 +1,104 @@
+"""The backward of :func:`mla_cupy.mla_prefill`: ``mla_prefill_backward``."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from ._arrays import checkable, device_pointer, is_torch, read_back, result_wrapper, stream_ptr
+from ._backward import BackwardShape, backward_launch
+from ._checks import check_shape, dtype_of
+from ._select import choose_kernel, device_id
+from .masks import Mask
+from .paged import PagedKVCache
+from .prefill_plan import _q_start_i64
+from .validation import check_inputs
+from .workspace import empty_result
+
+__all__ = ["mla_prefill_backward"]
+
+
+def mla_prefill_backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *,
+                         scale: Optional[float] = None, mask: Optional[Mask] = None,
+                         q_max_seq_len: Optional[int] = None, cache_offsets=None, q_start_pos=None, dq=None,
+                         dk=None, dv=None, dk_rope=None, deterministic: bool = False, stream=None,
+                         validate: bool = True, kernel: str = "auto"):
+    """Gradients of :func:`mla_cupy.mla_prefill` with respect to q, k, v and the shared rope.
+
+    Parameters
+    ----------
+    dout : ``[Tq, H, 128]``, q's dtype
+        The gradient of the loss with respect to the forward's ``out``.
+    q, k, v, k_rope, valid_length, cache_row_offsets
+        The forward's inputs (``k_rope`` a plain ``[Tk, 1, 64]`` array: a paged cache is refused).
+    out, lse
+        The forward's results: ``out`` ``[Tq, H, 128]`` (q's dtype or float32) and its natural-log
+        ``lse`` ``[Tq, H]`` float32 (``mla_prefill(..., return_lse=True)``).
+    scale, mask, q_max_seq_len, cache_offsets, q_start_pos, stream, validate, kernel
+        As in :func:`mla_cupy.mla_prefill`.
+    dq, dk, dv, dk_rope : device arrays, optional
+        Where to write the gradients (``[Tq, H, 192]``, ``[Tk, H, 128]`` twice, ``[Tk, 1, 64]``, q's
+        dtype); allocated when not given.
+    deterministic : bool
+        dq summed over key blocks in a fixed order: the same bits on every run (slower).
+
+    Returns
+    -------
+    dq, dk, dv, dk_rope
+        ``dk_rope`` is the sum over heads of the rope part of each key's gradient.
+    """
+    launch, pointers, results, sp = prepare_backward(
+        dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, scale=scale, mask=mask,
+        q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, dq=dq, dk=dk, dv=dv,
+        dk_rope=dk_rope, deterministic=deterministic, stream=stream, validate=validate, kernel=kernel)
+    launch.launch(pointers, sp)
+    wrap = result_wrapper(q)
+    given = (dq, dk, dv, dk_rope)
+    return tuple(g if g is not None else wrap(r) for g, r in zip(given, results))
+
+
+
+
+def prepare_backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len,
+                     cache_offsets, q_start_pos, dq, dk, dv, dk_rope, deterministic, stream, validate, kernel):
+    """The checked call's launches, its data pointers, its result arrays (device views) and stream."""
+    if isinstance(k_rope, PagedKVCache):
+        raise ValueError("k_rope: the backward takes a plain [Tk, 1, 64] k_rope, not a PagedKVCache")
+    like = q if is_torch(q) else None
+    dout_c, q_c, k_c, v_c, rope_c, out_c, lse_c = (checkable(x, n) for x, n in (
+        (dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (k_rope, "k_rope"), (out, "out"), (lse, "lse")))
+    vl, cro = checkable(valid_length, "valid_length"), checkable(cache_row_offsets, "cache_row_offsets")
+    co = None if cache_offsets is None else checkable(cache_offsets, "cache_offsets")
+    qs = None if q_start_pos is None else checkable(q_start_pos, "q_start_pos")
+    p = check_inputs(q_c, k_c, v_c, rope_c, vl, cro, scale=scale, mask=mask, q_max_seq_len=q_max_seq_len,
+                     cache_offsets=co, q_start_pos=qs, out=out_c, out_dtype=dtype_of(out_c), validate=validate,
+                     device=True, read_offsets=True, lse=lse_c, kernel=kernel, api="mla_prefill_backward")
+    dtype = p.dtype
+    if dtype_of(dout_c) != dtype:
+        raise TypeError(f"dout: expected dtype {dtype} (the dtype of q), got {dtype_of(dout_c)}")
+    check_shape(dout_c, "dout", (p.tq, p.heads, 128), "[Tq, H, 128]")
+    check_shape(lse_c, "lse", (p.tq, p.heads), "[Tq, H]")
+    (cro_h,) = read_back([cro])
+    sk = np.diff(cro_h.astype(np.int64))
+    max_sk = int(sk.max()) if len(sk) else 0
+    dev = device_id()
+    kern = choose_kernel(kernel, False, dev)
+    sp = stream_ptr(stream, like is not None)
+    results = []
+    for given, shape, name in ((dq, (p.tq, p.heads, 192), "dq"), (dk, (p.tk, p.heads, 128), "dk"),
+                               (dv, (p.tk, p.heads, 128), "dv"), (dk_rope, (p.tk, 1, 64), "dk_rope")):
+        results.append(checkable(given, name) if given is not None else empty_result(shape, dtype, like, name))
+    dq_c, dk_c, dv_c, dkr_c = results
+    qs64 = _q_start_i64(qs)
+    cro_ptr = device_pointer(cro)
+    offsets = dict(q_offsets=device_pointer(vl), kv_begin=cro_ptr, kv_end=cro_ptr + 4, kv_end_last=cro_ptr + 4,
+                   cache_offsets=0 if co is None else device_pointer(co),
+                   q_start=0 if qs64 is None else device_pointer(qs64))
+    shape = BackwardShape(p.heads, p.tq, p.tk, p.batch, int(p.max_sq or 0), max_sk, dtype, dtype_of(out_c), p.mask,
+                          float(p.scale), kern, bool(deterministic), dev)
+    arrays = dict(q=q_c, k=k_c, v=v_c, k_rope=rope_c, dout=dout_c, out=out_c, lse=lse_c, dq=dq_c, dk=dk_c, dv=dv_c,
+                  dk_rope=dkr_c)
+    launch = backward_launch(shape, arrays, offsets)
+    # qs64 (an int32 q_start_pos widened) is kept alive by the launch's reference
+    launch.keep = (qs64,)
+    return launch, {n: device_pointer(a) for n, a in arrays.items()}, results, sp
