@@ -211,8 +211,80 @@ def main():
               f"({flops / min(res['cudnn']) / 1e9:.0f} TFLOP/s)", flush=True)
 
 
+def ab(base_dir: str, rounds: int = 7):
+    """The backward of the kernels under base_dir against the current ones, one process, interleaved
+    rounds in alternating order; median of per-round time ratios (current / base), spread, SM clock."""
+    import statistics
+
+    import _variant
+    from ab import NvmlSampler
+    from mla_cupy import _backward
+    from mla_cupy.backward import prepare_backward
+
+    specs = [("H128 1x4096", 128, [4096]), ("H128 1x8192", 128, [8192]), ("H16 1x8192", 16, [8192]),
+             ("H128 ragged 512..4096", 128, [512, 1024, 2048, 4096]), ("H128 1x2048", 128, [2048])]
+    with NvmlSampler() as nv:
+        for name, H, seqs in specs:
+            torch.manual_seed(0)
+            S = sum(seqs)
+            q = torch.randn(S, H, 192, device=dev, dtype=torch.bfloat16)
+            k = torch.randn(S, H, 128, device=dev, dtype=torch.bfloat16)
+            v = torch.randn(S, H, 128, device=dev, dtype=torch.bfloat16)
+            rope = torch.randn(S, 1, 64, device=dev, dtype=torch.bfloat16)
+            dout = torch.randn(S, H, 128, device=dev, dtype=torch.bfloat16)
+            vl = torch.tensor(np.cumsum([0] + seqs), dtype=torch.int32, device=dev)
+            out, lse = mla_cupy.mla_prefill(q, k, v, rope, vl, vl, return_lse=True)
+            variants = {}
+            for label, src in (("base", base_dir), ("new", None)):
+                saved = _variant.use_sources(src) if src else None
+                _backward._KERNELS.clear()
+                bufs = [torch.empty(s, device=dev, dtype=torch.bfloat16) for s in
+                        ((S, H, 192), (S, H, 128), (S, H, 128), (S, 1, 64))]
+                launch, ptrs, _r, sp = prepare_backward(
+                    dout, q, k, v, rope, out, lse, vl, vl, scale=None, mask=None, q_max_seq_len=max(seqs),
+                    cache_offsets=None, q_start_pos=None, dq=bufs[0], dk=bufs[1], dv=bufs[2], dk_rope=bufs[3],
+                    deterministic=False, stream=None, validate=False, kernel="auto")
+                ws = cp.empty((launch.ws_floats,), cp.float32)
+                variants[label] = (launch, ptrs, sp, ws, bufs)
+                if saved is not None:
+                    _variant.restore(saved)
+                _backward._KERNELS.clear()
+            for label, (launch, ptrs, sp, ws, bufs) in variants.items():
+                launch.launch(ptrs, sp, ws)
+            torch.cuda.synchronize()
+            diffs = [rel(a, b) for a, b in zip(variants["new"][4], variants["base"][4])]
+            flops = 2 * (192 + 128 + 128 + 192 + 192) * H * sum(s * (s + 1) / 2 for s in seqs)
+            times = {"base": [], "new": []}
+            mark = nv.mark()
+            for r in range(rounds):
+                order = ["base", "new"] if r % 2 == 0 else ["new", "base"]
+                for label in order:
+                    launch, ptrs, sp, ws, _ = variants[label]
+                    for _ in range(2):
+                        launch.launch(ptrs, sp, ws)
+                    reps = []
+                    for _ in range(5):
+                        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        st.record()
+                        launch.launch(ptrs, sp, ws)
+                        en.record()
+                        torch.cuda.synchronize()
+                        reps.append(st.elapsed_time(en))
+                    times[label].append(statistics.median(reps))
+            ratios = [n / b for n, b in zip(times["new"], times["base"])]
+            clk = nv.summary(mark)
+            print(f"{name:22s} new/base time {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}); "
+                  f"base {statistics.median(times['base']):.3f} ms = {flops / statistics.median(times['base']) / 1e9:.0f}"
+                  f" TFLOP/s, new {statistics.median(times['new']):.3f} ms = "
+                  f"{flops / statistics.median(times['new']) / 1e9:.0f}; SM {clk.get('sm_mhz_median', 0):.0f} MHz "
+                  f"({clk.get('sm_mhz_min', 0):.0f}-{clk.get('sm_mhz_max', 0):.0f}), {clk.get('power_w_median', 0):.0f} W;"
+                  f" new vs base rel diff {['%.1e' % d for d in diffs]}", flush=True)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "case":
         run_case(int(sys.argv[2]))
+    elif len(sys.argv) > 2 and sys.argv[1] == "ab":
+        ab(sys.argv[2])
     else:
         main()

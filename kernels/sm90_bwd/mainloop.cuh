@@ -143,32 +143,86 @@ struct Consumer {
     for (int i = 0; i < N; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
   }
 
-  __device__ __forceinline__ void step(const bwd::KeyTile& t, int m, float (&dk)[3][6][4], float (&dv)[2][6][4]) {
+  // wgmma descriptors (sm90/ptx.cuh) of the operands' first k-step, which desc_add moves through the
+  // k-steps (constant offsets: one add each).
+  __device__ __forceinline__ unsigned long long desc_k_s() const {  // S's B: this consumer's keys
+    return sm90::make_desc(sm.k() + cw * kWgKeys * 64, 16, 512, sm90::kDescSwizzle64);
+  }
+  __device__ __forceinline__ unsigned long long desc_v() const {  // dP's B
+    return sm90::make_desc(sm.v() + cw * kWgKeys * 128, 16, 1024);
+  }
+  __device__ __forceinline__ unsigned long long desc_keys(u32 tile) const {  // dV^T's and dK^T's B: P^T, dS^T rows
+    return sm90::make_desc(tile + cw * kWgKeys * 128, 16, 1024);
+  }
+
+  // S = Q K_c^T (12 k-steps of 16 over 192) and dP = dO V_c^T (8 over 128) of query block `it`, once
+  // its rows are in; two commit groups.
+  __device__ __forceinline__ void issue_s_dp(float (&sc)[6][4], float (&dp)[6][4]) const {
     using namespace sm90;
     using G = Wgmma<T>;
-    const WorkTile& w = t.w;
     const int s = it % kStages;
     const u32 parity = (it / kStages) & 1;
-    const u32 q = sm.q(s), dout = sm.dout(s), k = sm.k(), v = sm.v(), pt = sm.pt(), dst = sm.dst();
-
-    // 1. S = Q K_c^T (12 k-steps of 16 over 192) and dP = dO V_c^T (8 over 128)
-    float sc[6][4], dp[6][4];
+    const unsigned long long q = make_desc(sm.q(s), 16, 1024), dout = make_desc(sm.dout(s), 16, 1024);
+    const unsigned long long k = desc_k_s(), v = desc_v();
     mbar_wait(sm.q_full(s), parity);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kDqk / 16; ++kk)
-      G::template ss<0, 0>(sc, make_desc(q + (kk / 4) * kQBlk + (kk % 4) * 32, 16, 1024),
-                           make_desc(k + (kk / 2) * kKBlk + cw * kWgKeys * 64 + (kk % 2) * 32, 16, 512, kDescSwizzle64),
+      G::template ss<0, 0>(sc, desc_add(q, (kk / 4) * kQBlk + (kk % 4) * 32), desc_add(k, (kk / 2) * kKBlk + (kk % 2) * 32),
                            kk > 0);
     wgmma_commit();
     mbar_wait(sm.do_full(s), parity);
 #pragma unroll
     for (int kk = 0; kk < kDv / 16; ++kk)
-      G::template ss<0, 0>(dp, make_desc(dout + (kk / 4) * kQBlk + (kk % 4) * 32, 16, 1024),
-                           make_desc(v + (kk / 4) * kVBlk + cw * kWgKeys * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+      G::template ss<0, 0>(dp, desc_add(dout, (kk / 4) * kQBlk + (kk % 4) * 32),
+                           desc_add(v, (kk / 4) * kVBlk + (kk % 4) * 32), kk > 0);
     wgmma_commit();
+  }
 
-    // 2. P, then dS
+  // P = exp2(scale_log2 S - lse_log2) in place, packed to 16 bits; kMasked: 0 outside each row's
+  // visible columns [lo, hi) (a select: whatever S holds there).
+  template <bool kMasked>
+  __device__ __forceinline__ void probabilities(float (&sc)[6][4], const float (&lse)[2], const int (&lo)[2],
+                                                const int (&hi)[2], u32 (&packed)[6][2]) const {
+#pragma unroll
+    for (int nt = 0; nt < 6; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = fast_exp2(fmaf(sc[nt][e], p.scale_log2, -lse[e / 2]));
+        const int col = col_of(nt, e);
+        sc[nt][e] = !kMasked || (col >= lo[e / 2] && col < hi[e / 2]) ? x : 0.f;
+      }
+      packed[nt][0] = Elem<T>::pack(sc[nt][0], sc[nt][1]);
+      packed[nt][1] = Elem<T>::pack(sc[nt][2], sc[nt][3]);
+    }
+  }
+  // dS = P (dP - D) in dp, packed to 16 bits; kMasked: 0 outside the visible columns, by a select.
+  template <bool kMasked>
+  __device__ __forceinline__ void score_grads(const float (&sc)[6][4], float (&dp)[6][4], const float (&d)[2],
+                                              const int (&lo)[2], const int (&hi)[2], u32 (&packed)[6][2]) const {
+#pragma unroll
+    for (int nt = 0; nt < 6; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = sc[nt][e] * (dp[nt][e] - d[e / 2]);
+        const int col = col_of(nt, e);
+        dp[nt][e] = !kMasked || (col >= lo[e / 2] && col < hi[e / 2]) ? x : 0.f;
+      }
+      packed[nt][0] = Elem<T>::pack(dp[nt][0], dp[nt][1]);
+      packed[nt][1] = Elem<T>::pack(dp[nt][2], dp[nt][3]);
+    }
+  }
+
+  // Query block m.
+  __device__ __forceinline__ void step(const bwd::KeyTile& t, int m, float (&dk)[3][6][4], float (&dv)[2][6][4]) {
+    using namespace sm90;
+    using G = Wgmma<T>;
+    const WorkTile& w = t.w;
+    const int s = it % kStages;
+    float sc[6][4], dp[6][4];
+    issue_s_dp(sc, dp);
+
+    // P, then dS
     const int row0 = 16 * wi + lane / 4;  // the thread's rows row0, row0 + 8 of the query block
     const int qrow0 = m * kBlockM;        // the block's first row in the sequence
     const int key0 = t.n0 + cw * kWgKeys; // the consumer's first key in the sequence
@@ -181,38 +235,22 @@ struct Consumer {
     fence_operands(sc);
     const float lse[2] = {lds_f32(sm.lse(s) + 4 * row0), lds_f32(sm.lse(s) + 4 * (row0 + 8))};
     u32 packed[6][2];
-#pragma unroll
-    for (int nt = 0; nt < 6; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = fast_exp2(fmaf(sc[nt][e], p.scale_log2, -lse[e / 2]));
-        const int col = col_of(nt, e);
-        sc[nt][e] = full || (col >= lo[e / 2] && col < hi[e / 2]) ? x : 0.f;
-      }
-      packed[nt][0] = Elem<T>::pack(sc[nt][0], sc[nt][1]);
-      packed[nt][1] = Elem<T>::pack(sc[nt][2], sc[nt][3]);
-    }
+    if (full) probabilities<false>(sc, lse, lo, hi, packed);
+    else probabilities<true>(sc, lse, lo, hi, packed);
     both_consumers(kPdsFreeBar);  // both consumers' previous dQ (which read all of dS^T) complete
+    const u32 pt = sm.pt(), dst = sm.dst();
     store_transposed(pt, packed);
     wgmma_wait<0>();
     fence_operands(dp);
     const float d[2] = {lds_f32(sm.dpsum(s) + 4 * row0), lds_f32(sm.dpsum(s) + 4 * (row0 + 8))};
-#pragma unroll
-    for (int nt = 0; nt < 6; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = sc[nt][e] * (dp[nt][e] - d[e / 2]);
-        const int col = col_of(nt, e);
-        dp[nt][e] = full || (col >= lo[e / 2] && col < hi[e / 2]) ? x : 0.f;
-      }
-      packed[nt][0] = Elem<T>::pack(dp[nt][0], dp[nt][1]);
-      packed[nt][1] = Elem<T>::pack(dp[nt][2], dp[nt][3]);
-    }
+    if (full) score_grads<false>(sc, dp, d, lo, hi, packed);
+    else score_grads<true>(sc, dp, d, lo, hi, packed);
     store_transposed(dst, packed);
     fence_proxy_async();
     both_consumers(kPdsReadyBar);  // P^T, dS^T whole; both consumers' S and dP complete
     const int rows = w.sq - qrow0;
     if (rows < kBlockM) {  // the sequence's last query block: q's and dout's rows past it zeroed
+      const u32 q = sm.q(s), dout = sm.dout(s);
       zero_rows(kBlockM - rows, 5 * 8, [&](int r, int i) {
         const int blk = i / 8;
         return (blk < 3 ? q + blk * kQBlk : dout + (blk - 3) * kQBlk) + (rows + r) * 128 + (i % 8) * 16;
@@ -221,38 +259,35 @@ struct Consumer {
       both_consumers(kRowZeroBar);
     }
 
-    // 3. dV^T += dO^T P^T, dK^T += Q^T dS^T (4 k-steps of 16 queries), dQ = dS K (6 k-steps of 16 keys)
+    // dQ = dS K (6 k-steps of 16 keys) first, then dV^T += dO^T P^T and dK^T += Q^T dS^T (4 k-steps of
+    // 16 queries): two commit groups
+    float dq[12][4];
+    const unsigned long long dq_a = make_desc(dst, kPdsBytes, 1024);                          // dS, transposed
+    const unsigned long long dq_b = make_desc(sm.k() + 3 * cw * kKBlk, kKBlk, 512, kDescSwizzle64);  // K, transposed
     wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      G::template ss<1, 1>(dq, desc_add(dq_a, kk * 2048), desc_add(dq_b, kk * 1024), kk > 0);
+    wgmma_commit();
+    // dO and Q read transposed, P^T and dS^T rows of this consumer's keys
+    const unsigned long long dot = make_desc(sm.dout(s), kQBlk, 1024), qt = make_desc(sm.q(s), kQBlk, 1024);
+    const unsigned long long ptk = desc_keys(pt), dstk = desc_keys(dst);
 #pragma unroll
     for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        G::template ss<1, 0>(dv[mb], make_desc(dout + mb * kQBlk + kk * 2048, kQBlk, 1024),
-                             make_desc(pt + cw * kWgKeys * 128 + kk * 32, 16, 1024), 1);
+        G::template ss<1, 0>(dv[mb], desc_add(dot, mb * kQBlk + kk * 2048), desc_add(ptk, kk * 32), 1);
 #pragma unroll
     for (int mb = 0; mb < 3; ++mb)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        G::template ss<1, 0>(dk[mb], make_desc(q + mb * kQBlk + kk * 2048, kQBlk, 1024),
-                             make_desc(dst + cw * kWgKeys * 128 + kk * 32, 16, 1024), 1);
+        G::template ss<1, 0>(dk[mb], desc_add(qt, mb * kQBlk + kk * 2048), desc_add(dstk, kk * 32), 1);
     wgmma_commit();
-    float dq[12][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-      G::template ss<1, 1>(dq, make_desc(dst + kk * 2048, kPdsBytes, 1024),
-                           make_desc(k + 3 * cw * kKBlk + kk * 1024, kKBlk, 512, kDescSwizzle64), kk > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(dq);
-#pragma unroll
-    for (int mb = 0; mb < 2; ++mb) fence_operands(dv[mb]);
-#pragma unroll
-    for (int mb = 0; mb < 3; ++mb) fence_operands(dk[mb]);
-    release(sm.q_empty(s));
-    release(sm.do_empty(s));
-    ++it;
 
-    // 4. dq staged: float4 (n-tile nt, thread) at (nt * 128 + thread) * 16 bytes (post-pass: kDqWgmma)
+    // dq staged once dQ is done: float4 (n-tile nt, thread) at (nt * 128 + thread) * 16 bytes
+    // (post-pass: kDqWgmma), while dV^T and dK^T run
+    wgmma_wait<1>();
+    fence_operands(dq);
     mbar_wait(sm.dq_empty(cw), (staged & 1) ^ 1);  // the first pass does not wait
     ++staged;
     const u32 stage = sm.dq_stage(cw) + (threadIdx.x % 128) * 16;
@@ -263,6 +298,16 @@ struct Consumer {
                    : "memory");
     fence_proxy_async();
     mbar_arrive(sm.dq_full(cw));
+
+    // this block's rows released once dV^T and dK^T are done
+    ++it;
+    wgmma_wait<0>();
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb) fence_operands(dv[mb]);
+#pragma unroll
+    for (int mb = 0; mb < 3; ++mb) fence_operands(dk[mb]);
+    release(sm.q_empty(s));
+    release(sm.do_empty(s));
   }
 
   static __device__ __forceinline__ float lds_f32(u32 addr) {
