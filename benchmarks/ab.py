@@ -307,14 +307,14 @@ def _ours_fp8(case: BenchCase, sets, opts, e4m3_rope: bool = False) -> Impl:
     each call is given the quantizer's V^T (made with the inputs, outside the timed calls). Other
     options as ``ours`` (``paged=P`` and ``shift=S``: the quantizer's bf16 rope in a PagedKVCache; per
     token only). ``e4m3_rope``: the all-e4m3 mode (an fp8 plan with ``fp8_rope=True``)."""
+    if "paged" in opts and (e4m3_rope or len(case.sq) > 1):
+        raise SystemExit("ours-fp8:paged=P takes one-sequence cases, per token (an e4m3 rope is plain only)")
     import cupy as cp
 
     import mla_cupy
     from mla_cupy import quant
     from mla_cupy._arrays import BF16
 
-    if "paged" in opts and (e4m3_rope or len(case.sq) > 1):
-        raise SystemExit("ours-fp8:paged=P takes one-sequence cases, per token (an e4m3 rope is plain only)")
     mask = case.mask
     if "pkg" in opts:
         mla_cupy = _package(opts["pkg"])

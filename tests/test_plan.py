@@ -404,7 +404,7 @@ def test_raw_streams_become_cupy_streams_without_deprecated_classes():
     No package module builds an ``ExternalStream`` itself."""
     import warnings
 
-    import cupy
+    cupy = pytest.importorskip("cupy", reason="CuPy's stream classes: needs CuPy (not a GPU)")
 
     from mla_cupy import _arrays
 
