@@ -15,10 +15,10 @@
 #                            every mask, paged aligned and gathered, epilogue merge, merge_states, NaN
 #                            isolation, fp8 per token, fp8 rope plain and paged, the V^T pre-pass, the
 #                            quantizers); SUBSET='<pytest -k expression>' replaces the subset
-#   bench [BENCH ARGS...]    `mla-cupy bench` over the default matrix (JSON and plot into --out), then
-#                            the paged-rope and merge timings
-#   host [BENCH ARGS...]     `mla-cupy bench --host`: host time per call of every entry point (CuPy and
-#                            torch) beside the peers' calls (JSON into --out)
+#   bench [ARGS...]          benchmarks/matrix.py: the bench matrix, ours and the peers (JSON and plot
+#                            into --out), then the paged-rope and merge timings
+#   host [ARGS...]           benchmarks/matrix.py --host: host time per call of every entry point (CuPy
+#                            and torch) beside the peers' calls (JSON into --out)
 #   e2e [ARGS...]            benchmarks/transformers_e2e.py: a DeepSeek-V3-shaped transformers model's
 #                            prefill at 1k, 4k and 16k tokens, mla_cupy against sdpa and eager (JSON
 #                            into --out)
@@ -177,13 +177,13 @@ case "$MODE" in
     step_shown "fuzz-$(STAMP)" "${FUZZ[@]}" --count "$N" --budget-s $((STEP_S - 90)) "$@" ;;
   sanitize) sanitize_tools "$@" ;;
   bench)
-    step bench "$PY" -m mla_cupy bench --json "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png" --reps 20 \
+    step bench "$PY" benchmarks/matrix.py --json "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png" --reps 20 \
       --no-progress "$@"
     summary "device|matmul|mla_cupy|fa3|Error" bench 40
     step paged_merge "$PY" benchmarks/paged_merge_bench.py
     cat "$OUT_DIR/paged_merge.log" ;;
   host)
-    step_shown host "$PY" -m mla_cupy bench --host --json "$OUT_DIR/host.json" "$@" ;;
+    step_shown host "$PY" benchmarks/matrix.py --host --json "$OUT_DIR/host.json" "$@" ;;
   e2e)
     step_shown e2e "$PY" benchmarks/transformers_e2e.py --json "$OUT_DIR/e2e.json" "$@" ;;
   ab)
