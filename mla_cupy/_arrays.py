@@ -337,14 +337,17 @@ def read_back(arrays: Sequence[Any]) -> List[Optional[np.ndarray]]:
 
 def device_pointer(x: Any) -> int:
     """The data pointer of a device array: CuPy's ``.data.ptr``, torch's ``data_ptr()``, else
-    ``__cuda_array_interface__``."""
+    ``__cuda_array_interface__``; of a NumPy array (the reference's layout checks), its address."""
     t = type(x)
     kind = _KINDS.get(t) or _kind(t)
     if kind == _CUPY_ARRAY:
         return x.data.ptr
     if kind == _TORCH:
         return x.data_ptr()
-    return int(x.__cuda_array_interface__["data"][0])
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None and isinstance(x, np.ndarray):
+        return int(x.__array_interface__["data"][0])
+    return int(cai["data"][0])
 
 
 # ---------------------------------------------------------------------------------------------
