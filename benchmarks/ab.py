@@ -691,6 +691,23 @@ def format_case(res: dict, base: str) -> List[str]:
     return lines
 
 
+def checkout_commit() -> str:
+    """The commit of the checkout this script runs from (``git rev-parse --short HEAD``), with
+    ``+modified`` when kernels/ or mla_cupy/ differ from it; ``"unknown"`` outside a git checkout."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kernels", "mla_cupy"], cwd=root,
+                               timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return rev + ("+modified" if dirty else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -727,6 +744,7 @@ def main(argv=None) -> int:
                 cp.cuda.Device().synchronize()
         return 0
     results = []
+    run_info = dict(bench.device_info(), commit=checkout_commit(), command=" ".join(["benchmarks/ab.py", *sys.argv[1:]]))
     with NvmlSampler(hz=a.nvml_hz) as sampler:
         print(f"| case | impl | ms | TFLOP/s | time / time of {specs[0]} (> 1: {specs[0]} faster; median of {a.rounds} rounds, min-max) "
               f"| rel err | clock during the case |", flush=True)
@@ -737,7 +755,7 @@ def main(argv=None) -> int:
             print("\n".join(format_case(res, specs[0])), flush=True)
             if a.out:
                 with open(a.out, "w") as f:
-                    json.dump({"impls": specs, "rounds": a.rounds, "reps": a.reps, "results": results,
+                    json.dump({**run_info, "impls": specs, "rounds": a.rounds, "reps": a.reps, "results": results,
                                "clock_all": sampler.summary()}, f, indent=1)
         whole = sampler.summary()
     if a.energy > 0:
