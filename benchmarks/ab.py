@@ -78,6 +78,7 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
+import peers
 from mla_cupy import bench
 from mla_cupy.bench import BenchCase, DEFAULT_CASES
 from mla_cupy.dims import DV
@@ -307,14 +308,14 @@ def _ours_fp8(case: BenchCase, sets, opts, e4m3_rope: bool = False) -> Impl:
     each call is given the quantizer's V^T (made with the inputs, outside the timed calls). Other
     options as ``ours`` (``paged=P`` and ``shift=S``: the quantizer's bf16 rope in a PagedKVCache; per
     token only). ``e4m3_rope``: the all-e4m3 mode (an fp8 plan with ``fp8_rope=True``)."""
+    if "paged" in opts and (e4m3_rope or len(case.sq) > 1):
+        raise SystemExit("ours-fp8:paged=P takes one-sequence cases, per token (an e4m3 rope is plain only)")
     import cupy as cp
 
     import mla_cupy
     from mla_cupy import quant
     from mla_cupy._arrays import BF16
 
-    if "paged" in opts and (e4m3_rope or len(case.sq) > 1):
-        raise SystemExit("ours-fp8:paged=P takes one-sequence cases, per token (an e4m3 rope is plain only)")
     mask = case.mask
     if "pkg" in opts:
         mla_cupy = _package(opts["pkg"])
@@ -364,7 +365,7 @@ class _KBuiltEachCall:
         self.tx, self.heads = tx, heads
 
     def __getitem__(self, i):
-        return bench.k192_of(self.tx[i], self.heads)
+        return peers.k192_of(self.tx[i], self.heads)
 
 
 def _from_torch(outs: List[object]) -> Callable[[int], object]:
@@ -379,22 +380,22 @@ def _from_torch(outs: List[object]) -> Callable[[int], object]:
 
 
 def _fa3(case: BenchCase, sets, opts, *, kbuild: bool, fp8: bool = False) -> Impl:
-    """FlashAttention-3's varlen call (``bench.fa3_varlen_call``) on K at 192 width, built before
+    """FlashAttention-3's varlen call (``peers.fa3_varlen_call``) on K at 192 width, built before
     the timed calls or (``kbuild``) inside each; ``fp8``: q, K and v in e4m3 with descales per
-    (sequence, head) (``bench.quantize_per_batch_head``, not timed)."""
-    found = bench.fa3_function()
+    (sequence, head) (``peers.quantize_per_batch_head``, not timed)."""
+    found = peers.fa3_function()
     if found is None:
-        raise LeftOut(f"FlashAttention-3 does not import (one of {bench.FA3_MODULES})")
+        raise LeftOut(f"FlashAttention-3 does not import (one of {peers.FA3_MODULES})")
     fn = found[0]
     tx = _torch_sets(sets)
-    k192 = [bench.k192_of(t, case.heads) for t in tx]
+    k192 = [peers.k192_of(t, case.heads) for t in tx]
     qs, ks, vs = [t["q"] for t in tx], (_KBuiltEachCall(tx, case.heads) if kbuild else k192), [t["v"] for t in tx]
     kw_of = lambda i: {}  # noqa: E731
     if fp8:
-        q8, k8, v8 = bench.quantize_inputs(case, qs, k192, vs)
+        q8, k8, v8 = peers.quantize_inputs(case, qs, k192, vs)
         qs, ks, vs = [q for q, _ in q8], [k for k, _ in k8], [v for v, _ in v8]
         kw_of = lambda i: dict(q_descale=q8[i][1], k_descale=k8[i][1], v_descale=v8[i][1])  # noqa: E731
-    fa3 = bench.fa3_varlen_call(case, fn, qs, ks, vs, kw_of)
+    fa3 = peers.fa3_varlen_call(case, fn, qs, ks, vs, kw_of)
     outs: List[object] = [None] * len(sets)
 
     def call(i):
@@ -409,13 +410,13 @@ def _cudnn(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     tx = _torch_sets(sets)
-    k192 = [bench.k192_of(t, case.heads) for t in tx]
+    k192 = [peers.k192_of(t, case.heads) for t in tx]
     outs: List[object] = [None] * len(sets)
 
     def call(i):
         t = tx[i]
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), torch.no_grad():
-            outs[i] = bench.sdpa_per_sequence(case, t, bench.k192_of(t, case.heads) if kbuild else k192[i])
+            outs[i] = peers.sdpa_per_sequence(case, t, peers.k192_of(t, case.heads) if kbuild else k192[i])
         return outs[i]
 
     def output(i):
@@ -432,41 +433,41 @@ class LeftOut(Exception):
 
 
 def _cudnn_ragged(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
-    fn = bench.cudnn_sdpa_function()
+    fn = peers.cudnn_sdpa_function()
     if fn is None:
-        raise LeftOut(f"the cuDNN frontend (module cudnn) does not import; {bench.CUDNN_FRONTEND_HINT}")
+        raise LeftOut(f"the cuDNN frontend (module cudnn) does not import; {peers.CUDNN_FRONTEND_HINT}")
     try:
-        attn = bench.cudnn_ragged_fn(case, fn, "cuda")
+        attn = peers.cudnn_ragged_fn(case, fn, "cuda")
     except ValueError as exc:
         raise LeftOut(str(exc)) from None
     import torch
 
     tx = _torch_sets(sets)
-    k192 = [bench.k192_of(t, case.heads) for t in tx]
+    k192 = [peers.k192_of(t, case.heads) for t in tx]
     outs: List[object] = [None] * len(sets)
 
     def call(i):
         t = tx[i]
         with torch.no_grad():
-            outs[i] = attn(t["q"], bench.k192_of(t, case.heads) if kbuild else k192[i], t["v"])
+            outs[i] = attn(t["q"], peers.k192_of(t, case.heads) if kbuild else k192[i], t["v"])
         return outs[i]
 
     return call, _from_torch(outs)
 
 
 def _cudnn_fp8(case: BenchCase, sets, opts) -> Impl:
-    """cuDNN's fp8 SDPA graph (``bench.cudnn_fp8_fn``): q, K at 192 and v in e4m3 with one descale
-    per tensor (``bench.quantize_per_tensor``, not timed), bf16 out, one execution per batch."""
-    if bench.cudnn_sdpa_function() is None:
-        raise LeftOut(f"the cuDNN frontend (module cudnn) does not import; {bench.CUDNN_FRONTEND_HINT}")
+    """cuDNN's fp8 SDPA graph (``peers.cudnn_fp8_fn``): q, K at 192 and v in e4m3 with one descale
+    per tensor (``peers.quantize_per_tensor``, not timed), bf16 out, one execution per batch."""
+    if peers.cudnn_sdpa_function() is None:
+        raise LeftOut(f"the cuDNN frontend (module cudnn) does not import; {peers.CUDNN_FRONTEND_HINT}")
     try:
-        attn = bench.cudnn_fp8_fn(case, "cuda")
+        attn = peers.cudnn_fp8_fn(case, "cuda")
     except ValueError as exc:
         raise LeftOut(str(exc)) from None
     tx = _torch_sets(sets)
-    q8, k8, v8 = bench.quantize_inputs(case, [t["q"] for t in tx], [bench.k192_of(t, case.heads) for t in tx],
+    q8, k8, v8 = peers.quantize_inputs(case, [t["q"] for t in tx], [peers.k192_of(t, case.heads) for t in tx],
                                        [t["v"] for t in tx], per_tensor=True)
-    cudnn = bench.cudnn_fp8_call(case, attn, q8, k8, v8)
+    cudnn = peers.cudnn_fp8_call(case, attn, q8, k8, v8)
     outs: List[object] = [None] * len(sets)
 
     def call(i):
@@ -478,7 +479,7 @@ def _cudnn_fp8(case: BenchCase, sets, opts) -> Impl:
 
 def _kbuild(case: BenchCase, sets, opts) -> Impl:
     tx = _torch_sets(sets)
-    return (lambda i: bench.k192_of(tx[i], case.heads)), None
+    return (lambda i: peers.k192_of(tx[i], case.heads)), None
 
 
 FACTORIES: Dict[str, Callable[..., Impl]] = {
@@ -576,7 +577,7 @@ def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler:
     import cupy as cp
 
     n = bench.n_input_sets(case)
-    sets = [bench._inputs(case, seed) for seed in range(n)]
+    sets = [bench.make_inputs(case, seed) for seed in range(n)]
     impls = {}
     errors = {}
     failed = {}
@@ -690,6 +691,23 @@ def format_case(res: dict, base: str) -> List[str]:
     return lines
 
 
+def checkout_commit() -> str:
+    """The commit of the checkout this script runs from (``git rev-parse --short HEAD``), with
+    ``+modified`` when kernels/ or mla_cupy/ differ from it; ``"unknown"`` outside a git checkout."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kernels", "mla_cupy"], cwd=root,
+                               timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return rev + ("+modified" if dirty else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -713,7 +731,7 @@ def main(argv=None) -> int:
         import cupy as cp
 
         for case in cases:
-            sets = [bench._inputs(case, 0)]
+            sets = [bench.make_inputs(case, 0)]
             for spec in specs:
                 base, opts = parse_impl(spec)
                 try:
@@ -726,6 +744,7 @@ def main(argv=None) -> int:
                 cp.cuda.Device().synchronize()
         return 0
     results = []
+    run_info = dict(bench.device_info(), commit=checkout_commit(), command=" ".join(["benchmarks/ab.py", *sys.argv[1:]]))
     with NvmlSampler(hz=a.nvml_hz) as sampler:
         print(f"| case | impl | ms | TFLOP/s | time / time of {specs[0]} (> 1: {specs[0]} faster; median of {a.rounds} rounds, min-max) "
               f"| rel err | clock during the case |", flush=True)
@@ -736,7 +755,7 @@ def main(argv=None) -> int:
             print("\n".join(format_case(res, specs[0])), flush=True)
             if a.out:
                 with open(a.out, "w") as f:
-                    json.dump({"impls": specs, "rounds": a.rounds, "reps": a.reps, "results": results,
+                    json.dump({**run_info, "impls": specs, "rounds": a.rounds, "reps": a.reps, "results": results,
                                "clock_all": sampler.summary()}, f, indent=1)
         whole = sampler.summary()
     if a.energy > 0:

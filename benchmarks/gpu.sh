@@ -15,13 +15,16 @@
 #                            every mask, paged aligned and gathered, epilogue merge, merge_states, NaN
 #                            isolation, fp8 per token, fp8 rope plain and paged, the V^T pre-pass, the
 #                            quantizers); SUBSET='<pytest -k expression>' replaces the subset
-#   bench [BENCH ARGS...]    `mla-cupy bench` over the default matrix (JSON and plot into --out), then
-#                            the paged-rope and merge timings
-#   host [BENCH ARGS...]     `mla-cupy bench --host`: host time per call of every entry point (CuPy and
-#                            torch) beside the peers' calls (JSON into --out)
+#   bench [ARGS...]          benchmarks/matrix.py: the bench matrix, ours and the peers (JSON and plot
+#                            into --out), then the paged-rope and merge timings
+#   host [ARGS...]           benchmarks/matrix.py --host: host time per call of every entry point (CuPy
+#                            and torch) beside the peers' calls (JSON into --out)
 #   e2e [ARGS...]            benchmarks/transformers_e2e.py: a DeepSeek-V3-shaped transformers model's
 #                            prefill at 1k, 4k and 16k tokens, mla_cupy against sdpa and eager (JSON
 #                            into --out)
+#   perf [ARGS...]           the README's performance run: benchmarks/ab.py over the README's cases, ours
+#                            against FlashAttention-3 (needs --wheels), 7 rounds, into --out/perf.json;
+#                            then, on any machine: python benchmarks/perf_plot.py DIR/perf.json
 #   ab [ARGS...]             benchmarks/ab.py ARGS (implementations timed in one process)
 #   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
 #                            bench case (`mla-cupy bench --list`) or fp8 / e4m3 / bf16 / paged / pagedP (pages of P;
@@ -72,7 +75,7 @@ done
 [ $# -ge 1 ] || usage 2
 MODE=$1; shift
 case "$MODE" in
-  suite|fuzz|sanitize|bench|host|e2e|ab|ncu|probe|compile|verify) ;;
+  suite|fuzz|sanitize|bench|host|e2e|perf|ab|ncu|probe|compile|verify) ;;
   *) echo "gpu.sh: unknown mode $MODE" >&2; usage 2 ;;
 esac
 
@@ -177,15 +180,19 @@ case "$MODE" in
     step_shown "fuzz-$(STAMP)" "${FUZZ[@]}" --count "$N" --budget-s $((STEP_S - 90)) "$@" ;;
   sanitize) sanitize_tools "$@" ;;
   bench)
-    step bench "$PY" -m mla_cupy bench --json "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png" --reps 20 \
+    step bench "$PY" benchmarks/matrix.py --json "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png" --reps 20 \
       --no-progress "$@"
     summary "device|matmul|mla_cupy|fa3|Error" bench 40
     step paged_merge "$PY" benchmarks/paged_merge_bench.py
     cat "$OUT_DIR/paged_merge.log" ;;
   host)
-    step_shown host "$PY" -m mla_cupy bench --host --json "$OUT_DIR/host.json" "$@" ;;
+    step_shown host "$PY" benchmarks/matrix.py --host --json "$OUT_DIR/host.json" "$@" ;;
   e2e)
     step_shown e2e "$PY" benchmarks/transformers_e2e.py --json "$OUT_DIR/e2e.json" "$@" ;;
+  perf)
+    PERF_CASES=1x512,1x1024,1x2048,1x4096,1x8192,1x16384,1x32768,4x2048,16x512,64x128,ragged,ragged-300+5000+77+1500,1024+ctx8192,H16-1x8192,H16-1x16384,noncausal-1x4096
+    step_shown perf "$PY" benchmarks/ab.py --impls ours,fa3,fa3+kbuild --cases "$PERF_CASES" --rounds 7 \
+      --out "$OUT_DIR/perf.json" "$@" ;;
   ab)
     step ab "$PY" benchmarks/ab.py "$@"
     cat "$OUT_DIR/ab.log" ;;

@@ -10,8 +10,12 @@ kind of array it passed:
 2. the device check: every array must be a device array (a NumPy array is told how to move);
 3. the device layout: strides and alignment for vector and TMA loads, one device for all.
 
-The same checks serve the device API (``device=True``: 16-bit inputs) and the NumPy reference
-(``device=False``: any float dtype, any strides, no steps 2 and 3).
+The same checks serve the device API (``device=True``) and the NumPy reference (``device=False``).
+Given the kernels' inputs (16-bit, or the fp8 variants' e4m3 bytes), the reference makes every
+check of the device API but the device check (step 2), with the same messages, so that what runs
+on the reference runs on a GPU. What the reference takes beyond them: inputs in a wider float dtype
+(float32, float64: the oracle's), where the dtype and layout checks of the kernels do not apply,
+and float64 results (``out``, ``out_dtype``, ``lse``), whose messages then name float64 too.
 """
 from __future__ import annotations
 
@@ -111,10 +115,17 @@ def variant_of(fp8: bool, fp8_rope: bool) -> str:
 # step 1: metadata and values
 
 
+def kernel_dtypes(dtype: np.dtype, device: bool) -> bool:
+    """Whether the checks of the kernels' dtypes apply to a call whose q (or rope) is of ``dtype``:
+    always on the device; for the reference, when it is a dtype the kernels take (bfloat16,
+    float16)."""
+    return device or dtype in DEVICE_DTYPES
+
+
 def check_qkv(q, k, v, *, device: bool) -> Tuple[int, int, int, np.dtype]:
-    """q ``[Tq, H, 192]``, k and v ``[Tk, H, 128]``, one float dtype. Returns (Tq, H, Tk, dtype)."""
-    float_dtypes = DEVICE_DTYPES if device else None
-    check_array(q, "q", 3, float_dtypes)
+    """q ``[Tq, H, 192]``, k and v ``[Tk, H, 128]``, one float dtype (any float dtype for the
+    reference, whose 16-bit inputs are checked as the device's). Returns (Tq, H, Tk, dtype)."""
+    check_array(q, "q", 3, DEVICE_DTYPES if device else None)
     tq, heads, dqk = (int(n) for n in q.shape)
     if dqk != DQK:
         raise ValueError(f"q: expected head size Dqk = {DQK} (Dv {DV} + Dr {DR}), got {dqk}")
@@ -123,9 +134,10 @@ def check_qkv(q, k, v, *, device: bool) -> Tuple[int, int, int, np.dtype]:
     dtype = dtype_of(q)
     if not device and dtype.kind not in "fV":
         raise TypeError(f"q: expected a floating-point dtype, got {dtype.name}")
+    strict = kernel_dtypes(dtype, device)
     for name, x in (("k", k), ("v", v)):
-        check_array(x, name, 3, float_dtypes)
-        if device and dtype_of(x) != dtype:
+        check_array(x, name, 3, DEVICE_DTYPES if strict else None)
+        if strict and dtype_of(x) != dtype:
             raise TypeError(f"{name}: expected dtype {dtype.name} (the dtype of q), got {dtype_of(x).name}")
     tk = int(k.shape[0])
     check_shape(k, "k", (None, heads, DV), f"[Tk, H, Dv] with H = {heads} from q and Dv = {DV}")
@@ -147,13 +159,14 @@ def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, dev
     plain ``[Tk, 1, 64]`` k_rope without scales. Returns whether the rope is fp8."""
     if fp8 and _check_fp8_rope_kind(k_rope, k_rope_scales, tk, all_e4m3, device):
         return True
-    strict = device or fp8
-    rope_dtypes = (DEVICE_DTYPES + ((U8,) if dtype == BF16 and not fp8 else ())) if strict else None
+    strict = fp8 or kernel_dtypes(dtype, device)
+    e4m3 = (U8,) if device else (U8,) + ((FP8_E4M3,) if FP8_E4M3 is not None else ())  # the host's e4m3 dtype too
+    rope_dtypes = (DEVICE_DTYPES + (e4m3 if dtype == BF16 and not fp8 else ())) if strict else None
     if isinstance(k_rope, PagedKVCache):
         blocks = k_rope.blocks
         check_array(blocks, "k_rope.blocks", 4, rope_dtypes)
         fp8_rope = _is_fp8(blocks, device)
-        if strict and dtype_of(blocks) not in (dtype, U8):
+        if strict and dtype_of(blocks) not in (dtype,) + e4m3:
             raise TypeError(f"k_rope.blocks: expected dtype {dtype.name} (the dtype of q), got {dtype_of(blocks).name}")
         check_shape(blocks, "k_rope.blocks", (None, k_rope.page_size, 1, None),
                     f"[num_blocks, page_size, 1, Dc] with page_size = {k_rope.page_size}")
@@ -171,7 +184,7 @@ def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, dev
     else:
         check_array(k_rope, "k_rope", 3, rope_dtypes)
         fp8_rope = _is_fp8(k_rope, device)
-        if strict and dtype_of(k_rope) not in (dtype, U8):
+        if strict and dtype_of(k_rope) not in (dtype,) + e4m3:
             raise TypeError(f"k_rope: expected dtype {dtype.name} (the dtype of q), got {dtype_of(k_rope).name}")
         check_shape(k_rope, "k_rope", (tk, 1, DR), f"[Tk, 1, Dr] with Tk = {tk} from k and Dr = {DR}")
         if fp8_rope:
@@ -226,6 +239,8 @@ def check_out_dtype(out, out_dtype, dtype: np.dtype, *, device: bool) -> np.dtyp
     out_dtype = np.dtype(out_dtype)
     if device and out_dtype not in (dtype, FP32):
         raise TypeError(f"out_dtype: expected {dtype.name} (the dtype of q) or float32, got {out_dtype.name}")
+    if not device and kernel_dtypes(dtype, device) and out_dtype not in (dtype, FP32, np.dtype(np.float64)):
+        raise TypeError(f"out_dtype: expected {dtype.name} (the dtype of q) or float32 or float64, got {out_dtype.name}")
     return out_dtype
 
 
@@ -335,24 +350,26 @@ def check_grid(max_sq: int, batch: int, heads: int) -> None:
 
 def check_merge_inputs(out_a, lse_a, out_b, lse_b, *, device: bool) -> None:
     """The partial results of ``merge_states``: ``out_a`` / ``out_b`` ``[T, H, Dv]`` of one dtype
-    (float32, bfloat16 or float16 on the device; any float dtype for the reference), ``lse_a`` /
-    ``lse_b`` ``[T, H]`` float32 (the reference: also float64). ``device``: also the kernel's layout."""
-    dtypes = (FP32,) + DEVICE_DTYPES if device else None
+    (float32, bfloat16 or float16 on the device; any float dtype for the reference, which checks
+    those three as the device does), ``lse_a`` / ``lse_b`` ``[T, H]`` float32 (the reference: also
+    float64), and the kernel's layout."""
+    dtypes = (FP32,) + DEVICE_DTYPES
     lse_dtypes = (FP32,) if device else (FP32, np.dtype(np.float64))
-    check_array(out_a, "out_a", 3, dtypes)
-    if device:
+    check_array(out_a, "out_a", 3, dtypes if device else None)
+    strict = device or dtype_of(out_a) in dtypes  # the kernel's partial results: its checks, on the host too
+    if strict:
         check_layout(out_a, "out_a")
     t, h, dv = (int(n) for n in out_a.shape)
-    if device and dv % 4:
+    if strict and dv % 4:
         raise ValueError(f"out_a: the last dimension must be a multiple of 4, got {dv}")
-    check_array(out_b, "out_b", 3, (dtype_of(out_a),) if device else None)
-    if device:
+    check_array(out_b, "out_b", 3, (dtype_of(out_a),) if strict else None)
+    if strict:
         check_layout(out_b, "out_b")
     check_shape(out_b, "out_b", (t, h, dv), "the shape of out_a")
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
         check_array(x, name, 2, lse_dtypes)
         check_shape(x, name, (t, h), "[T, H] matching out_a")
-        if device and x.size and int(x.strides[1]) != 4:
+        if strict and x.size and int(x.strides[1]) != dtype_of(x).itemsize:
             raise ValueError(f"{name}: the last dimension must be contiguous, got strides {tuple(x.strides)}")
 
 
@@ -403,8 +420,10 @@ def check_rope_layout(k_rope) -> None:
 
 
 def check_lse_layout(lse, heads: int) -> None:
-    if lse is not None and heads > 1 and lse.shape[0] > 0 and int(lse.strides[1]) != 4:
-        raise ValueError(f"lse: the head dimension must be contiguous (stride 4 bytes), got strides {tuple(lse.strides)}")
+    item = dtype_of(lse).itemsize if lse is not None else 4  # float32 (the reference: also float64)
+    if lse is not None and heads > 1 and lse.shape[0] > 0 and int(lse.strides[1]) != item:
+        raise ValueError(f"lse: the head dimension must be contiguous (stride {item} bytes), got strides "
+                         f"{tuple(lse.strides)}")
 
 
 def check_same_device(arrays) -> None:
@@ -497,6 +516,11 @@ def check_inputs(
             p = replace(p, max_sq=max_sq)
         p = with_key_offsets(p, cro)
     if not device:
+        if kernel_dtypes(dtype, device):  # the kernels' inputs on the host: their layout checks too
+            check_layouts(q, k, v, k_rope, fp8, (valid_length, cache_row_offsets, cache_offsets, q_start_pos), out,
+                          lse, heads)
+            if max_sq is not None:
+                check_grid(max_sq, batch, heads)
         return p
 
     named = [("q_nope" if fp8 is not None else "q", q)]
@@ -505,21 +529,27 @@ def check_inputs(
     named += [("valid_length", valid_length), ("cache_row_offsets", cache_row_offsets), ("cache_offsets", cache_offsets),
               ("q_start_pos", q_start_pos), ("out", out), ("lse", lse)]
     require_devices(named, api)
+    check_layouts(q, k, v, k_rope, fp8, (valid_length, cache_row_offsets, cache_offsets, q_start_pos), out, lse, heads)
+    check_same_device([x for _, x in named])
+    if max_sq is not None:
+        check_grid(max_sq, batch, heads)
+    return p
 
+
+def check_layouts(q, k, v, k_rope, fp8: Optional[tuple], offsets: Sequence[Any], out: Any, lse: Any,
+                  heads: int) -> None:
+    """Step 3 (without the one-device check): the layout the kernels read, of every array of a
+    call whose other checks passed; ``offsets`` are valid_length, cache_row_offsets, cache_offsets
+    and q_start_pos (None where not given)."""
     if fp8 is not None:
         check_fp8_layout(q, fp8[0], k, fp8[2], v)
     else:
         for name, x in (("q", q), ("k", k), ("v", v)):
             check_layout(x, name)
     check_rope_layout(k_rope)
-    for name, x in (("valid_length", valid_length), ("cache_row_offsets", cache_row_offsets),
-                    ("cache_offsets", cache_offsets), ("q_start_pos", q_start_pos)):
+    for name, x in zip(("valid_length", "cache_row_offsets", "cache_offsets", "q_start_pos"), offsets):
         if x is not None:
             check_offsets_layout(x, name)
     if out is not None:
         check_layout(out, "out")
     check_lse_layout(lse, heads)
-    check_same_device([x for _, x in named])
-    if max_sq is not None:
-        check_grid(max_sq, batch, heads)
-    return p
