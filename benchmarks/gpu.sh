@@ -51,8 +51,9 @@
 #
 # Options:
 #   --out DIR        where logs and results go (default ./gpu-logs)
-#   --wheels DIR     install the wheels in DIR (the bench peers FlashAttention-3's fa3-fwd and
-#                    nvidia-cudnn-frontend; README) into DIR/site without an index, and put it on PYTHONPATH
+#   --wheels DIR     install the wheels in DIR (the bench peers: FlashAttention-3's fa3-fwd,
+#                    nvidia-cudnn-frontend, FlashAttention-4's flash-attn-4 with nvidia-cutlass-dsl and its
+#                    libraries; docs/development.md) into DIR/site without an index, and put it on PYTHONPATH
 #   --timeout S      limit of each step in seconds (default 540; each sanitizer tool is one step)
 #
 # Environment: PYTHON (default python3); NCU and SANITIZER name the tools when they are neither on
@@ -90,6 +91,8 @@ if [ -n "$WHEELS" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WHEELS/site" "$WHEELS"/*.whl \
     || { echo "gpu.sh: installing the wheels of $WHEELS failed" >&2; exit 1; }
   export PYTHONPATH="$WHEELS/site:$PYTHONPATH"
+  # pip's --target skips the .pth of nvidia-cutlass-dsl (FlashAttention-4's compiler): its packages' folder
+  [ -d "$WHEELS/site/nvidia_cutlass_dsl/dsl_packages" ] && export PYTHONPATH="$WHEELS/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
 fi
 
 # A CUDA tool by name: $VAR if set, else PATH, else $CUDA_HOME/bin.

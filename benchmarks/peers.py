@@ -191,6 +191,39 @@ def fa3_function():
     return None
 
 
+FA4_MODULE = "flash_attn.cute"
+FA4_HINT = ("FlashAttention-4 (flash-attn-4 and nvidia-cutlass-dsl wheels; benchmarks/gpu.sh --wheels puts "
+            "their dsl_packages folder on PYTHONPATH)")
+
+
+def fa4_function():
+    """FlashAttention-4's ``flash_attn_varlen_func`` (its CuTe DSL package; the SM90 path takes head
+    dims 192 / 128 forward and backward), or None when it does not import."""
+    import importlib
+
+    try:
+        return importlib.import_module(FA4_MODULE).flash_attn_varlen_func
+    except Exception:  # not installed, or built for another torch / CUDA
+        return None
+
+
+def varlen_args(case: BenchCase, device) -> dict:
+    """The varlen keywords of FlashAttention's calls for ``case`` (offsets as int32 torch tensors,
+    the longest lengths, the score scale, causal), built once, not timed."""
+    import torch
+
+    vl, cro = case.offsets()
+    return dict(cu_seqlens_q=torch.tensor(vl.astype(np.int32), device=device),
+                cu_seqlens_k=torch.tensor(cro.astype(np.int32), device=device), max_seqlen_q=int(max(case.sq)),
+                max_seqlen_k=int(max(case.sk)), softmax_scale=1.0 / math.sqrt(DQK), causal=case.causal)
+
+
+def fa4_call(fn, q, k192, v, args: dict):
+    """One FlashAttention-4 varlen call; its output whether the version returns ``out`` or a tuple."""
+    out = fn(q, k192, v, **args)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def fa3_varlen_call(case: BenchCase, fn, qs, ks, vs, kw_of: Callable[[int], dict] = lambda i: {}):
     """``call(i)``: one FlashAttention-3 varlen call ``fn`` (:func:`fa3_function`) over set i's whole
     batch of ``case`` (``qs[i]``, ``ks[i]``, ``vs[i]``: torch tensors, K at 192; keywords
