@@ -919,8 +919,10 @@ def mla_prefill_backward(
     group of heads at a time (a float64 dq accumulator of the group's rows), at most
     :data:`WORK_BYTES` beside the inputs and the results (tests/test_reference_backward.py). One
     causal sequence of 4096 with 128 heads (1.07e9 visible pairs): 72 MiB measured with tracemalloc,
-    beside 0.8 GiB of bf16 inputs (float32 ``out``) and 1.8 GiB of float64 results; 60 s of CPU time
-    (one OpenBLAS thread; 98 s on a shared two-core machine), about 3 times the forward's.
+    beside 0.8 GiB of bf16 inputs (float32 ``out``) and 1.8 GiB of float64 results; with one
+    OpenBLAS thread on a shared two-core machine 98 s (60 s of CPU time), where the forward took
+    35 s; with two threads there 160 s (132 s of CPU time; OpenBLAS's threads wait on each other
+    when other processes hold the cores).
     """
     _check_progress(progress)
     p = check_backward_inputs(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, scale=scale, mask=mask,
