@@ -29,7 +29,8 @@
 #   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
 #                            bench case (`mla-cupy bench --list`) or fp8 / e4m3 / bf16 / paged / pagedP (pages of P;
 #                            1x8192, H = 128), or FlashAttention-3's kernel on 1x8192: fa3 (bf16, K at 192) / fa3-fp8
-#                            (e4m3; needs --wheels)
+#                            (e4m3; needs --wheels); the backward's main kernel on 1x8192: bwd (ours) / fa4-bwd
+#                            (FlashAttention-4's, needs --wheels); FlashAttention-4's forward: fa4
 #   probe [ARGS...]          benchmarks/pipe_probe.py ARGS: cycles per key tile of the Hopper consumer loop
 #                            without its loads, its parts alone and together, and of its loads without
 #                            the consumers, from L2 and DRAM (JSON into --out)
@@ -208,6 +209,12 @@ case "$MODE" in
       fp8|e4m3|bf16|paged|paged[0-9]*) DRIVER=(benchmarks/ncu_fp8.py "$CASE") ;;
       fa3|fa3-fp8) DRIVER=(benchmarks/ab.py --impls "$CASE" --cases 1x8192 --profile)
                    KERNEL=(--kernel-name-base demangled -k regex:FlashAttnFwd) ;;
+      fa4) DRIVER=(benchmarks/ab.py --impls fa4 --cases 1x8192 --profile)
+           KERNEL=(--kernel-name-base demangled -k regex:Forward) ;;
+      bwd) DRIVER=(benchmarks/ab.py --backward --impls ours --cases 1x8192 --profile)
+           KERNEL=(-k regex:mla_backward_kernel) ;;
+      fa4-bwd) DRIVER=(benchmarks/ab.py --backward --impls fa4 --cases 1x8192 --profile)
+               KERNEL=(--kernel-name-base demangled -k regex:Backward) ;;
       *) DRIVER=(benchmarks/ncu_case.py "$CASE") ;;
     esac
     # The drivers launch the kernel three times; the third launch is profiled.

@@ -5,14 +5,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._arrays import checkable, device_pointer, is_torch, read_back, result_wrapper, stream_ptr
+from ._arrays import checkable, device_pointer, is_torch, result_wrapper, stream_ptr
 from ._backward import BackwardShape, backward_launch
-from ._checks import check_shape, dtype_of
+from ._checks import dtype_of
 from ._select import choose_kernel, device_id
 from .masks import Mask
-from .paged import PagedKVCache
 from .prefill_plan import _q_start_i64
-from .validation import check_inputs
+from .validation import check_backward_inputs
 from .workspace import empty_result
 
 __all__ = ["mla_prefill_backward"]
@@ -62,32 +61,26 @@ def mla_prefill_backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_ro
 def prepare_backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len,
                      cache_offsets, q_start_pos, dq, dk, dv, dk_rope, deterministic, stream, validate, kernel):
     """The checked call's launches, its data pointers, its result arrays (device views) and stream."""
-    if isinstance(k_rope, PagedKVCache):
-        raise ValueError("k_rope: the backward takes a plain [Tk, 1, 64] k_rope, not a PagedKVCache")
     like = q if is_torch(q) else None
     dout_c, q_c, k_c, v_c, rope_c, out_c, lse_c = (checkable(x, n) for x, n in (
         (dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (k_rope, "k_rope"), (out, "out"), (lse, "lse")))
     vl, cro = checkable(valid_length, "valid_length"), checkable(cache_row_offsets, "cache_row_offsets")
     co = None if cache_offsets is None else checkable(cache_offsets, "cache_offsets")
     qs = None if q_start_pos is None else checkable(q_start_pos, "q_start_pos")
-    p = check_inputs(q_c, k_c, v_c, rope_c, vl, cro, scale=scale, mask=mask, q_max_seq_len=q_max_seq_len,
-                     cache_offsets=co, q_start_pos=qs, out=out_c, out_dtype=dtype_of(out_c), validate=validate,
-                     device=True, read_offsets=True, lse=lse_c, kernel=kernel, api="mla_prefill_backward")
+    given = [None if x is None else checkable(x, n) for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv"),
+                                                                    (dk_rope, "dk_rope"))]
+    p = check_backward_inputs(dout_c, q_c, k_c, v_c, rope_c, out_c, lse_c, vl, cro, scale=scale, mask=mask,
+                              q_max_seq_len=q_max_seq_len, cache_offsets=co, q_start_pos=qs, dq=given[0], dk=given[1],
+                              dv=given[2], dk_rope=given[3], deterministic=deterministic, validate=validate,
+                              device=True, read_offsets=True, kernel=kernel, api="mla_prefill_backward")
     dtype = p.dtype
-    if dtype_of(dout_c) != dtype:
-        raise TypeError(f"dout: expected dtype {dtype} (the dtype of q), got {dtype_of(dout_c)}")
-    check_shape(dout_c, "dout", (p.tq, p.heads, 128), "[Tq, H, 128]")
-    check_shape(lse_c, "lse", (p.tq, p.heads), "[Tq, H]")
-    (cro_h,) = read_back([cro])
-    sk = np.diff(cro_h.astype(np.int64))
-    max_sk = int(sk.max()) if len(sk) else 0
+    max_sk = int(p.max_sk or 0)
     dev = device_id()
     kern = choose_kernel(kernel, False, dev)
     sp = stream_ptr(stream, like is not None)
-    results = []
-    for given, shape, name in ((dq, (p.tq, p.heads, 192), "dq"), (dk, (p.tk, p.heads, 128), "dk"),
-                               (dv, (p.tk, p.heads, 128), "dv"), (dk_rope, (p.tk, 1, 64), "dk_rope")):
-        results.append(checkable(given, name) if given is not None else empty_result(shape, dtype, like, name))
+    results = [g if g is not None else empty_result(shape, dtype, like, name) for g, shape, name in
+               zip(given, ((p.tq, p.heads, 192), (p.tk, p.heads, 128), (p.tk, p.heads, 128), (p.tk, 1, 64)),
+                   ("dq", "dk", "dv", "dk_rope"))]
     dq_c, dk_c, dv_c, dkr_c = results
     qs64 = _q_start_i64(qs)
     cro_ptr = device_pointer(cro)

@@ -37,7 +37,7 @@ from .paged import PagedKVCache
 
 __all__ = ["Problem", "variant_of", "check_inputs", "check_lse_and_accumulate", "check_scalars", "check_offsets",
            "check_offset_values", "check_values", "check_paged_table", "check_same_device", "check_merge_inputs",
-           "check_merge_outputs", "DEVICE_DTYPES", "OFFSET_DTYPES"]
+           "check_merge_outputs", "check_backward_inputs", "DEVICE_DTYPES", "OFFSET_DTYPES"]
 
 DEVICE_DTYPES = tuple(d for d in (BF16, FP16) if d is not None)
 _MAX_I32 = 2**31 - 1
@@ -67,6 +67,8 @@ class Problem:
     v_transposed: bool = False
     # fp8: the kernel that reads a key tile's scales in pairs (fp8.scale_pairs of the key offsets)
     scale_pairs: bool = False
+    # the largest key count of a sequence (the backward's key blocks), when the offsets were read
+    max_sk: Optional[int] = None
 
     @property
     def fp8(self) -> bool:
@@ -514,7 +516,7 @@ def check_inputs(
         if max_sq is None:
             max_sq = observed
             p = replace(p, max_sq=max_sq)
-        p = with_key_offsets(p, cro)
+        p = replace(with_key_offsets(p, cro), max_sk=int(np.diff(cro).max()) if len(cro) > 1 else 0)
     if not device:
         if kernel_dtypes(dtype, device):  # the kernels' inputs on the host: their layout checks too
             check_layouts(q, k, v, k_rope, fp8, (valid_length, cache_row_offsets, cache_offsets, q_start_pos), out,
@@ -553,3 +555,84 @@ def check_layouts(q, k, v, k_rope, fp8: Optional[tuple], offsets: Sequence[Any],
     if out is not None:
         check_layout(out, "out")
     check_lse_layout(lse, heads)
+
+
+# ---------------------------------------------------------------------------------------------
+# the backward
+
+
+def _check_backward_dtype(x, name: str, allowed: Optional[Sequence[np.dtype]], what: str = "") -> None:
+    """The dtype of an array of the backward: one of ``allowed`` (the device's rule; ``what`` says
+    whose dtype they are), or (``allowed=None``: the reference) any float of 16 bits or more. fp8
+    data (uint8 bytes or an 8-bit float) is refused either way, with a message that says so."""
+    d = dtype_of(x)
+    if d.itemsize == 1:
+        raise TypeError(f"{name}: the backward takes no fp8 data (16-bit floats; the reference: any float of 16 bits "
+                        f"or more), got {d.name}")
+    if allowed is None and d.kind != "f" and d != BF16:
+        raise TypeError(f"{name}: expected a floating-point dtype, got {d.name}")
+    if allowed is not None and d not in allowed:
+        raise TypeError(f"{name}: expected dtype {' or '.join(np.dtype(a).name for a in allowed)}{what}, got {d.name}")
+
+
+def check_backward_inputs(
+    dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets,
+    q_start_pos, dq: Any = None, dk: Any = None, dv: Any = None, dk_rope: Any = None, deterministic: Any = False,
+    validate: bool, device: bool, read_offsets: bool, kernel: Optional[str] = None, api: Optional[str] = None,
+) -> Problem:
+    """Check every argument of the backward (``mla_prefill_backward``: the GPU function with
+    ``device=True``, its float64 reference with ``device=False``) before anything is computed.
+
+    The forward's arguments are checked by :func:`check_inputs` (the same messages); the backward
+    adds ``dout`` ``[Tq, H, 128]`` (q's dtype), ``out`` ``[Tq, H, 128]`` (q's dtype or float32, as the
+    forward returned it), ``lse`` ``[Tq, H]`` float32 (a required argument here) and the optional
+    results ``dq`` ``[Tq, H, 192]``, ``dk`` / ``dv`` ``[Tk, H, 128]``, ``dk_rope`` ``[Tk, 1, 64]``
+    (each in q's dtype), and ``deterministic`` (a bool). The reference (``device=False``)
+    takes any float dtype of 16 bits or more for the arrays and float32 or float64 for ``lse``.
+    Refused on both: a :class:`PagedKVCache` ``k_rope`` (``ValueError``) and fp8 data in any array
+    (``TypeError``). Order: q, k, v (ranks, shapes, dtypes), then the refusals, then ``dout``,
+    ``out``, ``lse``, the results and ``deterministic``, then everything :func:`check_inputs` checks
+    (k_rope's shape, the offsets, the scalars, the values read back), then, on the device, where
+    the backward's own arrays live and their layout. Returns the :class:`Problem` of the forward's
+    arguments."""
+    if not device:  # before check_qkv: fp8 data gets the backward's message
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _check_backward_dtype(x, name, None)
+    tq, heads, tk, dtype = check_qkv(q, k, v, device=device)
+    if isinstance(k_rope, PagedKVCache):
+        raise ValueError("k_rope: the backward takes a plain [Tk, 1, 64] array (its gradient is dk_rope [Tk, 1, 64]); "
+                         "a PagedKVCache is not supported")
+    check_array(k_rope, "k_rope", 3)
+    _check_backward_dtype(k_rope, "k_rope", (dtype,) if device else None, " (the dtype of q)")
+    rows, keys = f"with Tq = {tq} from q, H = {heads}", f"with Tk = {tk} from k, H = {heads}"
+    same, or32 = ((dtype,), " (the dtype of q)"), ((dtype, FP32), " (the dtype of q, or float32)")
+    arrays = [("dout", dout, (tq, heads, DV), same, f"[Tq, H, Dv] {rows}"),
+              ("out", out, (tq, heads, DV), or32, f"[Tq, H, Dv], the forward's result, {rows}"),
+              ("lse", lse, (tq, heads), None, f"[Tq, H], the forward's natural-log lse, {rows}"),
+              ("dq", dq, (tq, heads, DQK), same, f"[Tq, H, Dqk] {rows}"),
+              ("dk", dk, (tk, heads, DV), same, f"[Tk, H, Dv] {keys}"),
+              ("dv", dv, (tk, heads, DV), same, f"[Tk, H, Dv] {keys}"),
+              ("dk_rope", dk_rope, (tk, 1, DR), same, f"[Tk, 1, Dr] with Tk = {tk} from k")]
+    for name, x, shape, allowed, what in arrays:
+        if x is None and name not in ("dout", "out", "lse"):
+            continue  # a result not given: the call allocates it
+        if allowed is None:  # lse: float32 (the reference: also float64), as the forward's lse= buffer
+            check_array(x, name, 2, (FP32,) if device else (FP32, np.dtype(np.float64)))
+        else:
+            check_array(x, name, 3)
+            _check_backward_dtype(x, name, allowed[0] if device else None, allowed[1])
+        check_shape(x, name, shape, what)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
+                     q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=None,
+                     out_dtype=None, validate=validate, device=device, read_offsets=read_offsets, lse=lse,
+                     kernel=kernel, api=api)
+    if device:
+        named = [(name, x) for name, x, *_ in arrays if name != "lse"]  # lse: checked by check_inputs
+        require_devices(named, api)
+        for name, x in named:
+            if x is not None:
+                check_layout(x, name)
+        check_same_device([q] + [x for _, x in named])
+    return p
