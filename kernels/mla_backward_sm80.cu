@@ -64,8 +64,8 @@
 // the Hopper protocol's, is left at its 0). Without a counter the index is blockIdx.x: fine when not
 // deterministic; the host passes the counter in deterministic mode.
 //
-// Launch: grid num_n_blocks * batch * groups (num_n_blocks counted in kGeometry's block_n keys), 256
-// threads, kGeometry[0] bytes of dynamic shared memory. Rows of q, k, v, k_rope and dout must start on
+// Launch: grid num_n_blocks * batch * groups (num_n_blocks counted in kGeometry's block_n keys; a
+// smaller grid faults, a larger one is fine), 256 threads, kGeometry[0] bytes of dynamic shared memory. Rows of q, k, v, k_rope and dout must start on
 // 16 bytes (cp.async: 16-byte aligned bases, element strides multiples of 8); dk and dv are stored two
 // values at a time (even element strides), rope_part as float2.
 #include "backward.cuh"
@@ -505,7 +505,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_backward_kernel(const __grid_
     idx = *ticket;
   }
   const int groups = (p.num_heads + p.heads_per_group - 1) / p.heads_per_group;
-  if (idx >= p.num_n_blocks * p.batch * groups) return;
+  const int num_work = p.num_n_blocks * p.batch * groups;
+  // One tile per CTA: a smaller grid would leave tiles undone (wrong gradients, silently), so it faults
+  // instead. (A loop over tiles, for any grid, costs registers: ptxas then spills, whatever the order.)
+  if (static_cast<int>(gridDim.x) < num_work) __trap();
+  if (idx >= num_work) return;
   const SeqOffsets so{p.q_offsets, p.kv_begin, p.kv_end, p.cache_offsets, p.q_start_pos};
   const Mask mask{p.mask_arg};
   bwd::KeyTile t;
