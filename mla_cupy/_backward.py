@@ -50,25 +50,24 @@ def _kernel(key: Tuple, fam, name: str, exports: Tuple[str, str, str], fields: T
 
 def main_kernel(kernel: str, dtype: np.dtype, mask: Mask, device_id: int) -> CompiledKernel:
     """The backward main kernel (``'sm90'`` or ``'sm80'``) for ``dtype`` and ``mask``."""
-    fam = reg.backward_main(kernel, dtype, mask)
-    return _kernel((device_id, "main", kernel, dtype, mask.cpp_name), fam, reg.backward_main_name(kernel, dtype, mask),
-                   reg.backward_main_exports(kernel), MAIN_GEOMETRY, f"the {kernel} backward kernel", "smem")
+    fam = reg.backward_family(kernel, dtype, mask)
+    return _kernel((device_id, "main", kernel, dtype, mask.cpp_name), fam, reg.backward_name(kernel, dtype, mask),
+                   reg.backward_exports(kernel), MAIN_GEOMETRY, f"the {kernel} backward kernel", "smem")
 
 
-def pass_kernels(dtype: np.dtype, out_dtype: np.dtype, dq_layout: int, device_id: int):
-    """(pre, dq, rope) kernels of the passes around the main kernel."""
-    fam = reg.backward_passes(dtype)
+def pass_kernels(dtype: np.dtype, out_dtype: np.dtype, kernel: str, device_id: int):
+    """(pre, dq, rope) kernels of the passes around the main kernel ``kernel`` (whose dq_accum
+    layout the dq pass reads: :data:`mla_cupy._registry.BWD_DQ_LAYOUT`)."""
+    fam = reg.backward_prepost(dtype)
+    layout = reg.BWD_DQ_LAYOUT[kernel]
     pre = _kernel((device_id, "pre", dtype, out_dtype), fam, reg.backward_pre_name(dtype, out_dtype),
-                  reg.BACKWARD_PRE_EXPORTS, PRE_GEOMETRY, "the backward pre-pass", None)
-    dq = _kernel((device_id, "dq", dtype, dq_layout), fam, reg.backward_dq_name(dtype, dq_layout),
-                 reg.BACKWARD_DQ_EXPORTS, DQ_GEOMETRY, "the backward dq pass", "smem")
-    rope = _kernel((device_id, "rope", dtype), fam, reg.backward_rope_name(dtype), reg.BACKWARD_ROPE_EXPORTS,
+                  reg.BWD_PRE_EXPORTS, PRE_GEOMETRY, "the backward pre-pass", None)
+    dq = _kernel((device_id, "dq", dtype, layout), fam, reg.backward_dq_name(dtype, layout),
+                 reg.BWD_DQ_EXPORTS, DQ_GEOMETRY, "the backward dq pass", "smem")
+    rope = _kernel((device_id, "rope", dtype), fam, reg.backward_rope_name(dtype), reg.BWD_ROPE_EXPORTS,
                    ROPE_GEOMETRY, "the backward rope pass", None)
     return pre, dq, rope
 
-
-#: dq_accum's layout of each main kernel (kernels/mla_backward_prepost.cu: DqLayout).
-DQ_LAYOUT = {"sm90": 1, "sm80": 0}
 _CHUNK_ROWS = 64  # kernels/backward.cuh: kChunkRows (checked against the kernels' block_m)
 
 
@@ -122,7 +121,7 @@ class BackwardLaunch:
         self.shape = s
         dev = s.device_id
         main = main_kernel(s.kernel, s.dtype, s.mask, dev)
-        pre, dq, rope = pass_kernels(s.dtype, s.out_dtype, DQ_LAYOUT[s.kernel], dev)
+        pre, dq, rope = pass_kernels(s.dtype, s.out_dtype, s.kernel, dev)
         if main.geometry["block_m"] != _CHUNK_ROWS:
             raise RuntimeError(f"backward kernel: query block of {main.geometry['block_m']} rows, expected {_CHUNK_ROWS}")
         block_n = main.geometry["block_n"]
@@ -217,7 +216,9 @@ class BackwardLaunch:
             if self.n_blocks:
                 if s.kernel == "sm90":
                     self._maps(p)
-                    m.set_pointer("tile_counter", tile_counter(s.device_id, stream_ptr))
+                # the Hopper kernel's work tiles, the portable one's tickets (in launch order: what its
+                # deterministic mode needs to make progress), from the stream's counter
+                m.set_pointer("tile_counter", tile_counter(s.device_id, stream_ptr))
                 m.launch(stream_ptr)
             self.dq.launch(stream_ptr)
         if s.tk:  # without queries the rope pass zeroes dk, dv and dk_rope (it sees no sequence)
