@@ -1,5 +1,6 @@
 // The backward's passes around its main kernel (backward.cuh says what the workspace holds):
-//   pre_kernel        per query row and head: lse_log2 and D = dout . out into the workspace, and
+//   pre_kernel        per query row and head: lse_log2 and D = dout . out (less dlse, the gradient of
+//                     lse where the loss reads it: dS = P (dP - D + dlse)) into the workspace, and
 //                     the row's dq chunk zeroed (and its semaphore, deterministic mode);
 //   dq_kernel         per dq chunk and head: dq = scale * dq_accum, un-permuted from the main
 //                     kernel's layout (DqLayout), in q's dtype;
@@ -40,9 +41,10 @@ namespace pre {
 constexpr int kThreads = 256;
 constexpr int kHeads = 8;  // heads per CTA
 #define MLA_BWD_PRE_PARAMS(X)                                                                             \
-  /* dout, out [Tq, H, 128] (element strides), lse [Tq, H] (row stride) */                               \
+  /* dout, out [Tq, H, 128] (element strides), lse [Tq, H] and, where the loss reads lse, its        */  \
+  /* gradient dlse [Tq, H] or null (row strides)                                                      */  \
   X(const void*, dout) X(i64, do_st) X(i64, do_sh) X(const void*, out) X(i64, o_st) X(i64, o_sh)          \
-  X(const float*, lse) X(i64, lse_st)                                                                     \
+  X(const float*, lse) X(i64, lse_st) X(const float*, dlse) X(i64, dlse_st)                               \
   /* the workspace (backward.cuh) */                                                                      \
   X(float*, lse_log2) X(float*, dpsum) X(float*, dq_accum) X(int*, dq_sem)                                \
   X(const u32*, q_offsets) X(int, num_heads) X(int, batch) X(int, num_chunks)
@@ -86,6 +88,7 @@ __global__ void __launch_bounds__(pre::kThreads) pre_kernel(const __grid_constan
       if (row < sq) {
         const float l = p.lse[(static_cast<i64>(q0) + row) * p.lse_st + h];
         l2 = l == neg_inf() ? -neg_inf() : l * kLog2e;  // a row that sees no key: P = 0
+        if (p.dlse != nullptr) d -= p.dlse[(static_cast<i64>(q0) + row) * p.dlse_st + h];
       }
       p.lse_log2[at] = l2;
       p.dpsum[at] = d;

@@ -159,7 +159,9 @@ class BackwardLaunch:
         self.pre = PreparedLaunch(pre.params, pre.fn, (max(1, self.m_blocks), max(1, s.batch),
                                                        -(-s.heads // pre.geometry["heads_per_cta"])), pre.threads, 0,
                                   dict(dout=0, do_st=st["dout"][0], do_sh=st["dout"][1], out=0, o_st=out_st[0],
-                                       o_sh=out_st[1], lse=0, lse_st=layouts["lse"].strides[0] // 4, lse_log2=0, dpsum=0,
+                                       o_sh=out_st[1], lse=0, lse_st=layouts["lse"].strides[0] // 4, dlse=0,
+                                       dlse_st=layouts["dlse"].strides[0] // 4 if "dlse" in layouts else 0,
+                                       lse_log2=0, dpsum=0,
                                        dq_accum=0, dq_sem=0, q_offsets=offsets["q_offsets"], num_heads=s.heads,
                                        batch=s.batch, num_chunks=self.chunks))
         self.dq = PreparedLaunch(dq.params, dq.fn, (max(1, self.m_blocks), max(1, s.batch), s.heads), dq.threads, dq.smem,
@@ -190,7 +192,7 @@ class BackwardLaunch:
 
     def launch(self, p: Dict[str, int], stream_ptr: int, workspace: Any = None) -> Any:
         """Run the four launches on the data pointers ``p`` (q, k, v, k_rope, dout, out, lse, dq, dk,
-        dv, dk_rope) on ``stream_ptr``; the workspace is ``workspace`` (a float32 device array of at
+        dv, dk_rope, and dlse where the launches were packed with it) on ``stream_ptr``; the workspace is ``workspace`` (a float32 device array of at
         least :meth:`workspace_bytes`) or taken from CuPy's pool for the run. Returns the workspace."""
         s = self.shape
         if workspace is None:
@@ -204,6 +206,7 @@ class BackwardLaunch:
             m.set_pointer(name, ws[name])
         for name in ("dout", "out", "lse"):
             pre.set_pointer(name, p[name])
+        pre.set_pointer("dlse", p.get("dlse", 0))
         for name in ("lse_log2", "dpsum", "dq_accum", "dq_sem"):
             pre.set_pointer(name, ws[name])
         self.dq.set_pointer("dq_accum", ws["dq_accum"])

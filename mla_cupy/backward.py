@@ -21,7 +21,7 @@ def mla_prefill_backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_ro
                          scale: Optional[float] = None, mask: Optional[Mask] = None,
                          q_max_seq_len: Optional[int] = None, cache_offsets=None, q_start_pos=None, dq=None,
                          dk=None, dv=None, dk_rope=None, deterministic: bool = False, stream=None,
-                         validate: bool = True, kernel: str = "auto"):
+                         validate: bool = True, kernel: str = "auto", dlse=None):
     """Gradients of :func:`mla_cupy.mla_prefill` with respect to q, k, v and the shared rope.
 
     Parameters
@@ -40,6 +40,9 @@ def mla_prefill_backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_ro
         dtype); allocated when not given.
     deterministic : bool
         dq summed over key blocks in a fixed order: the same bits on every run (slower).
+    dlse : ``[Tq, H]`` float32 device array, optional
+        The gradient of the loss with respect to the forward's ``lse``, when the loss reads it
+        (``d lse_i / d S_ij = P_ij``: it enters as ``dS = P (dP - D + dlse)``).
 
     Returns
     -------
@@ -49,7 +52,7 @@ def mla_prefill_backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_ro
     launch, pointers, results, sp = prepare_backward(
         dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, scale=scale, mask=mask,
         q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, dq=dq, dk=dk, dv=dv,
-        dk_rope=dk_rope, deterministic=deterministic, stream=stream, validate=validate, kernel=kernel)
+        dk_rope=dk_rope, deterministic=deterministic, stream=stream, validate=validate, kernel=kernel, dlse=dlse)
     launch.launch(pointers, sp)
     wrap = result_wrapper(q)
     given = (dq, dk, dv, dk_rope)
@@ -59,7 +62,8 @@ def mla_prefill_backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_ro
 
 
 def prepare_backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len,
-                     cache_offsets, q_start_pos, dq, dk, dv, dk_rope, deterministic, stream, validate, kernel):
+                     cache_offsets, q_start_pos, dq, dk, dv, dk_rope, deterministic, stream, validate, kernel,
+                     dlse=None):
     """The checked call's launches, its data pointers, its result arrays (device views) and stream."""
     like = q if is_torch(q) else None
     dout_c, q_c, k_c, v_c, rope_c, out_c, lse_c = (checkable(x, n) for x, n in (
@@ -69,10 +73,12 @@ def prepare_backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_of
     qs = None if q_start_pos is None else checkable(q_start_pos, "q_start_pos")
     given = [None if x is None else checkable(x, n) for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv"),
                                                                     (dk_rope, "dk_rope"))]
+    dlse_c = None if dlse is None else checkable(dlse, "dlse")
     p = check_backward_inputs(dout_c, q_c, k_c, v_c, rope_c, out_c, lse_c, vl, cro, scale=scale, mask=mask,
                               q_max_seq_len=q_max_seq_len, cache_offsets=co, q_start_pos=qs, dq=given[0], dk=given[1],
                               dv=given[2], dk_rope=given[3], deterministic=deterministic, validate=validate,
-                              device=True, read_offsets=True, kernel=kernel, api="mla_prefill_backward")
+                              device=True, read_offsets=True, kernel=kernel, api="mla_prefill_backward",
+                              dlse=dlse_c)
     dtype = p.dtype
     max_sk = int(p.max_sk or 0)
     dev = device_id()
@@ -91,6 +97,8 @@ def prepare_backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_of
                           float(p.scale), kern, bool(deterministic), dev)
     arrays = dict(q=q_c, k=k_c, v=v_c, k_rope=rope_c, dout=dout_c, out=out_c, lse=lse_c, dq=dq_c, dk=dk_c, dv=dv_c,
                   dk_rope=dkr_c)
+    if dlse_c is not None:
+        arrays["dlse"] = dlse_c
     launch = backward_launch(shape, arrays, offsets)
     # qs64 (an int32 q_start_pos widened) is kept alive by the launch's reference
     launch.keep = (qs64,)

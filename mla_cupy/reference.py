@@ -790,7 +790,7 @@ def _backward_sequence(p: Problem, lay: _Layout, b: int, arrays, res, bar: Progr
     nothing reaches). Per group of heads: the keys in blocks of :data:`BACKWARD_KEY_BLOCK`, each
     with the query rows that see it in steps; a pair that the mask removes, or of a row whose lse
     is ``-inf``, takes part in no product (:func:`_matmul_visible`)."""
-    dout, q, k, v, k_rope, out, lse = arrays
+    dout, q, k, v, k_rope, out, lse, dlse = arrays
     dq, dk, dv, dk_rope = res
     H = p.heads
     q0, sq, kv0, sk = int(lay.q_row0[b]), int(lay.sq[b]), int(lay.kv_row0[b]), int(lay.sk[b])
@@ -809,6 +809,7 @@ def _backward_sequence(p: Problem, lay: _Layout, b: int, arrays, res, bar: Progr
         g = hs.stop - hs.start
         lse_g = lse[q0:q0 + sq, hs].astype(np.float64).T  # [g, sq]
         active = lse_g != -np.inf
+        dlse_g = None if dlse is None else dlse[q0:q0 + sq, hs].astype(np.float64).T  # [g, sq]
         dq_acc = np.zeros((g, sq, DQK))
         for j0 in range(0, sk, kb):
             j1 = min(sk, j0 + kb)
@@ -834,6 +835,8 @@ def _backward_sequence(p: Problem, lay: _Layout, b: int, arrays, res, bar: Progr
                 cols = slice(c0 - j0, c1 - j0)
                 qr, do = _host_rows(q, q0 + r0, q0 + r1, hs), _host_rows(dout, q0 + r0, q0 + r1, hs)
                 d_row = (do * _host_rows(out, q0 + r0, q0 + r1, hs)).sum(axis=-1)  # D_i = dout_i . out_i
+                if dlse_g is not None:  # the loss also reads lse: dS = P (dP - (D - dlse))
+                    d_row -= dlse_g[:, r0:r1]
                 pr = _matmul_ieee(np, qr, keys_t[..., cols])
                 pr *= p.scale
                 pr -= lse_g[:, r0:r1, None]
@@ -864,7 +867,7 @@ def mla_prefill_backward(
     dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *, scale: Optional[float] = None,
     mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None, cache_offsets=None, q_start_pos=None, dq=None,
     dk=None, dv=None, dk_rope=None, deterministic: bool = False, stream=None, validate: bool = True,
-    kernel: str = "auto", progress: Optional[bool] = None,
+    kernel: str = "auto", progress: Optional[bool] = None, dlse=None,
 ):
     """Reference MLA prefill backward in float64: the gradients of :func:`mla_prefill`'s result
     with respect to ``q``, ``k``, ``v`` and ``k_rope``, given the gradient ``dout`` of that result
@@ -897,6 +900,9 @@ def mla_prefill_backward(
     progress : bool, optional
         Report progress on stderr. Default: when the call is estimated to take more than a few
         seconds.
+    dlse : ``[Tq, H]`` float32 (or float64), optional
+        The gradient of the loss with respect to the forward's ``lse``, when the loss reads it:
+        since ``d lse_i / d S_ij = P_ij``, it enters as ``dS = P (dP - D + dlse)``.
 
     Returns
     -------
@@ -928,7 +934,7 @@ def mla_prefill_backward(
     p = check_backward_inputs(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, scale=scale, mask=mask,
                               q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos,
                               dq=dq, dk=dk, dv=dv, dk_rope=dk_rope, deterministic=deterministic, validate=validate,
-                              device=False, read_offsets=True, kernel=kernel)
+                              device=False, read_offsets=True, kernel=kernel, dlse=dlse)
     given = (("dq", dq, (p.tq, p.heads, DQK)), ("dk", dk, (p.tk, p.heads, DV)), ("dv", dv, (p.tk, p.heads, DV)),
              ("dk_rope", dk_rope, (p.tk, 1, DR)))
     for name, x, _ in given:
@@ -941,7 +947,7 @@ def mla_prefill_backward(
         else:
             x[...] = 0
         res.append(x)
-    arrays = [to_host(x) for x in (dout, q, k, v, k_rope, out, lse)]
+    arrays = [to_host(x) for x in (dout, q, k, v, k_rope, out, lse)] + [None if dlse is None else to_host(dlse)]
     lay = _layout(p, valid_length, cache_row_offsets, cache_offsets, q_start_pos)
     pairs = 0.0
     for b in range(p.batch):

@@ -421,10 +421,10 @@ def check_rope_layout(k_rope) -> None:
         check_layout(k_rope, "k_rope")
 
 
-def check_lse_layout(lse, heads: int) -> None:
+def check_lse_layout(lse, heads: int, name: str = "lse") -> None:
     item = dtype_of(lse).itemsize if lse is not None else 4  # float32 (the reference: also float64)
     if lse is not None and heads > 1 and lse.shape[0] > 0 and int(lse.strides[1]) != item:
-        raise ValueError(f"lse: the head dimension must be contiguous (stride {item} bytes), got strides "
+        raise ValueError(f"{name}: the head dimension must be contiguous (stride {item} bytes), got strides "
                          f"{tuple(lse.strides)}")
 
 
@@ -579,6 +579,7 @@ def check_backward_inputs(
     dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets,
     q_start_pos, dq: Any = None, dk: Any = None, dv: Any = None, dk_rope: Any = None, deterministic: Any = False,
     validate: bool, device: bool, read_offsets: bool, kernel: Optional[str] = None, api: Optional[str] = None,
+    dlse: Any = None,
 ) -> Problem:
     """Check every argument of the backward (``mla_prefill_backward``: the GPU function with
     ``device=True``, its float64 reference with ``device=False``) before anything is computed.
@@ -587,7 +588,8 @@ def check_backward_inputs(
     adds ``dout`` ``[Tq, H, 128]`` (q's dtype), ``out`` ``[Tq, H, 128]`` (q's dtype or float32, as the
     forward returned it), ``lse`` ``[Tq, H]`` float32 (a required argument here) and the optional
     results ``dq`` ``[Tq, H, 192]``, ``dk`` / ``dv`` ``[Tk, H, 128]``, ``dk_rope`` ``[Tk, 1, 64]``
-    (each in q's dtype), and ``deterministic`` (a bool). The reference (``device=False``)
+    (each in q's dtype), ``deterministic`` (a bool) and the optional ``dlse`` ``[Tq, H]`` float32
+    (heads contiguous, as ``lse``). The reference (``device=False``)
     takes any float dtype of 16 bits or more for the arrays and float32 or float64 for ``lse``.
     Refused on both: a :class:`PagedKVCache` ``k_rope`` (``ValueError``) and fp8 data in any array
     (``TypeError``). Order: q, k, v (ranks, shapes, dtypes), then the refusals, then ``dout``,
@@ -609,6 +611,7 @@ def check_backward_inputs(
     arrays = [("dout", dout, (tq, heads, DV), same, f"[Tq, H, Dv] {rows}"),
               ("out", out, (tq, heads, DV), or32, f"[Tq, H, Dv], the forward's result, {rows}"),
               ("lse", lse, (tq, heads), None, f"[Tq, H], the forward's natural-log lse, {rows}"),
+              ("dlse", dlse, (tq, heads), None, f"[Tq, H], the gradient of the forward's lse, {rows}"),
               ("dq", dq, (tq, heads, DQK), same, f"[Tq, H, Dqk] {rows}"),
               ("dk", dk, (tk, heads, DV), same, f"[Tk, H, Dv] {keys}"),
               ("dv", dv, (tk, heads, DV), same, f"[Tk, H, Dv] {keys}"),
@@ -616,7 +619,7 @@ def check_backward_inputs(
     for name, x, shape, allowed, what in arrays:
         if x is None and name not in ("dout", "out", "lse"):
             continue  # a result not given: the call allocates it
-        if allowed is None:  # lse: float32 (the reference: also float64), as the forward's lse= buffer
+        if allowed is None:  # lse, dlse: float32 (the reference: also float64), as the forward's lse= buffer
             check_array(x, name, 2, (FP32,) if device else (FP32, np.dtype(np.float64)))
         else:
             check_array(x, name, 3)
@@ -632,7 +635,8 @@ def check_backward_inputs(
         named = [(name, x) for name, x, *_ in arrays if name != "lse"]  # lse: checked by check_inputs
         require_devices(named, api)
         for name, x in named:
-            if x is not None:
+            if x is not None and name != "dlse":
                 check_layout(x, name)
+        check_lse_layout(dlse, heads, "dlse")
         check_same_device([q] + [x for _, x in named])
     return p

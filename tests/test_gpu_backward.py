@@ -132,3 +132,22 @@ def test_rope_as_a_view_of_latent_rows_and_torch_tensors(kernel):
                                          c.cache_row_offsets)
     for name, g, r in zip(NAMES, (dq, dk, dv, dkr), ref):
         assert rel_err(host(g), r) < 1e-2, name
+
+
+@kernels
+def test_gradient_of_lse(kernel):
+    import cupy as cp
+
+    c = make_case([130, 33], [200, 33], 16, BF16, seed=16)
+    d = upload(c)
+    rng = np.random.default_rng(5)
+    dout = cp.asarray(rng.standard_normal((c.q.shape[0], 16, 128)).astype(BF16))
+    dlse = cp.asarray(rng.standard_normal((c.q.shape[0], 16)).astype(np.float32))
+    out, lse = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                                    return_lse=True, kernel=kernel)
+    got = mla_cupy.mla_prefill_backward(dout, d["q"], d["k"], d["v"], d["k_rope"], out, lse, d["valid_length"],
+                                        d["cache_row_offsets"], kernel=kernel, dlse=dlse)
+    ref = reference.mla_prefill_backward(cp.asnumpy(dout), c.q, c.k, c.v, c.k_rope, cp.asnumpy(out), cp.asnumpy(lse),
+                                         c.valid_length, c.cache_row_offsets, dlse=cp.asnumpy(dlse))
+    for name, g, r in zip(NAMES, got, ref):
+        assert rel_err(cp.asnumpy(g), r) < 1e-2, name

@@ -562,3 +562,34 @@ def test_host_data_on_a_machine_without_a_gpu_names_the_reference(as_if_no_gpu):
         check_backward_inputs(*a.values(), scale=None, mask=None, q_max_seq_len=None, cache_offsets=None,
                               q_start_pos=None, validate=True, device=True, read_offsets=True,
                               api="mla_prefill_backward")
+
+
+@pytest.mark.parametrize("mask", [CausalMask(), SlidingWindowCausalMask(3)], ids=["causal", "window"])
+def test_the_gradient_of_lse_enters_as_the_loss_reads_it(mask):
+    """``dlse``: the gradient of L = sum(dout * out) + sum(dlse * lse), against central differences
+    (rows that see no key have lse -inf and take no part)."""
+    c = make_case([4, 3], [6, 5], heads=2, dtype=np.float64, seed=41, cache_offsets=[3, 0], q_start_pos=[1, 7])
+    rng = np.random.default_rng(41)
+    scale = 0.13
+    out, lse = forward(c, mask, scale)
+    dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    grads = dict(zip(("q", "k", "v", "k_rope"), backward(c, dout, out, lse, mask, scale, dlse=dlse)))
+    plain = backward(c, dout, out, lse, mask, scale)
+    assert not np.allclose(grads["q"], plain[0])  # dlse changes the result
+
+    def loss(name, delta):
+        x = getattr(c, name)
+        setattr(c, name, x + delta)
+        try:
+            o, l = forward(c, mask, scale)
+            return float((dout * o).sum() + (dlse * np.where(np.isfinite(l), l, 0.0)).sum())
+        finally:
+            setattr(c, name, x)
+
+    eps = 1e-5
+    for name, g in grads.items():
+        for _ in range(3):
+            u = rng.standard_normal(getattr(c, name).shape)
+            want = (loss(name, eps * u) - loss(name, -eps * u)) / (2 * eps)
+            got = float((g * u).sum())
+            assert abs(got - want) <= 1e-7 + 1e-6 * abs(want), (name, got, want)
