@@ -57,7 +57,7 @@ constexpr int kDqHalf = kBlockM * (kDqk / kConsumers); // 64 x 96 floats per con
 constexpr int kStatBytes = kBlockM * 4;                // lse_log2 or D of a query block
 
 // Registers per thread: the producer warpgroup (the load and dq threads decode tiles) and the consumers.
-constexpr int kProducerRegs = 40;
+constexpr int kProducerRegs = 48;
 constexpr int kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register file");
 
