@@ -19,6 +19,9 @@
 #                            into --out), then the paged-rope and merge timings
 #   host [ARGS...]           benchmarks/matrix.py --host: host time per call of every entry point (CuPy
 #                            and torch) beside the peers' calls (JSON into --out)
+#   train [ARGS...]          benchmarks/train_e2e.py: a DeepSeek-V3-shaped model trained on a copy task
+#                            with mla_cupy and with sdpa (loss curves, tokens/s, peak memory; JSON and
+#                            plot into --out)
 #   e2e [ARGS...]            benchmarks/transformers_e2e.py: a DeepSeek-V3-shaped transformers model's
 #                            prefill at 1k, 4k and 16k tokens, mla_cupy against sdpa and eager (JSON
 #                            into --out)
@@ -77,7 +80,7 @@ done
 [ $# -ge 1 ] || usage 2
 MODE=$1; shift
 case "$MODE" in
-  suite|fuzz|sanitize|bench|host|e2e|perf|ab|ncu|probe|compile|verify) ;;
+  suite|fuzz|sanitize|bench|host|e2e|train|perf|ab|ncu|probe|compile|verify) ;;
   *) echo "gpu.sh: unknown mode $MODE" >&2; usage 2 ;;
 esac
 
@@ -197,6 +200,8 @@ case "$MODE" in
     PERF_CASES=1x512,1x1024,1x2048,1x4096,1x8192,1x16384,1x32768,4x2048,16x512,64x128,ragged,ragged-300+5000+77+1500,1024+ctx8192,H16-1x8192,H16-1x16384,noncausal-1x4096
     step_shown perf "$PY" benchmarks/ab.py --impls ours,fa3,fa3+kbuild --cases "$PERF_CASES" --rounds 7 \
       --out "$OUT_DIR/perf.json" "$@" ;;
+  train)
+    step_shown train "$PY" benchmarks/train_e2e.py --json "$OUT_DIR/train.json" --plot "$OUT_DIR/train.png" "$@" ;;
   ab)
     step ab "$PY" benchmarks/ab.py "$@"
     cat "$OUT_DIR/ab.log" ;;

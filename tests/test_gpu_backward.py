@@ -151,3 +151,35 @@ def test_gradient_of_lse(kernel):
                                          c.valid_length, c.cache_row_offsets, dlse=cp.asnumpy(dlse))
     for name, g, r in zip(NAMES, got, ref):
         assert rel_err(cp.asnumpy(g), r) < 1e-2, name
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_autograd_through_the_torch_op(deterministic):
+    """loss.backward() through mla_cupy.torch_ops.mla_prefill on CUDA tensors (out and lse in the
+    loss) against the reference backward of the same out, lse, dout and dlse."""
+    import torch
+
+    from mla_cupy import torch_ops
+
+    c = make_case([130, 7], [300, 7], 16, BF16, seed=17)
+
+    def t(x):
+        return torch.from_numpy(np.ascontiguousarray(x.view(np.uint16))).view(torch.bfloat16).cuda()
+
+    q, k, v, r = (t(getattr(c, n)).requires_grad_() for n in ("q", "k", "v", "k_rope"))
+    vl, cro = (torch.from_numpy(x.astype(np.int32)).cuda() for x in (c.valid_length, c.cache_row_offsets))
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        out, lse = torch_ops.mla_prefill(q, k, v, r, vl, cro, return_lse=True)
+        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+        ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+    def host(x):
+        return x.detach().float().cpu().numpy()
+
+    ref = reference.mla_prefill_backward(host(dout), c.q, c.k, c.v, c.k_rope, host(out), host(lse), c.valid_length,
+                                         c.cache_row_offsets, dlse=host(dlse))
+    for name, g, w in zip(NAMES, (q.grad, k.grad, v.grad, r.grad), ref):
+        assert rel_err(host(g), w) < 1e-2, name
