@@ -76,15 +76,16 @@ REQUIRED_EXPORTS = {reg.PREFILL_SM80[0]: reg.SM80_EXPORTS, reg.BACKWARD_SM80[0]:
 NO_SPILL = [i for i, (_, f) in enumerate(FAMILIES) if f[0] != reg.PREFILL_SM80[0]]
 
 # The one kernel allowed a little local memory, by its template's name: the Hopper backward kernel
-# (kernels/mla_backward_sm90.cu), whose producer warpgroup runs at 48 registers (sm90_bwd/config.cuh:
-# kProducerRegs, setmaxnreg) while its load thread and dq thread decode key tiles and walk the query
-# blocks: ptxas spills a few scalars there under the masks with two bounds (NVRTC 13.0: up to 56
-# bytes of stack frame and 64 of spill stores and loads, the sliding window's; none under NullMask).
+# (kernels/mla_backward_sm90.cu), whose producer warpgroup runs at 40 registers (sm90_bwd/config.cuh:
+# kProducerRegs, setmaxnreg: all that the consumers' 232 leave of the launch's 168 per thread)
+# while its load thread and dq thread decode key tiles and walk the query blocks: ptxas spills a
+# few scalars there (NVRTC 13.0, its ten instantiations: up to 72 bytes of stack frame and 128 of
+# spill stores and loads, the sliding window's).
 # ptxas reports per kernel, not per warpgroup, so the allowance
 # is a ceiling on those bytes for that kernel alone, every other backward kernel (the portable one,
 # the pre-pass and post-passes) must have none, and a growth past the ceiling fails as any spill does.
 #: kernel template -> the most (stack frame, spill stores, spill loads) bytes it may report
-SPILL_ALLOWANCE = {reg.BACKWARD_SM90[1]: (64, 64, 64)}
+SPILL_ALLOWANCE = {reg.BACKWARD_SM90[1]: (72, 128, 128)}
 
 
 def _spill_allowed(name: str, f) -> bool:

@@ -57,9 +57,15 @@ constexpr int kDqHalf = kBlockM * (kDqk / kConsumers); // 64 x 96 floats per con
 constexpr int kStatBytes = kBlockM * 4;                // lse_log2 or D of a query block
 
 // Registers per thread: the producer warpgroup (the load and dq threads decode tiles) and the consumers.
-constexpr int kProducerRegs = 48;
+// The launch gives each thread 65536 / kThreads rounded down to a multiple of 8 (168), and
+// setmaxnreg.inc waits until the CTA's pool holds what it asks: the counts after the reallocation
+// must fit in what the launch gave (as the forward's, sm90/config.cuh: kLaunchRegs), or the consumers
+// wait forever (48 + 2 x 232 hung: 64 more registers per consumer thread than the producer's 120
+// freed ones). The producer's threads then spill a few scalars under the two-bound masks.
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
-static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "register file");
+static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * kLaunchRegs, "register budget");
 
 // Named barriers (0 is __syncthreads), each over the two consumer warpgroups: P^T / dS^T free to be
 // overwritten (both consumers' dQ of the previous query block complete), P^T / dS^T written (and
