@@ -133,7 +133,8 @@ def test_spill_allowance_is_the_hopper_backward_kernels_alone():
     assert set(SPILL_ALLOWANCE) == {reg.BACKWARD_SM90[1]} and _spill_allowed(hopper, f)
     assert not _spill_allowed(reg.backward_name("sm80", reg.BF16, CausalMask()), f)
     assert not _spill_allowed(reg.backward_pre_name(reg.BF16, reg.BF16), f)
-    assert not _spill_allowed(hopper, jit.PtxasFunction("k", stack_frame=72))
+    assert _spill_allowed(hopper, jit.PtxasFunction("k", stack_frame=72, spill_stores=128, spill_loads=128))
+    assert not _spill_allowed(hopper, jit.PtxasFunction("k", stack_frame=80))
     assert not _spill_allowed(hopper, jit.PtxasFunction("k", spill_loads=132))
 
 
