@@ -69,6 +69,17 @@ __device__ __forceinline__ i64 chunk_of(u32 q_offset, int b, int m) {
   return static_cast<i64>(q_offset / kChunkRows) + b + m;
 }
 
+// Deterministic mode: a chunk's semaphore (dq_sem) read with acquire semantics, and its release
+// increment once a key block's additions to the chunk are complete.
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void add_release(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
 // One work tile: key block n_block of sequence b (keys n0 .. n0 + block_n - 1 of the sequence,
 // those below sk existing), heads h0 .. h0 + heads - 1, and the query blocks [m_begin, m_end) of
 // the sequence whose rows may see one of its keys (m_end <= m_begin: none; the tile then writes

@@ -132,15 +132,6 @@ MLA_DEFINE_PARAMS(Params, MLA_BWD_COMMON_PARAMS)
 // bytes, threads per CTA, query rows per block (a dq chunk), keys per work tile.
 __device__ const int kGeometry[] = {kSmemBytes, kThreads, kBlockM, kBlockN};
 
-// Deterministic mode: the chunk's semaphore read with acquire semantics, and its release increment.
-__device__ __forceinline__ int load_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void add_release(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
 // dq's float32 reductions: one value, or (sm_90+) four adjacent values at a 16-byte aligned address.
 __device__ __forceinline__ void red_add(float* p, float x) {
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory");
@@ -365,7 +356,7 @@ struct Cta {
     if (sem != nullptr) {
       if (tid == 0) {
         const int turn = t.n_block - bwd::first_key_block(mask, w, m, kBlockN);
-        while (load_acquire(sem) != turn) {
+        while (bwd::load_acquire(sem) != turn) {
         }
       }
       __syncthreads();
@@ -420,7 +411,7 @@ struct Cta {
       __syncthreads();  // every thread's additions issued before the release
       if (tid == 0) {
         __threadfence();
-        add_release(sem, 1);
+        bwd::add_release(sem, 1);
       }
     }
   }

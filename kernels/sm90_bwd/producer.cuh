@@ -67,16 +67,6 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem& sm, c
   }
 }
 
-// Deterministic mode: the global semaphore read with acquire semantics, and its release increment.
-__device__ __forceinline__ int load_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void add_release(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-
 template <class Mask>
 __device__ __forceinline__ void dq_reduce(const Params& p, const Smem& sm, const KeyTiles& sched, const Mask& mask) {
   using namespace sm90;
@@ -95,7 +85,7 @@ __device__ __forceinline__ void dq_reduce(const Params& p, const Smem& sm, const
         int* sem = p.deterministic ? p.dq_sem + static_cast<i64>(h) * p.num_chunks + chunk : nullptr;
         if (sem != nullptr) {  // wait for the key blocks before this one
           const int turn = t.n_block - bwd::first_key_block(mask, w, m, kBlockN);
-          while (load_acquire(sem) != turn) {
+          while (bwd::load_acquire(sem) != turn) {
           }
         }
         for (int c = 0; c < kConsumers; ++c) {
@@ -106,7 +96,7 @@ __device__ __forceinline__ void dq_reduce(const Params& p, const Smem& sm, const
         if (sem != nullptr) {
           bulk_wait();  // the additions done, not only the staging read
           asm volatile("fence.proxy.async.global;\n" ::: "memory");
-          add_release(sem, 1);
+          bwd::add_release(sem, 1);
         } else {
           bulk_wait_read();
         }
