@@ -58,7 +58,8 @@ Implementations (``--impls``, comma separated; the first is the base):
   kbuild            the K build alone (``torch.cat``)
 
 With ``--backward`` the implementations are backward passes, given our forward's out and lse and a random
-dout: ``ours`` (``ours:det=1`` deterministic, ``ours:kernel=sm80`` the portable kernel), ``cudnn`` and
+dout: ``ours`` (``ours:det=1`` deterministic, ``ours:kernel=sm80`` the portable kernel, ``ours:src=DIR``
+and ``ours:def=...`` as above), ``cudnn`` and
 ``fa4`` (their backward kernels through torch autograd, K at 192 given), ``cudnn+kbuild`` and
 ``fa4+kbuild`` (the whole step a trainer pays: K built in the forward graph, whose backward also
 splits dK and sums its rope part over the heads); the check is dq, dk and dv against the float64
@@ -557,10 +558,35 @@ def backward_inputs(case: BenchCase, sets) -> None:
 
 def _bwd_ours(case: BenchCase, sets, opts) -> BwdImpl:
     """Our backward (kernels/mla_backward_*.cu), its launches packed once per set, the workspace
-    given (``det=1``: deterministic mode)."""
+    given (``det=1``: deterministic mode; ``kernel=sm80``: the portable kernel; ``src=DIR``: the
+    kernels under DIR, ``def=A:0+B:1``: compile-time switches, as for the forward)."""
     import cupy as cp
 
     from mla_cupy.backward import prepare_backward
+
+    saved = None
+    if "src" in opts or "def" in opts:  # the launches below compile from the variant's sources
+        sys.path.insert(0, __file__.rsplit("/", 1)[0])
+        from _variant import restore, use_defines, use_sources
+
+        saved = (use_sources(opts["src"]) if "src" in opts else
+                 use_defines(dict(d.split(":", 1) for d in opts["def"].split("+")), "mla_backward_sm90.cu"))
+    try:
+        launches = _bwd_launches(case, sets, opts, prepare_backward)
+    finally:
+        if saved is not None:
+            restore(saved)
+
+    def call(i):
+        launch, ptrs, sp, ws, _ = launches[i]
+        launch.launch(ptrs, sp, ws)
+
+    return call, lambda i: tuple(launches[i][4])
+
+
+def _bwd_launches(case: BenchCase, sets, opts, prepare_backward) -> list:
+    """(launch, pointers, stream, workspace, results) of our backward for each input set."""
+    import cupy as cp
 
     launches = []
     for x in sets:
@@ -571,12 +597,7 @@ def _bwd_ours(case: BenchCase, sets, opts) -> BwdImpl:
             q_start_pos=None, dq=res[0], dk=res[1], dv=res[2], dk_rope=res[3], deterministic=opts.get("det") == "1",
             stream=None, validate=False, kernel=opts.get("kernel", "auto"))
         launches.append((launch, ptrs, sp, cp.empty((launch.ws_floats,), cp.float32), res))
-
-    def call(i):
-        launch, ptrs, sp, ws, _ = launches[i]
-        launch.launch(ptrs, sp, ws)
-
-    return call, lambda i: tuple(launches[i][4])
+    return launches
 
 
 def _bwd_torch(case: BenchCase, sets, opts, *, peer: str, kbuild: bool) -> BwdImpl:
