@@ -5,7 +5,7 @@ sources, ``use_defines({...})`` from the shipped ones with compile-time switches
 Plans packed meanwhile keep their functions."""
 from pathlib import Path
 
-from mla_cupy import _geometry, jit
+from mla_cupy import _backward, _geometry, jit
 
 # The Hopper kernel's entry file: switches are defined at its top, before every header.
 _SWITCHED = "mla_prefill_sm90.cu"
@@ -21,11 +21,12 @@ def use_sources(directory):
     return _swap(raw)
 
 
-def use_defines(defines):
+def use_defines(defines, entry: str = _SWITCHED):
     """The next API calls compile the shipped kernels with ``#define NAME VALUE`` for each item of
-    ``defines`` at the top of the Hopper kernel's source."""
+    ``defines`` at the top of ``entry``'s source (the Hopper forward kernel's by default; the
+    backward's: ``mla_backward_sm90.cu``)."""
     raw = dict(jit._RAW_SOURCES)
-    raw[_SWITCHED] = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + raw[_SWITCHED]
+    raw[entry] = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + raw[entry]
     return _swap(raw)
 
 
@@ -53,3 +54,4 @@ def _clear():
     jit._functions.clear()
     jit._globals.clear()
     _geometry._KERNELS.clear()
+    _backward._KERNELS.clear()

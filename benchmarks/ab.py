@@ -45,6 +45,8 @@ Implementations (``--impls``, comma separated; the first is the base):
   fa3, fa3+kbuild   FlashAttention-3 (``fa3_fwd_interface`` or ``flash_attn_interface``), kernel only / with
                     the K build at 192 width that it needs
   fa3-fp8           FlashAttention-3 e4m3 (per (batch, head) descales)
+  fa4, fa4+kbuild   FlashAttention-4's varlen call (``flash_attn.cute``, its SM90 path), kernel only / with the K
+                    build at 192 width; left out, with one line saying how to get it, when it does not import
   cudnn, cudnn+kbuild   torch SDPA on the cuDNN backend (one call per sequence)
   cudnn-ragged, cudnn-ragged+kbuild
                     cuDNN's ragged SDPA (``cudnn.sdpa_torch`` with ``cu_seqlens``, the nvidia-cudnn-frontend
@@ -54,6 +56,14 @@ Implementations (``--impls``, comma separated; the first is the base):
                     descale per tensor, bf16 out, one execution per batch (ragged layout for unequal lengths);
                     left out as cudnn-ragged is
   kbuild            the K build alone (``torch.cat``)
+
+With ``--backward`` the implementations are backward passes, given our forward's out and lse and a random
+dout: ``ours`` (``ours:det=1`` deterministic, ``ours:kernel=sm80`` the portable kernel, ``ours:src=DIR``
+and ``ours:def=...`` as above), ``cudnn`` and
+``fa4`` (their backward kernels through torch autograd, K at 192 given), ``cudnn+kbuild`` and
+``fa4+kbuild`` (the whole step a trainer pays: K built in the forward graph, whose backward also
+splits dK and sums its rope part over the heads); the check is dq, dk and dv against the float64
+reference backward on two heads.
 
 Every implementation's output is checked against the float64 reference (two heads) once per case;
 a relative error above ``--max-err`` fails the run. Usage on a GPU machine::
@@ -78,6 +88,7 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
+import peers
 from mla_cupy import bench
 from mla_cupy.bench import BenchCase, DEFAULT_CASES
 from mla_cupy.dims import DV
@@ -307,14 +318,14 @@ def _ours_fp8(case: BenchCase, sets, opts, e4m3_rope: bool = False) -> Impl:
     each call is given the quantizer's V^T (made with the inputs, outside the timed calls). Other
     options as ``ours`` (``paged=P`` and ``shift=S``: the quantizer's bf16 rope in a PagedKVCache; per
     token only). ``e4m3_rope``: the all-e4m3 mode (an fp8 plan with ``fp8_rope=True``)."""
+    if "paged" in opts and (e4m3_rope or len(case.sq) > 1):
+        raise SystemExit("ours-fp8:paged=P takes one-sequence cases, per token (an e4m3 rope is plain only)")
     import cupy as cp
 
     import mla_cupy
     from mla_cupy import quant
     from mla_cupy._arrays import BF16
 
-    if "paged" in opts and (e4m3_rope or len(case.sq) > 1):
-        raise SystemExit("ours-fp8:paged=P takes one-sequence cases, per token (an e4m3 rope is plain only)")
     mask = case.mask
     if "pkg" in opts:
         mla_cupy = _package(opts["pkg"])
@@ -364,7 +375,7 @@ class _KBuiltEachCall:
         self.tx, self.heads = tx, heads
 
     def __getitem__(self, i):
-        return bench.k192_of(self.tx[i], self.heads)
+        return peers.k192_of(self.tx[i], self.heads)
 
 
 def _from_torch(outs: List[object]) -> Callable[[int], object]:
@@ -379,26 +390,48 @@ def _from_torch(outs: List[object]) -> Callable[[int], object]:
 
 
 def _fa3(case: BenchCase, sets, opts, *, kbuild: bool, fp8: bool = False) -> Impl:
-    """FlashAttention-3's varlen call (``bench.fa3_varlen_call``) on K at 192 width, built before
+    """FlashAttention-3's varlen call (``peers.fa3_varlen_call``) on K at 192 width, built before
     the timed calls or (``kbuild``) inside each; ``fp8``: q, K and v in e4m3 with descales per
-    (sequence, head) (``bench.quantize_per_batch_head``, not timed)."""
-    found = bench.fa3_function()
+    (sequence, head) (``peers.quantize_per_batch_head``, not timed)."""
+    found = peers.fa3_function()
     if found is None:
-        raise LeftOut(f"FlashAttention-3 does not import (one of {bench.FA3_MODULES})")
+        raise LeftOut(f"FlashAttention-3 does not import (one of {peers.FA3_MODULES})")
     fn = found[0]
     tx = _torch_sets(sets)
-    k192 = [bench.k192_of(t, case.heads) for t in tx]
+    k192 = [peers.k192_of(t, case.heads) for t in tx]
     qs, ks, vs = [t["q"] for t in tx], (_KBuiltEachCall(tx, case.heads) if kbuild else k192), [t["v"] for t in tx]
     kw_of = lambda i: {}  # noqa: E731
     if fp8:
-        q8, k8, v8 = bench.quantize_inputs(case, qs, k192, vs)
+        q8, k8, v8 = peers.quantize_inputs(case, qs, k192, vs)
         qs, ks, vs = [q for q, _ in q8], [k for k, _ in k8], [v for v, _ in v8]
         kw_of = lambda i: dict(q_descale=q8[i][1], k_descale=k8[i][1], v_descale=v8[i][1])  # noqa: E731
-    fa3 = bench.fa3_varlen_call(case, fn, qs, ks, vs, kw_of)
+    fa3 = peers.fa3_varlen_call(case, fn, qs, ks, vs, kw_of)
     outs: List[object] = [None] * len(sets)
 
     def call(i):
         outs[i] = fa3(i)
+        return outs[i]
+
+    return call, _from_torch(outs)
+
+
+def _fa4(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
+    """FlashAttention-4's varlen call (``peers.fa4_call``) on K at 192 width, built before the timed
+    calls or (``kbuild``) inside each."""
+    import torch
+
+    fn = peers.fa4_function()
+    if fn is None:
+        raise LeftOut(f"{peers.FA4_MODULE} does not import: {peers.FA4_HINT}")
+    tx = _torch_sets(sets)
+    k192 = [peers.k192_of(t, case.heads) for t in tx]
+    args = peers.varlen_args(case, tx[0]["q"].device)
+    outs: List[object] = [None] * len(sets)
+
+    def call(i):
+        t = tx[i]
+        with torch.no_grad():
+            outs[i] = peers.fa4_call(fn, t["q"], peers.k192_of(t, case.heads) if kbuild else k192[i], t["v"], args)
         return outs[i]
 
     return call, _from_torch(outs)
@@ -409,13 +442,13 @@ def _cudnn(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     tx = _torch_sets(sets)
-    k192 = [bench.k192_of(t, case.heads) for t in tx]
+    k192 = [peers.k192_of(t, case.heads) for t in tx]
     outs: List[object] = [None] * len(sets)
 
     def call(i):
         t = tx[i]
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), torch.no_grad():
-            outs[i] = bench.sdpa_per_sequence(case, t, bench.k192_of(t, case.heads) if kbuild else k192[i])
+            outs[i] = peers.sdpa_per_sequence(case, t, peers.k192_of(t, case.heads) if kbuild else k192[i])
         return outs[i]
 
     def output(i):
@@ -432,41 +465,41 @@ class LeftOut(Exception):
 
 
 def _cudnn_ragged(case: BenchCase, sets, opts, *, kbuild: bool) -> Impl:
-    fn = bench.cudnn_sdpa_function()
+    fn = peers.cudnn_sdpa_function()
     if fn is None:
-        raise LeftOut(f"the cuDNN frontend (module cudnn) does not import; {bench.CUDNN_FRONTEND_HINT}")
+        raise LeftOut(f"the cuDNN frontend (module cudnn) does not import; {peers.CUDNN_FRONTEND_HINT}")
     try:
-        attn = bench.cudnn_ragged_fn(case, fn, "cuda")
+        attn = peers.cudnn_ragged_fn(case, fn, "cuda")
     except ValueError as exc:
         raise LeftOut(str(exc)) from None
     import torch
 
     tx = _torch_sets(sets)
-    k192 = [bench.k192_of(t, case.heads) for t in tx]
+    k192 = [peers.k192_of(t, case.heads) for t in tx]
     outs: List[object] = [None] * len(sets)
 
     def call(i):
         t = tx[i]
         with torch.no_grad():
-            outs[i] = attn(t["q"], bench.k192_of(t, case.heads) if kbuild else k192[i], t["v"])
+            outs[i] = attn(t["q"], peers.k192_of(t, case.heads) if kbuild else k192[i], t["v"])
         return outs[i]
 
     return call, _from_torch(outs)
 
 
 def _cudnn_fp8(case: BenchCase, sets, opts) -> Impl:
-    """cuDNN's fp8 SDPA graph (``bench.cudnn_fp8_fn``): q, K at 192 and v in e4m3 with one descale
-    per tensor (``bench.quantize_per_tensor``, not timed), bf16 out, one execution per batch."""
-    if bench.cudnn_sdpa_function() is None:
-        raise LeftOut(f"the cuDNN frontend (module cudnn) does not import; {bench.CUDNN_FRONTEND_HINT}")
+    """cuDNN's fp8 SDPA graph (``peers.cudnn_fp8_fn``): q, K at 192 and v in e4m3 with one descale
+    per tensor (``peers.quantize_per_tensor``, not timed), bf16 out, one execution per batch."""
+    if peers.cudnn_sdpa_function() is None:
+        raise LeftOut(f"the cuDNN frontend (module cudnn) does not import; {peers.CUDNN_FRONTEND_HINT}")
     try:
-        attn = bench.cudnn_fp8_fn(case, "cuda")
+        attn = peers.cudnn_fp8_fn(case, "cuda")
     except ValueError as exc:
         raise LeftOut(str(exc)) from None
     tx = _torch_sets(sets)
-    q8, k8, v8 = bench.quantize_inputs(case, [t["q"] for t in tx], [bench.k192_of(t, case.heads) for t in tx],
+    q8, k8, v8 = peers.quantize_inputs(case, [t["q"] for t in tx], [peers.k192_of(t, case.heads) for t in tx],
                                        [t["v"] for t in tx], per_tensor=True)
-    cudnn = bench.cudnn_fp8_call(case, attn, q8, k8, v8)
+    cudnn = peers.cudnn_fp8_call(case, attn, q8, k8, v8)
     outs: List[object] = [None] * len(sets)
 
     def call(i):
@@ -478,7 +511,7 @@ def _cudnn_fp8(case: BenchCase, sets, opts) -> Impl:
 
 def _kbuild(case: BenchCase, sets, opts) -> Impl:
     tx = _torch_sets(sets)
-    return (lambda i: bench.k192_of(tx[i], case.heads)), None
+    return (lambda i: peers.k192_of(tx[i], case.heads)), None
 
 
 FACTORIES: Dict[str, Callable[..., Impl]] = {
@@ -488,6 +521,8 @@ FACTORIES: Dict[str, Callable[..., Impl]] = {
     "fa3": lambda c, s, o: _fa3(c, s, o, kbuild=False),
     "fa3+kbuild": lambda c, s, o: _fa3(c, s, o, kbuild=True),
     "fa3-fp8": lambda c, s, o: _fa3(c, s, o, kbuild=False, fp8=True),
+    "fa4": lambda c, s, o: _fa4(c, s, o, kbuild=False),
+    "fa4+kbuild": lambda c, s, o: _fa4(c, s, o, kbuild=True),
     "cudnn": lambda c, s, o: _cudnn(c, s, o, kbuild=False),
     "cudnn+kbuild": lambda c, s, o: _cudnn(c, s, o, kbuild=True),
     "cudnn-ragged": lambda c, s, o: _cudnn_ragged(c, s, o, kbuild=False),
@@ -497,10 +532,170 @@ FACTORIES: Dict[str, Callable[..., Impl]] = {
 }
 
 
-def parse_impl(spec: str) -> Tuple[str, Dict[str, str]]:
+# ---------------------------------------------------------------------------------------------
+# the backward (--backward): each factory returns (call(i), grads(i) -> (dq, dk, dv, dk_rope) as
+# CuPy arrays for the check); a peer's dk and dk_rope are the slices of its K-at-192 gradient, the
+# rope's summed over heads outside the timed call unless the implementation is a "+kbuild" one
+# (the whole step a trainer pays: K built in the forward graph, so its backward splits the gradient
+# and sums the rope part over the heads)
+# ---------------------------------------------------------------------------------------------
+BwdImpl = Tuple[Callable[[int], object], Callable[[int], tuple]]
+
+
+def backward_inputs(case: BenchCase, sets) -> None:
+    """Adds to each input set a random ``dout`` and our forward's ``out`` and ``lse`` (not timed)."""
+    import cupy as cp
+
+    import mla_cupy
+    from mla_cupy._arrays import BF16
+
+    for seed, x in enumerate(sets):
+        rng = cp.random.default_rng(1000 + seed)
+        x["dout"] = rng.standard_normal((sum(case.sq), case.heads, DV), dtype=cp.float32).astype(BF16)
+        x["out"], x["lse"] = mla_cupy.mla_prefill(x["q"], x["k"], x["v"], x["k_rope"], x["valid_length"],
+                                                  x["cache_row_offsets"], mask=case.mask, return_lse=True)
+
+
+def _bwd_ours(case: BenchCase, sets, opts) -> BwdImpl:
+    """Our backward (kernels/mla_backward_*.cu), its launches packed once per set, the workspace
+    given (``det=1``: deterministic mode; ``kernel=sm80``: the portable kernel; ``src=DIR``: the
+    kernels under DIR, ``def=A:0+B:1``: compile-time switches, as for the forward)."""
+    import cupy as cp
+
+    from mla_cupy.backward import prepare_backward
+
+    saved = None
+    if "src" in opts or "def" in opts:  # the launches below compile from the variant's sources
+        sys.path.insert(0, __file__.rsplit("/", 1)[0])
+        from _variant import restore, use_defines, use_sources
+
+        saved = (use_sources(opts["src"]) if "src" in opts else
+                 use_defines(dict(d.split(":", 1) for d in opts["def"].split("+")), "mla_backward_sm90.cu"))
+    try:
+        launches = _bwd_launches(case, sets, opts, prepare_backward)
+    finally:
+        if saved is not None:
+            restore(saved)
+
+    def call(i):
+        launch, ptrs, sp, ws, _ = launches[i]
+        launch.launch(ptrs, sp, ws)
+
+    return call, lambda i: tuple(launches[i][4])
+
+
+def _bwd_launches(case: BenchCase, sets, opts, prepare_backward) -> list:
+    """(launch, pointers, stream, workspace, results) of our backward for each input set."""
+    import cupy as cp
+
+    launches = []
+    for x in sets:
+        res = [cp.empty(sh, x["q"].dtype) for sh in (x["q"].shape, x["k"].shape, x["v"].shape, x["k_rope"].shape)]
+        launch, ptrs, _, sp = prepare_backward(
+            x["dout"], x["q"], x["k"], x["v"], x["k_rope"], x["out"], x["lse"], x["valid_length"],
+            x["cache_row_offsets"], scale=None, mask=case.mask, q_max_seq_len=max(case.sq), cache_offsets=None,
+            q_start_pos=None, dq=res[0], dk=res[1], dv=res[2], dk_rope=res[3], deterministic=opts.get("det") == "1",
+            stream=None, validate=False, kernel=opts.get("kernel", "auto"))
+        launches.append((launch, ptrs, sp, cp.empty((launch.ws_floats,), cp.float32), res))
+    return launches
+
+
+def _bwd_torch(case: BenchCase, sets, opts, *, peer: str, kbuild: bool) -> BwdImpl:
+    """A peer's backward through torch autograd: its forward graph built once per set (not timed),
+    each call ``torch.autograd.grad`` of it. ``peer``: "cudnn" (torch SDPA on the cuDNN backend, one
+    call per sequence) or "fa4" (FlashAttention-4's varlen call)."""
+    import cupy as cp
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fn = None
+    if peer == "fa4":
+        fn = peers.fa4_function()
+        if fn is None:
+            raise LeftOut(f"{peers.FA4_MODULE} does not import: {peers.FA4_HINT}")
+    tx = _torch_sets(sets)
+    h = case.heads
+    graphs = []
+    for x, t in zip(sets, tx):
+        q, v = t["q"].detach().requires_grad_(), t["v"].detach().requires_grad_()
+        if kbuild:
+            k, rope = t["k"].detach().requires_grad_(), t["k_rope"].detach().requires_grad_()
+            k192 = torch.cat([k, rope.expand(-1, h, -1)], dim=-1)
+            leaves = (q, k, v, rope)
+        else:
+            k192 = peers.k192_of(t, h).detach().requires_grad_()
+            leaves = (q, k192, v)
+        dout = torch.from_dlpack(x["dout"])
+        if peer == "fa4":
+            outs = [peers.fa4_call(fn, q, k192, v, peers.varlen_args(case, q.device))]
+            gouts = [dout]
+        else:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                outs = peers.sdpa_per_sequence(case, {"q": q, "v": v}, k192)
+            vl, _ = case.offsets()
+            gouts = [dout[vl[b]:vl[b + 1]].transpose(0, 1).unsqueeze(0) for b in range(len(case.sq))]
+        graphs.append((outs, leaves, gouts))
+    grads: List[object] = [None] * len(sets)
+
+    def call(i):
+        outs, leaves, gouts = graphs[i]
+        grads[i] = torch.autograd.grad(outs, leaves, gouts, retain_graph=True)
+        return grads[i]
+
+    def out(i):
+        g = grads[i]
+        if kbuild:
+            dq, dk, dv, dkr = g
+        else:
+            dq, dk192, dv = g
+            dk, dkr = dk192[..., :DV], dk192[..., DV:].sum(1, keepdim=True)
+        return tuple(cp.from_dlpack(y.contiguous()) for y in (dq, dk, dv, dkr))
+
+    return call, out
+
+
+BWD_FACTORIES: Dict[str, Callable[..., BwdImpl]] = {
+    "ours": _bwd_ours,
+    "cudnn": lambda c, s, o: _bwd_torch(c, s, o, peer="cudnn", kbuild=False),
+    "cudnn+kbuild": lambda c, s, o: _bwd_torch(c, s, o, peer="cudnn", kbuild=True),
+    "fa4": lambda c, s, o: _bwd_torch(c, s, o, peer="fa4", kbuild=False),
+    "fa4+kbuild": lambda c, s, o: _bwd_torch(c, s, o, peer="fa4", kbuild=True),
+}
+#: FLOPs of the backward per visible pair over the forward's: the five GEMMs (S, dP, dV, dK, dQ) at
+#: K width 192, 2 (192 + 128 + 128 + 192 + 192), over the forward's 2 (192 + 128)
+BWD_FLOP_FACTOR = (192 + 128 + 128 + 192 + 192) / (192 + 128)
+
+
+def backward_reference_of(case: BenchCase, x, heads=(0, -1)):
+    """The float64 reference gradients dq, dk, dv of inputs ``x`` on ``heads``, from our forward's
+    out and lse (dk_rope, a sum over every head, is checked by the GPU tests)."""
+    from mla_cupy import reference
+
+    hs = sorted({h % case.heads for h in heads})
+    g = reference.mla_prefill_backward(x["dout"][:, hs], x["q"][:, hs], x["k"][:, hs], x["v"][:, hs], x["k_rope"],
+                                       x["out"][:, hs], x["lse"][:, hs], x["valid_length"], x["cache_row_offsets"],
+                                       mask=case.mask)
+    return hs, g[:3]
+
+
+def backward_rel_err(ref, grads) -> float:
+    """The largest of dq's, dk's and dv's relative errors on the reference's heads."""
+    import cupy as cp
+
+    hs, r = ref
+    errs = []
+    for want, got in zip(r, grads[:3]):
+        got = cp.asnumpy(got[:, hs].astype(cp.float64))
+        errs.append(float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)))
+    return max(errs)
+
+
+def parse_impl(spec: str, backward: bool = False) -> Tuple[str, Dict[str, str]]:
     base, _, rest = spec.partition(":")
-    if base not in FACTORIES:
-        raise SystemExit(f"unknown implementation {spec!r}: one of {sorted(FACTORIES)} (ours:hps=N, ours:src=DIR)")
+    factories = BWD_FACTORIES if backward else FACTORIES
+    if base not in factories:
+        raise SystemExit(f"unknown {'backward ' if backward else ''}implementation {spec!r}: one of "
+                         f"{sorted(factories)} (ours:hps=N, ours:src=DIR)")
     opts = dict(kv.split("=", 1) for kv in rest.split(";") if kv) if rest else {}
     return base, opts
 
@@ -570,20 +765,35 @@ def _ratios(vals: Dict[str, List], base: str) -> Dict[str, dict]:
 
 
 def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler: NvmlSampler,
-             max_err: float, energy_s: float = 0.0) -> dict:
+             max_err: float, energy_s: float = 0.0, backward: bool = False) -> dict:
     """Times ``specs`` on ``case`` in interleaved rounds. An implementation whose output misses the
     reference (or that raises) is reported and left out of the timing, not the whole run."""
     import cupy as cp
 
     n = bench.n_input_sets(case)
-    sets = [bench._inputs(case, seed) for seed in range(n)]
+    sets = [bench.make_inputs(case, seed) for seed in range(n)]
+    if backward:
+        backward_inputs(case, sets)
     impls = {}
     errors = {}
     failed = {}
     ref = None
     for spec in specs:
-        base, opts = parse_impl(spec)
+        base, opts = parse_impl(spec, backward)
         try:
+            if backward:
+                call, grads = BWD_FACTORIES[base](case, sets, opts)
+                if base == "ours":
+                    for g in grads(0):
+                        g.view(cp.uint16)[...] = 0x7FC0  # bf16 NaN
+                call(0)
+                cp.cuda.Device().synchronize()
+                ref = ref if ref is not None else backward_reference_of(case, sets[0])
+                errors[spec] = backward_rel_err(ref, grads(0))
+                if not errors[spec] <= max_err:
+                    raise RuntimeError(f"relative error {errors[spec]:.3e} > {max_err:.1e}")
+                impls[spec] = call
+                continue
             call, output = FACTORIES[base](case, sets, opts)
             # Poison, run once, check against the float64 reference.
             if output is not None and base in ("ours", "ours-fp8", "ours-e4m3"):
@@ -617,7 +827,7 @@ def run_case(case: BenchCase, specs: List[str], rounds: int, reps: int, sampler:
     clock = sampler.summary(mark)
     base = specs[0]
     ratios = {s: [t / b for t, b in zip(times[s], times[base])] for s in specs}
-    flops = case.flops()
+    flops = case.flops() * (BWD_FLOP_FACTOR if backward else 1.0)
     res = {"case": case.name, "flops": flops, "n_sets": n, "clock": clock, "impls": {}, "failed": failed}
     for s in specs:
         med = statistics.median(times[s])
@@ -690,6 +900,23 @@ def format_case(res: dict, base: str) -> List[str]:
     return lines
 
 
+def checkout_commit() -> str:
+    """The commit of the checkout this script runs from (``git rev-parse --short HEAD``), with
+    ``+modified`` when kernels/ or mla_cupy/ differ from it; ``"unknown"`` outside a git checkout."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kernels", "mla_cupy"], cwd=root,
+                               timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return rev + ("+modified" if dirty else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -703,6 +930,9 @@ def main(argv=None) -> int:
                     help="also run each implementation back to back for about S seconds per round and read "
                          "the energy counter: J and SM cycles per call (0: off)")
     ap.add_argument("--out", default=None, help="write every round's numbers here (JSON)")
+    ap.add_argument("--backward", action="store_true",
+                    help="time the backward: implementations ours (ours:det=1 deterministic), cudnn, cudnn+kbuild, "
+                         "fa4, fa4+kbuild; TFLOP/s count 2 (192 + 128 + 128 + 192 + 192) per visible pair")
     ap.add_argument("--profile", action="store_true",
                     help="no timing: run each implementation three times per case (for ncu: --launch-skip 2 "
                          "--launch-count 1 with a kernel-name filter)")
@@ -713,11 +943,13 @@ def main(argv=None) -> int:
         import cupy as cp
 
         for case in cases:
-            sets = [bench._inputs(case, 0)]
+            sets = [bench.make_inputs(case, 0)]
+            if a.backward:
+                backward_inputs(case, sets)
             for spec in specs:
-                base, opts = parse_impl(spec)
+                base, opts = parse_impl(spec, a.backward)
                 try:
-                    call, _ = FACTORIES[base](case, sets, opts)
+                    call, _ = (BWD_FACTORIES if a.backward else FACTORIES)[base](case, sets, opts)
                 except LeftOut as exc:
                     print(f"{case.name} / {spec}: left out ({exc})", file=sys.stderr, flush=True)
                     continue
@@ -726,17 +958,18 @@ def main(argv=None) -> int:
                 cp.cuda.Device().synchronize()
         return 0
     results = []
+    run_info = dict(bench.device_info(), commit=checkout_commit(), command=" ".join(["benchmarks/ab.py", *sys.argv[1:]]))
     with NvmlSampler(hz=a.nvml_hz) as sampler:
         print(f"| case | impl | ms | TFLOP/s | time / time of {specs[0]} (> 1: {specs[0]} faster; median of {a.rounds} rounds, min-max) "
               f"| rel err | clock during the case |", flush=True)
         print("|---|---|---|---|---|---|---|", flush=True)
         for case in cases:
-            res = run_case(case, specs, a.rounds, a.reps, sampler, a.max_err, a.energy)
+            res = run_case(case, specs, a.rounds, a.reps, sampler, a.max_err, a.energy, a.backward)
             results.append(res)
             print("\n".join(format_case(res, specs[0])), flush=True)
             if a.out:
                 with open(a.out, "w") as f:
-                    json.dump({"impls": specs, "rounds": a.rounds, "reps": a.reps, "results": results,
+                    json.dump({**run_info, "impls": specs, "rounds": a.rounds, "reps": a.reps, "results": results,
                                "clock_all": sampler.summary()}, f, indent=1)
         whole = sampler.summary()
     if a.energy > 0:

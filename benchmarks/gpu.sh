@@ -15,18 +15,25 @@
 #                            every mask, paged aligned and gathered, epilogue merge, merge_states, NaN
 #                            isolation, fp8 per token, fp8 rope plain and paged, the V^T pre-pass, the
 #                            quantizers); SUBSET='<pytest -k expression>' replaces the subset
-#   bench [BENCH ARGS...]    `mla-cupy bench` over the default matrix (JSON and plot into --out), then
-#                            the paged-rope and merge timings
-#   host [BENCH ARGS...]     `mla-cupy bench --host`: host time per call of every entry point (CuPy and
-#                            torch) beside the peers' calls (JSON into --out)
+#   bench [ARGS...]          benchmarks/matrix.py: the bench matrix, ours and the peers (JSON and plot
+#                            into --out), then the paged-rope and merge timings
+#   host [ARGS...]           benchmarks/matrix.py --host: host time per call of every entry point (CuPy
+#                            and torch) beside the peers' calls (JSON into --out)
+#   train [ARGS...]          benchmarks/train_e2e.py: a DeepSeek-V3-shaped model trained on a copy task
+#                            with mla_cupy and with sdpa (loss curves, tokens/s, peak memory; JSON and
+#                            plot into --out)
 #   e2e [ARGS...]            benchmarks/transformers_e2e.py: a DeepSeek-V3-shaped transformers model's
 #                            prefill at 1k, 4k and 16k tokens, mla_cupy against sdpa and eager (JSON
 #                            into --out)
+#   perf [ARGS...]           the README's performance run: benchmarks/ab.py over the README's cases, ours
+#                            against FlashAttention-3 (needs --wheels), 7 rounds, into --out/perf.json;
+#                            then, on any machine: python benchmarks/perf_plot.py DIR/perf.json
 #   ab [ARGS...]             benchmarks/ab.py ARGS (implementations timed in one process)
 #   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
 #                            bench case (`mla-cupy bench --list`) or fp8 / e4m3 / bf16 / paged / pagedP (pages of P;
 #                            1x8192, H = 128), or FlashAttention-3's kernel on 1x8192: fa3 (bf16, K at 192) / fa3-fp8
-#                            (e4m3; needs --wheels)
+#                            (e4m3; needs --wheels); the backward's main kernel on 1x8192: bwd (ours) / fa4-bwd
+#                            (FlashAttention-4's, needs --wheels); FlashAttention-4's forward: fa4
 #   probe [ARGS...]          benchmarks/pipe_probe.py ARGS: cycles per key tile of the Hopper consumer loop
 #                            without its loads, its parts alone and together, and of its loads without
 #                            the consumers, from L2 and DRAM (JSON into --out)
@@ -48,8 +55,9 @@
 #
 # Options:
 #   --out DIR        where logs and results go (default ./gpu-logs)
-#   --wheels DIR     install the wheels in DIR (the bench peers FlashAttention-3's fa3-fwd and
-#                    nvidia-cudnn-frontend; README) into DIR/site without an index, and put it on PYTHONPATH
+#   --wheels DIR     install the wheels in DIR (the bench peers: FlashAttention-3's fa3-fwd,
+#                    nvidia-cudnn-frontend, FlashAttention-4's flash-attn-4 with nvidia-cutlass-dsl and its
+#                    libraries; docs/development.md) into DIR/site without an index, and put it on PYTHONPATH
 #   --timeout S      limit of each step in seconds (default 540; each sanitizer tool is one step)
 #
 # Environment: PYTHON (default python3); NCU and SANITIZER name the tools when they are neither on
@@ -72,7 +80,7 @@ done
 [ $# -ge 1 ] || usage 2
 MODE=$1; shift
 case "$MODE" in
-  suite|fuzz|sanitize|bench|host|e2e|ab|ncu|probe|compile|verify) ;;
+  suite|fuzz|sanitize|bench|host|e2e|train|perf|ab|ncu|probe|compile|verify) ;;
   *) echo "gpu.sh: unknown mode $MODE" >&2; usage 2 ;;
 esac
 
@@ -87,6 +95,8 @@ if [ -n "$WHEELS" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WHEELS/site" "$WHEELS"/*.whl \
     || { echo "gpu.sh: installing the wheels of $WHEELS failed" >&2; exit 1; }
   export PYTHONPATH="$WHEELS/site:$PYTHONPATH"
+  # pip's --target skips the .pth of nvidia-cutlass-dsl (FlashAttention-4's compiler): its packages' folder
+  [ -d "$WHEELS/site/nvidia_cutlass_dsl/dsl_packages" ] && export PYTHONPATH="$WHEELS/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
 fi
 
 # A CUDA tool by name: $VAR if set, else PATH, else $CUDA_HOME/bin.
@@ -177,15 +187,21 @@ case "$MODE" in
     step_shown "fuzz-$(STAMP)" "${FUZZ[@]}" --count "$N" --budget-s $((STEP_S - 90)) "$@" ;;
   sanitize) sanitize_tools "$@" ;;
   bench)
-    step bench "$PY" -m mla_cupy bench --json "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png" --reps 20 \
+    step bench "$PY" benchmarks/matrix.py --json "$OUT_DIR/bench.json" --plot "$OUT_DIR/bench.png" --reps 20 \
       --no-progress "$@"
     summary "device|matmul|mla_cupy|fa3|Error" bench 40
     step paged_merge "$PY" benchmarks/paged_merge_bench.py
     cat "$OUT_DIR/paged_merge.log" ;;
   host)
-    step_shown host "$PY" -m mla_cupy bench --host --json "$OUT_DIR/host.json" "$@" ;;
+    step_shown host "$PY" benchmarks/matrix.py --host --json "$OUT_DIR/host.json" "$@" ;;
   e2e)
     step_shown e2e "$PY" benchmarks/transformers_e2e.py --json "$OUT_DIR/e2e.json" "$@" ;;
+  perf)
+    PERF_CASES=1x512,1x1024,1x2048,1x4096,1x8192,1x16384,1x32768,4x2048,16x512,64x128,ragged,ragged-300+5000+77+1500,1024+ctx8192,H16-1x8192,H16-1x16384,noncausal-1x4096
+    step_shown perf "$PY" benchmarks/ab.py --impls ours,fa3,fa3+kbuild --cases "$PERF_CASES" --rounds 7 \
+      --out "$OUT_DIR/perf.json" "$@" ;;
+  train)
+    step_shown train "$PY" benchmarks/train_e2e.py --json "$OUT_DIR/train.json" --plot "$OUT_DIR/train.png" "$@" ;;
   ab)
     step ab "$PY" benchmarks/ab.py "$@"
     cat "$OUT_DIR/ab.log" ;;
@@ -198,6 +214,12 @@ case "$MODE" in
       fp8|e4m3|bf16|paged|paged[0-9]*) DRIVER=(benchmarks/ncu_fp8.py "$CASE") ;;
       fa3|fa3-fp8) DRIVER=(benchmarks/ab.py --impls "$CASE" --cases 1x8192 --profile)
                    KERNEL=(--kernel-name-base demangled -k regex:FlashAttnFwd) ;;
+      fa4) DRIVER=(benchmarks/ab.py --impls fa4 --cases 1x8192 --profile)
+           KERNEL=(--kernel-name-base demangled -k regex:Forward) ;;
+      bwd) DRIVER=(benchmarks/ab.py --backward --impls ours --cases 1x8192 --profile)
+           KERNEL=(-k regex:mla_backward_kernel) ;;
+      fa4-bwd) DRIVER=(benchmarks/ab.py --backward --impls fa4 --cases 1x8192 --profile)
+               KERNEL=(--kernel-name-base demangled -k regex:Backward) ;;
       *) DRIVER=(benchmarks/ncu_case.py "$CASE") ;;
     esac
     # The drivers launch the kernel three times; the third launch is profiled.

@@ -10,12 +10,12 @@ import cupy as cp
 
 import mla_cupy
 from mla_cupy._arrays import BF16
-from mla_cupy.bench import BenchCase, _inputs
+from mla_cupy.bench import BenchCase, make_inputs
 
 
 def main(n: int = 5000) -> None:
     case = BenchCase("host-1x64-H16", (64,), (64,), heads=16)
-    x = _inputs(case, 0)
+    x = make_inputs(case, 0)
     out = cp.empty((64, 16, 128), BF16)
 
     def call():

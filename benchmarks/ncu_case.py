@@ -8,12 +8,12 @@ import sys
 import cupy as cp
 
 import mla_cupy
-from mla_cupy.bench import DEFAULT_CASES, _inputs
+from mla_cupy.bench import DEFAULT_CASES, make_inputs
 
 
 def main(name: str, kernel: str = "auto") -> None:
     case = DEFAULT_CASES[name]
-    x = _inputs(case, 0)
+    x = make_inputs(case, 0)
     for _ in range(3):
         mla_cupy.mla_prefill(**x, mask=case.mask, q_max_seq_len=max(case.sq), validate=False, kernel=kernel)
     cp.cuda.Device().synchronize()

@@ -138,7 +138,7 @@ def trace_case(case_name: str, spec: str) -> Dict[str, float]:
     base, opts = ab.parse_impl(spec)
     if not base.startswith("ours"):
         raise SystemExit(f"--impl {spec!r}: only our kernels are traced (ours, ours-fp8, ours-e4m3)")
-    call, _ = ab.FACTORIES[base](case, [bench._inputs(case, 0)], opts)
+    call, _ = ab.FACTORIES[base](case, [bench.make_inputs(case, 0)], opts)
     call(0)
     call(0)  # compiled, warm
     cp.cuda.Device().synchronize()

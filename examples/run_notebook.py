@@ -1,18 +1,26 @@
-"""Execute a notebook top to bottom with a Jupyter kernel of THIS Python interpreter.
+"""Execute a notebook top to bottom with a Jupyter kernel of THIS Python interpreter, and store
+its outputs (the stored quickstart's outputs come from a GPU run of this script).
 
-Usage (from the repository root)::
+A person runs the notebook with Jupyter itself, from anywhere::
+
+    pip install ".[test]"                                 # in the checkout: the package, matplotlib, nbconvert
+    jupyter nbconvert --to notebook --execute examples/quickstart.ipynb
+
+This script is for the stored copy (from the repository root)::
 
     python examples/run_notebook.py                      # run examples/quickstart.ipynb, save it with its outputs
+    python examples/run_notebook.py --out DIR/quickstart.ipynb   # ... saved there instead
     python examples/run_notebook.py --no-save            # run it, leave the file as it is
-    python examples/run_notebook.py path/to/other.ipynb
     python examples/run_notebook.py --plain              # its code cells in this process, no Jupyter
 
-The kernel starts in the repository root, so it imports ``mla_cupy`` from this checkout. The
-test ``tests/test_notebook.py`` runs notebooks through :func:`execute`.
+The kernel starts in the repository root and imports ``mla_cupy`` from this checkout. Before
+saving, the outputs are searched for paths of this machine (:func:`machine_paths`): a stored
+notebook carries none, so the script refuses to save one that does and names them.
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +30,21 @@ QUICKSTART = ROOT / "examples" / "quickstart.ipynb"
 
 #: Name of the temporary kernelspec; the saved notebook keeps the standard "python3" one.
 _KERNEL = "mla-cupy-run"
+
+#: An absolute path of a machine (a home, an install prefix, a temporary or work folder).
+MACHINE_PATH = re.compile(r"(?<![\w.])(/(home|root|opt|usr|tmp|var|work|srv|mnt)/[^\s'\"]*|[A-Za-z]:\\[^\s'\"]*)")
+
+
+def machine_paths(nb) -> list:
+    """The machine paths in the outputs of ``nb`` (text of every stream, result and error)."""
+    found = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            texts = [out.get("text", "")] + [v for k, v in out.get("data", {}).items() if k.startswith("text/")]
+            texts += out.get("traceback", [])
+            for t in texts:
+                found += [m.group(0) for m in MACHINE_PATH.finditer("".join(t) if isinstance(t, list) else t)]
+    return found
 
 
 def execute(path: Path, cwd: Path = ROOT, timeout: int = 600):
@@ -93,6 +116,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("notebook", nargs="?", type=Path, default=QUICKSTART)
     ap.add_argument("--no-save", action="store_true", help="do not write the outputs back into the file")
+    ap.add_argument("--out", type=Path, default=None, help="save the executed notebook here instead of in place")
     ap.add_argument("--plain", action="store_true", help="run the code cells in this process without Jupyter; save nothing")
     args = ap.parse_args(argv)
     if args.plain:
@@ -102,11 +126,16 @@ def main(argv=None) -> int:
     import nbformat
 
     nb = execute(args.notebook)
-    if not args.no_save:
-        nbformat.write(nb, str(args.notebook))
-        print(f"saved {args.notebook} ({args.notebook.stat().st_size / 1024:.0f} KiB) with its outputs")
-    else:
+    if args.no_save:
         print(f"ran {args.notebook}: every cell without error")
+        return 0
+    paths = machine_paths(nb)
+    if paths:
+        print(f"not saved: the outputs hold paths of this machine: {sorted(set(paths))}", file=sys.stderr)
+        return 1
+    target = args.out or args.notebook
+    nbformat.write(nb, str(target))
+    print(f"saved {target} ({target.stat().st_size / 1024:.0f} KiB) with its outputs")
     return 0
 
 

@@ -7,6 +7,9 @@
 //       tests a key with two integer compares against it.
 //   all_visible(q_lo, q_hi, k_lo, k_hi): true when every pair in [q_lo, q_hi] x [k_lo, k_hi]
 //       (inclusive) is visible; such tiles skip the per-element predicate.
+//   query_range(k_lo, k_hi, q_lo, q_hi): the backward's converse of key_range, a half-open range of
+//       query positions that contains every query seeing some key in [k_lo, k_hi]; the query
+//       blocks outside it are never computed for those keys.
 // The single run-time argument (window or chunk size) is `arg`; masks without one ignore it.
 // kBoundedAbove: a query's visible keys end at a position that depends on the query (every mask but
 // NullMask), so a tile's last keys can be invisible to a whole block of rows. kBoundedBelow: they
@@ -27,6 +30,10 @@ struct NullMask {
     k_lo = kPosMin;
     k_hi = kPosMax;
   }
+  __device__ __forceinline__ void query_range(i64, i64, i64& q_lo, i64& q_hi) const {
+    q_lo = kPosMin;
+    q_hi = kPosMax;
+  }
   __device__ __forceinline__ bool all_visible(i64, i64, i64, i64) const { return true; }
 };
 
@@ -37,6 +44,10 @@ struct CausalMask {
   __device__ __forceinline__ void key_range(i64, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = kPosMin;
     k_hi = q_hi + 1;
+  }
+  __device__ __forceinline__ void query_range(i64 k_lo, i64, i64& q_lo, i64& q_hi) const {
+    q_lo = k_lo;
+    q_hi = kPosMax;
   }
   __device__ __forceinline__ bool all_visible(i64 q_lo, i64, i64, i64 k_hi) const { return k_hi <= q_lo; }
 };
@@ -49,6 +60,10 @@ struct SlidingWindowCausalMask {
   __device__ __forceinline__ void key_range(i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = q_lo - arg + 1;
     k_hi = q_hi + 1;
+  }
+  __device__ __forceinline__ void query_range(i64 k_lo, i64 k_hi, i64& q_lo, i64& q_hi) const {
+    q_lo = k_lo;
+    q_hi = k_hi + arg;
   }
   __device__ __forceinline__ bool all_visible(i64 q_lo, i64 q_hi, i64 k_lo, i64 k_hi) const {
     return k_hi <= q_lo && q_hi - k_lo < arg;
@@ -64,6 +79,10 @@ struct ChunkedMask {
     k_lo = floor_div(q_lo, arg) * arg;
     k_hi = (floor_div(q_hi, arg) + 1) * arg;
   }
+  __device__ __forceinline__ void query_range(i64 k_lo, i64 k_hi, i64& q_lo, i64& q_hi) const {
+    q_lo = floor_div(k_lo, arg) * arg;
+    q_hi = (floor_div(k_hi, arg) + 1) * arg;
+  }
   __device__ __forceinline__ bool all_visible(i64 q_lo, i64 q_hi, i64 k_lo, i64 k_hi) const {
     const i64 c = floor_div(q_lo, arg);
     return floor_div(q_hi, arg) == c && floor_div(k_lo, arg) == c && floor_div(k_hi, arg) == c;
@@ -77,6 +96,10 @@ struct ChunkedCausalMask {
   __device__ __forceinline__ void key_range(i64 q_lo, i64 q_hi, i64& k_lo, i64& k_hi) const {
     k_lo = floor_div(q_lo, arg) * arg;
     k_hi = q_hi + 1;
+  }
+  __device__ __forceinline__ void query_range(i64 k_lo, i64 k_hi, i64& q_lo, i64& q_hi) const {
+    q_lo = k_lo;
+    q_hi = (floor_div(k_hi, arg) + 1) * arg;
   }
   __device__ __forceinline__ bool all_visible(i64 q_lo, i64 q_hi, i64 k_lo, i64 k_hi) const {
     const i64 c = floor_div(q_lo, arg);

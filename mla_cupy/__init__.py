@@ -6,6 +6,7 @@ mask. See ``mla_prefill`` for the semantics, ``plan`` to run many layers of one 
 """
 from . import fp8, quant, reference
 from .api import mla_prefill, mla_prefill_fp8
+from .backward import mla_prefill_backward
 from .jit import KernelCompileError
 from .merge import merge_states, mla_prefill_chunked
 from .masks import CausalMask, ChunkedCausalMask, ChunkedMask, Mask, NullMask, SlidingWindowCausalMask
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "mla_prefill",
     "mla_prefill_fp8",
+    "mla_prefill_backward",
     "plan",
     "PrefillPlan",
     "plan_cache_info",

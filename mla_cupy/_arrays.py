@@ -91,20 +91,39 @@ def checkable(x: Any, name: str):
     return as_device(x, name)
 
 
-#: How to install CuPy with the NVRTC the kernels compile with.
-INSTALL_GPU = "pip install 'mla_cupy[cuda13]' (CUDA 13 driver) or 'mla_cupy[cuda12]' (CUDA 12 driver)"
+#: How to install CuPy with the NVRTC the kernels compile with: a command run in the checkout (the
+#: package is installed from its source tree), quoted so that no shell expands the brackets.
+INSTALL_GPU = 'pip install ".[cuda13]" (CUDA 13 driver) or ".[cuda12]" (CUDA 12 driver) in the mla_cupy checkout'
+
+
+def _cuda_version(v: int) -> str:
+    """CUDA's integer version as people write it: ``13020`` -> ``'13.2'``."""
+    return f"{v // 1000}.{v % 1000 // 10}"
 
 
 def gpu_missing() -> Optional[str]:
-    """Why no CUDA GPU can run a kernel here (CuPy not installed, no driver, no device), or
-    ``None`` when one can."""
+    """Why no CUDA GPU can run a kernel here, or ``None`` when one can: CuPy not installed, no
+    NVIDIA driver (what a machine without a GPU has: ``CuPy sees no CUDA device``), a driver older
+    than CuPy's CUDA runtime, no device."""
     cp = cupy_or_none()
     if cp is None:
         return f"CuPy is not installed: {INSTALL_GPU}"
     try:
+        driver = cp.cuda.runtime.driverGetVersion()
+    except Exception:  # no libcuda at all
+        driver = 0
+    if driver == 0:
+        return "CuPy sees no CUDA device: no NVIDIA driver is loaded on this machine"
+    try:
         count = cp.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver, or a driver too old for this CuPy
-        return f"CuPy cannot use a CUDA driver: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    except Exception as exc:  # a driver too old for this CuPy, or a broken installation
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        runtime = cp.cuda.runtime.runtimeGetVersion()
+        if driver < runtime:
+            return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)}, older than CuPy's CUDA "
+                    f"{_cuda_version(runtime)} runtime; install the extra of the driver's CUDA version "
+                    f"({INSTALL_GPU}) ({first})")
+        return f"CuPy cannot use the CUDA driver: {first}"
     return None if count > 0 else "CuPy sees no CUDA device"
 
 
@@ -324,14 +343,17 @@ def read_back(arrays: Sequence[Any]) -> List[Optional[np.ndarray]]:
 
 def device_pointer(x: Any) -> int:
     """The data pointer of a device array: CuPy's ``.data.ptr``, torch's ``data_ptr()``, else
-    ``__cuda_array_interface__``."""
+    ``__cuda_array_interface__``; of a NumPy array (the reference's layout checks), its address."""
     t = type(x)
     kind = _KINDS.get(t) or _kind(t)
     if kind == _CUPY_ARRAY:
         return x.data.ptr
     if kind == _TORCH:
         return x.data_ptr()
-    return int(x.__cuda_array_interface__["data"][0])
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None and isinstance(x, np.ndarray):
+        return int(x.__array_interface__["data"][0])
+    return int(cai["data"][0])
 
 
 # ---------------------------------------------------------------------------------------------

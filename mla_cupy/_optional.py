@@ -1,5 +1,5 @@
 """Optional dependencies: a missing one is named with the pip command that installs it (the
-package's extras), never a bare ``ModuleNotFoundError``."""
+package's extras, installed from the checkout), never a bare ``ModuleNotFoundError``."""
 from __future__ import annotations
 
 import importlib
@@ -19,7 +19,7 @@ class MissingDependency(ModuleNotFoundError):
 def require(module: str, what: str, extra: Optional[str] = None) -> ModuleType:
     """Import ``module`` for ``what`` (the feature that needs it), or raise
     :class:`MissingDependency`: ``"<what> needs <module>, which is not installed: pip install
-    'mla_cupy[<extra>]'"`` (``extra``: the extra to name, default the module's own)."""
+    ".[<extra>]" in the mla_cupy checkout"`` (``extra``: the extra to name, default the module's own)."""
     top = module.split(".")[0]
     try:
         return importlib.import_module(module)
@@ -27,5 +27,5 @@ def require(module: str, what: str, extra: Optional[str] = None) -> ModuleType:
         if exc.name != top:  # the module is there, something it imports is not: not ours to explain
             raise
         extra = extra or EXTRA_OF.get(top)
-        how = f"pip install 'mla_cupy[{extra}]'" if extra else f"pip install {top}"
+        how = f'pip install ".[{extra}]" in the mla_cupy checkout' if extra else f"pip install {top}"
         raise MissingDependency(f"{what} needs {top}, which is not installed: {how}", name=top) from None

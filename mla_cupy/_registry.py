@@ -20,7 +20,10 @@ CPP_TYPE: Dict[np.dtype, str] = {BF16: "__nv_bfloat16", FP16: "__half", FP32: "f
 TARGET_ARCHS = {"mla_prefill_sm80.cu": ("sm_80", "sm_90a"), "mla_prefill_sm90.cu": ("sm_90a",),
                 "merge_states.cu": ("sm_80", "sm_90a"), "bench_spin.cu": ("sm_80", "sm_90a"),
                 "quantize.cu": ("sm_90a",), "transpose_v.cu": ("sm_90a",),  # e4m3 needs sm_89+; fp8 runs on Hopper
-                "rope_gather.cu": ("sm_90a",)}
+                "rope_gather.cu": ("sm_90a",),
+                # the backward: the portable main kernel (mma.sync), Hopper's (wgmma), the passes around them
+                "mla_backward_sm80.cu": ("sm_80", "sm_90a"), "mla_backward_sm90.cu": ("sm_90a",),
+                "mla_backward_prepost.cu": ("sm_80", "sm_90a")}
 
 PREFILL_SM80 = ("mla_prefill_sm80.cu", "mla::sm80::mla_prefill_kernel")
 PREFILL_SM90 = ("mla_prefill_sm90.cu", "mla::sm90::mla_prefill_kernel")
@@ -42,6 +45,82 @@ TRANSPOSE_V = ("transpose_v.cu", ("mla::transpose_v_e4m3_kernel",) + _exports("m
 ROPE_GATHER = ("rope_gather.cu", ("mla::rope_gather_kernel",) + _exports("mla::rope_gather"))  # paged rope, Hopper
 
 Family = Tuple[str, Tuple[str, ...]]
+
+# ---- the backward (kernels/backward.cuh: the work and the workspace every backward kernel shares) ----
+BACKWARD_SM80 = ("mla_backward_sm80.cu", "mla::sm80_bwd::mla_backward_kernel")
+BACKWARD_SM90 = ("mla_backward_sm90.cu", "mla::sm90_bwd::mla_backward_kernel")
+BACKWARD_PREPOST = "mla_backward_prepost.cu"
+#: The main kernels' exports: the parameter struct's layout and names (one common list,
+#: ``MLA_BWD_COMMON_PARAMS``; the Hopper struct puts its tensor maps before it) and the geometry
+#: ``{smem, threads, block_m, block_n}``.
+BWD_SM80_EXPORTS = ("mla::sm80_bwd::kParamLayout", "mla::sm80_bwd::kParamNames", "mla::sm80_bwd::kGeometry")
+BWD_SM90_EXPORTS = ("mla::sm90_bwd::kParamLayout", "mla::sm90_bwd::kParamNames", "mla::sm90_bwd::kGeometry")
+#: The pre-pass's and post-passes' exports (kernels/mla_backward_prepost.cu), each namespace's own.
+BWD_PRE_EXPORTS = ("mla::bwd::pre::kParamLayout", "mla::bwd::pre::kParamNames", "mla::bwd::pre::kGeometry")
+BWD_DQ_EXPORTS = ("mla::bwd::post_dq::kParamLayout", "mla::bwd::post_dq::kParamNames", "mla::bwd::post_dq::kGeometry")
+BWD_ROPE_EXPORTS = ("mla::bwd::post_rope::kParamLayout", "mla::bwd::post_rope::kParamNames",
+                    "mla::bwd::post_rope::kGeometry")
+#: How a main kernel lays out dq_accum's chunks (``DqLayout``), the dq post-pass's template argument.
+DQ_ROW_MAJOR, DQ_WGMMA = "mla::bwd::kDqRowMajor", "mla::bwd::kDqWgmma"
+#: The layout each main kernel writes: the portable kernel's atomics row-major, Hopper's bulk
+#: reductions in its wgmma order.
+BWD_DQ_LAYOUT = {"sm80": DQ_ROW_MAJOR, "sm90": DQ_WGMMA}
+_BWD_MAIN = {"sm80": (BACKWARD_SM80, BWD_SM80_EXPORTS), "sm90": (BACKWARD_SM90, BWD_SM90_EXPORTS)}
+
+
+def backward_name(kernel: str, dtype: np.dtype, mask: Mask) -> str:
+    """The backward main kernel ``kernel`` (``'sm80'``: portable, ``'sm90'``: Hopper) for q, k, v,
+    dout and the gradients in ``dtype`` under ``mask``."""
+    return f"{_BWD_MAIN[kernel][0][1]}<{CPP_TYPE[np.dtype(dtype)]}, {mask.cpp_name}>"
+
+
+def backward_family(kernel: str, dtype: np.dtype, mask: Mask) -> Family:
+    """The family of :func:`backward_name`: that kernel and its module's exports
+    (:data:`BWD_SM80_EXPORTS` or :data:`BWD_SM90_EXPORTS`)."""
+    (filename, _), exports = _BWD_MAIN[kernel]
+    return filename, (backward_name(kernel, dtype, mask),) + exports
+
+
+def backward_sm80(dtype: np.dtype, mask: Mask) -> Family:
+    return backward_family("sm80", dtype, mask)
+
+
+def backward_sm90(dtype: np.dtype, mask: Mask) -> Family:
+    return backward_family("sm90", dtype, mask)
+
+
+def backward_exports(kernel: str) -> Tuple[str, str, str]:
+    """The exported tables of the main kernel ``kernel``'s module: layout, names, geometry."""
+    return _BWD_MAIN[kernel][1]
+
+
+def backward_pre_name(dtype: np.dtype, out_dtype: np.dtype) -> str:
+    """The pre-pass (lse_log2, D, the chunks and semaphores zeroed) for dout in ``dtype`` and the
+    forward's out in ``out_dtype`` (``dtype`` or float32)."""
+    return f"mla::bwd::pre_kernel<{CPP_TYPE[np.dtype(dtype)]}, {CPP_TYPE[np.dtype(out_dtype)]}>"
+
+
+def backward_dq_name(dtype: np.dtype, layout: str) -> str:
+    """The dq post-pass writing dq in ``dtype`` from dq_accum in ``layout`` (:data:`DQ_ROW_MAJOR`,
+    :data:`DQ_WGMMA`; :data:`BWD_DQ_LAYOUT` gives each main kernel's)."""
+    if layout not in (DQ_ROW_MAJOR, DQ_WGMMA):
+        raise ValueError(f"dq layout {layout!r}: one of {DQ_ROW_MAJOR!r}, {DQ_WGMMA!r}")
+    return f"mla::bwd::dq_kernel<{CPP_TYPE[np.dtype(dtype)]}, {layout}>"
+
+
+def backward_rope_name(dtype: np.dtype) -> str:
+    """The rope post-pass (dk_rope from rope_part's group slots; the rows of no sequence zeroed)."""
+    return f"mla::bwd::rope_kernel<{CPP_TYPE[np.dtype(dtype)]}>"
+
+
+def backward_prepost(dtype: np.dtype) -> Family:
+    """The passes around either main kernel for ``dtype``: the pre-pass for out in ``dtype`` or
+    float32, the dq post-pass for both layouts, the rope post-pass, and each pass's exports
+    (:data:`BWD_PRE_EXPORTS`, :data:`BWD_DQ_EXPORTS`, :data:`BWD_ROPE_EXPORTS`)."""
+    names = tuple(backward_pre_name(dtype, o) for o in (dtype, FP32))
+    names += tuple(backward_dq_name(dtype, lay) for lay in (DQ_ROW_MAJOR, DQ_WGMMA))
+    names += (backward_rope_name(dtype),)
+    return BACKWARD_PREPOST, names + BWD_PRE_EXPORTS + BWD_DQ_EXPORTS + BWD_ROPE_EXPORTS
 
 
 def prefill_sm80(dtype: np.dtype, mask: Mask) -> Family:
@@ -222,10 +301,11 @@ def family_label(fam: Family) -> str:
     stem = fam[0].rsplit(".", 1)[0]
     # kernel instantiations only (a family also names globals, e.g. an exported table per mask)
     arg_lists = [n.split("<", 1)[1].rsplit(">", 1)[0].split(", ") for n in fam[1] if "<" in n and is_kernel(n)]
-    if not arg_lists or any(len(a) != len(arg_lists[0]) for a in arg_lists):
+    if not arg_lists:
         return stem
     shared, variant = [], []
-    for i, first in enumerate(arg_lists[0]):
+    # kernels of different arities (the backward's passes): the leading arguments they all share
+    for i, first in enumerate(arg_lists[0][:min(len(a) for a in arg_lists)]):
         if any(a[i] != first for a in arg_lists) or (i == 3 and fam[0] == PREFILL_SM90[0]):
             continue  # varies inside the family (the rope source: plain only in some Hopper families)
         if i == 0 and fam[0] == PREFILL_SM90[0]:
@@ -246,4 +326,7 @@ def all_families() -> List[Tuple[str, Family]]:
     fams += [prefill_sm90(BF16, m, v, pairs=True) for m in MASKS if not m.bounded_below
              for v in SM90_PAIRED]
     fams += [merge_family(), SPIN, quantize_family(), transpose_v_family(), rope_gather_family()]
+    fams += [backward_family(k, d, m) for k in ("sm80", "sm90") for d in (BF16, FP16) for m in MASKS]
+    fams += [backward_prepost(d) for d in (BF16, FP16)]
     return [(arch, fam) for fam in fams for arch in TARGET_ARCHS[fam[0]]]
+

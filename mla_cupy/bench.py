@@ -1,19 +1,21 @@
-"""``mla-cupy bench``: mla_cupy against its peers on this GPU.
+"""``mla-cupy bench``: the kernels of this package timed on this GPU.
 
-Every number in a table comes from one process on one warm GPU: our kernel, the peers that are
-importable (torch's cuDNN SDPA, one call per sequence; cuDNN's ragged SDPA from the
-``nvidia-cudnn-frontend`` wheel, one call per batch; FlexAttention; FlashAttention-3 from the
-``fa3-fwd`` wheel or FA3's own ``flash_attn_interface``: all need K built at full 192 width, and that
-build is timed too), and the card's bf16 matmul rate as a roofline. Times are medians of many repeats after
-warm-up, measured with CUDA events behind a GPU-busy spin kernel (so they are GPU time, for every
-implementation alike; our host time per call is its own column), rotating through enough input sets
-to defeat the L2 cache. FLOPs count visible (query, key) pairs only: ``H * 2 * (192 + 128) * pairs``.
+Every number in a table comes from one process on one warm GPU: our 16-bit kernel (and, with
+``fp8=True``, the fp8 per-token and all-e4m3 modes) on each case of the matrix, beside the card's
+bf16 matmul rate as a roofline. Times are medians of many repeats after warm-up, measured with CUDA
+events behind a GPU-busy spin kernel (so they are GPU time; our host time per call is its own
+column), rotating through enough input sets to defeat the L2 cache. FLOPs count visible (query,
+key) pairs only: ``H * 2 * (192 + 128) * pairs``.
 
 Every row's output is checked against the float64 reference on two heads (the first and the last):
 ``rel_err`` is the worst relative error over the (sequence, head) slices, as the contract defines
-accuracy. fp8 rows (``fp8=True``) are checked twice: against the reference of the inputs they were
-given (the dequantized fp8 values, ``rel_err``) and against the reference of the unquantized 16-bit
-inputs (``err_vs_16bit``), which is what quantization costs a user.
+accuracy. fp8 rows are checked twice: against the reference of the inputs they were given (the
+dequantized fp8 values, ``rel_err``) and against the reference of the unquantized 16-bit inputs
+(``err_vs_16bit``), which is what quantization costs a user.
+
+Other implementations (FlashAttention-3, cuDNN, torch SDPA, FlexAttention) are not part of the
+package: ``benchmarks/peers.py`` holds their calls, as row builders that :func:`run` takes
+(``builders=``), and ``benchmarks/matrix.py`` runs the matrix with them.
 """
 from __future__ import annotations
 
@@ -32,11 +34,10 @@ from .masks import CausalMask, Mask, NullMask
 from .reference import visible_pairs
 from .dims import DQK, DR, DV
 
-__all__ = ["BenchCase", "DEFAULT_CASES", "EXTRA_CASES", "CPU_CASES", "ALL_CASES", "resolve_cases", "CaseRun",
-           "PEER_ROWS", "FP8_ROWS", "FP8_PEER_ROWS", "n_input_sets", "k192_of", "fa3_function", "fa3_varlen_call",
-           "quantize_per_batch_head", "dequantize_per_batch_head", "quantize_per_tensor", "quantize_inputs", "cudnn_sdpa_function",
-           "cudnn_ragged_args", "cudnn_ragged_fn", "cudnn_fp8_fn", "cudnn_fp8_call", "per_call_us", "host_us", "device_info", "run",
-           "run_cpu", "format_table", "write_csv", "plot"]
+__all__ = ["BenchCase", "DEFAULT_CASES", "EXTRA_CASES", "CPU_CASES", "ALL_CASES", "resolve_cases", "CaseRun", "Row",
+           "FP8_ROWS", "n_input_sets", "make_inputs", "time_ms", "per_call_us", "host_us", "e4m3_to_f64",
+           "failed_row", "device_info", "run", "run_cpu", "format_table", "write_csv", "write_json", "plot",
+           "check_writable"]
 
 L2_DEFEAT_BYTES = 256 << 20  # rotate input sets until their total passes this (H100/H200 L2: 50-60 MB)
 
@@ -160,7 +161,9 @@ def _progress(items, desc: str, enabled: bool):
 # ----------------------------------------------------------------------------------------------
 # device side
 # ----------------------------------------------------------------------------------------------
-def _inputs(case: BenchCase, seed: int):
+def make_inputs(case: BenchCase, seed: int) -> dict:
+    """Input set ``seed`` of ``case`` on the device: random bf16 ``q``, ``k``, ``v``, ``k_rope`` and the
+    offsets, as CuPy arrays."""
     import cupy as cp
 
     rng = cp.random.default_rng(seed)
@@ -277,20 +280,24 @@ def e4m3_to_f64(x):
     return table[_as_cupy(x)]
 
 
+
+
+_inputs = make_inputs  # the name the benchmark scripts used
+
+
 @dataclass
 class CaseRun:
     """What the row builders of one case share: the case, its device input sets (dicts of ``q``,
     ``k``, ``v``, ``k_rope``, ``valid_length``, ``cache_row_offsets`` as CuPy arrays; set 0 is the
-    one checked for accuracy), the repeats, and what is computed once per case on demand: the
-    float64 reference of the 16-bit inputs on :attr:`heads`, torch views of the sets, and K built
-    at 192 width (with the time that build takes)."""
+    one checked for accuracy), the repeats, the float64 reference of the 16-bit inputs on
+    :attr:`heads` (computed once, on demand), and ``cache``: what other row builders compute once
+    per case and share (``benchmarks/peers.py``: torch views of the sets, K built at 192 width)."""
 
     case: BenchCase
     sets: List[dict]
     reps: int
     _ref16: object = None
-    _torch: Optional[List[dict]] = None
-    _k192: Optional[tuple] = None
+    cache: Dict[str, object] = field(default_factory=dict)
 
     @property
     def heads(self) -> List[int]:
@@ -340,61 +347,11 @@ class CaseRun:
                     worst = float("nan") if e != e or worst != worst else max(worst, e)
         return worst
 
-    def torch_sets(self) -> List[dict]:
-        """The input sets as zero-copy torch tensors."""
-        if self._torch is None:
-            import torch
 
-            self._torch = [{k: torch.from_dlpack(v) for k, v in x.items()} for x in self.sets]
-        return self._torch
-
-    def k192(self):
-        """(K built at 192 width for every set, the median time of that build in ms): :func:`k192_of`
-        of each set, what the peers need."""
-        if self._k192 is None:
-            h = self.case.heads
-            tx = self.torch_sets()
-            ms = time_ms(lambda i: k192_of(tx[i], h), len(tx), reps=self.reps)
-            self._k192 = ([k192_of(t, h) for t in tx], ms)
-        return self._k192
-
-
-def k192_of(t, heads: int):
-    """K at the 192 width the peers take: ``torch.cat`` of ``t["k"]`` ``[Tk, H, 128]`` and
-    ``t["k_rope"]`` ``[Tk, 1, 64]`` broadcast to ``[Tk, H, 64]`` (torch tensors)."""
-    import torch
-
-    return torch.cat([t["k"], t["k_rope"].expand(t["k"].shape[0], heads, DR)], dim=-1)
-
-
-def _failed(run: CaseRun, impl: str, exc: Exception, group: str = "16-bit") -> Row:
+def failed_row(run: CaseRun, impl: str, exc: Exception, group: str = "16-bit") -> Row:
+    """The row of an implementation that raised: NaN times, the exception in ``note``."""
     return Row(run.case.name, impl, float("nan"), float("nan"), note=f"failed: {type(exc).__name__}: {str(exc)[:80]}",
                group=group)
-
-
-def _torch_peak(fn: Callable[[], float]):
-    """(fn(), peak extra torch memory in MB while it ran)."""
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    ms = fn()
-    return ms, (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def _timed_rows(run: CaseRun, impl: str, call: Callable[[int], object], out, note: str = "",
-                kbuild: bool = True) -> List[Row]:
-    """Rows of a 16-bit peer that reads K at 192 width: its kernel time and, with ``kbuild``, its
-    time with the K build; ``out`` is its output on set 0 (checked against the reference)."""
-    kfull, ms_build = run.k192()
-    ms, extra = _torch_peak(lambda: time_ms(call, len(run.sets), reps=run.reps))
-    extra += kfull[0].numel() * kfull[0].element_size() / 2**20
-    err, flops = run.error(out), run.case.flops()
-    rows = [Row(run.case.name, impl, ms, flops / ms / 1e9, err, extra, note=note)]
-    if kbuild:
-        rows.append(Row(run.case.name, impl + "+kbuild", ms + ms_build, flops / (ms + ms_build) / 1e9, err, extra))
-    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -448,7 +405,7 @@ def bench_ours_fp8(run: CaseRun, e4m3_rope: bool = False) -> List[Row]:
     try:
         fp8 = [quantize_per_token(x["q"], x["k"], x["v"], x["k_rope"], e4m3_rope=e4m3_rope) for x in run.sets]
     except Exception as exc:
-        return [_failed(run, impl, exc, "fp8")]
+        return [failed_row(run, impl, exc, "fp8")]
     outs = [cp.empty((sum(case.sq), case.heads, DV), BF16) for _ in run.sets]
 
     def call(i):
@@ -460,7 +417,7 @@ def bench_ours_fp8(run: CaseRun, e4m3_rope: bool = False) -> List[Row]:
     try:
         row = _timed_ours(run, impl, call, outs, "fp8")
     except Exception as exc:
-        return [_failed(run, impl, exc, "fp8")]
+        return [failed_row(run, impl, exc, "fp8")]
     f = fp8[0]
     rope64 = e4m3_to_f64 if e4m3_rope else (lambda x: x.astype(cp.float64))
     q_true = f["q_scale"][:, :, None].astype(cp.float64) * cp.concatenate(
@@ -477,464 +434,6 @@ def bench_ours_e4m3(run: CaseRun) -> List[Row]:
     return bench_ours_fp8(run, e4m3_rope=True)
 
 
-# ----------------------------------------------------------------------------------------------
-# peers (torch); each builder returns its rows, or none when it is not importable
-# ----------------------------------------------------------------------------------------------
-def sdpa_per_sequence(case: BenchCase, t: dict, k192) -> list:
-    """torch SDPA (whichever backend the caller's ``sdpa_kernel`` context allows), one call per
-    sequence of ``case``: bottom-right causal when Sq != Sk. ``t`` holds torch views of the inputs,
-    ``k192`` the keys built at 192 width; returns each sequence's output ``[1, H, Sq, 128]``."""
-    from torch.nn.attention.bias import causal_lower_right
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    vl, cro = case.offsets()
-    scale = 1.0 / math.sqrt(DQK)
-    outs = []
-    for b in range(len(case.sq)):
-        qb = t["q"][vl[b]:vl[b + 1]].transpose(0, 1).unsqueeze(0)
-        kb = k192[cro[b]:cro[b + 1]].transpose(0, 1).unsqueeze(0)
-        vb = t["v"][cro[b]:cro[b + 1]].transpose(0, 1).unsqueeze(0)
-        sq, sk = case.sq[b], case.sk[b]
-        if not case.causal:
-            outs.append(sdpa(qb, kb, vb, scale=scale))
-        elif sq == sk:
-            outs.append(sdpa(qb, kb, vb, is_causal=True, scale=scale))
-        else:
-            outs.append(sdpa(qb, kb, vb, attn_mask=causal_lower_right(sq, sk), scale=scale))
-    return outs
-
-
-def bench_sdpa(run: CaseRun) -> List[Row]:
-    """cuDNN SDPA, one call per sequence (bottom-right causal when Sq != Sk), K built at 192; the
-    flash / memory-efficient backends when cuDNN does not run."""
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:
-        return []
-    case = run.case
-    tx, (kfull, _) = run.torch_sets(), run.k192()
-
-    def sdpa_call(i):
-        return sdpa_per_sequence(case, tx[i], kfull[i])
-
-    rows: List[Row] = []
-    for label, backends in (("cudnn-sdpa", [SDPBackend.CUDNN_ATTENTION]),
-                            ("sdpa-fallback", [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])):
-        try:
-            with sdpa_kernel(backends):
-                out = torch.cat([o[0].transpose(0, 1) for o in sdpa_call(0)])
-                return rows + _timed_rows(run, label, sdpa_call, out, note=f"backend={backends[0].name}")
-        except Exception as exc:  # record why the backend did not run, try the next
-            rows.append(_failed(run, label, exc))
-    return rows
-
-
-def bench_flex(run: CaseRun) -> List[Row]:
-    """FlexAttention (torch.compile), one call for the whole batch with a document mask."""
-    try:
-        import torch
-        import torch._dynamo
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return []
-    case = run.case
-    try:
-        # One compiled kernel per case shape: without a higher limit dynamo stops recompiling after
-        # 8 shapes and silently runs the unfused (materializing) implementation.
-        for knob in ("recompile_limit", "cache_size_limit"):
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
-        flex = torch.compile(flex_attention, dynamic=False)
-        dev = "cuda"
-        vl, cro = case.offsets()
-        q_doc = torch.repeat_interleave(torch.arange(len(case.sq), device=dev), torch.tensor(case.sq, device=dev))
-        k_doc = torch.repeat_interleave(torch.arange(len(case.sk), device=dev), torch.tensor(case.sk, device=dev))
-        q_first = torch.tensor(vl[:-1].astype(np.int64), device=dev)
-        k_first = torch.tensor(cro[:-1].astype(np.int64), device=dev)
-        shift = torch.tensor(np.array(case.sk, np.int64) - np.array(case.sq, np.int64), device=dev)
-        causal = case.causal
-
-        def mask_mod(b, hh, qi, kj):
-            same = q_doc[qi] == k_doc[kj]
-            if not causal:
-                return same
-            qp = qi - q_first[q_doc[qi]] + shift[q_doc[qi]]  # end-aligned position of the query
-            kp = kj - k_first[k_doc[kj]]
-            return same & (kp <= qp)
-
-        bm = create_block_mask(mask_mod, None, None, sum(case.sq), sum(case.sk), device=dev)
-        tx, (kfull, _) = run.torch_sets(), run.k192()
-
-        def flex_call(i):
-            t, kf = tx[i], kfull[i]
-            return flex(t["q"].transpose(0, 1).unsqueeze(0), kf.transpose(0, 1).unsqueeze(0),
-                        t["v"].transpose(0, 1).unsqueeze(0), block_mask=bm, scale=1.0 / math.sqrt(DQK))
-
-        return _timed_rows(run, "flex", flex_call, flex_call(0)[0].transpose(0, 1), note="torch.compile(flex_attention)")
-    except Exception as exc:
-        return [_failed(run, "flex", exc)]
-
-
-#: Modules that provide FlashAttention-3's ``flash_attn_varlen_func``, in the order tried.
-FA3_MODULES = ("fa3_fwd_interface", "flash_attn_interface")
-
-
-def fa3_function():
-    """(FlashAttention-3's ``flash_attn_varlen_func``, the module's name), or None when neither of
-    :data:`FA3_MODULES` imports."""
-    import importlib
-
-    for name in FA3_MODULES:
-        try:
-            return importlib.import_module(name).flash_attn_varlen_func, name
-        except Exception:  # not installed, or built for another torch / CUDA
-            continue
-    return None
-
-
-def fa3_varlen_call(case: BenchCase, fn, qs, ks, vs, kw_of: Callable[[int], dict] = lambda i: {}):
-    """``call(i)``: one FlashAttention-3 varlen call ``fn`` (:func:`fa3_function`) over set i's whole
-    batch of ``case`` (``qs[i]``, ``ks[i]``, ``vs[i]``: torch tensors, K at 192; keywords
-    ``kw_of(i)``), the offsets built once, not timed. FA3's causal mask is bottom-right aligned, as
-    ours; the output is returned whether the version gives ``out`` or ``(out, lse)``."""
-    import torch
-
-    vl, cro = case.offsets()
-    dev = qs[0].device
-    cu_q, cu_k = torch.tensor(vl.astype(np.int32), device=dev), torch.tensor(cro.astype(np.int32), device=dev)
-    scale, causal = 1.0 / math.sqrt(DQK), case.causal
-    mq, mk = max(case.sq), max(case.sk)
-
-    def call(i):
-        res = fn(qs[i], ks[i], vs[i], cu_q, cu_k, mq, mk, softmax_scale=scale, causal=causal, **kw_of(i))
-        return res[0] if isinstance(res, (tuple, list)) else res
-
-    return call
-
-
-def bench_fa3(run: CaseRun) -> List[Row]:
-    """FlashAttention-3 (``fa3-fwd`` wheel or FA3's own build), bf16, K built at 192."""
-    found = fa3_function()
-    if found is None:
-        return []
-    fn, module = found
-    try:
-        tx, (kfull, _) = run.torch_sets(), run.k192()
-        call = fa3_varlen_call(run.case, fn, [t["q"] for t in tx], kfull, [t["v"] for t in tx])
-        return _timed_rows(run, "fa3", call, call(0), note=f"{module}.flash_attn_varlen_func")
-    except Exception as exc:
-        return [_failed(run, "fa3", exc)]
-
-
-#: How to get cuDNN's frontend (module ``cudnn``), which the ``cudnn-ragged`` rows need.
-CUDNN_FRONTEND_HINT = ("pip install --no-deps nvidia-cudnn-frontend==1.32.0 (it uses the libcudnn torch ships; "
-                       "for a GPU machine without network see the README: bash benchmarks/gpu.sh --wheels DIR)")
-
-_said: set = set()
-
-
-def _say_once(text: str) -> None:
-    """Print ``text`` on stderr the first time only (one line per missing peer and process)."""
-    if text not in _said:
-        _said.add(text)
-        print(text, file=sys.stderr)
-
-
-def cudnn_sdpa_function():
-    """cuDNN frontend's ``sdpa_torch`` (the ``nvidia-cudnn-frontend`` wheel), or None when the
-    module ``cudnn`` does not import (see :data:`CUDNN_FRONTEND_HINT`)."""
-    try:
-        import cudnn
-
-        return cudnn.sdpa_torch
-    except Exception:  # not installed, or built for another torch / cuDNN
-        return None
-
-
-def cudnn_ragged_args(case: BenchCase) -> dict:
-    """The keywords of ``cudnn.sdpa_torch`` for ``case`` other than the offsets: the mask (causal
-    bottom-right aligned, as ours), the scale, the longest sequences.
-
-    Raises
-    ------
-    ValueError
-        The case's mask is one cuDNN's ragged path cannot express as ours does: a mask other than
-        none or causal, or a causal sequence with more queries than keys (rows that see no key).
-    """
-    mask = case.mask
-    if isinstance(mask, NullMask):
-        kw = dict(is_causal=False)
-    elif isinstance(mask, CausalMask):
-        if any(q > k for q, k in zip(case.sq, case.sk)):
-            raise ValueError("causal with more queries than keys in a sequence (rows that see no key)")
-        kw = dict(is_causal=True, causal_bottom_right=True)
-    else:
-        raise ValueError(f"cuDNN's ragged SDPA has no {type(mask).__name__}")
-    return dict(kw, scale=1.0 / math.sqrt(DQK), max_seqlen_q=max(case.sq), max_seqlen_kv=max(case.sk))
-
-
-def cudnn_ragged_fn(case: BenchCase, fn, device):
-    """``attn(q, k192, v, **extra) -> out``: one call of cuDNN's ragged (THD) SDPA ``fn``
-    (:func:`cudnn_sdpa_function`) over the whole batch of ``case``: torch tensors ``[T, H, D]``, the
-    offsets (``cu_seqlens``) built once on ``device``, the other keywords :func:`cudnn_ragged_args`'s
-    (which raises ValueError for a mask cuDNN cannot express) and ``extra``."""
-    kw = cudnn_ragged_args(case)
-    import torch
-
-    vl, cro = case.offsets()
-    kw.update(cu_seqlens_q=torch.tensor(vl.astype(np.int32), device=device),
-              cu_seqlens_kv=torch.tensor(cro.astype(np.int32), device=device))
-
-    def attn(q, k192, v, **extra):
-        return fn(q, k192, v, **kw, **extra)
-
-    return attn
-
-
-def bench_cudnn_ragged(run: CaseRun) -> List[Row]:
-    """cuDNN's ragged SDPA (``cudnn.sdpa_torch`` with ``cu_seqlens``), one call for the whole
-    batch, K built at 192; left out, with one line on stderr, when the frontend does not import."""
-    fn = cudnn_sdpa_function()
-    if fn is None:
-        _say_once(f"cudnn-ragged rows left out: the cuDNN frontend (module cudnn) does not import; {CUDNN_FRONTEND_HINT}")
-        return []
-    tx = run.torch_sets()
-    try:
-        attn = cudnn_ragged_fn(run.case, fn, tx[0]["q"].device)
-    except ValueError as exc:
-        return [Row(run.case.name, "cudnn-ragged", float("nan"), float("nan"), note=f"skipped: {exc}")]
-    kfull, _ = run.k192()
-
-    def call(i):
-        return attn(tx[i]["q"], kfull[i], tx[i]["v"])
-
-    try:
-        return _timed_rows(run, "cudnn-ragged", call, call(0), note="cudnn.sdpa_torch, one call per batch (cu_seqlens)")
-    except Exception as exc:
-        return [_failed(run, "cudnn-ragged", exc)]
-
-
-def quantize_per_batch_head(x, offsets):
-    """e4m3 of ``x[T, H, D]`` (torch) with one scale per (sequence, head): ``(x8, descale[B, H]
-    float32)``, ``descale = amax / 448`` over the sequence's rows and all D values (1 when 0)."""
-    import torch
-
-    from .quant import E4M3_MAX
-
-    lens = np.diff(np.asarray(offsets, np.int64))
-    descale = torch.ones((len(lens), x.shape[1]), dtype=torch.float32, device=x.device)
-    for i in np.flatnonzero(lens):
-        amax = x[int(offsets[i]):int(offsets[i + 1])].float().abs().amax(dim=(0, 2))
-        descale[i] = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    rows = torch.as_tensor(np.repeat(np.arange(len(lens)), lens), device=x.device)
-    x8 = (x.float() / descale[rows][:, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return x8, descale
-
-
-def dequantize_per_batch_head(x8, descale, offsets):
-    """float64 CuPy values of :func:`quantize_per_batch_head`'s output."""
-    import cupy as cp
-
-    x = e4m3_to_f64(x8)
-    d = _as_cupy(descale).astype(cp.float64)
-    rows = cp.asarray(np.repeat(np.arange(len(offsets) - 1), np.diff(offsets.astype(np.int64))))
-    return x * d[rows][:, :, None]
-
-
-def quantize_inputs(case: BenchCase, qs, ks, vs, per_tensor: bool = False):
-    """(q8, k8, v8): each set's q, K at 192 and v (torch) in e4m3, lists of ``(x8, descale)``, with one
-    descale per (sequence, head) (:func:`quantize_per_batch_head`, FlashAttention-3's) or per tensor
-    (:func:`quantize_per_tensor`, cuDNN's). Not timed."""
-    vl, cro = case.offsets()
-
-    def one(x, offsets):
-        return quantize_per_tensor(x) if per_tensor else quantize_per_batch_head(x, offsets)
-
-    return tuple([one(x, offsets) for x in xs] for xs, offsets in ((qs, vl), (ks, cro), (vs, cro)))
-
-
-def bench_fa3_fp8(run: CaseRun) -> List[Row]:
-    """FlashAttention-3 e4m3: q, K built at 192 and v quantized per (sequence, head) (not timed),
-    ``q_descale`` / ``k_descale`` / ``v_descale`` of shape [B, H], bf16 output."""
-    found = fa3_function()
-    if found is None:
-        return []
-    fn, module = found
-    vl, cro = run.case.offsets()
-    try:
-        tx, (kfull, _) = run.torch_sets(), run.k192()
-        q8, k8, v8 = quantize_inputs(run.case, [t["q"] for t in tx], kfull, [t["v"] for t in tx])
-        call = fa3_varlen_call(run.case, fn, [q for q, _ in q8], [k for k, _ in k8], [v for v, _ in v8],
-                               lambda i: dict(q_descale=q8[i][1], k_descale=k8[i][1], v_descale=v8[i][1]))
-        out = call(0)
-        ms = time_ms(call, len(run.sets), reps=run.reps)
-    except Exception as exc:
-        return [_failed(run, "fa3-fp8", exc, "fp8")]
-    k_deq = dequantize_per_batch_head(*k8[0], cro)
-    ref8 = run.reference(dequantize_per_batch_head(*q8[0], vl), k_deq[:, :, :DV],
-                         dequantize_per_batch_head(*v8[0], cro), k_deq[:, :, DV:])
-    return [Row(run.case.name, "fa3-fp8", ms, run.case.flops() / ms / 1e9, run.error(out, ref8), None,
-                note=f"{module}, e4m3 per (sequence, head) descales; K build and quantization not timed",
-                err_vs_16bit=run.error(out), group="fp8")]
-
-
-def quantize_per_tensor(x):
-    """e4m3 of ``x`` (torch) with one scale for the whole tensor, the form cuDNN's fp8 SDPA takes:
-    ``(x8, descale)``, ``descale`` a float32 ``[1, 1, 1, 1]`` tensor holding ``amax / 448`` (1 when
-    ``x`` is all zeros)."""
-    import torch
-
-    from .quant import E4M3_MAX
-
-    amax = x.float().abs().max()
-    descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).reshape(1, 1, 1, 1)
-    x8 = (x.float() / descale.reshape(())).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return x8, descale
-
-
-# Tensor ids of the cuDNN fp8 graph (cudnn_fp8_fn): inputs, scales, outputs, ragged layout.
-_CUDNN_FP8_UIDS = dict(q=0, k=1, v=2, o=3, q_descale=5, k_descale=6, v_descale=7, s_descale=8, s_scale=9, o_scale=10,
-                       o_amax=12, kv_len=13, q_len=14, q_off=17, k_off=18, v_off=19, o_off=20)
-
-
-def cudnn_fp8_fn(case: BenchCase, device):
-    """``attn(q8, k8, v8, q_descale, k_descale, v_descale, out) -> out``: one execution of a cuDNN
-    frontend graph of fp8 SDPA (``pygraph.sdpa_fp8``, built once here) over the whole batch of
-    ``case``: e4m3 ``q`` ``[Tq, H, 192]``, K at 192 and ``v`` ``[Tk, H, 128]`` torch tensors, one
-    descale per tensor (:func:`quantize_per_tensor`), P quantized under cuDNN's fixed scale of 448,
-    bf16 ``out`` ``[Tq, H, 128]``. Sequences of unequal lengths go through the ragged layout
-    (offsets per sequence, a padding mask); the causal mask is bottom-right aligned, as ours.
-
-    Raises
-    ------
-    ValueError
-        A mask cuDNN cannot express as ours does (:func:`cudnn_ragged_args`).
-    Exception
-        What the frontend raises when this cuDNN does not support the graph (e.g.
-        ``cudnn.cudnnGraphNotSupportedError``).
-    """
-    mask_kw = cudnn_ragged_args(case)
-    import cudnn
-    import torch
-
-    from .quant import E4M3_MAX
-
-    dt, uid = cudnn.data_type, _CUDNN_FP8_UIDS
-    b, h = len(case.sq), case.heads
-    s_q, s_kv = max(case.sq), max(case.sk)
-    ragged = len(set(case.sq)) > 1 or len(set(case.sk)) > 1
-    g = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT, compute_data_type=dt.FLOAT)
-
-    def rows(name, s, d, data_type=dt.FP8_E4M3):  # [T, H, d] rows as (b, h, s, d)
-        return g.tensor(uid=uid[name], dim=(b, h, s, d), stride=(s * h * d, d, h * d, 1), data_type=data_type)
-
-    def scalar(name):
-        return g.tensor(uid=uid[name], dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=dt.FLOAT)
-
-    q, k, v = rows("q", s_q, DQK), rows("k", s_kv, DQK), rows("v", s_kv, DV)
-    sc = {n: scalar(n) for n in ("q_descale", "k_descale", "v_descale", "s_descale", "s_scale", "o_scale")}
-    vl, cro = case.offsets()
-    fixed = {uid["s_scale"]: E4M3_MAX, uid["s_descale"]: 1.0 / E4M3_MAX, uid["o_scale"]: 1.0}
-    fixed = {u: torch.full((1, 1, 1, 1), x, dtype=torch.float32, device=device) for u, x in fixed.items()}
-    extra = dict(use_causal_mask_bottom_right=True) if mask_kw["is_causal"] else {}
-    offsets = {}
-    if ragged:  # per-sequence lengths (a padding mask) and element offsets of each sequence's rows
-        def ints(name, values, data_type):
-            fixed[uid[name]] = torch.tensor(values, device=device).reshape(len(values), 1, 1, 1)
-            return g.tensor(uid=uid[name], dim=(len(values), 1, 1, 1), stride=(1, 1, 1, 1), data_type=data_type)
-
-        extra.update(use_padding_mask=True, seq_len_q=ints("q_len", np.diff(vl).astype(np.int32), dt.INT32),
-                     seq_len_kv=ints("kv_len", np.diff(cro).astype(np.int32), dt.INT32))
-        for name, starts, width in (("q_off", vl, DQK), ("k_off", cro, DQK), ("v_off", cro, DV), ("o_off", vl, DV)):
-            offsets[name] = ints(name, starts.astype(np.int64) * h * width, dt.INT64)
-        for t, name in ((q, "q_off"), (k, "k_off"), (v, "v_off")):
-            t.set_ragged_offset(offsets[name])
-    o, _, _, amax_o = g.sdpa_fp8(q=q, k=k, v=v, descale_q=sc["q_descale"], descale_k=sc["k_descale"],
-                                 descale_v=sc["v_descale"], descale_s=sc["s_descale"], scale_s=sc["s_scale"],
-                                 scale_o=sc["o_scale"], generate_stats=False, attn_scale=mask_kw["scale"], **extra)
-    o.set_uid(uid["o"]).set_output(True).set_dim((b, h, s_q, DV)).set_stride((s_q * h * DV, DV, h * DV, 1))
-    o.set_data_type(dt.BFLOAT16)
-    if ragged:
-        o.set_ragged_offset(offsets["o_off"])
-    amax_o.set_uid(uid["o_amax"]).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1))
-    amax_o.set_data_type(dt.FLOAT)
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.check_support()
-    g.build_plans()
-    handle = cudnn.create_handle()
-    workspace = torch.empty(max(1, g.get_workspace_size()), dtype=torch.uint8, device=device)
-    fixed[uid["o_amax"]] = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
-
-    def attn(q8, k8, v8, q_descale, k_descale, v_descale, out):
-        cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)  # a no-op once it is set
-        pack = {uid["q"]: q8, uid["k"]: k8, uid["v"]: v8, uid["q_descale"]: q_descale, uid["k_descale"]: k_descale,
-                uid["v_descale"]: v_descale, uid["o"]: out, **fixed}
-        g.execute(pack, workspace, handle=handle)
-        return out
-
-    return attn
-
-
-def cudnn_fp8_call(case: BenchCase, attn, q8, k8, v8):
-    """``call(i)``: cuDNN's fp8 graph ``attn`` (:func:`cudnn_fp8_fn`) on set i's e4m3 inputs
-    (:func:`quantize_inputs` with ``per_tensor``), into a bf16 output of that set's own."""
-    import torch
-
-    outs = [torch.empty((sum(case.sq), case.heads, DV), dtype=torch.bfloat16, device=q[0].device) for q in q8]
-
-    def call(i):
-        return attn(q8[i][0], k8[i][0], v8[i][0], q8[i][1], k8[i][1], v8[i][1], outs[i])
-
-    return call
-
-
-def bench_cudnn_fp8(run: CaseRun) -> List[Row]:
-    """cuDNN's fp8 SDPA (a frontend graph, :func:`cudnn_fp8_fn`): q, K built at 192 and v in e4m3
-    with one descale per tensor (not timed), bf16 output, one execution for the whole batch; left
-    out, with one line on stderr, when the frontend does not import."""
-    if cudnn_sdpa_function() is None:
-        _say_once(f"cudnn-fp8 rows left out: the cuDNN frontend (module cudnn) does not import; {CUDNN_FRONTEND_HINT}")
-        return []
-    try:
-        tx, (kfull, _) = run.torch_sets(), run.k192()
-        attn = cudnn_fp8_fn(run.case, tx[0]["q"].device)
-    except ValueError as exc:
-        return [Row(run.case.name, "cudnn-fp8", float("nan"), float("nan"), note=f"skipped: {exc}", group="fp8")]
-    except Exception as exc:  # this cuDNN does not take the graph
-        return [_failed(run, "cudnn-fp8", exc, "fp8")]
-    try:
-        q8, k8, v8 = quantize_inputs(run.case, [t["q"] for t in tx], kfull, [t["v"] for t in tx], per_tensor=True)
-        call = cudnn_fp8_call(run.case, attn, q8, k8, v8)
-        out = call(0)
-        ms = time_ms(call, len(run.sets), reps=run.reps)
-    except Exception as exc:
-        return [_failed(run, "cudnn-fp8", exc, "fp8")]
-
-    def deq(x8, descale):
-        return e4m3_to_f64(x8) * float(descale.reshape(()))
-
-    k_deq = deq(*k8[0])
-    ref8 = run.reference(deq(*q8[0]), k_deq[:, :, :DV], deq(*v8[0]), k_deq[:, :, DV:])
-    return [Row(run.case.name, "cudnn-fp8", ms, run.case.flops() / ms / 1e9, run.error(out, ref8), None,
-                note="cuDNN frontend sdpa_fp8 graph, e4m3 per-tensor descales; K build and quantization not timed",
-                err_vs_16bit=run.error(out), group="fp8")]
-
-
-def bench_kbuild(run: CaseRun) -> List[Row]:
-    """The K build the 16-bit peers need, on its own (when a peer built it)."""
-    if run._k192 is None:
-        return []
-    return [Row(run.case.name, "kbuild", run.k192()[1], float("nan"),
-                note="torch.cat(k, k_rope broadcast) to [Tk, H, 192]")]
-
-
-#: Row builders run with ``peers=True``, in order: each takes the :class:`CaseRun` and returns its rows.
-PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_sdpa, bench_cudnn_ragged, bench_flex, bench_fa3,
-                                                   bench_kbuild]
-
 #: Our fp8 row builders, run with ``fp8=True`` (group "fp8": the ratios on the first of these rows
 #: are against every other fp8 row). Another fp8 mode of ours plugs in here: a function
 #: ``(run: CaseRun) -> List[Row]`` that quantizes ``run.sets`` (not timed), times its calls with
@@ -942,9 +441,6 @@ PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_sdpa, bench_cudnn_ragge
 #: against :meth:`CaseRun.reference` of its dequantized inputs and ``err_vs_16bit`` with
 #: :meth:`CaseRun.error`, as :func:`bench_ours_fp8` does.
 FP8_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_ours_fp8, bench_ours_e4m3]
-
-#: The fp8 peers, run with ``fp8=True`` and ``peers=True``.
-FP8_PEER_ROWS: List[Callable[[CaseRun], List[Row]]] = [bench_fa3_fp8, bench_cudnn_fp8]
 
 
 def _set_ratios(rows: List[Row], roofline: Optional[float]) -> None:
@@ -971,26 +467,28 @@ def device_info() -> dict:
             "compute_capability": dev.compute_capability, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def run(cases: Sequence[BenchCase], *, peers: bool = True, fp8: bool = False, reps: int = 20, progress: bool = True,
-        checkpoint: Optional[str] = None) -> dict:
+def run(cases: Sequence[BenchCase], *, fp8: bool = False, reps: int = 20, progress: bool = True,
+        checkpoint: Optional[str] = None,
+        builders: Sequence[Callable[[CaseRun], List[Row]]] = ()) -> dict:
     """Run the matrix on the current GPU; returns {"device", "matmul_tflops", "rows", ...}.
 
-    ``peers``: the 16-bit peers (:data:`PEER_ROWS`); ``fp8``: our fp8 rows (:data:`FP8_ROWS`) and,
-    with ``peers``, the fp8 peers (:data:`FP8_PEER_ROWS`). With ``checkpoint``, the rows so far are written there (JSON) after
-    every case."""
+    Each case: our 16-bit kernel (:func:`bench_ours`), with ``fp8`` our fp8 rows (:data:`FP8_ROWS`),
+    then the rows of each of ``builders`` (functions of the case's :class:`CaseRun`, such as the
+    peers' of ``benchmarks/peers.py``); the ratios on our first row of each group are every other
+    row's time over ours. With ``checkpoint``, the rows so far are written there (JSON) after every
+    case."""
     import cupy as cp
 
     info = device_info()
     info["matmul_tflops"] = matmul_tflops()
-    builders = (PEER_ROWS if peers else []) + ((FP8_ROWS + (FP8_PEER_ROWS if peers else [])) if fp8 else [])
     rows: List[Row] = []
     for case in _progress(list(cases), "bench", progress):
         n_sets = n_input_sets(case)
-        cr = CaseRun(case, [_inputs(case, seed) for seed in range(n_sets)], reps)
+        cr = CaseRun(case, [make_inputs(case, seed) for seed in range(n_sets)], reps)
         ours = bench_ours(cr)
         ours.note = f"{n_sets} input set(s)"
         case_rows = [ours]
-        for build in builders:
+        for build in (list(FP8_ROWS) if fp8 else []) + list(builders):
             case_rows += build(cr)
         _set_ratios(case_rows, info["matmul_tflops"])
         rows += case_rows
@@ -1007,7 +505,7 @@ def run(cases: Sequence[BenchCase], *, peers: bool = True, fp8: bool = False, re
 
 
 def run_cpu(cases: Sequence[BenchCase], reps: int = 20) -> dict:
-    """No GPU: time the float64 reference on tiny cases (no peers), so the command still works.
+    """No GPU: time the float64 reference on tiny cases, so the command still works.
     Each case: one warm-up call, then ``reps`` timed calls; the median is reported."""
     from . import reference
 
@@ -1084,7 +582,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_title(f"MLA prefill, {result.get('dtype', 'bf16')}, {result['device']}")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
 
 
 def write_csv(result: dict, path: str) -> None:
@@ -1096,3 +594,31 @@ def write_csv(result: dict, path: str) -> None:
         wr.writeheader()
         for r in result["rows"]:
             wr.writerow({**r, "ratios": json.dumps(r["ratios"])})
+
+
+def check_writable(path: str) -> str:
+    """``path`` as an absolute path that a result file can be written to, checked before any
+    timing: its folder exists and is writable, and it is not a folder itself.
+
+    Raises
+    ------
+    ValueError
+        Saying what is wrong with the path, in one line.
+    """
+    import os
+
+    full = os.path.abspath(os.path.expanduser(path))
+    folder = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise ValueError(f"{path} is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)):
+        raise ValueError(f"cannot write {path}: permission denied")
+    return full
+
+
+def write_json(result: dict, path: str) -> None:
+    """``result`` as JSON in ``path``."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=float)

@@ -19,22 +19,20 @@ The rows (``group`` "ours" or "peer"):
   packs its launch, as the first call of a key does), on CuPy arrays;
 * ``torch_ops.mla_prefill``: the ``torch.ops`` route, ``q_max_seq_len=`` and ``validate=False``;
 * ``flash_attn.flash_attn_varlen_func``: the FlashAttention-style call with ``k_rope=``;
-* the peers, when they import: FlashAttention-3's ``flash_attn_varlen_func`` and cuDNN frontend's
-  ``sdpa_torch`` (ragged, one call per batch), both on K built at 192 width once, not timed.
+* other implementations' calls, given by the caller (``peers=``: ``benchmarks/peers.py``'s
+  :func:`host_peer_calls`, FlashAttention-3's and cuDNN's, through ``benchmarks/matrix.py --host``).
 
 Rows that need torch, or a peer that does not import, are left out with one line each
 (``left_out`` in the result).
 """
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
-from .bench import (CUDNN_FRONTEND_HINT, BenchCase, _inputs, cudnn_ragged_fn, cudnn_sdpa_function, device_info,
-                    fa3_function, fa3_varlen_call, k192_of, per_call_us)
+from .bench import BenchCase, device_info, make_inputs, per_call_us
 from .dims import DV
 
 __all__ = ["HOST_CASE", "HostCall", "HostRow", "host_calls", "time_calls", "run", "format_table"]
@@ -129,23 +127,21 @@ def time_calls(calls: Sequence[HostCall], *, reps: int, n: int, sync: Callable[[
     return rows
 
 
-def _takes_out(fn) -> bool:
-    """Whether a peer's function names an ``out`` parameter (then it is given one)."""
-    try:
-        return "out" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
+#: ``peers(case, tensors, out) -> (calls, left_out)``: more calls to time beside ours, on the torch
+#: tensors of the case's input set (``q``, ``k``, ``v``, ``k_rope``) with a torch ``out`` buffer.
+PeerCalls = Callable[[BenchCase, dict, object], Tuple[List["HostCall"], List[str]]]
 
 
-def host_calls(case: BenchCase = HOST_CASE, *, peers: bool = True) -> Tuple[List[HostCall], List[str]]:
+def host_calls(case: BenchCase = HOST_CASE, *,
+               peers: Optional[PeerCalls] = None) -> Tuple[List[HostCall], List[str]]:
     """The calls of :func:`run` on the current GPU.
 
     Parameters
     ----------
     case : BenchCase
         The problem (default :data:`HOST_CASE`); its input set 0, with ``out=`` buffers made once.
-    peers : bool
-        Add FlashAttention-3's and cuDNN's calls, where they import.
+    peers : callable, optional
+        Other implementations' calls (:data:`PeerCalls`), added after ours when torch imports.
 
     Returns
     -------
@@ -159,7 +155,7 @@ def host_calls(case: BenchCase = HOST_CASE, *, peers: bool = True) -> Tuple[List
     from ._arrays import BF16
     from ._plan_cache import CACHE
 
-    x = _inputs(case, 0)
+    x = make_inputs(case, 0)
     tq, heads, max_q = sum(case.sq), case.heads, max(case.sq)
     q, k, v, kr, vl, cro = (x[n] for n in ("q", "k", "v", "k_rope", "valid_length", "cache_row_offsets"))
     mask = case.mask
@@ -185,7 +181,7 @@ def host_calls(case: BenchCase = HOST_CASE, *, peers: bool = True) -> Tuple[List
     try:
         import torch
     except ImportError:
-        left_out.append("torch rows left out: torch is not installed (pip install 'mla_cupy[torch]')")
+        left_out.append('torch rows left out: torch is not installed (pip install ".[torch]" in the mla_cupy checkout)')
         return calls, left_out
     from . import flash_attn, torch_ops
 
@@ -205,35 +201,14 @@ def host_calls(case: BenchCase = HOST_CASE, *, peers: bool = True) -> Tuple[List
                  lambda i: flash_attn.flash_attn_varlen_func(tq_, tk_, tv_, tvl, tcro, max_q, max(case.sk),
                                                              causal=case.causal, k_rope=tkr_, out=tout)),
     ]
-    if not peers:
-        return calls, left_out
-    k192 = k192_of(t, heads)  # built once, not timed
-    found = fa3_function()
-    if found is None:
-        left_out.append("FA3 row left out: neither fa3_fwd_interface nor flash_attn_interface imports")
-    else:
-        fn, module = found
-        fa3_kw = {"out": tout} if _takes_out(fn) else {}
-        fa3 = fa3_varlen_call(case, fn, [tq_], [k192], [tv_], lambda i: fa3_kw)
-        calls.append(HostCall("FA3 flash_attn_varlen_func (K at 192)", "peer", lambda i: fa3(0),
-                              note=f"{module}; out= {'given' if fa3_kw else 'not taken'}"))
-    sdpa = cudnn_sdpa_function()
-    if sdpa is None:
-        left_out.append(f"cuDNN row left out: the cuDNN frontend (module cudnn) does not import; {CUDNN_FRONTEND_HINT}")
-    else:
-        try:
-            attn = cudnn_ragged_fn(case, sdpa, tq_.device)
-        except ValueError as exc:
-            left_out.append(f"cuDNN row left out: {exc}")
-        else:
-            cudnn_kw = {"out": tout} if _takes_out(sdpa) else {}
-            note = f"cudnn.sdpa_torch with cu_seqlens; out= {'given' if cudnn_kw else 'not taken'}"
-            calls.append(HostCall("cuDNN sdpa_torch (ragged, K at 192)", "peer",
-                                  lambda i: attn(tq_, k192, tv_, **cudnn_kw), note=note))
+    if peers is not None:
+        more, why = peers(case, t, tout)
+        calls += more
+        left_out += why
     return calls, left_out
 
 
-def run(*, calls: int = 300, reps: int = 20, peers: bool = True, case: BenchCase = HOST_CASE) -> dict:
+def run(*, calls: int = 300, reps: int = 20, peers: Optional[PeerCalls] = None, case: BenchCase = HOST_CASE) -> dict:
     """Time the calls of :func:`host_calls` on the current GPU (:func:`time_calls`).
 
     Parameters
@@ -242,8 +217,8 @@ def run(*, calls: int = 300, reps: int = 20, peers: bool = True, case: BenchCase
         Calls back to back in one sample.
     reps : int
         Interleaved rounds (samples per call).
-    peers : bool
-        Time the peers' calls too.
+    peers : callable, optional
+        Other implementations' calls to time too (:data:`PeerCalls`).
     case : BenchCase
         The problem (default :data:`HOST_CASE`).
 

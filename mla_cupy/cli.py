@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -13,7 +12,7 @@ import numpy as np
 
 from . import _registry as reg
 from . import bench as B
-from ._arrays import INSTALL_GPU
+from ._arrays import INSTALL_GPU, gpu_missing
 from ._optional import MissingDependency, require
 from ._registry import family_label
 
@@ -85,10 +84,13 @@ def compile_jobs(offline: bool, only: Sequence[str] = ()) -> List[Job]:
     return jobs
 
 
-@click.group()
+@click.group(invoke_without_command=True)
 @click.version_option(package_name="mla_cupy")
-def cli():
+@click.pass_context
+def cli(ctx):
     """MLA (DeepSeek V2/V3) prefill kernels for CuPy."""
+    if ctx.invoked_subcommand is None:  # no command: the help, and success
+        click.echo(ctx.get_help())
 
 
 @cli.command()
@@ -109,10 +111,14 @@ def info():
         click.echo(f"{exc.message}; the float64 reference (mla_cupy.reference) works without it")
         return
     driver = cupy.cuda.runtime.driverGetVersion()
-    click.echo(f"CuPy {cupy.__version__}, CUDA runtime {cuda_version(cupy.cuda.runtime.runtimeGetVersion())}, "
-               f"NVRTC {nvrtc[0]}.{nvrtc[1]}, driver {cuda_version(driver) if driver else 'none'}")
+    click.echo(f"CuPy {cupy.__version__} (built with CUDA {cuda_version(cupy.cuda.runtime.runtimeGetVersion())}), "
+               f"CUDA runtime library {_local_runtime(cupy)}, NVRTC {nvrtc[0]}.{nvrtc[1]} (compiles the kernels), "
+               f"driver {cuda_version(driver) if driver else 'none'}")
+    click.echo("  (CuPy's wheel carries the CUDA runtime it was built with; the extra pins the NVRTC and "
+               "headers the kernels compile with, and a driver runs code of its CUDA version or older)")
     if not _gpu_available():
-        click.echo("device: none (no CUDA GPU visible): kernels can still be compiled offline with NVRTC")
+        click.echo(f"device: none ({gpu_missing() or 'no CUDA GPU visible'}): kernels can still be compiled "
+                   "offline with NVRTC")
     else:
         dev = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(dev.id)
@@ -127,6 +133,15 @@ def info():
     click.echo(f"CuPy kernel cache: {cache} ({n} cubins on disk)")
     for f, arch, names in jit.compiled_modules():
         click.echo(f"  compiled in this process: {f} [{arch}] {len(names)} instantiations")
+
+
+def _local_runtime(cupy) -> str:
+    """The version of the CUDA runtime library installed beside CuPy (the extra's), or ``'none
+    found'``."""
+    try:
+        return cuda_version(cupy.cuda.get_local_runtime_version())
+    except Exception:  # no libcudart beside CuPy
+        return "none found"
 
 
 def _smoke_case(seed=0):
@@ -231,22 +246,15 @@ def _run_jobs(todo: List[Job], workers: int):
             yield futures[fut], fut.result()
 
 
-_BENCH_HELP = """Benchmark against the peers on this GPU (cuDNN SDPA, FlexAttention, FlashAttention-3
-when importable); prints a table. Without a GPU, times the float64 reference on tiny cases.
+_BENCH_HELP = """Time this package's kernels on this GPU over a matrix of cases; prints a table
+(ms, TFLOP/s, error against the float64 reference, host time per call, share of the card's bf16
+matmul rate). Without a GPU, times the float64 reference on tiny cases.
 
 \b
-FlashAttention-3 rows ("fa3", "fa3+kbuild"; with --fp8 also "fa3-fp8") appear when the module
-fa3_fwd_interface (the fa3-fwd wheel) or FA3's own flash_attn_interface imports. To bring the
-wheel to a GPU machine without network access:
-  pip download --no-deps fa3-fwd==0.0.3 -d wheels        # where pip works
-  (copy wheels/ to the GPU machine)
-  pip install --no-deps --no-index --target DIR wheels/fa3_fwd-*.whl
-  PYTHONPATH=DIR mla-cupy bench
-
-\b
-cuDNN's ragged rows ("cudnn-ragged", "cudnn-ragged+kbuild": cudnn.sdpa_torch with cu_seqlens, one
-call per batch; with --fp8 also "cudnn-fp8", its fp8 SDPA graph) appear when the cuDNN frontend
-imports (the nvidia-cudnn-frontend wheel, brought the same way; README, Performance).
+Other implementations (FlashAttention-3, cuDNN, torch SDPA, FlexAttention) are timed by the
+benchmark scripts of the checkout, not by this command:
+  python benchmarks/matrix.py          the same matrix with the peers' rows
+  python benchmarks/ab.py --help       implementations in interleaved rounds (the README's numbers)
 """
 
 
@@ -255,13 +263,13 @@ _CP_HELP = ("Context-parallel run on W ranks (mla_cupy.distributed.bench): equal
             "W processes through torch.distributed.run (NCCL's NVLink multicast off). The arguments after "
             "the options go to that runner (--seq, --heads, --check-seq, --page-size, --iters, --warmup, "
             "--device, --skip-scaling); --json and --cpu (as --device cpu) are passed on too.")
-_CP_CONFLICTS = ("cases", "list_cases", "csv_path", "plot_path", "no_peers", "fp8", "reps", "host", "calls")
+_CP_CONFLICTS = ("cases", "list_cases", "csv_path", "plot_path", "fp8", "reps", "host", "calls")
 
 _HOST_HELP = ("Host time per call instead of GPU time (mla_cupy.bench_host): plan.run, the one-shot mla_prefill "
               "(with q_max_seq_len= and validate=False, and with default arguments), the torch op and "
-              "flash_attn_varlen_func, CuPy and torch, beside FA3's and cuDNN's calls when they import; each "
-              "--calls times back to back on a small problem, median of --reps interleaved rounds. Takes --reps, "
-              "--calls, --no-peers and --json.")
+              "flash_attn_varlen_func, CuPy and torch; each --calls times back to back on a small problem, median "
+              "of --reps interleaved rounds (the peers' calls beside them: benchmarks/matrix.py --host). Takes "
+              "--reps, --calls and --json.")
 _HOST_CONFLICTS = ("cases", "list_cases", "csv_path", "plot_path", "fp8", "cpu")
 
 
@@ -303,16 +311,36 @@ def _options_given(ctx: click.Context, names: Sequence[str]) -> List[str]:
     return [flags[name] for name in names if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
 
 
+def _output_path(path: Optional[str], option: str) -> Optional[str]:
+    """``path`` checked before any work (:func:`mla_cupy.bench.check_writable`), or a one-line
+    error naming ``option``."""
+    if path is None:
+        return None
+    try:
+        return B.check_writable(path)
+    except ValueError as exc:
+        raise click.ClickException(f"{option}: {exc}") from None
+
+
+def _write(what: str, path: str, write) -> None:
+    """``write(path)``, then one line on stderr saying where ``what`` went; a failure is one line."""
+    try:
+        write(path)
+    except OSError as exc:
+        raise click.ClickException(f"could not write {what} to {path}: {exc.strerror or exc}") from None
+    click.echo(f"{what} written to {path}", err=True)
+
+
 def run_host(json_path: Optional[str], **kw) -> None:
     """``mla-cupy bench --host``: :func:`mla_cupy.bench_host.run` with ``kw``, its table, and the
     result as JSON in ``json_path``."""
     from . import bench_host
 
+    json_path = _output_path(json_path, "--json")
     result = bench_host.run(**kw)
     click.echo(bench_host.format_table(result))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1, default=float)
+        _write("the rows (JSON)", json_path, lambda p: B.write_json(result, p))
 
 
 @cli.command(help=_BENCH_HELP, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -325,15 +353,14 @@ def run_host(json_path: Optional[str], **kw) -> None:
 @click.option("--json", "json_path", default=None, help="Write the rows to this JSON file.")
 @click.option("--csv", "csv_path", default=None, help="Write the rows to this CSV file.")
 @click.option("--plot", "plot_path", default=None, help="Draw TFLOP/s per case and implementation to this PNG.")
-@click.option("--no-peers", is_flag=True, help="Time mla_cupy only.")
-@click.option("--fp8", is_flag=True, help="Add fp8 rows: ours per token (bf16 rope, and all e4m3: mla_cupy-fp8-e4m3) "
-                                          "and the fp8 peers (FA3 e4m3, cuDNN's fp8 graph), with their errors against "
-                                          "the dequantized and the unquantized inputs.")
+@click.option("--fp8", is_flag=True, help="Add the fp8 rows (a Hopper GPU): per token (bf16 rope) and all e4m3 "
+                                          "(mla_cupy-fp8-e4m3), with their errors against the dequantized and the "
+                                          "unquantized inputs.")
 @click.option("--reps", default=20, show_default=True, help="Timed repeats per measurement (median reported).")
 @click.option("--cpu", is_flag=True, help="No GPU: time the reference on tiny cases (what CI runs).")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @click.pass_context
-def bench(ctx, cp_ranks, host, calls, cases, list_cases, json_path, csv_path, plot_path, no_peers, fp8, reps, cpu,
+def bench(ctx, cp_ranks, host, calls, cases, list_cases, json_path, csv_path, plot_path, fp8, reps, cpu,
           no_progress):
     if cp_ranks is not None:
         given = _options_given(ctx, _CP_CONFLICTS)
@@ -348,9 +375,8 @@ def bench(ctx, cp_ranks, host, calls, cases, list_cases, json_path, csv_path, pl
         if given:
             raise click.UsageError(f"--host times calls on one small problem; it does not take {', '.join(given)}")
         if not _gpu_available():
-            raise click.ClickException("--host times calls on a GPU, and none is in use here (no CUDA device, or no "
-                                       f"CuPy: {INSTALL_GPU})")
-        run_host(json_path, calls=calls, reps=reps, peers=not no_peers)
+            raise click.ClickException(f"--host times calls on a GPU: none found ({gpu_missing() or 'no CUDA device'})")
+        run_host(json_path, calls=calls, reps=reps)
         return
     if _options_given(ctx, ("calls",)):
         raise click.UsageError("--calls: only with --host")
@@ -361,25 +387,31 @@ def bench(ctx, cp_ranks, host, calls, cases, list_cases, json_path, csv_path, pl
             tags = ["needs a GPU" if c.needs_gpu else "CPU or GPU"] + (["default here"] if c.name in defaults else [])
             click.echo(f"{c.name:<18} {c.describe():<46} [{', '.join(tags)}]")
         return
+    if fp8 and not gpu:
+        why = "--cpu was given" if cpu else f"none found: {gpu_missing() or 'no CUDA device'}"
+        raise click.ClickException(f"--fp8 times the fp8 kernels on a Hopper GPU ({why})")
     names = [c.strip() for c in cases.split(",") if c.strip()] if cases else None
     try:
         chosen = B.resolve_cases(names, gpu)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--cases") from None
-    if not gpu:
-        click.echo("no GPU: timing the float64 reference on tiny cases (no peers)", err=True)
-        result = B.run_cpu(chosen, reps=reps)
-    else:
-        result = B.run(chosen, peers=not no_peers, fp8=fp8, reps=reps, progress=not no_progress, checkpoint=json_path)
-    click.echo(B.format_table(result))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1, default=float)
-    if csv_path:
-        B.write_csv(result, csv_path)
+    json_path, csv_path, plot_path = (_output_path(p, o) for p, o in ((json_path, "--json"), (csv_path, "--csv"),
+                                                                     (plot_path, "--plot")))
     if plot_path:
         with _missing_as_click_error():
-            B.plot(result, plot_path)
+            require("matplotlib", "mla-cupy bench --plot")
+    if not gpu:
+        click.echo("no GPU: timing the float64 reference on tiny cases", err=True)
+        result = B.run_cpu(chosen, reps=reps)
+    else:
+        result = B.run(chosen, fp8=fp8, reps=reps, progress=not no_progress, checkpoint=json_path)
+    click.echo(B.format_table(result))
+    if json_path:
+        _write("the rows (JSON)", json_path, lambda p: B.write_json(result, p))
+    if csv_path:
+        _write("the rows (CSV)", csv_path, lambda p: B.write_csv(result, p))
+    if plot_path:
+        _write("the plot (PNG)", plot_path, lambda p: B.plot(result, p))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Generic, Optional, Tuple, TypeVar, Union
 import numpy as np
 
 from ._arrays import (FP32, Array, Stream, as_device, checkable, cupy_or_none, device_pointer, is_torch, optional_ptr,
-                      pointers_and_layouts, result_wrapper, stream_ptr)
+                      pointers_and_layouts, require_gpu, result_wrapper, stream_ptr)
 from ._checks import check_offsets_layout, dtype_of
 from ._packing import Record, launch_record, pack
 from ._plan_checks import RunBounds, check_plan_args, check_run
@@ -48,16 +48,7 @@ def q_start_i64(q_start_pos):
 
 
 def _require_gpu() -> None:
-    cp = cupy_or_none()
-    count = 0
-    if cp is not None:
-        try:
-            count = cp.cuda.runtime.getDeviceCount()
-        except Exception:  # no driver, or no device
-            count = 0
-    if not count:
-        raise RuntimeError("plan: needs a CUDA GPU and CuPy (pip install mla_cupy[cuda12] or [cuda13]); on a CPU use "
-                           "mla_cupy.reference.mla_prefill")
+    require_gpu("plan")
 
 
 def _no_stream() -> Any:

@@ -58,8 +58,8 @@ from .masks import MASK_KINDS, CausalMask, Mask
 from .paged import PagedKVCache
 from .dims import DV
 
-__all__ = ["MASK_KINDS", "mask_args", "mask_from_args", "eager_cuda", "mla_prefill", "mla_prefill_fp8", "merge_states",
-           "merge_states_"]
+__all__ = ["MASK_KINDS", "mask_args", "mask_from_args", "eager_cuda", "mla_prefill", "mla_prefill_fp8",
+           "mla_prefill_backward", "merge_states", "merge_states_"]
 
 Tensor = torch.Tensor
 
@@ -297,6 +297,96 @@ def _define_prefill(name: str, inputs: str, fp8: bool) -> None:
 
 _define_prefill("mla_prefill", _BF16_IN, fp8=False)
 _define_prefill("mla_prefill_fp8", _FP8_IN, fp8=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward: its op, and the autograd formula of the functional 16-bit prefill op
+
+_BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor k_rope, Tensor out, Tensor lse, "
+               "Tensor valid_length, Tensor cache_row_offsets, Tensor? cache_offsets=None, Tensor? q_start_pos=None, "
+               "Tensor? dlse=None, *, float? scale=None, int mask_kind=1, int mask_arg=0, SymInt? q_max_seq_len=None, "
+               "bool validate=True, bool deterministic=False, str kernel_choice=\"auto\") "
+               "-> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _gradients_like(q: Tensor, k: Tensor, k_rope: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """New ``(dq, dk, dv, dk_rope)``: q's and k's shapes, ``[Tk, 1, 64]``, q's dtype."""
+    return (q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape),
+            k_rope.new_empty((k_rope.shape[0], 1, k_rope.shape[-1]), dtype=q.dtype))
+
+
+@torch.library.custom_op("mla_cupy::mla_prefill_backward", mutates_args=(), device_types=("cuda", "cpu"),
+                         schema=_BWD_SCHEMA)
+def _backward_op(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, cache_offsets=None,
+                 q_start_pos=None, dlse=None, *, scale=None, mask_kind=1, mask_arg=0, q_max_seq_len=None,
+                 validate=True, deterministic=False, kernel_choice="auto"):
+    grads = _gradients_like(q, k, k_rope)
+    kw = dict(scale=scale, mask=mask_from_args(mask_kind, mask_arg),
+              q_max_seq_len=None if q_max_seq_len is None else int(q_max_seq_len), validate=validate,
+              deterministic=deterministic, kernel=kernel_choice)
+    if q.is_cuda:
+        from . import backward
+
+        with _torch_context(q.device):
+            c = [_cupy(x) for x in (dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets)]
+            backward.mla_prefill_backward(*c, cache_offsets=_cupy(cache_offsets), q_start_pos=_cupy(q_start_pos),
+                                          dq=_cupy(grads[0]), dk=_cupy(grads[1]), dv=_cupy(grads[2]),
+                                          dk_rope=_cupy(grads[3]), dlse=_cupy(dlse), **kw)
+    else:
+        n = [_np(x) for x in (dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets)]
+        reference.mla_prefill_backward(*n, cache_offsets=_np(cache_offsets), q_start_pos=_np(q_start_pos),
+                                       dq=_np(grads[0]), dk=_np(grads[1]), dv=_np(grads[2]), dk_rope=_np(grads[3]),
+                                       dlse=_np(dlse), **kw)
+    return grads
+
+
+@_backward_op.register_fake
+def _(dout, q, k, v, k_rope, *args, **kw):
+    return _gradients_like(q, k, k_rope)
+
+
+def _prefill_setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, lookup_table, k_rope_scales = inputs
+    out, lse = output
+    ctx.unsupported = ("k_rope: the backward takes a plain 16-bit rope, not a paged cache" if lookup_table is not None
+                       else "k_rope_scales: the backward takes a 16-bit rope, not an fp8 one"
+                       if k_rope_scales is not None else None)
+    ctx.kw = {name: keyword_only_inputs.get(name, _KEYWORD_DEFAULTS[name])
+              for name in ("scale", "mask_kind", "mask_arg", "q_max_seq_len", "validate", "kernel_choice")}
+    ctx.save_for_backward(q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse)
+
+
+def _prefill_backward(ctx, grad_out, grad_lse):
+    if ctx.unsupported is not None:
+        raise ValueError(ctx.unsupported)
+    q, k, v, k_rope, valid_length, cache_row_offsets, cache_offsets, q_start_pos, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out, dtype=q.dtype) if grad_out is None else grad_out.to(q.dtype).contiguous()
+    dlse = None if grad_lse is None else grad_lse.to(torch.float32).contiguous()
+    dq, dk, dv, dk_rope = torch.ops.mla_cupy.mla_prefill_backward(
+        dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, cache_offsets, q_start_pos, dlse,
+        deterministic=torch.are_deterministic_algorithms_enabled(), **ctx.kw)
+    return dq, dk, dv, dk_rope, None, None, None, None, None, None
+
+
+torch.library.register_autograd("mla_cupy::mla_prefill", _prefill_backward, setup_context=_prefill_setup_context)
+
+
+def mla_prefill_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, k_rope: Tensor, out: Tensor, lse: Tensor,
+                         valid_length: Tensor, cache_row_offsets: Tensor, *, scale: Optional[float] = None,
+                         mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
+                         cache_offsets: Optional[Tensor] = None, q_start_pos: Optional[Tensor] = None,
+                         dlse: Optional[Tensor] = None, validate: bool = True, deterministic: bool = False,
+                         kernel: str = "auto") -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`mla_cupy.mla_prefill_backward` through the ``mla_cupy::mla_prefill_backward`` op
+    (traceable by ``torch.compile``); new ``(dq, dk, dv, dk_rope)`` tensors. ``loss.backward()``
+    through :func:`mla_prefill` (and the transformers backend, ``flash_attn_varlen_func``) calls it:
+    the functional op's autograd formula, with ``deterministic`` from
+    ``torch.are_deterministic_algorithms_enabled()``."""
+    kind, arg = mask_args(mask)
+    return torch.ops.mla_cupy.mla_prefill_backward(
+        dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, cache_offsets, q_start_pos, dlse,
+        scale=None if scale is None else float(scale), mask_kind=kind, mask_arg=arg, q_max_seq_len=q_max_seq_len,
+        validate=validate, deterministic=deterministic, kernel_choice=kernel)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,8 +10,12 @@ kind of array it passed:
 2. the device check: every array must be a device array (a NumPy array is told how to move);
 3. the device layout: strides and alignment for vector and TMA loads, one device for all.
 
-The same checks serve the device API (``device=True``: 16-bit inputs) and the NumPy reference
-(``device=False``: any float dtype, any strides, no steps 2 and 3).
+The same checks serve the device API (``device=True``) and the NumPy reference (``device=False``).
+Given the kernels' inputs (16-bit, or the fp8 variants' e4m3 bytes), the reference makes every
+check of the device API but the device check (step 2), with the same messages, so that what runs
+on the reference runs on a GPU. What the reference takes beyond them: inputs in a wider float dtype
+(float32, float64: the oracle's), where the dtype and layout checks of the kernels do not apply,
+and float64 results (``out``, ``out_dtype``, ``lse``), whose messages then name float64 too.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from .paged import PagedKVCache
 
 __all__ = ["Problem", "variant_of", "check_inputs", "check_fp8_arrays", "check_fp8_layout", "check_lse_and_accumulate", "check_scalars", "check_offsets",
            "check_offset_values", "check_values", "check_paged_table", "check_same_device", "check_merge_inputs",
-           "check_merge_outputs", "DEVICE_DTYPES", "OFFSET_DTYPES"]
+           "check_merge_outputs", "check_backward_inputs", "DEVICE_DTYPES", "OFFSET_DTYPES"]
 
 DEVICE_DTYPES = tuple(d for d in (BF16, FP16) if d is not None)
 _MAX_I32 = 2**31 - 1
@@ -63,6 +67,8 @@ class Problem:
     v_transposed: bool = False
     # fp8: the kernel that reads a key tile's scales in pairs (fp8.scale_pairs of the key offsets)
     scale_pairs: bool = False
+    # the largest key count of a sequence (the backward's key blocks), when the offsets were read
+    max_sk: Optional[int] = None
 
     @property
     def fp8(self) -> bool:
@@ -111,10 +117,17 @@ def variant_of(fp8: bool, fp8_rope: bool) -> str:
 # step 1: metadata and values
 
 
+def kernel_dtypes(dtype: np.dtype, device: bool) -> bool:
+    """Whether the checks of the kernels' dtypes apply to a call whose q (or rope) is of ``dtype``:
+    always on the device; for the reference, when it is a dtype the kernels take (bfloat16,
+    float16)."""
+    return device or dtype in DEVICE_DTYPES
+
+
 def check_qkv(q, k, v, *, device: bool) -> Tuple[int, int, int, np.dtype]:
-    """q ``[Tq, H, 192]``, k and v ``[Tk, H, 128]``, one float dtype. Returns (Tq, H, Tk, dtype)."""
-    float_dtypes = DEVICE_DTYPES if device else None
-    check_array(q, "q", 3, float_dtypes)
+    """q ``[Tq, H, 192]``, k and v ``[Tk, H, 128]``, one float dtype (any float dtype for the
+    reference, whose 16-bit inputs are checked as the device's). Returns (Tq, H, Tk, dtype)."""
+    check_array(q, "q", 3, DEVICE_DTYPES if device else None)
     tq, heads, dqk = (int(n) for n in q.shape)
     if dqk != DQK:
         raise ValueError(f"q: expected head size Dqk = {DQK} (Dv {DV} + Dr {DR}), got {dqk}")
@@ -123,9 +136,10 @@ def check_qkv(q, k, v, *, device: bool) -> Tuple[int, int, int, np.dtype]:
     dtype = dtype_of(q)
     if not device and dtype.kind not in "fV":
         raise TypeError(f"q: expected a floating-point dtype, got {dtype.name}")
+    strict = kernel_dtypes(dtype, device)
     for name, x in (("k", k), ("v", v)):
-        check_array(x, name, 3, float_dtypes)
-        if device and dtype_of(x) != dtype:
+        check_array(x, name, 3, DEVICE_DTYPES if strict else None)
+        if strict and dtype_of(x) != dtype:
             raise TypeError(f"{name}: expected dtype {dtype.name} (the dtype of q), got {dtype_of(x).name}")
     tk = int(k.shape[0])
     check_shape(k, "k", (None, heads, DV), f"[Tk, H, Dv] with H = {heads} from q and Dv = {DV}")
@@ -147,13 +161,14 @@ def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, dev
     plain ``[Tk, 1, 64]`` k_rope without scales. Returns whether the rope is fp8."""
     if fp8 and _check_fp8_rope_kind(k_rope, k_rope_scales, tk, all_e4m3, device):
         return True
-    strict = device or fp8
-    rope_dtypes = (DEVICE_DTYPES + ((U8,) if dtype == BF16 and not fp8 else ())) if strict else None
+    strict = fp8 or kernel_dtypes(dtype, device)
+    e4m3 = (U8,) if device else (U8,) + ((FP8_E4M3,) if FP8_E4M3 is not None else ())  # the host's e4m3 dtype too
+    rope_dtypes = (DEVICE_DTYPES + (e4m3 if dtype == BF16 and not fp8 else ())) if strict else None
     if isinstance(k_rope, PagedKVCache):
         blocks = k_rope.blocks
         check_array(blocks, "k_rope.blocks", 4, rope_dtypes)
         fp8_rope = _is_fp8(blocks, device)
-        if strict and dtype_of(blocks) not in (dtype, U8):
+        if strict and dtype_of(blocks) not in (dtype,) + e4m3:
             raise TypeError(f"k_rope.blocks: expected dtype {dtype.name} (the dtype of q), got {dtype_of(blocks).name}")
         check_shape(blocks, "k_rope.blocks", (None, k_rope.page_size, 1, None),
                     f"[num_blocks, page_size, 1, Dc] with page_size = {k_rope.page_size}")
@@ -171,7 +186,7 @@ def check_rope(k_rope, k_rope_scales, tk: Optional[int], dtype: np.dtype, *, dev
     else:
         check_array(k_rope, "k_rope", 3, rope_dtypes)
         fp8_rope = _is_fp8(k_rope, device)
-        if strict and dtype_of(k_rope) not in (dtype, U8):
+        if strict and dtype_of(k_rope) not in (dtype,) + e4m3:
             raise TypeError(f"k_rope: expected dtype {dtype.name} (the dtype of q), got {dtype_of(k_rope).name}")
         check_shape(k_rope, "k_rope", (tk, 1, DR), f"[Tk, 1, Dr] with Tk = {tk} from k and Dr = {DR}")
         if fp8_rope:
@@ -262,6 +277,8 @@ def check_out_dtype(out, out_dtype, dtype: np.dtype, *, device: bool) -> np.dtyp
     out_dtype = np.dtype(out_dtype)
     if device and out_dtype not in (dtype, FP32):
         raise TypeError(f"out_dtype: expected {dtype.name} (the dtype of q) or float32, got {out_dtype.name}")
+    if not device and kernel_dtypes(dtype, device) and out_dtype not in (dtype, FP32, np.dtype(np.float64)):
+        raise TypeError(f"out_dtype: expected {dtype.name} (the dtype of q) or float32 or float64, got {out_dtype.name}")
     return out_dtype
 
 
@@ -373,24 +390,26 @@ def check_grid(max_sq: int, batch: int, heads: int, variant: str, mask: Mask) ->
 
 def check_merge_inputs(out_a, lse_a, out_b, lse_b, *, device: bool) -> None:
     """The partial results of ``merge_states``: ``out_a`` / ``out_b`` ``[T, H, Dv]`` of one dtype
-    (float32, bfloat16 or float16 on the device; any float dtype for the reference), ``lse_a`` /
-    ``lse_b`` ``[T, H]`` float32 (the reference: also float64). ``device``: also the kernel's layout."""
-    dtypes = (FP32,) + DEVICE_DTYPES if device else None
+    (float32, bfloat16 or float16 on the device; any float dtype for the reference, which checks
+    those three as the device does), ``lse_a`` / ``lse_b`` ``[T, H]`` float32 (the reference: also
+    float64), and the kernel's layout."""
+    dtypes = (FP32,) + DEVICE_DTYPES
     lse_dtypes = (FP32,) if device else (FP32, np.dtype(np.float64))
-    check_array(out_a, "out_a", 3, dtypes)
-    if device:
+    check_array(out_a, "out_a", 3, dtypes if device else None)
+    strict = device or dtype_of(out_a) in dtypes  # the kernel's partial results: its checks, on the host too
+    if strict:
         check_layout(out_a, "out_a")
     t, h, dv = (int(n) for n in out_a.shape)
-    if device and dv % 4:
+    if strict and dv % 4:
         raise ValueError(f"out_a: the last dimension must be a multiple of 4, got {dv}")
-    check_array(out_b, "out_b", 3, (dtype_of(out_a),) if device else None)
-    if device:
+    check_array(out_b, "out_b", 3, (dtype_of(out_a),) if strict else None)
+    if strict:
         check_layout(out_b, "out_b")
     check_shape(out_b, "out_b", (t, h, dv), "the shape of out_a")
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
         check_array(x, name, 2, lse_dtypes)
         check_shape(x, name, (t, h), "[T, H] matching out_a")
-        if device and x.size and int(x.strides[1]) != 4:
+        if strict and x.size and int(x.strides[1]) != dtype_of(x).itemsize:
             raise ValueError(f"{name}: the last dimension must be contiguous, got strides {tuple(x.strides)}")
 
 
@@ -458,9 +477,11 @@ def check_rope_layout(k_rope) -> None:
         check_layout(k_rope, "k_rope")
 
 
-def check_lse_layout(lse, heads: int) -> None:
-    if lse is not None and heads > 1 and lse.shape[0] > 0 and int(lse.strides[1]) != 4:
-        raise ValueError(f"lse: the head dimension must be contiguous (stride 4 bytes), got strides {tuple(lse.strides)}")
+def check_lse_layout(lse, heads: int, name: str = "lse") -> None:
+    item = dtype_of(lse).itemsize if lse is not None else 4  # float32 (the reference: also float64)
+    if lse is not None and heads > 1 and lse.shape[0] > 0 and int(lse.strides[1]) != item:
+        raise ValueError(f"{name}: the head dimension must be contiguous (stride {item} bytes), got strides "
+                         f"{tuple(lse.strides)}")
 
 
 def check_same_device(arrays) -> None:
@@ -551,8 +572,13 @@ def check_inputs(
         if max_sq is None:
             max_sq = observed
             p = replace(p, max_sq=max_sq)
-        p = with_key_offsets(p, cro)
+        p = replace(with_key_offsets(p, cro), max_sk=int(np.diff(cro).max()) if len(cro) > 1 else 0)
     if not device:
+        if kernel_dtypes(dtype, device):  # the kernels' inputs on the host: their layout checks too
+            check_layouts(q, k, v, k_rope, fp8, (valid_length, cache_row_offsets, cache_offsets, q_start_pos), out,
+                          lse, heads)
+            if max_sq is not None:
+                check_grid(max_sq, batch, heads, variant, mask)
         return p
 
     named = [("q_nope" if fp8 is not None else "q", q)]
@@ -561,21 +587,112 @@ def check_inputs(
     named += [("valid_length", valid_length), ("cache_row_offsets", cache_row_offsets), ("cache_offsets", cache_offsets),
               ("q_start_pos", q_start_pos), ("out", out), ("lse", lse)]
     require_devices(named, api)
+    check_layouts(q, k, v, k_rope, fp8, (valid_length, cache_row_offsets, cache_offsets, q_start_pos), out, lse, heads)
+    check_same_device([x for _, x in named])
+    if max_sq is not None:
+        check_grid(max_sq, batch, heads, variant, mask)
+    return p
 
+
+def check_layouts(q, k, v, k_rope, fp8: Optional[tuple], offsets: Sequence[Any], out: Any, lse: Any,
+                  heads: int) -> None:
+    """Step 3 (without the one-device check): the layout the kernels read, of every array of a
+    call whose other checks passed; ``offsets`` are valid_length, cache_row_offsets, cache_offsets
+    and q_start_pos (None where not given)."""
     if fp8 is not None:
         check_fp8_layout(q, fp8[0], k, fp8[2], v)
     else:
         for name, x in (("q", q), ("k", k), ("v", v)):
             check_layout(x, name)
     check_rope_layout(k_rope)
-    for name, x in (("valid_length", valid_length), ("cache_row_offsets", cache_row_offsets),
-                    ("cache_offsets", cache_offsets), ("q_start_pos", q_start_pos)):
+    for name, x in zip(("valid_length", "cache_row_offsets", "cache_offsets", "q_start_pos"), offsets):
         if x is not None:
             check_offsets_layout(x, name)
     if out is not None:
         check_layout(out, "out")
     check_lse_layout(lse, heads)
-    check_same_device([x for _, x in named])
-    if max_sq is not None:
-        check_grid(max_sq, batch, heads, variant, mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# the backward
+
+
+def _check_backward_dtype(x, name: str, allowed: Optional[Sequence[np.dtype]], what: str = "") -> None:
+    """The dtype of an array of the backward: one of ``allowed`` (the device's rule; ``what`` says
+    whose dtype they are), or (``allowed=None``: the reference) any float of 16 bits or more. fp8
+    data (uint8 bytes or an 8-bit float) is refused either way, with a message that says so."""
+    d = dtype_of(x)
+    if d.itemsize == 1:
+        raise TypeError(f"{name}: the backward takes no fp8 data (16-bit floats; the reference: any float of 16 bits "
+                        f"or more), got {d.name}")
+    if allowed is None and d.kind != "f" and d != BF16:
+        raise TypeError(f"{name}: expected a floating-point dtype, got {d.name}")
+    if allowed is not None and d not in allowed:
+        raise TypeError(f"{name}: expected dtype {' or '.join(np.dtype(a).name for a in allowed)}{what}, got {d.name}")
+
+
+def check_backward_inputs(
+    dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets,
+    q_start_pos, dq: Any = None, dk: Any = None, dv: Any = None, dk_rope: Any = None, deterministic: Any = False,
+    validate: bool, device: bool, read_offsets: bool, kernel: Optional[str] = None, api: Optional[str] = None,
+    dlse: Any = None,
+) -> Problem:
+    """Check every argument of the backward (``mla_prefill_backward``: the GPU function with
+    ``device=True``, its float64 reference with ``device=False``) before anything is computed.
+
+    The forward's arguments are checked by :func:`check_inputs` (the same messages); the backward
+    adds ``dout`` ``[Tq, H, 128]`` (q's dtype), ``out`` ``[Tq, H, 128]`` (q's dtype or float32, as the
+    forward returned it), ``lse`` ``[Tq, H]`` float32 (a required argument here) and the optional
+    results ``dq`` ``[Tq, H, 192]``, ``dk`` / ``dv`` ``[Tk, H, 128]``, ``dk_rope`` ``[Tk, 1, 64]``
+    (each in q's dtype), ``deterministic`` (a bool) and the optional ``dlse`` ``[Tq, H]`` float32
+    (heads contiguous, as ``lse``). The reference (``device=False``)
+    takes any float dtype of 16 bits or more for the arrays and float32 or float64 for ``lse``.
+    Refused on both: a :class:`PagedKVCache` ``k_rope`` (``ValueError``) and fp8 data in any array
+    (``TypeError``). Order: q, k, v (ranks, shapes, dtypes), then the refusals, then ``dout``,
+    ``out``, ``lse``, the results and ``deterministic``, then everything :func:`check_inputs` checks
+    (k_rope's shape, the offsets, the scalars, the values read back), then, on the device, where
+    the backward's own arrays live and their layout. Returns the :class:`Problem` of the forward's
+    arguments."""
+    if not device:  # before check_qkv: fp8 data gets the backward's message
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _check_backward_dtype(x, name, None)
+    tq, heads, tk, dtype = check_qkv(q, k, v, device=device)
+    if isinstance(k_rope, PagedKVCache):
+        raise ValueError("k_rope: the backward takes a plain [Tk, 1, 64] array (its gradient is dk_rope [Tk, 1, 64]); "
+                         "a PagedKVCache is not supported")
+    check_array(k_rope, "k_rope", 3)
+    _check_backward_dtype(k_rope, "k_rope", (dtype,) if device else None, " (the dtype of q)")
+    rows, keys = f"with Tq = {tq} from q, H = {heads}", f"with Tk = {tk} from k, H = {heads}"
+    same, or32 = ((dtype,), " (the dtype of q)"), ((dtype, FP32), " (the dtype of q, or float32)")
+    arrays = [("dout", dout, (tq, heads, DV), same, f"[Tq, H, Dv] {rows}"),
+              ("out", out, (tq, heads, DV), or32, f"[Tq, H, Dv], the forward's result, {rows}"),
+              ("lse", lse, (tq, heads), None, f"[Tq, H], the forward's natural-log lse, {rows}"),
+              ("dlse", dlse, (tq, heads), None, f"[Tq, H], the gradient of the forward's lse, {rows}"),
+              ("dq", dq, (tq, heads, DQK), same, f"[Tq, H, Dqk] {rows}"),
+              ("dk", dk, (tk, heads, DV), same, f"[Tk, H, Dv] {keys}"),
+              ("dv", dv, (tk, heads, DV), same, f"[Tk, H, Dv] {keys}"),
+              ("dk_rope", dk_rope, (tk, 1, DR), same, f"[Tk, 1, Dr] with Tk = {tk} from k")]
+    for name, x, shape, allowed, what in arrays:
+        if x is None and name not in ("dout", "out", "lse"):
+            continue  # a result not given: the call allocates it
+        if allowed is None:  # lse, dlse: float32 (the reference: also float64), as the forward's lse= buffer
+            check_array(x, name, 2, (FP32,) if device else (FP32, np.dtype(np.float64)))
+        else:
+            check_array(x, name, 3)
+            _check_backward_dtype(x, name, allowed[0] if device else None, allowed[1])
+        check_shape(x, name, shape, what)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
+                     q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=None,
+                     out_dtype=None, validate=validate, device=device, read_offsets=read_offsets, lse=lse,
+                     kernel=kernel, api=api)
+    if device:
+        named = [(name, x) for name, x, *_ in arrays if name != "lse"]  # lse: checked by check_inputs
+        require_devices(named, api)
+        for name, x in named:
+            if x is not None and name != "dlse":
+                check_layout(x, name)
+        check_lse_layout(dlse, heads, "dlse")
+        check_same_device([q] + [x for _, x in named])
     return p

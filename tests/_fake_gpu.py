@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import time
 import warnings
 from types import SimpleNamespace
@@ -26,6 +27,16 @@ from mla_cupy._arrays import BF16
 from mla_cupy._launch import ArgPack
 from mla_cupy._registry import sm90_schedule
 from mla_cupy.dims import param_fields
+
+#: Why the tests built on this module skip where CuPy is not installed: it needs no GPU, but its
+#: device arrays are CuPy arrays over host memory.
+NEEDS_CUPY = "needs CuPy (not a GPU): the stubbed device's arrays are CuPy arrays over host memory"
+
+
+def require_cupy() -> None:
+    """Skip the calling test (or module, at import) with :data:`NEEDS_CUPY` when CuPy is missing."""
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip(NEEDS_CUPY, allow_module_level=True)
 
 
 class _Kernel:

@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "benchmarks") not in sys.path:  # the scripts import each other (peers.py) as a script run does
+    sys.path.append(str(ROOT / "benchmarks"))
 
 
 def load_script(relpath: str, name: str):

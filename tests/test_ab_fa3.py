@@ -12,6 +12,7 @@ from mla_cupy import bench
 
 torch = pytest.importorskip("torch")
 ab = load_script("benchmarks/ab.py", "ab_fa3_tool")
+peers = ab.peers
 
 CASE = bench.BenchCase("ragged-3+5", (3, 5), (4, 6), heads=2, causal=True)
 
@@ -34,7 +35,7 @@ def fa3_calls(monkeypatch):
         calls.append(dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, mq=mq, mk=mk, **kw))
         return torch.zeros(q.shape[0], q.shape[1], 128), None  # (out, lse), as some versions return
 
-    monkeypatch.setattr(bench, "fa3_function", lambda: (fa3, "recorder"))
+    monkeypatch.setattr(peers, "fa3_function", lambda: (fa3, "recorder"))
     return calls
 
 
@@ -70,7 +71,7 @@ def test_fp8_gives_e4m3_inputs_with_descales_per_sequence_and_head(fa3_calls):
     call(0)
     c = fa3_calls[-1]
     for name, x, offs in (("q", sets[0]["q"], [0, 3, 8]),
-                          ("k", bench.k192_of(sets[0], 2), [0, 4, 10]),
+                          ("k", peers.k192_of(sets[0], 2), [0, 4, 10]),
                           ("v", sets[0]["v"], [0, 4, 10])):
         x8, d = c[name], c[name + "_descale"]
         assert x8.dtype == torch.float8_e4m3fn and tuple(d.shape) == (2, 2) and d.dtype == torch.float32
@@ -84,6 +85,6 @@ def test_fp8_gives_e4m3_inputs_with_descales_per_sequence_and_head(fa3_calls):
 
 
 def test_fa3_left_out_when_it_does_not_import(monkeypatch):
-    monkeypatch.setattr(bench, "fa3_function", lambda: None)
+    monkeypatch.setattr(peers, "fa3_function", lambda: None)
     with pytest.raises(ab.LeftOut, match="fa3_fwd_interface"):
         ab.FACTORIES["fa3"](CASE, _sets(1), {})

@@ -1,7 +1,8 @@
-"""cuDNN's ragged SDPA and its fp8 graph as bench peers, on the CPU: the keywords and graph they
-are called with (the fp8 graph against a recording stand-in of the frontend), the masks they
-cannot express, and what happens when the module is not installed (``mla-cupy bench`` and
-``benchmarks/ab.py``). Its GPU rows: ``tests/test_gpu_bench.py`` and ``gpu.sh --wheels DIR bench``."""
+"""cuDNN's ragged SDPA and its fp8 graph as bench peers (``benchmarks/peers.py``), on the CPU: the
+keywords and graph they are called with (the fp8 graph against a recording stand-in of the
+frontend), the masks they cannot express, and what happens when the module is not installed
+(``benchmarks/matrix.py`` and ``benchmarks/ab.py``). Its GPU rows: ``tests/test_gpu_bench.py`` and
+``gpu.sh --wheels DIR bench``."""
 import math
 import sys
 from dataclasses import dataclass
@@ -12,20 +13,22 @@ from _scripts import load_script
 from mla_cupy import bench
 from mla_cupy.masks import ChunkedMask
 
+import peers  # noqa: E402  (benchmarks/, put on sys.path by _scripts)
+
 def _ab():
     return load_script("benchmarks/ab.py", "ab_tool")
 
 
 def test_causal_keywords_are_bottom_right_with_the_longest_sequences():
-    kw = bench.cudnn_ragged_args(bench.DEFAULT_CASES["1024+ctx8192"])
+    kw = peers.cudnn_ragged_args(bench.DEFAULT_CASES["1024+ctx8192"])
     assert kw == dict(is_causal=True, causal_bottom_right=True, scale=1 / math.sqrt(192), max_seqlen_q=1024,
                       max_seqlen_kv=9216)
-    kw = bench.cudnn_ragged_args(bench.DEFAULT_CASES["ragged"])
+    kw = peers.cudnn_ragged_args(bench.DEFAULT_CASES["ragged"])
     assert kw["max_seqlen_q"] == kw["max_seqlen_kv"] == 4096 and kw["is_causal"]
 
 
 def test_non_causal_keywords():
-    kw = bench.cudnn_ragged_args(bench.DEFAULT_CASES["noncausal-1x4096"])
+    kw = peers.cudnn_ragged_args(bench.DEFAULT_CASES["noncausal-1x4096"])
     assert kw["is_causal"] is False and "causal_bottom_right" not in kw
 
 
@@ -42,17 +45,17 @@ class _ChunkedCase(bench.BenchCase):
 ])
 def test_masks_it_cannot_express_are_refused(case, reason):
     with pytest.raises(ValueError, match=reason):
-        bench.cudnn_ragged_args(case)
+        peers.cudnn_ragged_args(case)
     with pytest.raises(ValueError, match=reason):  # before any tensor is built
-        bench.cudnn_ragged_fn(case, lambda *a, **k: None, "cpu")
+        peers.cudnn_ragged_fn(case, lambda *a, **k: None, "cpu")
 
 
 def test_missing_frontend_leaves_the_rows_out_with_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "cudnn", None)  # import cudnn fails
-    assert bench.cudnn_sdpa_function() is None
-    monkeypatch.setattr(bench, "_said", set())
+    assert peers.cudnn_sdpa_function() is None
+    monkeypatch.setattr(peers, "_said", set())
     run = bench.CaseRun(bench.DEFAULT_CASES["ragged"], [], reps=1)
-    assert bench.bench_cudnn_ragged(run) == [] and bench.bench_cudnn_ragged(run) == []
+    assert peers.bench_cudnn_ragged(run) == [] and peers.bench_cudnn_ragged(run) == []
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "cudnn-ragged" in err[0] and "nvidia-cudnn-frontend" in err[0] and "--wheels" in err[0]
 
@@ -68,10 +71,10 @@ def test_a_skipped_row_says_why_in_the_table():
 def test_ab_leaves_out_what_cannot_run(monkeypatch):
     ab = _ab()
     assert {"cudnn-ragged", "cudnn-ragged+kbuild", "cudnn", "cudnn+kbuild"} <= set(ab.FACTORIES)
-    monkeypatch.setattr(bench, "cudnn_sdpa_function", lambda: None)
+    monkeypatch.setattr(peers, "cudnn_sdpa_function", lambda: None)
     with pytest.raises(ab.LeftOut, match="nvidia-cudnn-frontend"):
         ab.FACTORIES["cudnn-ragged"](bench.DEFAULT_CASES["ragged"], [], {})
-    monkeypatch.setattr(bench, "cudnn_sdpa_function", lambda: (lambda *a, **k: None))
+    monkeypatch.setattr(peers, "cudnn_sdpa_function", lambda: (lambda *a, **k: None))
     with pytest.raises(ab.LeftOut, match="no ChunkedMask"):
         ab.FACTORIES["cudnn-ragged+kbuild"](_ChunkedCase("chunked", (128,), (128,)), [], {})
 
@@ -151,11 +154,11 @@ def test_cudnn_fp8_graph_of_a_ragged_causal_batch(fake_cudnn):
     import torch
 
     case = bench.BenchCase("r", (3, 5), (4, 6), heads=2, causal=True)
-    attn = bench.cudnn_fp8_fn(case, "cpu")
+    attn = peers.cudnn_fp8_fn(case, "cpu")
     (g,) = fake_cudnn.graphs
     assert g.kw == dict(io_data_type="e4m3", intermediate_data_type="float", compute_data_type="float")
     t = {u: x.attrs for u, x in g.tensors.items()}
-    uid = bench._CUDNN_FP8_UIDS
+    uid = peers._CUDNN_FP8_UIDS
     # rows [T, H, D] as (b, h, s_max, d), every sequence's rows located by its ragged offset
     assert t[uid["q"]]["dim"] == (2, 2, 5, 192) and t[uid["q"]]["stride"] == (5 * 2 * 192, 192, 2 * 192, 1)
     assert t[uid["k"]]["dim"] == (2, 2, 6, 192) and t[uid["v"]]["dim"] == (2, 2, 6, 128)
@@ -187,28 +190,28 @@ def test_cudnn_fp8_graph_of_a_ragged_causal_batch(fake_cudnn):
 
 def test_cudnn_fp8_graph_of_equal_lengths_has_no_ragged_layout(fake_cudnn):
     case = bench.BenchCase("4x8", (8,) * 4, (8,) * 4, heads=2, causal=False)
-    bench.cudnn_fp8_fn(case, "cpu")
+    peers.cudnn_fp8_fn(case, "cpu")
     (g,) = fake_cudnn.graphs
-    assert "ragged_offset" not in g.tensors[bench._CUDNN_FP8_UIDS["q"]].attrs
+    assert "ragged_offset" not in g.tensors[peers._CUDNN_FP8_UIDS["q"]].attrs
     assert "use_padding_mask" not in g.sdpa and "use_causal_mask_bottom_right" not in g.sdpa
-    assert g.tensors[bench._CUDNN_FP8_UIDS["q"]].attrs["dim"] == (4, 2, 8, 192)
+    assert g.tensors[peers._CUDNN_FP8_UIDS["q"]].attrs["dim"] == (4, 2, 8, 192)
 
 
 def test_cudnn_fp8_refuses_masks_before_the_frontend(monkeypatch):
     monkeypatch.setitem(sys.modules, "cudnn", None)
     with pytest.raises(ValueError, match="no ChunkedMask"):
-        bench.cudnn_fp8_fn(_ChunkedCase("chunked", (128,), (128,)), "cpu")
+        peers.cudnn_fp8_fn(_ChunkedCase("chunked", (128,), (128,)), "cpu")
 
 
 def test_per_tensor_quantization_maps_the_largest_value_to_448():
     torch = pytest.importorskip("torch")
     x = torch.randn(6, 2, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    x8, d = bench.quantize_per_tensor(x)
+    x8, d = peers.quantize_per_tensor(x)
     assert x8.dtype == torch.float8_e4m3fn and tuple(d.shape) == (1, 1, 1, 1)
     assert float(x8.float().abs().max()) == 448.0
     assert float(d) == pytest.approx(float(x.float().abs().max()) / 448)
     assert float((x8.float() * d - x.float()).abs().max() / x.float().abs().max()) < 2 ** -3
-    z8, zd = bench.quantize_per_tensor(torch.zeros(3, 1, 4))
+    z8, zd = peers.quantize_per_tensor(torch.zeros(3, 1, 4))
     assert float(zd) == 1.0 and not z8.float().any()
 
 
@@ -217,10 +220,10 @@ def test_cudnn_fp8_call_gives_the_graph_each_sets_inputs_and_descales():
     case = bench.BenchCase("r", (3, 5), (4, 6), heads=2, causal=True)
     g = torch.Generator().manual_seed(2)
     sets = [[torch.randn(n, 2, d, generator=g) for n, d in ((8, 192), (10, 192), (10, 128))] for _ in range(2)]
-    q8, k8, v8 = bench.quantize_inputs(case, *zip(*sets), per_tensor=True)
+    q8, k8, v8 = peers.quantize_inputs(case, *zip(*sets), per_tensor=True)
     assert all(tuple(d.shape) == (1, 1, 1, 1) for x in (q8, k8, v8) for _, d in x)
     seen = []
-    call = bench.cudnn_fp8_call(case, lambda *a: seen.append(a) or a[-1], q8, k8, v8)
+    call = peers.cudnn_fp8_call(case, lambda *a: seen.append(a) or a[-1], q8, k8, v8)
     out = call(1)
     (a,) = seen
     assert all(x is y for x, y in zip(a[:6], (q8[1][0], k8[1][0], v8[1][0], q8[1][1], k8[1][1], v8[1][1])))

@@ -9,7 +9,11 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from _scripts import load_script
+
 from mla_cupy import bench_host, cli
+
+import peers  # noqa: E402  (benchmarks/, put on sys.path by _scripts)
 
 
 class FakeDevice:
@@ -58,8 +62,8 @@ def test_takes_out_reads_the_signature():
     def with_kwargs(q, **kw):
         pass
 
-    assert bench_host._takes_out(with_out) and not bench_host._takes_out(with_kwargs)
-    assert not bench_host._takes_out(len)
+    assert peers._takes_out(with_out) and not peers._takes_out(with_kwargs)
+    assert not peers._takes_out(len)
 
 
 RESULT = {
@@ -98,15 +102,15 @@ def test_bench_host_passes_its_options_and_writes_json(monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "_gpu_available", lambda: True)
     monkeypatch.setattr(bench_host, "run", fake_run)
     path = tmp_path / "host.json"
-    res = CliRunner().invoke(cli.cli, ["bench", "--host", "--calls", "50", "--reps", "3", "--no-peers", "--json",
-                                       str(path)])
+    res = CliRunner().invoke(cli.cli, ["bench", "--host", "--calls", "50", "--reps", "3", "--json", str(path)])
     assert res.exit_code == 0, res.output
-    assert seen == {"calls": 50, "reps": 3, "peers": False}
-    assert res.output == bench_host.format_table(RESULT) + "\n"
+    assert seen == {"calls": 50, "reps": 3}
+    assert res.stdout == bench_host.format_table(RESULT) + "\n"
+    assert res.stderr == f"the rows (JSON) written to {path}\n"
     assert json.loads(path.read_text())["rows"][0]["impl"] == "plan.run (CuPy)"
     seen.clear()
     assert CliRunner().invoke(cli.cli, ["bench", "--host"]).exit_code == 0
-    assert seen == {"calls": 300, "reps": 20, "peers": True}
+    assert seen == {"calls": 300, "reps": 20}
 
 
 def test_bench_host_refusals(monkeypatch):
@@ -122,17 +126,19 @@ def test_bench_host_refusals(monkeypatch):
     res = invoke("--cp", "1", "--host")
     assert res.exit_code == 2 and "--cp runs the context-parallel runner; it does not take --host" in res.output
     monkeypatch.setattr(cli, "_gpu_available", lambda: False)
+    monkeypatch.setattr(cli, "gpu_missing", lambda: "CuPy sees no CUDA device")
     res = invoke("--host")
-    assert res.exit_code == 1 and "Error: --host times calls on a GPU, and none is in use here" in res.output
+    assert res.exit_code == 1 and res.output == "Error: --host times calls on a GPU: none found (CuPy sees no CUDA device)\n"
 
 
 def test_gpu_sh_runs_the_host_and_e2e_benchmarks():
-    """``bash benchmarks/gpu.sh host`` and ``e2e`` are modes of the GPU runner, documented in its help."""
+    """``bash benchmarks/gpu.sh host`` and ``e2e`` are modes of the GPU runner, documented in its help;
+    the host mode times the peers' calls too (``matrix.py --host``)."""
     gpu_sh = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.sh"
     res = subprocess.run(["bash", str(gpu_sh), "--help"], capture_output=True, text=True, timeout=30)
     assert res.returncode == 0
     modes = {line.split()[0] for line in res.stdout.splitlines() if line.startswith("  ") and line.split()}
     assert {"host", "e2e", "bench", "suite"} <= modes
     text = gpu_sh.read_text()
-    assert 'bench --host --json "$OUT_DIR/host.json"' in text
+    assert 'benchmarks/matrix.py --host --json "$OUT_DIR/host.json"' in text
     assert 'transformers_e2e.py --json "$OUT_DIR/e2e.json"' in text

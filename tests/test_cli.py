@@ -26,8 +26,10 @@ def test_info_runs_with_readable_versions():
     assert res.exit_code == 0, res.output
     assert "mla_cupy" in res.output and "mla_prefill_sm90.cu" in res.output
     assert reg.SPIN[0] not in res.output  # the benchmark's helper is not one of the package's kernels
-    if "CUDA runtime" in res.output:
-        assert re.search(r"CUDA runtime \d+\.\d+,", res.output), res.output
+    if "CuPy " in res.output and "not importable" not in res.output:  # each CUDA version says what it is
+        assert re.search(r"CuPy \S+ \(built with CUDA \d+\.\d+\), CUDA runtime library (\d+\.\d+|none found), "
+                         r"NVRTC \d+\.\d+ \(compiles the kernels\), driver (\d+\.\d+|none)\n", res.output), res.output
+        assert "the extra pins the NVRTC" in res.output
 
 
 def test_cuda_version_reads_like_a_person_writes_it():
@@ -78,7 +80,7 @@ def test_compile_without_cupy_says_so_once(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
     res = invoke("compile", "--offline")
     assert res.exit_code == 1
-    assert res.output.count("CuPy is not importable") == 1 and "mla_cupy[cuda13]" in res.output
+    assert res.output.count("CuPy is not importable") == 1 and 'pip install ".[cuda13]"' in res.output
     assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
 
 
@@ -150,12 +152,64 @@ def test_bench_rejects_unknown_case():
     assert res.exit_code != 0 and "unknown case" in res.output
 
 
-def test_bench_help_says_how_to_bring_fa3_offline():
+def test_bench_help_points_to_the_peer_scripts():
+    """The package times its own kernels; the help says which scripts of the checkout time the peers."""
     res = invoke("bench", "--help")
     assert res.exit_code == 0
-    for text in ("pip download --no-deps fa3-fwd==0.0.3", "pip install --no-deps --no-index --target DIR",
-                 "PYTHONPATH=DIR", "--fp8"):
+    for text in ("python benchmarks/matrix.py", "python benchmarks/ab.py --help", "--fp8", "--host"):
         assert text in res.output
+    assert "--no-peers" not in res.output
+
+
+def test_no_command_prints_the_help_and_succeeds():
+    res = invoke()
+    assert res.exit_code == 0 and res.output.startswith("Usage: ") and "Commands:" in res.output
+    assert res.output == invoke("--help").output
+
+
+@pytest.mark.parametrize("option", ["--json", "--csv", "--plot"])
+def test_bench_refuses_an_output_it_cannot_write_before_timing(option, monkeypatch, tmp_path):
+    """One line and exit 1, before any case runs (the run would be lost at the end)."""
+    if option == "--plot":
+        pytest.importorskip("matplotlib")
+    ran = []
+    monkeypatch.setattr(bench, "run_cpu", lambda *a, **k: ran.append(1))
+    res = invoke("bench", "--cpu", "--reps", "1", option, "/no/such/dir/x.out")
+    assert res.exit_code == 1 and not ran
+    assert res.output == f"Error: {option}: cannot write /no/such/dir/x.out: the folder /no/such/dir does not exist\n"
+    res = invoke("bench", "--cpu", "--reps", "1", option, str(tmp_path))
+    assert res.exit_code == 1 and res.output == f"Error: {option}: {tmp_path} is a folder, not a file\n"
+
+
+def test_bench_says_where_it_wrote(tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = {o: tmp_path / f"r.{e}" for o, e in (("--json", "json"), ("--csv", "csv"), ("--plot", "png"))}
+    res = invoke("bench", "--cpu", "--reps", "1", *[x for o, p in paths.items() for x in (o, str(p))])
+    assert res.exit_code == 0, res.output
+    assert res.stderr.splitlines()[-3:] == [f"the rows (JSON) written to {paths['--json']}",
+                                           f"the rows (CSV) written to {paths['--csv']}",
+                                           f"the plot (PNG) written to {paths['--plot']}"]
+    assert all(p.stat().st_size > 0 for p in paths.values())
+
+
+def test_a_failed_write_is_one_line(monkeypatch, tmp_path):
+    def full(result, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench, "write_json", full)
+    res = invoke("bench", "--cpu", "--reps", "1", "--json", str(tmp_path / "r.json"))
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert res.output.splitlines()[-1] == f"Error: could not write the rows (JSON) to {tmp_path / 'r.json'}: No space left on device"
+
+
+def test_bench_fp8_without_a_gpu_is_refused(monkeypatch):
+    res = invoke("bench", "--cpu", "--fp8")
+    assert res.exit_code == 1 and res.output == "Error: --fp8 times the fp8 kernels on a Hopper GPU (--cpu was given)\n"
+    monkeypatch.setattr(cli, "_gpu_available", lambda: False)
+    monkeypatch.setattr(cli, "gpu_missing", lambda: "CuPy sees no CUDA device")
+    res = invoke("bench", "--fp8")
+    assert res.exit_code == 1
+    assert res.output == "Error: --fp8 times the fp8 kernels on a Hopper GPU (none found: CuPy sees no CUDA device)\n"
 
 
 def test_format_table_shows_the_fp8_error_columns():
@@ -205,21 +259,24 @@ def test_a_missing_optional_package_is_named_with_its_install_command(tmp_path, 
         monkeypatch.setitem(sys.modules, name, None)
     res = invoke("bench", "--cpu", "--reps", "1", "--plot", str(tmp_path / "p.png"))
     assert res.exit_code == 1 and res.output.endswith(
-        "Error: mla-cupy bench --plot needs matplotlib, which is not installed: pip install 'mla_cupy[bench]'\n")
+        'Error: mla-cupy bench --plot needs matplotlib, which is not installed: pip install ".[bench]" in the mla_cupy '
+        'checkout\n')
     res = invoke("bench", "--cp", "1", "--cpu")
     assert res.exit_code == 1 and res.output.endswith(
-        "Error: mla-cupy bench --cp needs torch, which is not installed: pip install 'mla_cupy[distributed]'\n")
+        'Error: mla-cupy bench --cp needs torch, which is not installed: pip install ".[distributed]" in the mla_cupy '
+        'checkout\n')
     monkeypatch.delitem(sys.modules, "mla_cupy.torch_ops", raising=False)
     with pytest.raises(ModuleNotFoundError, match=r"^mla_cupy.torch_ops needs torch, which is not installed: "
-                                                  r"pip install 'mla_cupy\[torch\]'$"):
+                                                  r'pip install "\.\[torch\]" in the mla_cupy checkout$'):
         importlib.import_module("mla_cupy.torch_ops")
     monkeypatch.delitem(sys.modules, "mla_cupy.integrations.transformers", raising=False)
-    with pytest.raises(ModuleNotFoundError, match=r"transformers needs torch, .*pip install 'mla_cupy\[transformers\]'$"):
+    with pytest.raises(ModuleNotFoundError,
+                       match=r'transformers needs torch, .*pip install "\.\[transformers\]" in the mla_cupy checkout$'):
         importlib.import_module("mla_cupy.integrations.transformers")
     from mla_cupy._optional import require
 
     with pytest.raises(ModuleNotFoundError, match=r"^register needs transformers, which is not installed: "
-                                                  r"pip install 'mla_cupy\[transformers\]'$"):
+                                                  r'pip install "\.\[transformers\]" in the mla_cupy checkout$'):
         require("transformers", "register")
 
 

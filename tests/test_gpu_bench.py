@@ -4,6 +4,9 @@ import importlib.util
 import math
 
 import pytest
+from _scripts import load_script  # noqa: F401  (puts benchmarks/ on sys.path)
+
+import peers
 
 pytestmark = pytest.mark.gpu
 
@@ -27,14 +30,14 @@ def test_bench_one_case_with_a_peer():
     from mla_cupy import bench
 
     case = _case()
-    res = bench.run([case], peers=True, reps=3, progress=False)
+    res = bench.run([case], builders=peers.PEER_ROWS, reps=3, progress=False)
     rows = {r["impl"]: r for r in res["rows"]}
     ours = rows["mla_cupy"]
     assert ours["ms"] > 0 and ours["rel_err"] < 1e-2
     assert math.isclose(ours["tflops"], case.flops() / ours["ms"] / 1e9)
-    peers = [r for r in res["rows"] if r["impl"] in ("cudnn-sdpa", "sdpa-fallback", "flex") and r["ms"] == r["ms"]]
-    assert peers, [r["note"] for r in res["rows"]]
-    for r in peers:  # every peer that ran is checked against the same float64 reference
+    ran = [r for r in res["rows"] if r["impl"] in ("cudnn-sdpa", "sdpa-fallback", "flex") and r["ms"] == r["ms"]]
+    assert ran, [r["note"] for r in res["rows"]]
+    for r in ran:  # every peer that ran is checked against the same float64 reference
         assert r["rel_err"] is not None and r["rel_err"] < 2e-2, r
     assert res["matmul_tflops"] > 10
     assert any(k in ours["ratios"] for k in ("cudnn-sdpa", "flex", "sdpa-fallback"))
@@ -56,10 +59,10 @@ def test_bench_fa3_rows_when_importable():
     pytest.importorskip("torch")
     from mla_cupy import bench
 
-    if bench.fa3_function() is None:
+    if peers.fa3_function() is None:
         pytest.skip("FlashAttention-3 (fa3_fwd_interface or flash_attn_interface) is not importable")
     case = _case()
-    res = bench.run([case], peers=True, reps=3, progress=False)
+    res = bench.run([case], builders=peers.PEER_ROWS, reps=3, progress=False)
     _check_peer_rows({r["impl"]: r for r in res["rows"]}, "fa3")
 
 
@@ -69,10 +72,10 @@ def test_bench_cudnn_ragged_rows_when_importable():
     pytest.importorskip("torch")
     from mla_cupy import bench
 
-    if bench.cudnn_sdpa_function() is None:
-        pytest.skip("the cuDNN frontend (module cudnn) is not importable: " + bench.CUDNN_FRONTEND_HINT)
+    if peers.cudnn_sdpa_function() is None:
+        pytest.skip("the cuDNN frontend (module cudnn) is not importable: " + peers.CUDNN_FRONTEND_HINT)
     cases = [_case(), bench.BenchCase("gpu-test-noncausal", *CASE_ARGS[1:], heads=16, causal=False)]
-    res = bench.run(cases, peers=True, reps=3, progress=False)
+    res = bench.run(cases, builders=peers.PEER_ROWS, reps=3, progress=False)
     for case in cases:
         rows = {r["impl"]: r for r in res["rows"] if r["case"] == case.name}
         _check_peer_rows(rows, "cudnn-ragged")
@@ -88,7 +91,7 @@ def test_bench_fp8_rows():
     from mla_cupy import bench
 
     case = _case()
-    res = bench.run([case], peers=True, fp8=True, reps=3, progress=False)
+    res = bench.run([case], builders=peers.PEER_ROWS + peers.FP8_PEER_ROWS, fp8=True, reps=3, progress=False)
     rows = {r["impl"]: r for r in res["rows"]}
     ours = rows["mla_cupy-fp8"]
     assert ours["group"] == "fp8" and ours["ms"] > 0, ours
@@ -98,11 +101,11 @@ def test_bench_fp8_rows():
     e4m3 = rows["mla_cupy-fp8-e4m3"]  # the all-e4m3 mode, compared with the first fp8 row
     assert e4m3["ms"] > 0 and e4m3["rel_err"] < 6e-2 and e4m3["err_vs_16bit"] < 1e-1, e4m3
     assert math.isclose(ours["ratios"]["mla_cupy-fp8-e4m3"], e4m3["ms"] / ours["ms"])
-    if bench.fa3_function() is not None:
+    if peers.fa3_function() is not None:
         fa3 = rows["fa3-fp8"]
         assert fa3["ms"] > 0 and fa3["rel_err"] < 6e-2 and fa3["err_vs_16bit"] < 1e-1, fa3
         assert math.isclose(ours["ratios"]["fa3-fp8"], fa3["ms"] / ours["ms"])
-    if bench.cudnn_sdpa_function() is not None:  # cuDNN's fp8 graph: checked where this cuDNN runs it
+    if peers.cudnn_sdpa_function() is not None:  # cuDNN's fp8 graph: checked where this cuDNN runs it
         cud = rows["cudnn-fp8"]
         if cud["ms"] == cud["ms"]:
             assert cud["rel_err"] < 6e-2 and cud["err_vs_16bit"] < 1e-1, cud
@@ -120,7 +123,7 @@ def test_fp8_error_sees_a_wrong_output():
     from mla_cupy import bench, mla_prefill
 
     case = _case(heads=4)
-    run = bench.CaseRun(case, [bench._inputs(case, 0)], reps=1)
+    run = bench.CaseRun(case, [bench.make_inputs(case, 0)], reps=1)
     x = run.sets[0]
     out = mla_prefill(x["q"], x["k"], x["v"], x["k_rope"], x["valid_length"], x["cache_row_offsets"], mask=case.mask)
     good = run.error(out)
@@ -150,7 +153,7 @@ def test_bench_host_rows():
     a one-shot call that reads the offsets back."""
     from mla_cupy import bench_host
 
-    res = bench_host.run(calls=20, reps=3, peers=True)
+    res = bench_host.run(calls=20, reps=3, peers=peers.host_peer_calls)
     rows = {r["impl"]: r for r in res["rows"]}
     ours = ["plan.run (CuPy)", "mla_prefill, q_max_seq_len= validate=False (CuPy)",
             "mla_prefill, default arguments (CuPy)"]
@@ -166,9 +169,9 @@ def test_bench_host_rows():
         assert r["group"] == "ours" and len(r["samples"]) == 3 and 0 < r["us_min"] <= r["us"] <= r["us_max"], r
     for r in rows.values():
         assert r["us"] > 0 or r["note"].startswith("failed"), r
-    peers = [r for r in rows.values() if r["group"] == "peer"]
+    peer_rows = [r for r in rows.values() if r["group"] == "peer"]
     said = sum(line.startswith(("FA3", "cuDNN")) for line in res["left_out"])
-    assert len(peers) + said == (2 if has_torch else 0), res["left_out"]  # each peer: a row or a line
+    assert len(peer_rows) + said == (2 if has_torch else 0), res["left_out"]  # each peer: a row or a line
     assert rows["plan.run (CuPy)"]["us"] < rows["mla_prefill, default arguments (CuPy)"]["us"]
     text = bench_host.format_table(res)
     assert text.splitlines()[0].startswith(f"device: {res['device']}  host time per call: Sq=1x64 Sk=1x64 H=16")

@@ -114,6 +114,64 @@ def test_portable_module_and_pre_pass_export_theirs():
     assert (geom["threads"], geom["cols_per_cta"]) == fp8.VT_TILE  # what V's quantizer launches with
 
 
+def _bwd_common_params():
+    """The field names of ``MLA_BWD_COMMON_PARAMS`` as kernels/backward.cuh lists them."""
+    lines = jit._RAW_SOURCES["backward.cuh"].split("#define MLA_BWD_COMMON_PARAMS(X)", 1)[1].splitlines()
+    body = []
+    for line in lines:
+        body.append(line)
+        if not line.rstrip().endswith("\\"):
+            break
+    text = re.sub(r"/\*.*?\*/", "", " ".join(body))
+    return re.findall(r"X\([^,()]+,\s*(\w+)\)", text)
+
+
+def _bwd_exports(kernel: str, arch: str):
+    """(ArgPack, geometry) the backward main kernel ``kernel``'s module exports for ``arch``, from its PTX."""
+    fam = reg.backward_family(kernel, BF16, CausalMask())
+    exports = reg.backward_exports(kernel)
+    g = _ptx_globals(fam, exports, arch)
+    pack = ArgPack.from_export(np.frombuffer(g[exports[0]], np.int32), g[exports[1]], fam[0])
+    return pack, dict(zip(("smem", "threads", "block_m", "block_n"), np.frombuffer(g[exports[2]], np.int32).tolist()))
+
+
+def test_backward_main_kernels_export_one_parameter_layout():
+    """The portable and Hopper backward kernels take one common parameter list, so that the host
+    packs both from it: the portable struct is exactly that list (for every arch it is built for),
+    the Hopper struct its tensor maps and then the same fields, in the same order, with the same
+    sizes and kinds, at the same offsets from the first common field."""
+    common = _bwd_common_params()
+    assert len(common) > 30 and common[0] == "q" and common[-1] == "tile_counter"
+    portable, geom80 = _bwd_exports("sm80", "sm_80")
+    assert portable.names == tuple(common)
+    portable90, _ = _bwd_exports("sm80", "sm_90a")
+    assert portable90.dtype == portable.dtype
+    hopper, geom90 = _bwd_exports("sm90", "sm_90a")
+    maps = hopper.names[:len(hopper.names) - len(common)]
+    assert maps == ("tm_q", "tm_k", "tm_v", "tm_rope", "tm_do")
+    assert all(hopper.dtype.fields[m][0] == TENSOR_MAP_DTYPE for m in maps)
+    assert hopper.names[len(maps):] == portable.names
+    base90, base80 = hopper.offsets[common[0]], portable.offsets[common[0]]
+    for name in common:
+        assert hopper.dtype.fields[name][0] == portable.dtype.fields[name][0], name
+        assert hopper.offsets[name] - base90 == portable.offsets[name] - base80, name
+    for name in ("q", "dq_accum", "rope_part", "dq_sem", "q_offsets", "tile_counter"):
+        assert portable.dtype.fields[name][0] == PTR, name
+    assert portable.dtype.fields["scale"][0] == F32 and portable.dtype.fields["mask_arg"][0] == I64
+    assert portable.dtype.fields["deterministic"][0] == I32
+    # both work in query blocks of one dq chunk (backward.cuh: kChunkRows)
+    assert geom80["block_m"] == geom90["block_m"] == 64, (geom80, geom90)
+
+
+@pytest.mark.parametrize("arch, limit_kib", [("sm_80", 163), ("sm_90a", 227), ("sm_89", 99), ("sm_86", 99)])
+def test_portable_backward_geometry_fits_each_arch(arch, limit_kib):
+    """The portable backward kernel's exported geometry: 8 warps, 64 x 64 tiles, and shared memory
+    within what one CTA may have on that arch (one q / dout stage where that is 99 KiB)."""
+    _, geom = _bwd_exports("sm80", arch)
+    assert geom["threads"] == 256 and geom["block_m"] == 64 and geom["block_n"] == 64, geom
+    assert 64 * 1024 < geom["smem"] <= limit_kib * 1024, geom
+
+
 def test_export_parser_rejects_a_malformed_layout():
     """A kind or size the launch code cannot pack is an error, not a silent misplacement."""
     layout = np.array([16, 2, 4, 0, 8, 0, 8, 4, 1], np.int32)  # ptr at 0, int at 8

@@ -13,8 +13,10 @@ from mla_cupy import NullMask, PagedKVCache, SlidingWindowCausalMask, plan_cache
 from mla_cupy._plan_cache import CACHE, DEFAULT_MAXSIZE
 
 from _cases import BF16, FP16, build_paged, make_case
-from _fake_gpu import fake_gpu, host_array, host_cupy, write_host
+from _fake_gpu import fake_gpu, host_array, host_cupy, require_cupy, write_host
 from _threads import in_threads
+
+require_cupy()  # the cases below are built at import from CuPy arrays over host memory
 
 FAST = dict(q_max_seq_len=5, validate=False)
 

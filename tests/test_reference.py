@@ -102,8 +102,11 @@ def test_default_scale_and_dtypes():
     want, _ = naive(c, "causal", 0, 1 / math.sqrt(192))
     np.testing.assert_allclose(out, want, rtol=1e-9, atol=1e-12)
     assert out.dtype == np.float64
-    out16 = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets, out_dtype=FP16)
-    assert out16.dtype == FP16
+    out16 = reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets, out_dtype=BF16)
+    assert out16.dtype == BF16
+    with pytest.raises(TypeError, match=r"^out_dtype: expected bfloat16 \(the dtype of q\) or float32 or float64, got "
+                                        r"float16$"):  # what the kernels refuse (tests/test_reference_checks.py)
+        reference.mla_prefill(c.q, c.k, c.v, c.k_rope, c.valid_length, c.cache_row_offsets, out_dtype=FP16)
 
 
 def test_paged_reference_equals_plain():
@@ -622,7 +625,8 @@ def test_k_rope_scales_make_the_fp8_rope_variant():
     a = reference.mla_prefill(c.q, c.k, c.v, r8, c.valid_length, c.cache_row_offsets, k_rope_scales=sc)
     b = reference.mla_prefill_fp8_rope(c.q, c.k, c.v, np.ascontiguousarray(r8).view(np.uint8), sc, c.valid_length,
                                        c.cache_row_offsets)
-    want = reference.mla_prefill(c.q, c.k, c.v, r8.astype(np.float64) * sc, c.valid_length, c.cache_row_offsets)
+    q, k, v = (x.astype(np.float64) for x in (c.q, c.k, c.v))  # the oracle's float64, every input alike
+    want = reference.mla_prefill(q, k, v, r8.astype(np.float64) * sc, c.valid_length, c.cache_row_offsets)
     np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(a, want, rtol=1e-12)
 

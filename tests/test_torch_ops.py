@@ -325,3 +325,113 @@ def test_fp8_op_on_cpu_takes_the_quantizers_vt():
     with pytest.raises(ValueError, match="v: the TransposedV was laid out for other cache_row_offsets"):
         ops.mla_prefill_fp8(*head, TransposedV(d["v_t"].data, other, d["v_t"].num_keys), t["k_rope"],
                             c["valid_length"], cro)
+
+
+# ---------------------------------------------------------------------------------------------
+# the backward: autograd through the functional op, the backward op
+
+
+def _dense_grads(c, mask, dout, dlse):
+    """float64 gradients of sum(dout * out) + sum(dlse * lse) by autograd of a dense attention over
+    the 192-wide keys built from k and the shared rope (the rope's gradient summed over heads)."""
+    q, k, v, r = (c[n].double().detach().requires_grad_() for n in ("q", "k", "v", "k_rope"))
+    vl, cro = c["valid_length"].tolist(), c["cache_row_offsets"].tolist()
+    total = 0.0
+    for b in range(len(vl) - 1):
+        a0, a1, k0, k1 = vl[b], vl[b + 1], cro[b], cro[b + 1]
+        keys = torch.cat([k[k0:k1], r[k0:k1].expand(k1 - k0, H, 64)], -1)
+        s = torch.einsum("qhd,khd->hqk", q[a0:a1], keys) / np.sqrt(192)
+        qp = torch.arange(a1 - a0)[:, None] + (k1 - k0) - (a1 - a0)
+        kp = torch.arange(k1 - k0)[None, :]
+        vis = torch.as_tensor(mask.visible(qp.numpy(), kp.numpy()))
+        s = s.masked_fill(~vis, -float("inf"))
+        lse = torch.logsumexp(s, -1)
+        o = torch.einsum("hqk,khd->qhd", torch.nan_to_num(torch.softmax(s, -1)), v[k0:k1])
+        total = total + (o * dout[a0:a1].double()).sum() + (torch.nan_to_num(lse, neginf=0.0).T * dlse[a0:a1].double()).sum()
+    total.backward()
+    return q.grad, k.grad, v.grad, r.grad
+
+
+@pytest.mark.parametrize("mask", [MASKS[1], SlidingWindowCausalMask(3), NullMask()], ids=lambda m: type(m).__name__)
+def test_autograd_through_the_prefill_matches_a_dense_attention(mask):
+    """loss.backward() through ops.mla_prefill (out and lse both in the loss; the rope a view of
+    576-wide latent rows) against autograd of plain torch math in float64."""
+    c = _case(11, sq=(4, 0, 6), sk=(5, 2, 6))
+    latent = torch.randn(c["k"].shape[0], 1, 576, generator=torch.Generator().manual_seed(3))
+    latent[:, :, 512:] = c["k_rope"]
+    latent.requires_grad_()
+    q, k, v = (c[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    out, lse = ops.mla_prefill(q, k, v, latent[:, :, 512:576], c["valid_length"], c["cache_row_offsets"], mask=mask,
+                               return_lse=True)
+    g = torch.Generator().manual_seed(4)
+    dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    ((out * dout).sum() + (torch.nan_to_num(lse, neginf=0.0) * dlse).sum()).backward()
+    want = _dense_grads(c, mask, dout, dlse)
+    for got, w in zip((q.grad, k.grad, v.grad, latent.grad[:, :, 512:]), want):
+        torch.testing.assert_close(got.double(), w, rtol=1e-4, atol=1e-5)
+    assert not latent.grad[:, :, :512].any()
+
+
+def test_opcheck_backward_op():
+    c = _case(12)
+    o, l = ops.mla_prefill(*_args(c), return_lse=True)
+    dout = torch.randn(o.shape, generator=torch.Generator().manual_seed(5))
+    q, k, v, r, vl, cro = _args(c)
+    torch.library.opcheck(torch.ops.mla_cupy.mla_prefill_backward, (dout, q, k, v, r, o, l, vl, cro))
+    dq, dk, dv, dkr = ops.mla_prefill_backward(dout, q, k, v, r, o, l, vl, cro)
+    assert dkr.shape == (r.shape[0], 1, 64)
+
+
+def test_backward_refuses_a_paged_rope():
+    c = _case(13, sq=(4,), sk=(5,))
+    blocks = torch.randn(2, 16, 1, 576)
+    blocks[0, :5, 0, 512:] = c["k_rope"][:, 0]
+    cache = PagedKVCache(blocks, torch.tensor([[0]], dtype=torch.int32), 16, 512)
+    q = c["q"].clone().requires_grad_()
+    out = ops.mla_prefill(q, c["k"], c["v"], cache, c["valid_length"], c["cache_row_offsets"])
+    with pytest.raises(ValueError, match="k_rope: the backward takes a plain 16-bit rope"):
+        out.sum().backward()
+
+
+def test_compile_fullgraph_backward():
+    """torch.compile(fullgraph=True) of a step with the backward: the backward op is in the
+    compiled graph and the gradients are eager's."""
+    c = _case(14)
+
+    def step(q, k, v, r, vl, cro):
+        o = ops.mla_prefill(q, k, v, r, vl, cro, q_max_seq_len=5, validate=False)
+        return (o * o).sum()
+
+    grads = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        q, k, v, r = (c[n].clone().requires_grad_() for n in ("q", "k", "v", "k_rope"))
+        fn(q, k, v, r, c["valid_length"], c["cache_row_offsets"]).backward()
+        grads.append((q.grad, k.grad, v.grad, r.grad))
+    for g, w in zip(*grads):
+        torch.testing.assert_close(g, w)
+
+
+def test_flash_attn_varlen_trains():
+    """Gradients through flash_attn_varlen_func with a 192-wide K built from a shared rope (as a
+    trainer builds it) equal plain attention's: the rope's gradient is summed over the heads."""
+    g = torch.Generator().manual_seed(21)
+    sq = sk = (5, 7)
+    q = torch.randn(12, H, 192, generator=g, dtype=torch.float64).requires_grad_()
+    kn = torch.randn(12, H, 128, generator=g, dtype=torch.float64).requires_grad_()
+    rope = torch.randn(12, 1, 64, generator=g, dtype=torch.float64).requires_grad_()
+    v = torch.randn(12, H, 128, generator=g, dtype=torch.float64).requires_grad_()
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    dout = torch.randn(12, H, 128, generator=g, dtype=torch.float64)
+    grads = []
+    for impl in ("ours", "naive"):
+        for t in (q, kn, rope, v):
+            t.grad = None
+        k192 = torch.cat([kn, rope.expand(-1, H, -1)], -1)
+        if impl == "ours":
+            o = fa.flash_attn_varlen_func(q, k192, v, cu, cu, 7, 7, causal=True)
+        else:
+            o = _naive_attention(q, k192, v, sq, sk, 1 / np.sqrt(192), True)[0]
+        (o * dout).sum().backward()
+        grads.append([t.grad.clone() for t in (q, kn, rope, v)])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)  # the lse the op keeps is float32

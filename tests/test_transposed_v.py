@@ -12,7 +12,7 @@ from mla_cupy._plan_cache import DEFAULT_MAXSIZE
 from mla_cupy.fp8 import TransposedV
 
 from _cases import BF16, make_case
-from _fake_gpu import fake_gpu, host_cupy
+from _fake_gpu import fake_gpu, host_cupy, require_cupy
 
 NAMES = ("q_nope", "q_rope", "q_scale", "k", "k_scales", "v", "k_rope")
 FAST = dict(q_max_seq_len=5, validate=False)
@@ -77,6 +77,7 @@ def test_transposed_v_checks_what_it_is_built_from():
 
 @pytest.fixture
 def gpu():
+    require_cupy()
     plan_cache_clear()
     mla_cupy.set_plan_cache_size(DEFAULT_MAXSIZE)
     with fake_gpu("90") as g:

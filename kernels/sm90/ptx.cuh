@@ -65,9 +65,29 @@ __device__ __forceinline__ void tma_store_3d(const TensorMap* map, u32 src, int 
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
                ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2) : "memory");
 }
+// Non-tensor bulk copies (a contiguous range of `bytes`, a multiple of 16 at 16-byte aligned
+// addresses): global -> shared completing on an mbarrier, and shared -> global adding float32
+// values to what is there (the reduction happens at the destination, in this thread's bulk group).
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// stmatrix: four 8x8 b16 matrices per warp, register i of each lane holding its two elements of
+// matrix i in the mma accumulator layout (row lane / 4, columns 2 (lane % 4) + {0, 1}); .trans
+// stores each matrix transposed: lane l supplies the address of stored row l % 8 of matrix l / 8,
+// which receives column l % 8 of the matrix (8 values, 16 contiguous bytes).
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
 
 // threadIdx.x read where it is used: the compiler can neither hoist this read nor values derived
 // from it, so per-thread addresses of rarely run code (e.g. a partial tile's clean-up) are not

@@ -11,9 +11,12 @@ on zero-copy views: the nope keys are ``key[..., :128]``, the rope is head 0's `
 Handled: batches without padding, right padding (prefill) and left padding (prefill and
 ``generate``), decode steps (the queries are the last positions of the keys: one query over a
 growing cache), caches longer than the mask (static caches: keys past the mask are unused).
-Refused with a clear error: gradients (there is no backward), dropout, a mask with holes inside a
-sequence (right padding during ``generate``), 4-D masks, and mask patterns other than causal
-(sliding windows, packed sequences).
+Trains: with gradients enabled, each sequence's call is the functional op, whose autograd formula
+runs the backward kernels (the rope's gradient, summed over the heads in the kernel, flows to
+head 0's rope values of ``key``, which transformers' expansion of the shared rope then gives back
+to it). Refused with a clear error: dropout, a mask with holes inside a sequence (right padding
+during ``generate``), 4-D masks, and mask patterns other than causal (sliding windows, packed
+sequences).
 """
 from __future__ import annotations
 
@@ -125,9 +128,6 @@ def _check(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """Refuse what the kernel cannot do; returns the 128 values of ``value`` (a view)."""
     if dropout:
         raise ValueError(f"dropout: the {NAME} attention has no dropout (got {dropout}); call model.eval()")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        raise ValueError(f"query: the {NAME} attention has no backward; run under torch.no_grad() or "
-                         f"torch.inference_mode(), or train with another attn_implementation")
     if kwargs.get("sliding_window") is not None:
         raise ValueError(f"sliding_window: not supported by the {NAME} attention")
     if query.dim() != 4 or query.shape[-1] != DQK or key.dim() != 4 or key.shape[-1] != DQK:
@@ -170,12 +170,15 @@ def mla_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, v
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     mask = CausalMask() if causal else NullMask()
     scale = 1.0 / math.sqrt(DQK) if scaling is None else float(scaling)
-    out = query.new_empty((batch, sq, heads, DV))
     offsets, q_start = _device_offsets(ranges, sq, span, query.device)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    out = None if grad else query.new_empty((batch, sq, heads, DV))
+    outs = []
     for b, (first, end) in enumerate(ranges):
         keys = key[b, :, first:end]  # [H, Lk, 192]
-        torch_ops.mla_prefill(query[b].transpose(0, 1), keys[..., :DV].transpose(0, 1),
-                              value[b, :, first:end].transpose(0, 1), keys[0, :, None, DV:], offsets[b, :2],
-                              offsets[b, 2:], scale=scale, mask=mask, q_max_seq_len=sq, q_start_pos=q_start[b:b + 1],
-                              out=out[b], validate=False)
-    return out, None
+        o = torch_ops.mla_prefill(query[b].transpose(0, 1), keys[..., :DV].transpose(0, 1),
+                                  value[b, :, first:end].transpose(0, 1), keys[0, :, None, DV:], offsets[b, :2],
+                                  offsets[b, 2:], scale=scale, mask=mask, q_max_seq_len=sq, q_start_pos=q_start[b:b + 1],
+                                  out=None if grad else out[b], validate=False)
+        outs.append(o)
+    return (torch.stack(outs) if grad else out), None

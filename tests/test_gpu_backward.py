@@ -1,0 +1,185 @@
+"""GPU tests of mla_prefill_backward against the float64 reference backward (pytest -m gpu).
+
+Every gradient is written into a NaN-poisoned output first, so a row the kernels never write fails.
+The reference takes the forward's out and lse as the kernels do (the GPU forward's, here)."""
+import numpy as np
+import pytest
+
+import mla_cupy
+from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, SlidingWindowCausalMask, reference
+
+from _cases import BF16, FP16, make_case, rel_err
+from gpu_util import KERNELS, upload
+
+pytestmark = pytest.mark.gpu
+
+kernels = pytest.mark.parametrize("kernel", KERNELS)
+MASKS = [NullMask(), CausalMask(), SlidingWindowCausalMask(37), ChunkedMask(50), ChunkedCausalMask(50)]
+# odd lengths, a sequence without queries, one with fewer keys than a key block, one over several blocks
+ODD_SQ = [1, 7, 63, 65, 129, 0, 200]
+ODD_SK = [1, 7, 63, 65, 129, 5, 300]
+NAMES = ("dq", "dk", "dv", "dk_rope")
+
+
+def run_backward(c, mask, kernel, deterministic=False, **kw):
+    """Forward (for out and lse) and backward on the GPU, the gradients poisoned first; returns the
+    gradients on the host, the dout and the forward's results (host) for the reference."""
+    import cupy as cp
+
+    d = upload(c)
+    rng = np.random.default_rng(99)
+    dout = cp.asarray(rng.standard_normal((c.q.shape[0], c.q.shape[1], 128)).astype(c.q.dtype))
+    extra = {name: d[name] for name in ("cache_offsets", "q_start_pos") if d[name] is not None}
+    out, lse = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                                    mask=mask, return_lse=True, kernel=kernel, **extra)
+    grads = [cp.full(x.shape if n != "dk_rope" else d["k_rope"].shape, np.nan, c.q.dtype)
+             for n, x in zip(NAMES, (d["q"], d["k"], d["v"], d["k_rope"]))]
+    got = mla_cupy.mla_prefill_backward(dout, d["q"], d["k"], d["v"], d["k_rope"], out, lse, d["valid_length"],
+                                        d["cache_row_offsets"], mask=mask, kernel=kernel, deterministic=deterministic,
+                                        dq=grads[0], dk=grads[1], dv=grads[2], dk_rope=grads[3], **extra, **kw)
+    assert all(g is w for g, w in zip(got, grads))
+    return [cp.asnumpy(g) for g in grads], cp.asnumpy(dout), cp.asnumpy(out), cp.asnumpy(lse)
+
+
+def assert_like_reference(c, mask, kernel, deterministic=False):
+    grads, dout, out, lse = run_backward(c, mask, kernel, deterministic)
+    ref = reference.mla_prefill_backward(dout, c.q, c.k, c.v, c.k_rope, out, lse, c.valid_length, c.cache_row_offsets,
+                                         mask=mask, cache_offsets=c.cache_offsets, q_start_pos=c.q_start_pos)
+    bound = 1e-2 if c.q.dtype == BF16 else 2e-3
+    for name, g, r in zip(NAMES, grads, ref):
+        assert not np.isnan(g.astype(np.float32)).any(), f"{name}: NaN (a row not written, or a NaN computed)"
+        if np.linalg.norm(r) == 0:
+            assert not g.astype(np.float32).any(), f"{name}: expected zeros"
+        else:
+            err = rel_err(g, r)
+            assert err < bound, f"{name}: relative error {err:.2e} >= {bound:.0e}"
+    return grads
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@kernels
+def test_every_mask_and_dtype(mask, dtype, kernel):
+    c = make_case(ODD_SQ, ODD_SK, 16, dtype, seed=len(type(mask).__name__))
+    assert_like_reference(c, mask, kernel)
+
+
+@pytest.mark.parametrize("mask", [CausalMask(), NullMask()], ids=lambda m: type(m).__name__)
+@kernels
+def test_128_heads(mask, kernel):
+    c = make_case([300, 1, 130], [300, 1, 200], 128, BF16, seed=3)
+    assert_like_reference(c, mask, kernel)
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
+@kernels
+def test_prefix_context_and_positions(mask, kernel):
+    c = make_case([65, 100, 1, 33], [300, 1000, 129, 33], 16, BF16, seed=7, cache_offsets=[0, 77, 1000, 5])
+    assert_like_reference(c, mask, kernel)
+    c = make_case([64, 50, 20], [128, 40, 20], 16, FP16, seed=8, cache_offsets=[100, 0, 3], q_start_pos=[150, -30, -7])
+    assert_like_reference(c, mask, kernel)
+
+
+@kernels
+def test_rows_of_no_sequence_and_queries_that_see_nothing(kernel):
+    # Key rows past the last sequence get zero gradients; queries at negative positions (causal) see no
+    # key and get a zero dq.
+    c = make_case([40, 30], [50, 20], 16, BF16, seed=11, q_start_pos=[-100, 5], extra_keys=37)
+    grads = assert_like_reference(c, CausalMask(), kernel)
+    for g in grads[1:]:
+        assert not g[70:].astype(np.float32).any()
+    assert not grads[0][:40].astype(np.float32).any()
+
+
+@kernels
+def test_no_queries_or_no_sequences(kernel):
+    assert_like_reference(make_case([0, 0], [30, 5], 16, BF16, seed=12), CausalMask(), kernel)
+    assert_like_reference(make_case([], [], 16, BF16, seed=13, extra_keys=9), CausalMask(), kernel)
+
+
+@kernels
+def test_deterministic_mode_repeats_bits(kernel):
+    c = make_case([300, 129], [400, 129], 16, BF16, seed=14)
+    first = assert_like_reference(c, CausalMask(), kernel, deterministic=True)
+    for _ in range(3):
+        again, *_ = run_backward(c, CausalMask(), kernel, deterministic=True)
+        for a, b in zip(first, again):
+            assert a.tobytes() == b.tobytes()
+
+
+@kernels
+def test_rope_as_a_view_of_latent_rows_and_torch_tensors(kernel):
+    import torch
+
+    c = make_case([77, 200], [99, 250], 8, BF16, seed=15)
+    dev = "cuda"
+    t = {n: torch.from_numpy(np.asarray(getattr(c, n).view(np.uint16) if getattr(c, n).dtype == BF16
+                                        else getattr(c, n))) for n in ("q", "k", "v", "k_rope")}
+    q, k, v = (t[n].view(torch.bfloat16).to(dev) for n in ("q", "k", "v"))
+    latent = torch.randn(c.k_rope.shape[0], 1, 576, device=dev, dtype=torch.bfloat16)
+    latent[:, :, 512:] = t["k_rope"].view(torch.bfloat16).to(dev)
+    rope = latent[:, :, 512:576]
+    vl, cro = (torch.from_numpy(x.astype(np.int32)).to(dev) for x in (c.valid_length, c.cache_row_offsets))
+    out, lse = mla_cupy.mla_prefill(q, k, v, rope, vl, cro, return_lse=True, kernel=kernel)
+    dout = torch.randn(out.shape, device=dev, dtype=torch.bfloat16)
+    dq, dk, dv, dkr = mla_cupy.mla_prefill_backward(dout, q, k, v, rope, out, lse, vl, cro, kernel=kernel)
+    assert all(isinstance(x, torch.Tensor) for x in (dq, dk, dv, dkr)) and dkr.shape == (c.k_rope.shape[0], 1, 64)
+
+    def host(x):
+        return x.float().cpu().numpy()
+
+    ref = reference.mla_prefill_backward(host(dout), c.q, c.k, c.v, c.k_rope, host(out), host(lse), c.valid_length,
+                                         c.cache_row_offsets)
+    for name, g, r in zip(NAMES, (dq, dk, dv, dkr), ref):
+        assert rel_err(host(g), r) < 1e-2, name
+
+
+@kernels
+def test_gradient_of_lse(kernel):
+    import cupy as cp
+
+    c = make_case([130, 33], [200, 33], 16, BF16, seed=16)
+    d = upload(c)
+    rng = np.random.default_rng(5)
+    dout = cp.asarray(rng.standard_normal((c.q.shape[0], 16, 128)).astype(BF16))
+    dlse = cp.asarray(rng.standard_normal((c.q.shape[0], 16)).astype(np.float32))
+    out, lse = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
+                                    return_lse=True, kernel=kernel)
+    got = mla_cupy.mla_prefill_backward(dout, d["q"], d["k"], d["v"], d["k_rope"], out, lse, d["valid_length"],
+                                        d["cache_row_offsets"], kernel=kernel, dlse=dlse)
+    ref = reference.mla_prefill_backward(cp.asnumpy(dout), c.q, c.k, c.v, c.k_rope, cp.asnumpy(out), cp.asnumpy(lse),
+                                         c.valid_length, c.cache_row_offsets, dlse=cp.asnumpy(dlse))
+    for name, g, r in zip(NAMES, got, ref):
+        assert rel_err(cp.asnumpy(g), r) < 1e-2, name
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_autograd_through_the_torch_op(deterministic):
+    """loss.backward() through mla_cupy.torch_ops.mla_prefill on CUDA tensors (out and lse in the
+    loss) against the reference backward of the same out, lse, dout and dlse."""
+    import torch
+
+    from mla_cupy import torch_ops
+
+    c = make_case([130, 7], [300, 7], 16, BF16, seed=17)
+
+    def t(x):
+        return torch.from_numpy(np.ascontiguousarray(x.view(np.uint16))).view(torch.bfloat16).cuda()
+
+    q, k, v, r = (t(getattr(c, n)).requires_grad_() for n in ("q", "k", "v", "k_rope"))
+    vl, cro = (torch.from_numpy(x.astype(np.int32)).cuda() for x in (c.valid_length, c.cache_row_offsets))
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        out, lse = torch_ops.mla_prefill(q, k, v, r, vl, cro, return_lse=True)
+        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+        ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+    def host(x):
+        return x.detach().float().cpu().numpy()
+
+    ref = reference.mla_prefill_backward(host(dout), c.q, c.k, c.v, c.k_rope, host(out), host(lse), c.valid_length,
+                                         c.cache_row_offsets, dlse=host(dlse))
+    for name, g, w in zip(NAMES, (q.grad, k.grad, v.grad, r.grad), ref):
+        assert rel_err(host(g), w) < 1e-2, name
