@@ -5,7 +5,7 @@ sources, ``use_defines({...})`` from the shipped ones with compile-time switches
 Plans packed meanwhile keep their functions."""
 from pathlib import Path
 
-from mla_cupy import _backward, _geometry, jit
+from mla_cupy import _geometry, jit
 
 # The Hopper kernel's entry file: switches are defined at its top, before every header.
 _SWITCHED = "mla_prefill_sm90.cu"
@@ -54,4 +54,3 @@ def _clear():
     jit._functions.clear()
     jit._globals.clear()
     _geometry._KERNELS.clear()
-    _backward._KERNELS.clear()

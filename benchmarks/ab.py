@@ -557,47 +557,48 @@ def backward_inputs(case: BenchCase, sets) -> None:
 
 
 def _bwd_ours(case: BenchCase, sets, opts) -> BwdImpl:
-    """Our backward (kernels/mla_backward_*.cu), its launches packed once per set, the workspace
-    given (``det=1``: deterministic mode; ``kernel=sm80``: the portable kernel; ``src=DIR``: the
-    kernels under DIR, ``def=A:0+B:1``: compile-time switches, as for the forward)."""
-    import cupy as cp
-
-    from mla_cupy.backward import prepare_backward
-
+    """Our backward (kernels/mla_backward_*.cu) through a plan of each set's layout
+    (:meth:`~mla_cupy.PrefillPlan.run_backward`: checked and packed at the first run, not timed),
+    the gradients given (``det=1``: deterministic mode; ``kernel=sm80``: the portable kernel;
+    ``src=DIR``: the kernels under DIR, ``def=A:0+B:1``: compile-time switches, as for the forward)."""
     saved = None
-    if "src" in opts or "def" in opts:  # the launches below compile from the variant's sources
+    if "src" in opts or "def" in opts:  # the first runs below compile from the variant's sources
         sys.path.insert(0, __file__.rsplit("/", 1)[0])
         from _variant import restore, use_defines, use_sources
 
         saved = (use_sources(opts["src"]) if "src" in opts else
                  use_defines(dict(d.split(":", 1) for d in opts["def"].split("+")), "mla_backward_sm90.cu"))
     try:
-        launches = _bwd_launches(case, sets, opts, prepare_backward)
+        runs = _bwd_runs(case, sets, opts)
+        for run, _ in runs:
+            run()  # the first run of each: checked, packed, compiled
     finally:
         if saved is not None:
             restore(saved)
-
-    def call(i):
-        launch, ptrs, sp, ws, _ = launches[i]
-        launch.launch(ptrs, sp, ws)
-
-    return call, lambda i: tuple(launches[i][4])
+    return (lambda i: runs[i][0]()), (lambda i: runs[i][1])
 
 
-def _bwd_launches(case: BenchCase, sets, opts, prepare_backward) -> list:
-    """(launch, pointers, stream, workspace, results) of our backward for each input set."""
+def _bwd_runs(case: BenchCase, sets, opts) -> list:
+    """For each input set, a call that runs our backward and the gradients it writes."""
     import cupy as cp
 
-    launches = []
+    import mla_cupy
+    from mla_cupy._arrays import BF16
+
+    det = opts.get("det") == "1"
+    runs = []
     for x in sets:
-        res = [cp.empty(sh, x["q"].dtype) for sh in (x["q"].shape, x["k"].shape, x["v"].shape, x["k_rope"].shape)]
-        launch, ptrs, _, sp = prepare_backward(
-            x["dout"], x["q"], x["k"], x["v"], x["k_rope"], x["out"], x["lse"], x["valid_length"],
-            x["cache_row_offsets"], scale=None, mask=case.mask, q_max_seq_len=max(case.sq), cache_offsets=None,
-            q_start_pos=None, dq=res[0], dk=res[1], dv=res[2], dk_rope=res[3], deterministic=opts.get("det") == "1",
-            stream=None, validate=False, kernel=opts.get("kernel", "auto"))
-        launches.append((launch, ptrs, sp, cp.empty((launch.ws_floats,), cp.float32), res))
-    return launches
+        pl = mla_cupy.plan(x["valid_length"], x["cache_row_offsets"], num_heads=case.heads, dtype=BF16,
+                           mask=case.mask, q_max_seq_len=max(case.sq), kernel=opts.get("kernel", "auto"))
+        grads = dict(dq=cp.empty_like(x["q"]), dk=cp.empty_like(x["k"]), dv=cp.empty_like(x["v"]),
+                     dk_rope=cp.empty(x["k_rope"].shape, x["q"].dtype))
+
+        def run(pl=pl, x=x, grads=grads):
+            pl.run_backward(x["dout"], x["q"], x["k"], x["v"], x["k_rope"], x["out"], x["lse"], deterministic=det,
+                            **grads)
+
+        runs.append((run, tuple(grads.values())))
+    return runs
 
 
 def _bwd_torch(case: BenchCase, sets, opts, *, peer: str, kbuild: bool) -> BwdImpl:

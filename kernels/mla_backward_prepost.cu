@@ -49,7 +49,8 @@ constexpr int kHeads = 8;  // heads per CTA
   X(float*, lse_log2) X(float*, dpsum) X(float*, dq_accum) X(int*, dq_sem)                                \
   X(const u32*, q_offsets) X(int, num_heads) X(int, batch) X(int, num_chunks)
 MLA_DEFINE_PARAMS(Params, MLA_BWD_PRE_PARAMS)
-__device__ const int kGeometry[] = {kThreads, kHeads};
+#define MLA_BWD_PRE_GEOMETRY(X) X(threads, kThreads) X(heads_per_cta, kHeads)
+MLA_DEFINE_GEOMETRY(MLA_BWD_PRE_GEOMETRY)
 }  // namespace pre
 
 // T: dout's dtype; OutT: out's (T, or float32 when the forward wrote float32).
@@ -115,7 +116,8 @@ constexpr int kSmemBytes = kChunkRows * kDqk * 4;  // 48 KiB
   X(const float*, dq_accum) X(void*, dq) X(i64, dq_st) X(i64, dq_sh) X(float, scale)                      \
   X(const u32*, q_offsets) X(int, num_heads) X(int, batch) X(int, num_chunks)
 MLA_DEFINE_PARAMS(Params, MLA_BWD_DQ_PARAMS)
-__device__ const int kGeometry[] = {kThreads, kSmemBytes};
+#define MLA_BWD_DQ_GEOMETRY(X) X(threads, kThreads) X(smem, kSmemBytes)
+MLA_DEFINE_GEOMETRY(MLA_BWD_DQ_GEOMETRY)
 }  // namespace post_dq
 
 template <typename T, int kLayout>
@@ -171,7 +173,8 @@ constexpr int kRows = kThreads / 16;
   /* the sequences' last key row + 1 (kv_end[batch - 1]); batch 0: every row is of no sequence */         \
   X(const u32*, kv_end) X(int, batch)
 MLA_DEFINE_PARAMS(Params, MLA_BWD_ROPE_PARAMS)
-__device__ const int kGeometry[] = {kThreads, kRows};
+#define MLA_BWD_ROPE_GEOMETRY(X) X(threads, kThreads) X(rows_per_cta, kRows)
+MLA_DEFINE_GEOMETRY(MLA_BWD_ROPE_GEOMETRY)
 }  // namespace post_rope
 
 template <typename T>

@@ -130,7 +130,8 @@ MLA_DEFINE_PARAMS(Params, MLA_BWD_COMMON_PARAMS)
 
 // What the launch code reads from the module besides the parameter layout: dynamic shared memory in
 // bytes, threads per CTA, query rows per block (a dq chunk), keys per work tile.
-__device__ const int kGeometry[] = {kSmemBytes, kThreads, kBlockM, kBlockN};
+#define MLA_BWD_SM80_GEOMETRY(X) X(smem, kSmemBytes) X(threads, kThreads) X(block_m, kBlockM) X(block_n, kBlockN)
+MLA_DEFINE_GEOMETRY(MLA_BWD_SM80_GEOMETRY)
 
 // dq's float32 reductions: one value, or (sm_90+) four adjacent values at a 16-byte aligned address.
 __device__ __forceinline__ void red_add(float* p, float x) {

@@ -16,9 +16,10 @@
 namespace mla {
 namespace sm90_bwd {
 
-// What the launch code reads from the module besides the parameter layout: dynamic shared memory in
-// bytes, threads per CTA, query rows per block (a dq chunk), keys per work tile.
-__device__ const int kGeometry[] = {kSmemBytes, kThreads, kBlockM, kBlockN};
+// What the launch code reads from the module besides the parameter layout (params_abi.cuh): dynamic
+// shared memory in bytes, threads per CTA, query rows per block (a dq chunk), keys per work tile.
+#define MLA_BWD_SM90_GEOMETRY(X) X(smem, kSmemBytes) X(threads, kThreads) X(block_m, kBlockM) X(block_n, kBlockN)
+MLA_DEFINE_GEOMETRY(MLA_BWD_SM90_GEOMETRY)
 
 template <typename T, typename Mask>
 __global__ void __launch_bounds__(kThreads, 1) mla_backward_kernel(const __grid_constant__ Params p) {

@@ -5,8 +5,7 @@ mask. See ``mla_prefill`` for the semantics, ``plan`` to run many layers of one 
 ``mla_cupy.reference`` for the float64 oracle.
 """
 from . import fp8, quant, reference
-from .api import mla_prefill, mla_prefill_fp8
-from .backward import mla_prefill_backward
+from .api import mla_prefill, mla_prefill_backward, mla_prefill_fp8
 from .jit import KernelCompileError
 from .merge import merge_states, mla_prefill_chunked
 from .masks import CausalMask, ChunkedCausalMask, ChunkedMask, Mask, NullMask, SlidingWindowCausalMask

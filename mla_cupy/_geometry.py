@@ -17,7 +17,8 @@ from . import _registry as reg
 from ._launch import ArgPack
 from .jit import get_function, get_global
 
-__all__ = ["CompiledKernel", "prefill_kernel", "transpose_v_kernel", "rope_gather_kernel", "geometry_of"]
+__all__ = ["CompiledKernel", "prefill_kernel", "transpose_v_kernel", "rope_gather_kernel", "backward_kernel",
+           "backward_passes", "geometry_of"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +116,36 @@ def _prepass_kernel(device_id: int, fam, what: str) -> CompiledKernel:
         return ck
     params, geometry = _exports(fam, fam[1][1:], what)
     return _compiled(key, get_function(*fam, fam[1][0]), 0, params, geometry)
+
+
+def backward_kernel(kernel: str, dtype: np.dtype, mask, device_id: int) -> CompiledKernel:
+    """The backward main kernel ``kernel`` (``'sm90'`` or ``'sm80'``) for ``dtype`` and ``mask``,
+    with its parameter struct and geometry (smem, threads, block_m, block_n)."""
+    key = (device_id, "backward", kernel, dtype, mask.cpp_name)
+    ck = _KERNELS.get(key)
+    if ck is not None:
+        return ck
+    fam = reg.backward_family(kernel, dtype, mask)
+    params, geometry = _exports(fam, reg.backward_exports(kernel), f"the {kernel} backward kernel")
+    return _compiled(key, get_function(*fam, reg.backward_name(kernel, dtype, mask)), geometry["smem"], params,
+                     geometry)
+
+
+def backward_passes(dtype: np.dtype, out_dtype: np.dtype, kernel: str, device_id: int):
+    """The passes around the backward main kernel ``kernel`` (kernels/mla_backward_prepost.cu): the
+    pre-pass for dout in ``dtype`` and out in ``out_dtype``, the dq pass reading the main kernel's
+    dq_accum layout (:data:`~mla_cupy._registry.BWD_DQ_LAYOUT`), the rope pass; each with its
+    parameter struct and geometry."""
+    fam = reg.backward_prepost(dtype)
+    layout = reg.BWD_DQ_LAYOUT[kernel]
+    out = []
+    for name, exports, what in ((reg.backward_pre_name(dtype, out_dtype), reg.BWD_PRE_EXPORTS, "the backward pre-pass"),
+                                (reg.backward_dq_name(dtype, layout), reg.BWD_DQ_EXPORTS, "the backward dq pass"),
+                                (reg.backward_rope_name(dtype), reg.BWD_ROPE_EXPORTS, "the backward rope pass")):
+        key = (device_id, name)
+        ck = _KERNELS.get(key)
+        if ck is None:
+            params, geometry = _exports(fam, exports, what)
+            ck = _compiled(key, get_function(*fam, name), geometry.get("smem", 0), params, geometry)
+        out.append(ck)
+    return tuple(out)

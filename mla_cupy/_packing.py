@@ -51,12 +51,12 @@ def slots_of(arrays_type: type) -> Dict[str, int]:
 
 class Step(NamedTuple):
     """A launch of a record besides its main one: its pointer fields (byte offset, slot, addend),
-    rewritten per launch like the main launch's, and the byte offset where it takes the record's
-    scratch pointer (None: it takes none)."""
+    rewritten per launch like the main launch's, and where it takes the record's scratch pointer
+    (byte offset, addend: a part of the scratch; none: it takes none)."""
 
     launch: PreparedLaunch
     fields: tuple = ()
-    scratch_field: Optional[int] = None
+    scratch_fields: tuple = ()
 
 
 class Record:
@@ -69,17 +69,19 @@ class Record:
 
     __slots__ = ("launch", "ptr_fields", "map_slots", "make_maps", "maps", "maps_max", "before", "after", "align",
                  "names", "counter", "map_field", "q_start_field", "last_maps", "last_stream", "scratch_bytes",
-                 "scratch", "keep_scratch", "lock")
+                 "scratch_fields", "scratch", "keep_scratch", "lock")
 
     def __init__(self, launch: Optional[PreparedLaunch], ptr_fields, align, names: Tuple[str, ...],
                  map_slots=None, make_maps=None, before: Tuple[Step, ...] = (), after: Tuple[Step, ...] = (),
-                 counter=None, map_field=None, q_start_field=None, scratch_bytes: int = 0):
+                 counter=None, map_field=None, q_start_field=None, scratch_bytes: int = 0, scratch_fields: tuple = ()):
         self.launch, self.ptr_fields, self.align, self.names = launch, ptr_fields, align, names
+        self.scratch_fields = scratch_fields  # (byte offset, addend) of the main launch's scratch pointers
         self.lock = threading.Lock()
         self.map_slots, self.make_maps, self.maps, self.maps_max = map_slots, make_maps, {}, _MAPS_MAX
         self.before, self.after = before, after
-        # scratch_bytes (0: none) per launch, for the steps that take it and for the tensor maps
-        # (Hopper, paged 16-bit rope: the gathered key rows); with keep_scratch (a plan's record) the
+        # scratch_bytes (0: none) per launch, for the launches that take it and for the tensor maps
+        # (Hopper, paged 16-bit rope: the gathered key rows; the backward: its float32 workspace);
+        # with keep_scratch (a plan's record) the
         # scratch of each stream it launched on, without it (the plan cache's records) one per launch
         self.scratch_bytes = scratch_bytes
         self.scratch: Dict[int, Any] = {}
@@ -258,7 +260,7 @@ def _sm90_record(target: Target, p: Problem, arrays: PrefillArrays, ck, values: 
     if gather_rows:  # after the V^T pre-pass, as before every launch
         gather = _gather_launch(target, p, values, tk)
         before.append(Step(gather, _offsets_of(gather.pack, [("rope_base", "k_rope", target.rope_offset * dtype.itemsize)],
-                                               slot), gather.pack.offsets["dst"]))
+                                               slot), ((gather.pack.offsets["dst"], 0),)))
     map_slots = tuple(slot[n] for n in ("q", "k", v_slot, "k_rope", "out", "q_rope", "k_scales"))
     return Record(launch, _offsets_of(params, fields, slot), align, type(arrays)._fields,
                   map_slots=map_slots, make_maps=make_maps, before=tuple(before),
@@ -336,7 +338,7 @@ def _launch_record(rec: Record, ptrs: List[int], raw_stream: int, q_start: Optio
     mem = launch._mem
     for off, i, add in rec.ptr_fields:
         _U64.pack_into(mem, off, ptrs[i] + add)
-    if q_start is not None:
+    if q_start is not None and rec.q_start_field is not None:  # a record without a kernel that reads it
         _U64.pack_into(mem, rec.q_start_field, q_start)
     scratch = None
     scratch_ptr = 0
@@ -357,6 +359,8 @@ def _launch_record(rec: Record, ptrs: List[int], raw_stream: int, q_start: Optio
                 maps = _new_maps(rec, map_key)
             launch.set_bytes(rec.map_field, maps)
             rec.last_maps = map_key
+    for off, add in rec.scratch_fields:
+        _U64.pack_into(mem, off, scratch_ptr + add)
     if rec.counter is not None:
         schedule = (raw_stream, workspace.DYNAMIC_SCHEDULE)
         if schedule != rec.last_stream:
@@ -374,15 +378,16 @@ def _launch_step(step: Step, ptrs: List[int], scratch_ptr: int, raw_stream: int)
     smem = step.launch._mem
     for off, i, add in step.fields:
         _U64.pack_into(smem, off, ptrs[i] + add)
-    if step.scratch_field is not None:
-        _U64.pack_into(smem, step.scratch_field, scratch_ptr)
+    for off, add in step.scratch_fields:
+        _U64.pack_into(smem, off, scratch_ptr + add)
     step.launch.launch(raw_stream)
 
 
 def scratch_on(shape, raw_stream: int):
-    """A record's scratch (a paged rope's key rows): ``prod(shape)`` bytes from CuPy's pool on the raw
-    stream ``raw_stream``."""
-    return workspace.allocate_on(shape, raw_stream, "the paged rope's key rows", "split the batch")
+    """A record's scratch (a paged rope's key rows, the backward's workspace): ``prod(shape)`` bytes
+    from CuPy's pool on the raw stream ``raw_stream``."""
+    return workspace.allocate_on(shape, raw_stream, "a launch's scratch (paged rope rows, backward workspace)",
+                                 "split the batch")
 
 
 def _new_maps(rec: Record, map_key: tuple) -> bytes:

@@ -1,8 +1,8 @@
 """The launch services: every one-shot call's way from its arguments to a launch, and the plan cache
 that keeps it short.
 
-A one-shot call (:func:`mla_cupy.mla_prefill`, :func:`mla_cupy.mla_prefill_fp8`, and what is built
-on them: the torch ops, the chunks of :func:`mla_cupy.mla_prefill_chunked`) is a cached plan: its
+A one-shot call (:func:`mla_cupy.mla_prefill`, :func:`mla_cupy.mla_prefill_fp8`,
+:func:`mla_cupy.mla_prefill_backward`, and what is built on them: the torch ops, the chunks of :func:`mla_cupy.mla_prefill_chunked`) is a cached plan: its
 key is looked up (:func:`from_cache`); a call seen before launches the record that its first call
 packed, only its data pointers rewritten, as :meth:`PrefillPlan.run
 <mla_cupy.prefill_plan.PrefillPlan.run>` does; any other call is checked in argument order, planned
@@ -27,17 +27,18 @@ import numpy as np
 from . import _select
 from ._arrays import (FP32, checkable, cupy_stream, device_pointer, is_torch, pointers_and_layouts, result_wrapper,
                       stream_ptr)
+from ._backward import pack_backward
 from ._packing import Record, launch_record, pack
-from ._run_args import Offsets, PrefillArrays
+from ._run_args import BackwardArrays, Offsets, PrefillArrays
 from .dims import DV
 from .fp8 import TransposedV, check_no_workspace, same_offsets, vt_shape
 from .paged import PagedKVCache
 from .prefill_plan import call_target, offsets_of, q_start_i64, workspace_on
-from .validation import Problem, check_inputs, check_values, with_key_offsets
+from .validation import Problem, check_backward_inputs, check_inputs, check_values, with_key_offsets
 from .workspace import empty_result
 
 __all__ = ["PlanCacheInfo", "CACHE", "plan_cache_info", "plan_cache_clear", "set_plan_cache_size", "DEFAULT_MAXSIZE",
-           "prefill", "from_cache", "checked_call", "checkable_args", "launch_checked"]
+           "prefill", "from_cache", "checked_call", "checkable_args", "launch_checked", "backward"]
 
 #: Entries kept unless :func:`set_plan_cache_size` says otherwise.
 DEFAULT_MAXSIZE = 256
@@ -392,3 +393,121 @@ def launch_checked(p: Problem, q, k, v, k_rope, out, lse, offsets: Offsets, kern
     launch_record(record, ptrs, raw_stream, None, new_workspace)
     if key is not None:
         CACHE.put(key, CachedCall(p, record, workspace_shape if record.reads(_WORKSPACE) else None, widen_q_start))
+
+
+# ---------------------------------------------------------------------------------------------
+# A one-shot backward
+
+#: The arrays of a one-shot backward that its key and its launch read: its run's (the fields of
+#: :class:`~mla_cupy._run_args.BackwardArrays`, in their order: the record's slots), then its offsets.
+BackwardCallArrays = namedtuple("BackwardCallArrays", BackwardArrays._fields + (
+    "valid_length", "cache_row_offsets", "cache_offsets", "q_start_pos"))
+_BWD_SLOTS = len(BackwardArrays._fields)
+_GRADIENTS = ("dq", "dk", "dv", "dk_rope")
+_GRADIENT_SLOTS = tuple(BackwardArrays._fields.index(name) for name in _GRADIENTS)
+
+
+def backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len,
+             cache_offsets, q_start_pos, dq, dk, dv, dk_rope, dlse, deterministic, stream, validate, kernel):
+    """A one-shot backward (the body of :func:`mla_cupy.mla_prefill_backward`, with its keywords):
+    from the plan cache when a call of the same key was planned before, else checked, planned,
+    launched and kept. Returns ``(dq, dk, dv, dk_rope)``.
+
+    The key is that of a forward call (:func:`from_cache`) for the backward's arguments, with
+    ``deterministic``. Unlike the forward, every call reads its key offsets back (one
+    synchronization): the grid spans the longest sequence's key blocks, and a call whose longest
+    sequence (or, without ``q_max_seq_len``, longest query count) differs from its cached plan's is
+    planned again under the same key; with ``validate`` the values are checked too."""
+    arrays = BackwardCallArrays(dout, q, k, v, k_rope, out, lse, dq, dk, dv, dk_rope, dlse, valid_length,
+                                cache_row_offsets, cache_offsets, q_start_pos)
+    key = None
+    if CACHE.maxsize > 0 and not isinstance(k_rope, PagedKVCache):
+        try:
+            ptrs, layouts = pointers_and_layouts(arrays)
+            key = ("backward", _select.device_id(), kernel, kernel == "auto" and _select.sm90_disabled(),
+                   scale.__class__, scale, mask, q_max_seq_len.__class__, q_max_seq_len, deterministic.__class__,
+                   deterministic, not validate, *layouts, *ptrs[_BWD_SLOTS:])
+            entry = CACHE.get(key)
+        except Exception:  # an argument that cannot be a key: the checks say what is wrong with it
+            key = entry = None
+        if entry is not None:
+            served = _cached_backward(entry, arrays, ptrs, q_max_seq_len, validate, stream)
+            if served is not None:
+                return served
+    return _checked_backward(arrays, scale=scale, mask=mask, q_max_seq_len=q_max_seq_len,
+                             deterministic=deterministic, stream=stream, validate=validate, kernel=kernel, key=key)
+
+
+def _new_gradients(p: Problem, q, given: tuple) -> list:
+    """The gradients not given, new (``None`` where given), of the kind of ``q`` (device views)."""
+    torch_device = q.device if is_torch(q) else None
+    shapes = ((p.tq, p.heads, 192), (p.tk, p.heads, 128), (p.tk, p.heads, 128), (p.tk, 1, 64))
+    return [None if g is not None else empty_result(shape, p.dtype, torch_device, name)
+            for g, shape, name in zip(given, shapes, _GRADIENTS)]
+
+
+def _results(q, given: tuple, new: list) -> tuple:
+    wrap = result_wrapper(q)
+    return tuple(g if g is not None else wrap(n) for g, n in zip(given, new))
+
+
+def _cached_backward(entry: CachedCall, arrays, ptrs: list, q_max_seq_len, validate: bool, stream):
+    """The launch of a cached backward, or None where the call must be checked and planned again
+    (a misaligned pointer, other key offsets' longest sequence)."""
+    misaligned = 0
+    for i in entry.record.align:
+        misaligned |= ptrs[i]
+    if misaligned & 15:
+        return None
+    p = entry.problem
+    observed, key_offsets = check_values(arrays.valid_length, arrays.cache_row_offsets, arrays.cache_offsets,
+                                         arrays.k_rope, None, tq=p.tq, tk=p.tk,
+                                         q_max_seq_len=None if q_max_seq_len is None else p.max_sq, validate=validate)
+    max_sk = int(np.diff(key_offsets).max()) if len(key_offsets) > 1 else 0
+    if (q_max_seq_len is None and observed != p.max_sq) or max_sk != p.max_sk:
+        return None
+    q = arrays.q
+    raw_stream = stream_ptr(stream, is_torch(q))
+    given = tuple(getattr(arrays, name) for name in _GRADIENTS)
+    new = _new_gradients(p, q, given)
+    for slot, n in zip(_GRADIENT_SLOTS, new):
+        if n is not None:
+            ptrs[slot] = device_pointer(n)
+    q_start, q_start_64 = None, None  # q_start_64: alive until the launch is enqueued
+    if entry.widen_q_start:
+        q_start_64 = widened(checkable(arrays.q_start_pos, "q_start_pos"), raw_stream)
+        q_start = device_pointer(q_start_64)
+    CACHE.count(True)
+    launch_record(entry.record, ptrs, raw_stream, q_start)
+    return _results(q, given, new)
+
+
+def _checked_backward(arrays, *, scale, mask, q_max_seq_len, deterministic, stream, validate, kernel, key):
+    """A one-shot backward checked (every argument, in argument order:
+    :func:`mla_cupy.validation.check_backward_inputs`), its gradients allocated where not given,
+    planned and launched; its plan kept under ``key`` (None: not kept)."""
+    q = arrays.q
+    c = BackwardCallArrays(*(None if x is None else checkable(x, name)
+                             for name, x in zip(BackwardCallArrays._fields, arrays)))
+    p = check_backward_inputs(c.dout, c.q, c.k, c.v, c.k_rope, c.out, c.lse, c.valid_length, c.cache_row_offsets,
+                              scale=scale, mask=mask, q_max_seq_len=q_max_seq_len, cache_offsets=c.cache_offsets,
+                              q_start_pos=c.q_start_pos, dq=c.dq, dk=c.dk, dv=c.dv, dk_rope=c.dk_rope,
+                              deterministic=deterministic, validate=validate, device=True, read_offsets=True,
+                              kernel=kernel, api="mla_prefill_backward", dlse=c.dlse)
+    raw_stream = stream_ptr(stream, is_torch(q))
+    given = tuple(getattr(arrays, name) for name in _GRADIENTS)
+    new = _new_gradients(p, q, given)
+    run = BackwardArrays(*c[:_BWD_SLOTS])._replace(**{name: n for name, n in zip(_GRADIENTS, new) if n is not None})
+    q_start_64 = c.q_start_pos
+    if q_start_64 is not None and np.dtype(q_start_64.dtype) != np.int64:
+        q_start_64 = widened(q_start_64, raw_stream)
+    kv_begin = device_pointer(c.cache_row_offsets)
+    offsets = offsets_of(c.valid_length, kv_begin, kv_begin + 4, c.cache_offsets, q_start_64)
+    target = call_target(p, offsets, kernel, False)
+    record = pack_backward(target, p, run, deterministic=bool(deterministic), one_shot=True)
+    ptrs, _ = pointers_and_layouts(run)
+    CACHE.count(False)
+    launch_record(record, ptrs, raw_stream)
+    if key is not None:
+        CACHE.put(key, CachedCall(p, record, None, q_start_64 is not c.q_start_pos))
+    return _results(q, given, new)

@@ -11,18 +11,19 @@ import numpy as np
 
 from ._arrays import BF16, FP32, checkable, to_host
 from ._checks import OFFSET_DTYPES, U8, check_array, check_layout, check_shape, dtype_of
-from ._run_args import PrefillArrays, Target
+from ._run_args import BackwardArrays, PrefillArrays, Target
 from ._select import check_kernel_name
 from .fp8 import TransposedV, check_no_workspace
 from .paged import PagedKVCache, check_page_geometry
-from .validation import (DEVICE_DTYPES, Problem, check_accumulate, check_fp8_arrays, check_fp8_layout, check_grid,
+from .validation import (DEVICE_DTYPES, Problem, check_accumulate, check_backward_arrays, check_backward_layouts,
+                         check_backward_rope, check_fp8_arrays, check_fp8_layout, check_grid,
                          check_lse_and_accumulate, check_lse_layout, check_offset_values, check_offsets, check_out,
                          check_out_dtype,
                          check_paged_table, check_positions, check_qkv, check_rope, check_rope_layout,
                          check_same_device, check_scalars, require_devices, rope_arrays, variant_of,
                          with_key_offsets)
 
-__all__ = ["PlanArgs", "RunBounds", "check_plan_args", "check_run"]
+__all__ = ["PlanArgs", "RunBounds", "check_plan_args", "check_run", "check_backward_run"]
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,46 @@ def check_run(p: Problem, t: Target, bounds: RunBounds, arrays: PrefillArrays) -
     check_lse_layout(a.lse, heads)
     check_same_device([x for _, x in named] + [t.page_table])
     return run_p
+
+
+def check_backward_run(p: Problem, t: Target, bounds: RunBounds, arrays: BackwardArrays) -> Problem:
+    """The arrays of a backward run (as :func:`~mla_cupy._arrays.checkable` gives them) against the
+    plan's problem ``p``, with the backward's rules (:func:`mla_cupy.validation.check_backward_inputs`),
+    in argument order, then on the device. Refused: the plans the backward does not take (fp8, a
+    paged or fp8 rope, ``accumulate``). Returns the problem of the run (its Tq, Tk and largest key
+    count, when the plan read its key offsets)."""
+    if p.fp8 or p.fp8_rope:
+        raise TypeError("run_backward: the backward takes 16-bit inputs; this plan is for fp8 ones")
+    if p.paged:
+        raise ValueError("run_backward: the backward takes a plain [Tk, 1, 64] rope; this plan is for a paged cache")
+    if t.accumulate:
+        raise ValueError("run_backward: this plan merges into partial results (accumulate=True); its backward is that "
+                         "of each part, from a plan without accumulate")
+    a = arrays
+    tq, heads, tk, dtype = check_qkv(a.q, a.k, a.v, device=True)
+    if heads != p.heads:
+        raise ValueError(f"q: expected H = {p.heads} heads (the plan's num_heads), got shape {list(a.q.shape)}")
+    if dtype != p.dtype:
+        raise TypeError(f"q: expected dtype {p.dtype.name} (the plan's dtype), got {dtype.name}")
+    if p.tq >= 0 and tq != p.tq:
+        raise ValueError(f"q: expected Tq = {p.tq} rows (valid_length[-1] of the plan), got shape {list(a.q.shape)}")
+    if bounds.kv_total is not None and tk < bounds.kv_total:
+        raise ValueError(f"k: expected at least {bounds.kv_total} rows (cache_row_offsets[-1] of the plan), got shape "
+                         f"{list(a.k.shape)}")
+    check_backward_rope(a.k_rope, dtype, True)
+    check_shape(a.k_rope, "k_rope", (tk, 1, 64), f"[Tk, 1, Dr] with Tk = {tk} from k")
+    named = check_backward_arrays(a.dout, a.out, a.lse, a.dq, a.dk, a.dv, a.dk_rope, a.dlse, tq=tq, heads=heads, tk=tk,
+                                  dtype=dtype, device=True)
+    forward = [("q", a.q), ("k", a.k), ("v", a.v), ("k_rope", a.k_rope), ("lse", a.lse)]
+    require_devices(forward)
+    for name in ("q", "k", "v"):
+        check_layout(getattr(a, name), name)
+    check_rope_layout(a.k_rope)
+    check_lse_layout(a.lse, heads)
+    check_backward_layouts(named, a.q, heads)
+    cro = bounds.cache_row_offsets
+    max_sk = int(np.diff(cro).max()) if cro is not None and len(cro) > 1 else (0 if cro is not None else None)
+    return replace(p, tq=tq, tk=tk, max_sk=max_sk)
 
 
 def _rope_view(p: Problem, t: Target, k_rope, scales):

@@ -53,13 +53,12 @@ BACKWARD_PREPOST = "mla_backward_prepost.cu"
 #: The main kernels' exports: the parameter struct's layout and names (one common list,
 #: ``MLA_BWD_COMMON_PARAMS``; the Hopper struct puts its tensor maps before it) and the geometry
 #: ``{smem, threads, block_m, block_n}``.
-BWD_SM80_EXPORTS = ("mla::sm80_bwd::kParamLayout", "mla::sm80_bwd::kParamNames", "mla::sm80_bwd::kGeometry")
-BWD_SM90_EXPORTS = ("mla::sm90_bwd::kParamLayout", "mla::sm90_bwd::kParamNames", "mla::sm90_bwd::kGeometry")
+BWD_SM80_EXPORTS = _exports("mla::sm80_bwd")
+BWD_SM90_EXPORTS = _exports("mla::sm90_bwd")
 #: The pre-pass's and post-passes' exports (kernels/mla_backward_prepost.cu), each namespace's own.
-BWD_PRE_EXPORTS = ("mla::bwd::pre::kParamLayout", "mla::bwd::pre::kParamNames", "mla::bwd::pre::kGeometry")
-BWD_DQ_EXPORTS = ("mla::bwd::post_dq::kParamLayout", "mla::bwd::post_dq::kParamNames", "mla::bwd::post_dq::kGeometry")
-BWD_ROPE_EXPORTS = ("mla::bwd::post_rope::kParamLayout", "mla::bwd::post_rope::kParamNames",
-                    "mla::bwd::post_rope::kGeometry")
+BWD_PRE_EXPORTS = _exports("mla::bwd::pre")
+BWD_DQ_EXPORTS = _exports("mla::bwd::post_dq")
+BWD_ROPE_EXPORTS = _exports("mla::bwd::post_rope")
 #: How a main kernel lays out dq_accum's chunks (``DqLayout``), the dq post-pass's template argument.
 DQ_ROW_MAJOR, DQ_WGMMA = "mla::bwd::kDqRowMajor", "mla::bwd::kDqWgmma"
 #: The layout each main kernel writes: the portable kernel's atomics row-major, Hopper's bulk
@@ -89,8 +88,8 @@ def backward_sm90(dtype: np.dtype, mask: Mask) -> Family:
     return backward_family("sm90", dtype, mask)
 
 
-def backward_exports(kernel: str) -> Tuple[str, str, str]:
-    """The exported tables of the main kernel ``kernel``'s module: layout, names, geometry."""
+def backward_exports(kernel: str) -> Tuple[str, str, str, str]:
+    """The exported tables of the main kernel ``kernel``'s module (:func:`_exports`)."""
     return _BWD_MAIN[kernel][1]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["PrefillArrays", "prefill_arrays", "Offsets", "Target"]
+__all__ = ["PrefillArrays", "prefill_arrays", "BackwardArrays", "backward_arrays", "Offsets", "Target"]
 
 
 class PrefillArrays(NamedTuple):
@@ -43,6 +43,32 @@ def prefill_arrays(q, k, v, k_rope, out=None, lse=None, k_rope_scales=None, q_ro
     """A forward run's arrays, as ``PrefillArrays(...)`` makes them but without the class call's
     dispatch: every run and every one-shot call builds one."""
     return _new_tuple(PrefillArrays, (q, k, v, k_rope, out, lse, k_rope_scales, q_rope, q_scale, k_scales, workspace))
+
+
+class BackwardArrays(NamedTuple):
+    """The arrays of one backward run (:meth:`~mla_cupy.prefill_plan.PrefillPlan.run_backward`,
+    :func:`mla_cupy.mla_prefill_backward`), in the order of its launch record's pointer slots: the
+    gradient of the output, the forward's inputs and results, the gradients written, and the
+    gradient of lse where the loss reads it (None where a run has none)."""
+
+    dout: Any
+    q: Any
+    k: Any
+    v: Any
+    k_rope: Any
+    out: Any
+    lse: Any
+    dq: Any = None
+    dk: Any = None
+    dv: Any = None
+    dk_rope: Any = None
+    dlse: Any = None
+
+
+def backward_arrays(dout, q, k, v, k_rope, out, lse, dq=None, dk=None, dv=None, dk_rope=None,
+                    dlse=None) -> BackwardArrays:
+    """A backward run's arrays, as :func:`prefill_arrays` makes a forward run's."""
+    return _new_tuple(BackwardArrays, (dout, q, k, v, k_rope, out, lse, dq, dk, dv, dk_rope, dlse))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The public one-shot entry points, ``mla_prefill`` and ``mla_prefill_fp8``: each a cached plan
+"""The public one-shot entry points, ``mla_prefill``, ``mla_prefill_fp8`` and the backward
+``mla_prefill_backward``: each a cached plan
 of the launch services (:mod:`mla_cupy._plan_cache`), which check every argument, plan and launch
 the call, or launch the plan of a call seen before."""
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple, Union
 
 from ._arrays import Array, Stream
-from ._plan_cache import prefill
+from ._plan_cache import backward, prefill
 from .fp8 import TransposedV, fp8_bytes
 from .masks import Mask
 from .paged import PagedKVCache
@@ -14,7 +15,7 @@ from .paged import PagedKVCache
 #: What a prefill returns: ``out``, or ``(out, lse)`` with ``return_lse=True``.
 Result = Union[Array, Tuple[Array, Array]]
 
-__all__ = ["mla_prefill", "mla_prefill_fp8"]
+__all__ = ["mla_prefill", "mla_prefill_fp8", "mla_prefill_backward"]
 
 
 def mla_prefill(
@@ -181,3 +182,57 @@ def mla_prefill_fp8(
                    cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=out, out_dtype=out_dtype,
                    return_lse=return_lse, lse=lse, accumulate=accumulate, stream=stream, validate=validate,
                    kernel=kernel, fp8=(fp8_bytes(q_rope, "q_rope"), q_scale, k_scales), workspace=workspace)
+
+
+#: What the backward returns: the gradients ``(dq, dk, dv, dk_rope)``.
+Gradients = Tuple[Array, Array, Array, Array]
+
+
+def mla_prefill_backward(
+    dout: Array, q: Array, k: Array, v: Array, k_rope: Array, out: Array, lse: Array, valid_length: Array,
+    cache_row_offsets: Array, *, scale: Optional[float] = None, mask: Optional[Mask] = None,
+    q_max_seq_len: Optional[int] = None, cache_offsets: Optional[Array] = None, q_start_pos: Optional[Array] = None,
+    dq: Optional[Array] = None, dk: Optional[Array] = None, dv: Optional[Array] = None,
+    dk_rope: Optional[Array] = None, deterministic: bool = False, stream: Stream = None, validate: bool = True,
+    kernel: str = "auto", dlse: Optional[Array] = None,
+) -> Gradients:
+    """Gradients of :func:`mla_prefill` with respect to q, k, v and the shared rope.
+
+    Parameters
+    ----------
+    dout : ``[Tq, H, 128]``, q's dtype
+        The gradient of the loss with respect to the forward's ``out``.
+    q, k, v, k_rope, valid_length, cache_row_offsets
+        The forward's inputs (``k_rope`` a plain ``[Tk, 1, 64]`` array: a paged cache is refused).
+    out, lse
+        The forward's results: ``out`` ``[Tq, H, 128]`` (q's dtype or float32) and its natural-log
+        ``lse`` ``[Tq, H]`` float32 (``mla_prefill(..., return_lse=True)``).
+    scale, mask, q_max_seq_len, cache_offsets, q_start_pos, stream, validate, kernel
+        As in :func:`mla_prefill`.
+    dq, dk, dv, dk_rope : device arrays, optional
+        Where to write the gradients (``[Tq, H, 192]``, ``[Tk, H, 128]`` twice, ``[Tk, 1, 64]``, q's
+        dtype); new ones of the kind of ``q`` where not given.
+    deterministic : bool
+        dq summed over key blocks in a fixed order: the same bits on every run (slower).
+    dlse : ``[Tq, H]`` float32 device array, optional
+        The gradient of the loss with respect to the forward's ``lse``, when the loss reads it
+        (``d lse_i / d S_ij = P_ij``: it enters as ``dS = P (dP - D + dlse)``).
+
+    Returns
+    -------
+    dq, dk, dv, dk_rope
+        ``dk_rope`` is the sum over heads of the rope part of each key's gradient.
+
+    Notes
+    -----
+    Every argument is checked before anything runs, as :func:`mla_prefill` checks its own, and the
+    call is kept in the plan cache the same way; each call reads the key offsets back (one
+    synchronization: the grid spans the longest sequence's key blocks). The float32 workspace
+    (about 780 bytes per query row and head) comes from CuPy's pool for the call. To run many
+    layers of one batch layout, :meth:`PrefillPlan.run_backward <mla_cupy.PrefillPlan.run_backward>`
+    reads nothing back and keeps its workspace.
+    """
+    return backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, scale=scale, mask=mask,
+                    q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, dq=dq, dk=dk,
+                    dv=dv, dk_rope=dk_rope, dlse=dlse, deterministic=deterministic, stream=stream, validate=validate,
+                    kernel=kernel)

@@ -18,19 +18,20 @@ from typing import Any, Callable, Dict, Generic, Optional, Tuple, TypeVar, Union
 
 import numpy as np
 
-from ._arrays import (FP32, Array, Stream, as_device, checkable, cupy_or_none, device_pointer, is_torch, optional_ptr,
-                      pointers_and_layouts, require_gpu, result_wrapper, stream_ptr)
+from ._arrays import (FP32, INSTALL_GPU, Array, Stream, as_device, checkable, cupy_or_none, device_pointer, is_torch,
+                      optional_ptr, pointers_and_layouts, require_gpu, result_wrapper, stream_ptr)
 from ._checks import check_offsets_layout, dtype_of
+from ._backward import pack_backward
 from ._packing import Record, launch_record, pack
-from ._plan_checks import RunBounds, check_plan_args, check_run
-from ._run_args import Offsets, PrefillArrays, Target, prefill_arrays
+from ._plan_checks import RunBounds, check_backward_run, check_plan_args, check_run
+from ._run_args import BackwardArrays, Offsets, PrefillArrays, Target, backward_arrays, prefill_arrays
 from . import _select
 from ._select import choose_kernel
-from .dims import DV
+from .dims import DQK, DR, DV
 from .fp8 import TransposedV, check_transposed_v_offsets, fp8_bytes
 from .masks import Mask
 from .paged import PagedKVCache
-from .validation import Problem, check_same_device
+from .validation import Problem, check_deterministic, check_same_device
 from .workspace import allocate_on, check_workspace, empty_result
 
 __all__ = ["plan", "PrefillPlan"]
@@ -52,7 +53,7 @@ def _require_gpu() -> None:
 
 
 def _no_stream() -> Any:
-    raise RuntimeError("plan: needs CuPy for its runs' default stream (pip install mla_cupy[cuda12] or [cuda13])")
+    raise RuntimeError(f"plan: needs CuPy for its runs' default stream: {INSTALL_GPU}")
 
 
 def _upload(x, name: str):
@@ -232,6 +233,68 @@ class PrefillPlan:
         return self._run(prefill_arrays(q_nope, k, v, k_rope, out, lse, None, q_rope, q_scale, k_scales, workspace),
                          stream)
 
+    def run_backward(self, dout: Array, q: Array, k: Array, v: Array, k_rope: Array, out: Array, lse: Array, *,
+                     dq: Optional[Array] = None, dk: Optional[Array] = None, dv: Optional[Array] = None,
+                     dk_rope: Optional[Array] = None, dlse: Optional[Array] = None, deterministic: bool = False,
+                     stream: Stream = None) -> Tuple[Array, Array, Array, Array]:
+        """The backward of one layer with this (16-bit, plain-rope) plan's layout: the gradients of
+        :meth:`run`'s result, as :func:`mla_cupy.mla_prefill_backward` computes them.
+
+        Parameters
+        ----------
+        dout : ``[Tq, H, 128]`` device array of the plan's dtype
+            The gradient of the loss with respect to the layer's ``out``.
+        q, k, v, k_rope
+            The layer's inputs, as :meth:`run` took them (``k_rope`` a plain ``[Tk, 1, 64]`` array).
+        out, lse
+            The forward's results (``out`` in the plan's dtype or float32, ``lse`` float32).
+        dq, dk, dv, dk_rope : device arrays of the plan's dtype, optional
+            Where the gradients go (``[Tq, H, 192]``, ``[Tk, H, 128]`` twice, ``[Tk, 1, 64]``);
+            new ones of the kind of ``q`` where not given.
+        dlse : ``[Tq, H]`` float32 device array, optional
+            The gradient of the loss with respect to ``lse``, when the loss reads it.
+        deterministic : bool
+            dq's sums in key-block order: the same bits on every run.
+        stream : cupy / torch stream or raw ``cudaStream_t`` int, optional
+
+        Returns
+        -------
+        dq, dk, dv, dk_rope
+
+        Notes
+        -----
+        The first run of a layout checks the arrays against the plan and packs the launches; later
+        runs rewrite the pointers and launch. The plan keeps the backward's float32 workspace per
+        stream it ran on (about 780 bytes per query row and head, kernels/backward.cuh).
+        """
+        check_deterministic(deterministic)
+        torch_in = is_torch(q)
+        arrays = backward_arrays(dout, q, k, v, k_rope, out, lse, dq, dk, dv, dk_rope, dlse)
+        if dq is None or dk is None or dv is None or dk_rope is None:
+            check_backward_run(self._p, self._t, self._bounds, self._checkable_backward(arrays))
+            arrays = _with_gradients(arrays, torch_in)
+        try:
+            ptrs, layouts = pointers_and_layouts(arrays)
+        except (TypeError, AttributeError):
+            ptrs, layouts = pointers_and_layouts(self._checkable_backward(arrays))
+        key = ("backward", bool(deterministic), *layouts)
+        rec = self._records.get(key)
+        if rec is None:
+            checkable_arrays = self._checkable_backward(arrays)
+            run_p = check_backward_run(self._p, self._t, self._bounds, checkable_arrays)
+            rec = self._remember(key, pack_backward(self._t, run_p, checkable_arrays, deterministic=bool(deterministic)))
+        if stream is None and not torch_in:
+            raw_stream = self._current_stream().ptr
+        else:
+            raw_stream = stream_ptr(stream, torch_in)
+        launch_record(rec, ptrs, raw_stream)
+        return arrays.dq, arrays.dk, arrays.dv, arrays.dk_rope
+
+    @staticmethod
+    def _checkable_backward(arrays: BackwardArrays) -> BackwardArrays:
+        return BackwardArrays(*(None if x is None else checkable(x, name)
+                                for name, x in zip(BackwardArrays._fields, arrays)))
+
     def _check_cache_matches(self, cache: PagedKVCache) -> None:
         if not self._p.paged:
             raise TypeError("k_rope: this plan is for a plain [Tk, 1, 64] rope, got a PagedKVCache")
@@ -333,6 +396,19 @@ class PrefillPlan:
 
 #: The slot of a forward run's V^T workspace, which a plan may fill with its own.
 _WORKSPACE = PrefillArrays._fields.index("workspace")
+
+
+def _with_gradients(arrays: BackwardArrays, torch_in: bool) -> BackwardArrays:
+    """``arrays`` with new gradients where none are given: in q's dtype, of the kind of ``q``."""
+    q, k = arrays.q, arrays.k
+    torch_device = q.device if torch_in else None
+    wrap = result_wrapper(q)
+    dtype = np.dtype(checkable(q, "q").dtype)
+    tq, heads, tk = int(q.shape[0]), int(q.shape[1]), int(k.shape[0])
+    shapes = {"dq": (tq, heads, DQK), "dk": (tk, heads, DV), "dv": (tk, heads, DV), "dk_rope": (tk, 1, DR)}
+    new = {name: wrap(empty_result(shape, dtype, torch_device, name)) for name, shape in shapes.items()
+           if getattr(arrays, name) is None}
+    return arrays._replace(**new)
 
 
 def workspace_on(shape, raw_stream: int):

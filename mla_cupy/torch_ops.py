@@ -325,13 +325,11 @@ def _backward_op(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offset
               q_max_seq_len=None if q_max_seq_len is None else int(q_max_seq_len), validate=validate,
               deterministic=deterministic, kernel=kernel_choice)
     if q.is_cuda:
-        from . import backward
-
         with _torch_context(q.device):
             c = [_cupy(x) for x in (dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets)]
-            backward.mla_prefill_backward(*c, cache_offsets=_cupy(cache_offsets), q_start_pos=_cupy(q_start_pos),
-                                          dq=_cupy(grads[0]), dk=_cupy(grads[1]), dv=_cupy(grads[2]),
-                                          dk_rope=_cupy(grads[3]), dlse=_cupy(dlse), **kw)
+            _plan_cache.backward(*c, cache_offsets=_cupy(cache_offsets), q_start_pos=_cupy(q_start_pos),
+                                 dq=_cupy(grads[0]), dk=_cupy(grads[1]), dv=_cupy(grads[2]), dk_rope=_cupy(grads[3]),
+                                 dlse=_cupy(dlse), stream=None, **kw)
     else:
         n = [_np(x) for x in (dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets)]
         reference.mla_prefill_backward(*n, cache_offsets=_np(cache_offsets), q_start_pos=_np(q_start_pos),

@@ -631,6 +631,59 @@ def _check_backward_dtype(x, name: str, allowed: Optional[Sequence[np.dtype]], w
         raise TypeError(f"{name}: expected dtype {' or '.join(np.dtype(a).name for a in allowed)}{what}, got {d.name}")
 
 
+def check_backward_rope(k_rope, dtype: np.dtype, device: bool) -> None:
+    """The backward's ``k_rope``: a plain ``[Tk, 1, 64]`` array (its shape is checked with the
+    forward's), 16-bit on the device."""
+    if isinstance(k_rope, PagedKVCache):
+        raise ValueError("k_rope: the backward takes a plain [Tk, 1, 64] array (its gradient is dk_rope [Tk, 1, 64]); "
+                         "a PagedKVCache is not supported")
+    check_array(k_rope, "k_rope", 3)
+    _check_backward_dtype(k_rope, "k_rope", (dtype,) if device else None, " (the dtype of q)")
+
+
+def check_backward_arrays(dout, out, lse, dq, dk, dv, dk_rope, dlse, *, tq: int, heads: int, tk: int, dtype: np.dtype,
+                          device: bool) -> list:
+    """The backward's own arrays (ranks, dtypes, shapes; ``dq``, ``dk``, ``dv``, ``dk_rope``, ``dlse``
+    may be None): :func:`check_backward_inputs`' rules. Returns ``(name, array)`` of all but ``lse``
+    (which the forward's checks place), for :func:`check_backward_layouts`."""
+    rows, keys = f"with Tq = {tq} from q, H = {heads}", f"with Tk = {tk} from k, H = {heads}"
+    same, or32 = ((dtype,), " (the dtype of q)"), ((dtype, FP32), " (the dtype of q, or float32)")
+    arrays = [("dout", dout, (tq, heads, DV), same, f"[Tq, H, Dv] {rows}"),
+              ("out", out, (tq, heads, DV), or32, f"[Tq, H, Dv], the forward's result, {rows}"),
+              ("lse", lse, (tq, heads), None, f"[Tq, H], the forward's natural-log lse, {rows}"),
+              ("dlse", dlse, (tq, heads), None, f"[Tq, H], the gradient of the forward's lse, {rows}"),
+              ("dq", dq, (tq, heads, DQK), same, f"[Tq, H, Dqk] {rows}"),
+              ("dk", dk, (tk, heads, DV), same, f"[Tk, H, Dv] {keys}"),
+              ("dv", dv, (tk, heads, DV), same, f"[Tk, H, Dv] {keys}"),
+              ("dk_rope", dk_rope, (tk, 1, DR), same, f"[Tk, 1, Dr] with Tk = {tk} from k")]
+    for name, x, shape, allowed, what in arrays:
+        if x is None and name not in ("dout", "out", "lse"):
+            continue  # a result not given: the call allocates it
+        if allowed is None:  # lse, dlse: float32 (the reference: also float64), as the forward's lse= buffer
+            check_array(x, name, 2, (FP32,) if device else (FP32, np.dtype(np.float64)))
+        else:
+            check_array(x, name, 3)
+            _check_backward_dtype(x, name, allowed[0] if device else None, allowed[1])
+        check_shape(x, name, shape, what)
+    return [(name, x) for name, x, *_ in arrays if name != "lse"]
+
+
+def check_deterministic(deterministic) -> None:
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+
+
+def check_backward_layouts(named: list, q, heads: int, api: Optional[str] = None) -> None:
+    """Where the backward's own arrays live and their layout (``named``: from
+    :func:`check_backward_arrays`), after the forward's arrays' (all on ``q``'s device)."""
+    require_devices(named, api)
+    for name, x in named:
+        if x is not None and name != "dlse":
+            check_layout(x, name)
+    check_lse_layout(dict(named).get("dlse"), heads, "dlse")
+    check_same_device([q] + [x for _, x in named])
+
+
 def check_backward_inputs(
     dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len, cache_offsets,
     q_start_pos, dq: Any = None, dk: Any = None, dv: Any = None, dk_rope: Any = None, deterministic: Any = False,
@@ -657,42 +710,14 @@ def check_backward_inputs(
         for name, x in (("q", q), ("k", k), ("v", v)):
             _check_backward_dtype(x, name, None)
     tq, heads, tk, dtype = check_qkv(q, k, v, device=device)
-    if isinstance(k_rope, PagedKVCache):
-        raise ValueError("k_rope: the backward takes a plain [Tk, 1, 64] array (its gradient is dk_rope [Tk, 1, 64]); "
-                         "a PagedKVCache is not supported")
-    check_array(k_rope, "k_rope", 3)
-    _check_backward_dtype(k_rope, "k_rope", (dtype,) if device else None, " (the dtype of q)")
-    rows, keys = f"with Tq = {tq} from q, H = {heads}", f"with Tk = {tk} from k, H = {heads}"
-    same, or32 = ((dtype,), " (the dtype of q)"), ((dtype, FP32), " (the dtype of q, or float32)")
-    arrays = [("dout", dout, (tq, heads, DV), same, f"[Tq, H, Dv] {rows}"),
-              ("out", out, (tq, heads, DV), or32, f"[Tq, H, Dv], the forward's result, {rows}"),
-              ("lse", lse, (tq, heads), None, f"[Tq, H], the forward's natural-log lse, {rows}"),
-              ("dlse", dlse, (tq, heads), None, f"[Tq, H], the gradient of the forward's lse, {rows}"),
-              ("dq", dq, (tq, heads, DQK), same, f"[Tq, H, Dqk] {rows}"),
-              ("dk", dk, (tk, heads, DV), same, f"[Tk, H, Dv] {keys}"),
-              ("dv", dv, (tk, heads, DV), same, f"[Tk, H, Dv] {keys}"),
-              ("dk_rope", dk_rope, (tk, 1, DR), same, f"[Tk, 1, Dr] with Tk = {tk} from k")]
-    for name, x, shape, allowed, what in arrays:
-        if x is None and name not in ("dout", "out", "lse"):
-            continue  # a result not given: the call allocates it
-        if allowed is None:  # lse, dlse: float32 (the reference: also float64), as the forward's lse= buffer
-            check_array(x, name, 2, (FP32,) if device else (FP32, np.dtype(np.float64)))
-        else:
-            check_array(x, name, 3)
-            _check_backward_dtype(x, name, allowed[0] if device else None, allowed[1])
-        check_shape(x, name, shape, what)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    check_backward_rope(k_rope, dtype, device)
+    named = check_backward_arrays(dout, out, lse, dq, dk, dv, dk_rope, dlse, tq=tq, heads=heads, tk=tk, dtype=dtype,
+                                  device=device)
+    check_deterministic(deterministic)
     p = check_inputs(q, k, v, k_rope, valid_length, cache_row_offsets, scale=scale, mask=mask,
                      q_max_seq_len=q_max_seq_len, cache_offsets=cache_offsets, q_start_pos=q_start_pos, out=None,
                      out_dtype=None, validate=validate, device=device, read_offsets=read_offsets, lse=lse,
                      kernel=kernel, api=api)
     if device:
-        named = [(name, x) for name, x, *_ in arrays if name != "lse"]  # lse: checked by check_inputs
-        require_devices(named, api)
-        for name, x in named:
-            if x is not None and name != "dlse":
-                check_layout(x, name)
-        check_lse_layout(dlse, heads, "dlse")
-        check_same_device([q] + [x for _, x in named])
+        check_backward_layouts(named, q, heads, api)
     return p

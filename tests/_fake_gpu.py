@@ -63,6 +63,17 @@ def _kernels():
     return sm90, sm80, vt, gather
 
 
+def _backward_kernels():
+    """The backward's kernels by name: the Hopper and portable main kernels and the three passes
+    (their geometry as kernels/sm90_bwd/config.cuh, mla_backward_sm80.cu and
+    mla_backward_prepost.cu set it)."""
+    return dict(sm90=_compiled("MLA_BWD_SM90_PARAMS", 384, 200 * 1024, dict(block_m=64, block_n=96)),
+                sm80=_compiled("MLA_BWD_COMMON_PARAMS", 256, 140 * 1024, dict(block_m=64, block_n=64)),
+                pre=_compiled("MLA_BWD_PRE_PARAMS", 256, 0, dict(heads_per_cta=8)),
+                dq=_compiled("MLA_BWD_DQ_PARAMS", 256, 48 * 1024, {}),
+                rope=_compiled("MLA_BWD_ROPE_PARAMS", 256, 0, dict(rows_per_cta=16)))
+
+
 class FakeGpu:
     """What the stubs saw: ``launches`` (prepared launch, stream, a copy of its argument buffer)
     when ``record`` (the launch itself is stubbed), else only ``count`` (the driver's launch is
@@ -90,6 +101,12 @@ class FakeGpu:
     def prefill_launches(self) -> list:
         return [x for x in self.launches if "num_heads" in x[0].pack.names]
 
+    def backward_kernels(self) -> List[str]:
+        """Which of the backward's kernels each recorded launch is (``main``, ``pre``, ``dq``,
+        ``rope``; ``other`` for a forward one), by a field only that kernel's parameters have."""
+        marks = (("num_n_blocks", "main"), ("dlse_st", "pre"), ("dq_st", "dq"), ("dkr_st", "rope"))
+        return [next((kind for field, kind in marks if field in x[0].pack.names), "other") for x in self.launches]
+
 
 @contextlib.contextmanager
 def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
@@ -97,6 +114,7 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
     import cupy
 
     import mla_cupy._arrays as arrays
+    import mla_cupy._backward as backward
     import mla_cupy._plan_cache as launch_services
     import mla_cupy._plan_checks as plan_checks
     import mla_cupy.fp8 as fp8
@@ -109,6 +127,11 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
 
     gpu = FakeGpu(record, capability)
     sm90, sm80, vt, gather = _kernels()
+    bwd = _backward_kernels()
+
+    def backward_kernel(kernel, dtype, mask, dev):
+        gpu.packs += 1
+        return bwd[kernel]
 
     def prefill_kernel(kernel, dtype, out_dtype, mask, paged, variant, *a, **kw):
         gpu.packs += 1
@@ -166,6 +189,9 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
         mp.setattr(select, "_sm_count_and_l2", lambda dev: (132, 50 << 20))
         mp.setattr(packing, "prefill_kernel", prefill_kernel)
         mp.setattr(geometry, "transpose_v_kernel", lambda dev: vt)
+        mp.setattr(backward, "backward_kernel", backward_kernel)
+        mp.setattr(backward, "backward_passes", lambda dtype, out_dtype, kernel, dev: (bwd["pre"], bwd["dq"],
+                                                                                        bwd["rope"]))
         mp.setattr(geometry, "rope_gather_kernel", lambda dev: gather)
         mp.setattr(packing, "scratch_on", lambda shape, sp: host_cupy(np.zeros(max(int(np.prod(shape)), 1), np.uint8)))
         mp.setattr(packing, "tile_counter", lambda dev, sp: 0x7000 + (sp & 0xff) * 8)
@@ -186,8 +212,8 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
         mp.setattr(plan_checks, "to_host", to_host)
         mp.setattr(prefill_plan, "_require_gpu", lambda: None)
         # device memory the one-shot calls allocate: host memory here
-        mp.setattr(launch_services, "empty_result",
-                   lambda shape, dtype, like, name="out": host_cupy(np.zeros(shape, dtype)))
+        for module in (launch_services, prefill_plan):
+            mp.setattr(module, "empty_result", lambda shape, dtype, like, name="out": host_cupy(np.zeros(shape, dtype)))
         mp.setattr(launch_services, "workspace_on",
                    lambda shape, raw_stream: host_cupy(np.zeros(max(int(np.prod(shape)), 1), np.uint8)))
         mp.setattr(launch_services, "widened",

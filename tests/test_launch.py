@@ -132,7 +132,7 @@ def _bwd_exports(kernel: str, arch: str):
     exports = reg.backward_exports(kernel)
     g = _ptx_globals(fam, exports, arch)
     pack = ArgPack.from_export(np.frombuffer(g[exports[0]], np.int32), g[exports[1]], fam[0])
-    return pack, dict(zip(("smem", "threads", "block_m", "block_n"), np.frombuffer(g[exports[2]], np.int32).tolist()))
+    return pack, _geometry.geometry_of(np.frombuffer(g[exports[3]], np.int32), g[exports[2]])
 
 
 def test_backward_main_kernels_export_one_parameter_layout():
