@@ -177,6 +177,7 @@ def summarize(records: List[dict]) -> dict:
         ranges={seed: _ranges(ix) for seed, ix in by_seed.items()}, failures=list(failures.values()),
         fatal=[r["fatal"] for r in fuzz_recs if r.get("fatal")], sanitize=sanitize,
         soak=soaks[-1] if soaks else None,
+        schedules=len({tuple(r.get("schedule") or ()) for r in fuzz_recs}),
         commits=sorted({r.get("commit", "?") for r in records}), devices=sorted({r.get("device", "?") for r in records}),
     )
 
@@ -253,6 +254,8 @@ def format_summary(summary: dict) -> str:
     lines = [f"commit {', '.join(summary['commits']) or '?'} on {', '.join(summary['devices']) or '?'}"]
     if len(summary["commits"]) > 1:
         lines.append("!! the records come from more than one commit: run every step on the same one")
+    if summary.get("schedules", 0) > 1:
+        lines.append("!! the fuzz records come from more than one schedule: an index names another problem in each")
     combos = ", ".join(f"{k} {n}" for k, n in sorted(summary["combos"].items()))
     masks = ", ".join(f"{k} {n}" for k, n in sorted(summary["masks"].items()))
     lines += [f"fuzz: {summary['problems']:,} problems ({_ranges_text(summary)}), {summary['failed']} mismatches, "
