@@ -351,6 +351,32 @@ def test_gpu_sh_verify_summary_needs_no_gpu(tmp_path):
     assert (tmp_path / "summary.txt").read_text() == res.stdout.split("logs: ")[0]
 
 
+def test_the_sanitizer_subset_names_tests_that_exist_and_holds_the_backward():
+    """Every test name in gpu.sh's sanitizer subset selects a test of its files (a renamed test
+    would drop out of the sanitizers silently), and the backward is in it: both main kernels
+    (gpu_util.KERNELS: the Hopper one joins on a Hopper GPU) at every mask in bf16 and at a mask in
+    fp16 (the passes of both dtypes), float32 out with dlse, deterministic mode."""
+    text = (ROOT / "benchmarks" / "gpu.sh").read_text()
+    subset = re.search(r"^SANITIZER_SUBSET='([^']*)'$", text, re.M).group(1)
+    files = re.search(r"^SANITIZER_FILES=\(([^)]*)\)$", text, re.M).group(1).split()
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                          *files, "-k", subset], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    ids = [line for line in res.stdout.splitlines() if "::" in line]
+    assert ids, res.stdout + res.stderr
+    for name in set(re.findall(r"[a-z0-9]+(?:_[a-z0-9]+)+", subset)):
+        assert any(name in i for i in ids), f"{name}: the sanitizer subset names no test"
+    bwd = [i for i in ids if i.startswith("tests/test_gpu_backward.py::")]
+    for kernel in gpu_util.KERNELS:
+        for mask in _fuzz.MASK_TYPES:
+            assert f"test_every_mask_and_dtype[{kernel}-bf16-{mask}]" in "\n".join(bwd)
+        assert f"test_every_mask_and_dtype[{kernel}-fp16-CausalMask]" in "\n".join(bwd)
+        assert f"test_deterministic_mode_repeats_bits[{kernel}]" in "\n".join(bwd)
+        for dtype in ("bf16", "fp16"):
+            assert f"test_float32_out_dlse_deterministic[{kernel}-{dtype}]" in "\n".join(bwd)
+    assert len(bwd) == 9 * len(gpu_util.KERNELS), bwd
+
+
 # ------------------------------------------------------------------------------------------------
 # The variants' runners end to end on the CPU: CuPy replaced by NumPy and the kernels by the float64
 # reference, so what is tested is the harness (inputs, positions, key splits, paged and fp8 caches,
