@@ -47,11 +47,15 @@
 #                            first index the records lack), stopping before B seconds (default
 #                            --timeout - 90); prints progress and the command that resumes it
 #     verify sanitize [TOOL...]  the sanitize mode above, each tool's errors recorded
-#     verify soak [--calls N] [--threads T] [--iters I]
+#     verify soak [--calls N] [--threads T] [--iters I] [--bwd-runs R]
 #                            10,000 mixed calls (plan.run, one-shot, torch op) with memory sampled, then
-#                            T = 8 threads with their own streams and plans against the serial results
+#                            T = 8 threads with their own streams and plans against the serial results,
+#                            then the backward (each kernel) in deterministic mode R = 100 times serially
+#                            and R times in each thread, bitwise equal to the first, and its default
+#                            mode from the threads within the reference's bound of the serial result
 #     verify summary         every record in --out: problems, mismatches, sanitizer errors, soak memory,
-#                            concurrency, and the markdown row for benchmarks/RESULTS.md (no GPU needed)
+#                            concurrency, the backward's repeatability, and the markdown row for
+#                            benchmarks/RESULTS.md (no GPU needed)
 #     verify                 all of the above in order, the fuzz in budgeted steps up to 1000 (for a
 #                            machine without a limit per command)
 #

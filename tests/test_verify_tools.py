@@ -290,11 +290,18 @@ def test_sanitizer_logs():
     assert cut["errors"] is None
 
 
+def _backward_part(kernel, ok=True):
+    return dict(kernel=kernel, ref_error=3e-3, serial_mismatches=0, thread_mismatches=0 if ok else 17, free_worst=4e-4,
+                free_differ_bits=70, errors=[] if ok else ["a thread: RuntimeError: boom"], ok=ok)
+
+
 def _soak_record(**drift):
     d = dict(pool_used=0, torch_allocated=0, device_free=-2 * 2**20, compiled_modules=0, plan_records=0, plan_cache=0,
              **drift)
     return dict(kind="soak", calls=10_000, drift=d, span={k: abs(v) for k, v in d.items()}, ok=True, failures=[],
-                concurrency=dict(threads=8, runs_per_thread=140, mismatches=0, errors=[], ok=True))
+                concurrency=dict(threads=8, runs_per_thread=140, mismatches=0, errors=[], ok=True),
+                backward=dict(layout="auto", runs=100, threads=8, free_runs=10, ok=True,
+                              kernels=[_backward_part("sm80"), _backward_part("sm90")]))
 
 
 def test_soak_drift_and_judgement():
@@ -335,9 +342,16 @@ def test_summary_counts_each_problem_once_and_prints_a_table_row(tmp_path):
     assert row == ("| abc1234 | NVIDIA H200 | 1,000 (seed 7: 0-999) | 0 | memcheck 0, racecheck 0, synccheck 0, "
                    "initcheck not run | 10,000 calls: pool used +0 B, torch allocated +0 B, device free "
                    "-2.0 MiB, compiled modules +0, plan records +0, plan cache entries +0 | 8 threads x 140 runs: "
-                   "bitwise equal to serial |")
+                   "bitwise equal to serial | sm80, sm90: deterministic 100 serial + 8 threads x 100 runs bitwise "
+                   "equal; default mode 8 threads x 10 runs within 4.0e-04 of serial (140 of 160 differ in bits) |")
     assert row.count("|") == _verify.TABLE_HEADER.splitlines()[0].count("|")
-    assert text.endswith(row)
+    assert text.endswith(row) and "schedule" not in text
+    soak = _soak_record()
+    soak["backward"].update(ok=False, kernels=[_backward_part("sm80"), _backward_part("sm90", ok=False)])
+    _verify.write_record(tmp_path, "soak.json", dict(soak, commit="abc1234", device="NVIDIA H200"))
+    text = _verify.format_summary(_verify.summarize(_verify.load_records(tmp_path)))
+    assert ("backward repeatability: sm80, sm90: FAILED (sm90: 0 + 17 elements differ, default mode worst 0.0004, "
+            "1 errors)\n  sm90: a thread: RuntimeError: boom") in text
 
 
 def test_gpu_sh_verify_summary_needs_no_gpu(tmp_path):
@@ -586,3 +600,85 @@ def test_a_wrong_kernel_fails_through_the_runners(on_the_cpu):
                                 split=(10, 20) if variant == "accumulate" else None)
         with pytest.raises(AssertionError):
             _fuzz.check(p)
+
+
+class _Stream:
+    """A CUDA stream on the CPU: a context and nothing to wait for."""
+
+    def __init__(self, non_blocking=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+def test_the_backward_repeatability_harness(on_the_cpu, monkeypatch):
+    """_soak.backward_repeatability with the reference as kernels (every run the same bits): it
+    passes; a deterministic run in a thread that differs in one bit, a default-mode run off the
+    serial one, a NaN, or a raising call fail it, each named in the record and the summary."""
+    import types
+
+    import mla_cupy
+
+    kernels = on_the_cpu(ReferenceKernels())
+    monkeypatch.setattr(sys.modules["cupy"], "cuda", types.SimpleNamespace(Stream=_Stream), raising=False)
+    small = _soak.Layout((9, 0, 4), (12, 3, 4), 2, _soak.CausalMask())
+    logs = []
+
+    def run(**kw):
+        return _soak.backward_repeatability(runs=3, threads=3, free_runs=2, kernels=("sm80", "sm90"), layout=small,
+                                            log=logs.append, **kw)
+
+    rec = run()
+    assert rec["ok"] and [p["kernel"] for p in rec["kernels"]] == ["sm80", "sm90"]
+    for p in rec["kernels"]:
+        assert p["serial_mismatches"] == p["thread_mismatches"] == 0 and p["free_worst"] == 0.0 and not p["errors"]
+        assert p["free_differ_bits"] == 0 and p["ref_error"] < 1e-2
+    assert kernels.calls == 2 * (1 + 1 + 3 + 1 + 3 * (3 + 2))  # per kernel: forward, first, serial, default, threads
+    assert "3 serial + 3 threads x 3 runs: 0 + 0 elements differ" in logs[0]
+
+    backward = kernels.mla_prefill_backward
+    calls = []
+
+    def flips_a_bit(*args, **kw):  # in one deterministic run of a thread on sm90
+        grads = backward(*args, **kw)
+        if kw["deterministic"] and kw["stream"] is not None and kw["kernel"] == "sm90":
+            calls.append(1)
+            if len(calls) == 5:
+                grads[2].view(np.uint16)[0, 0, 0] ^= 1
+        return grads
+
+    monkeypatch.setattr(mla_cupy, "mla_prefill_backward", flips_a_bit)
+    rec = run()
+    assert not rec["ok"] and rec["kernels"][0]["ok"]
+    bad = rec["kernels"][1]
+    assert (bad["serial_mismatches"], bad["thread_mismatches"], bad["errors"]) == (0, 1, [])
+
+    def off_when_free(*args, **kw):
+        grads = backward(*args, **kw)
+        if not kw["deterministic"] and kw["stream"] is not None:
+            grads[0][...] *= 1.05 if kw["kernel"] == "sm80" else np.nan
+        return grads
+
+    monkeypatch.setattr(mla_cupy, "mla_prefill_backward", off_when_free)
+    rec = run()
+    assert [p["ok"] for p in rec["kernels"]] == [False, False]
+    assert 0.03 < rec["kernels"][0]["free_worst"] < 0.07 and rec["kernels"][1]["free_worst"] == np.inf
+    assert all(p["thread_mismatches"] == 0 and p["free_differ_bits"] == 6 for p in rec["kernels"])
+
+    def raises_in_a_thread(*args, **kw):
+        if kw["stream"] is not None and kw["kernel"] == "sm80":
+            raise RuntimeError("boom")
+        return backward(*args, **kw)
+
+    monkeypatch.setattr(mla_cupy, "mla_prefill_backward", raises_in_a_thread)
+    rec = run()
+    assert set(rec["kernels"][0]["errors"]) == {"a thread: RuntimeError: boom"} and rec["kernels"][1]["ok"]
+    summary = _verify.summarize([dict(_soak_record(), backward=rec)])
+    assert "sm80: a thread: RuntimeError: boom" in _verify.format_summary(summary)
