@@ -7,14 +7,16 @@
 # Modes:
 #   suite [PYTEST ARGS...]   the whole `pytest -m gpu` suite (its fuzz: MLA_FUZZ_EXAMPLES, default 20)
 #   fuzz N [--seed S]        N random problems against the float64 reference (benchmarks/fuzz.py:
-#                            every variant on every kernel this GPU runs), from where the records in
-#                            --out of seed S stop; S makes a run repeatable (default: the records'
-#                            seed, else a random one, printed)
+#                            every variant on every kernel this GPU runs, the backward's four gradients
+#                            among them), from where the records in --out of seed S stop; S makes a
+#                            run repeatable (default: the records' seed, else a random one, printed)
 #   sanitize [TOOL...]       compute-sanitizer (default: memcheck racecheck synccheck initcheck) over a
 #                            small-shape subset with every kernel family in it (both 16-bit kernels at
 #                            every mask, paged aligned and gathered, epilogue merge, merge_states, NaN
 #                            isolation, fp8 per token, fp8 rope plain and paged, the V^T pre-pass, the
-#                            quantizers); SUBSET='<pytest -k expression>' replaces the subset
+#                            quantizers; the backward: both main kernels at every mask, its passes,
+#                            float32 out, dlse, deterministic mode); SUBSET='<pytest -k expression>'
+#                            replaces the subset
 #   bench [ARGS...]          benchmarks/matrix.py: the bench matrix, ours and the peers (JSON and plot
 #                            into --out), then the paged-rope and merge timings
 #   host [ARGS...]           benchmarks/matrix.py --host: host time per call of every entry point (CuPy
@@ -45,11 +47,15 @@
 #                            first index the records lack), stopping before B seconds (default
 #                            --timeout - 90); prints progress and the command that resumes it
 #     verify sanitize [TOOL...]  the sanitize mode above, each tool's errors recorded
-#     verify soak [--calls N] [--threads T] [--iters I]
+#     verify soak [--calls N] [--threads T] [--iters I] [--bwd-runs R]
 #                            10,000 mixed calls (plan.run, one-shot, torch op) with memory sampled, then
-#                            T = 8 threads with their own streams and plans against the serial results
+#                            T = 8 threads with their own streams and plans against the serial results,
+#                            then the backward (each kernel) in deterministic mode R = 100 times serially
+#                            and R times in each thread, bitwise equal to the first, and its default
+#                            mode from the threads within the reference's bound of the serial result
 #     verify summary         every record in --out: problems, mismatches, sanitizer errors, soak memory,
-#                            concurrency, and the markdown row for benchmarks/RESULTS.md (no GPU needed)
+#                            concurrency, the backward's repeatability, and the markdown row for
+#                            benchmarks/RESULTS.md (no GPU needed)
 #     verify                 all of the above in order, the fuzz in budgeted steps up to 1000 (for a
 #                            machine without a limit per command)
 #
@@ -142,8 +148,8 @@ summary() { grep -h -E "$1" "$OUT_DIR/$2.log" | tail -"${3:-20}"; }
   "$PY" -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)" 2>&1 | tail -1
 } | tee "$OUT_DIR/env.txt"
 
-SANITIZER_SUBSET='(every_mask_dtype_heads and (16-bf16 or 16-fp16-CausalMask)) or (paged_equals_plain and (16- or 64-)) or accumulate_merges or merge_states_exact or nan_in_one or (fp8_every_mask_heads_odd_lengths and 16-) or (e4m3_every_mask_heads_odd_lengths and 16-) or e4m3_rope_alone or (fp8_paged_rope and 64) or (fp8_rope_plain and 16-) or (fp8_rope_paged and 64) or transpose_v_device or (device_quantizers and 16)'
-SANITIZER_FILES=(tests/test_gpu_prefill.py tests/test_gpu_paged_merge.py tests/test_gpu_fp8.py)
+SANITIZER_SUBSET='(every_mask_dtype_heads and (16-bf16 or 16-fp16-CausalMask)) or (paged_equals_plain and (16- or 64-)) or accumulate_merges or merge_states_exact or nan_in_one or (fp8_every_mask_heads_odd_lengths and 16-) or (e4m3_every_mask_heads_odd_lengths and 16-) or e4m3_rope_alone or (fp8_paged_rope and 64) or (fp8_rope_plain and 16-) or (fp8_rope_paged and 64) or transpose_v_device or (device_quantizers and 16) or (every_mask_and_dtype and (bf16 or fp16-CausalMask)) or deterministic_mode_repeats_bits or float32_out_dlse_deterministic'
+SANITIZER_FILES=(tests/test_gpu_prefill.py tests/test_gpu_paged_merge.py tests/test_gpu_fp8.py tests/test_gpu_backward.py)
 
 FUZZ=("$PY" benchmarks/fuzz.py --out "$OUT_DIR")
 VERIFY=("$PY" benchmarks/verify.py)

@@ -11,7 +11,7 @@ command line (``python benchmarks/fuzz.py``, ``bash benchmarks/gpu.sh verify fuz
 * :func:`check` builds the problem's data on the host and runs its variant (:data:`VARIANTS`):
   the kernel with a NaN-poisoned output, compared with the float64 reference by the checkers of
   the GPU tests (``gpu_util.run_and_check`` / ``check_result``, ``test_gpu_fp8.check_fp8`` /
-  ``run_fp8_rope``).
+  ``run_fp8_rope``, ``gpu_util.BackwardProblem`` for the backward: its four gradients).
 * :func:`shrink` makes a failing problem smaller (fewer sequences, fewer heads, shorter lengths,
   fewer options) while it still fails the same way, within a time budget.
 * :func:`run_range` runs problems ``[start, end)``, prints progress (problems done per kernel and
@@ -60,7 +60,8 @@ class Problem:
     ``mask`` is ``(class name, window or chunk size or 0)``; ``page_size`` 0 means a plain rope;
     ``cache_offsets`` of a paged problem are multiples of the page size when ``aligned`` (whole
     pages copied) and not otherwise (rows gathered); ``chunk_size`` is the chunked variant's;
-    ``split`` the accumulate variant's keys of each sequence in its first call.
+    ``split`` the accumulate variant's keys of each sequence in its first call; ``deterministic``
+    and ``dlse`` the backward variant's mode and whether the loss reads the lse.
     """
 
     variant: str
@@ -78,6 +79,8 @@ class Problem:
     chunk_size: int = 0
     split: Optional[Tuple[int, ...]] = None
     data_seed: int = 0
+    deterministic: bool = False
+    dlse: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -123,7 +126,8 @@ class Variant:
     min_batch : int
         Fewest sequences it draws (its shrinker keeps at least that many).
     extra : callable, optional
-        ``extra(rng, sk) -> dict`` of more :class:`Problem` fields (``chunk_size``, ``split``).
+        ``extra(rng, sk) -> dict`` of more :class:`Problem` fields (``chunk_size``, ``split``,
+        ``deterministic``, ``dlse``), drawn after the common fields.
     """
 
     name: str
@@ -262,12 +266,27 @@ def _run_e4m3(p: Problem, case: Case) -> float:
                      out_dtype=np.float32 if p.out_f32 else None, kernel=p.kernel)
 
 
+def _run_backward(p: Problem, case: Case) -> float:
+    """``mla_prefill`` for out and lse (poisoned; float32 out when drawn), then
+    ``mla_prefill_backward`` into poisoned gradients (deterministic mode and a dlse when drawn),
+    every gradient against the float64 reference backward of the same out, lse, dout and dlse."""
+    from gpu_util import BackwardProblem
+
+    bp = BackwardProblem(case, p.mask_object(), p.kernel, out_dtype=np.float32 if p.out_f32 else None, dlse=p.dlse,
+                         seed=(p.data_seed, 1))  # dout's stream apart from the inputs' (data_seed's)
+    return bp.check(bp.run(deterministic=p.deterministic))
+
+
 def _chunk_size(rng, sk) -> dict:
     return dict(chunk_size=int(rng.choice(CHUNK_SIZES)))
 
 
 def _split(rng, sk) -> dict:
     return dict(split=tuple(int(rng.integers(0, s + 1)) for s in sk))
+
+
+def _backward_options(rng, sk) -> dict:
+    return dict(deterministic=bool(rng.random() < 0.4), dlse=bool(rng.random() < 0.3))
 
 
 #: Every variant the fuzz runs, in schedule order.
@@ -279,9 +298,18 @@ VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("fp8", ("sm90",), _run_fp8, dtypes=("bf16",), lse=1.0),
     Variant("fp8_rope", ("sm90",), _run_fp8_rope, dtypes=("bf16",), out_f32=0.0, lse=1.0),
     Variant("e4m3", ("sm90",), _run_e4m3, dtypes=("bf16",), paged=0.0, lse=1.0),
+    # last, so that the problems of the first round keep the pairs they had before it came
+    Variant("backward", ("sm80", "sm90"), _run_backward, paged=0.0, lse=1.0, min_batch=0, extra=_backward_options),
 )}
-#: (variant, kernel) pairs; problem ``index`` is of pair ``index % len(SCHEDULE)``.
+#: (variant, kernel) pairs; problem ``index`` is of pair ``index % len(SCHEDULE)``. Its length plus
+#: one must not be a multiple of the masks' count (5), or a pair would meet one mask only.
 SCHEDULE: Tuple[Tuple[str, str], ...] = tuple((v.name, k) for v in VARIANTS.values() for k in v.kernels)
+
+
+def schedule_names() -> List[str]:
+    """The schedule as ``kernel/variant`` names: a fuzz record keeps it, since an index means
+    another problem under another schedule (resuming reads only the records of this one)."""
+    return [f"{k}/{v}" for v, k in SCHEDULE]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -332,7 +360,7 @@ def aligned(p: Problem) -> bool:
 
 def tags(p: Problem) -> List[str]:
     """What a problem covers, for the coverage counts: its mask (first), dtype, positions, empty
-    sequences, the rope source, the outputs."""
+    sequences, the rope source, the outputs, the backward's options."""
     out = [p.mask[0], p.dtype]
     if not p.sq:
         out.append("B=0")
@@ -350,6 +378,10 @@ def tags(p: Problem) -> List[str]:
         out.append("lse")
     if p.out_f32:
         out.append("float32 out")
+    if p.deterministic:
+        out.append("deterministic")
+    if p.dlse:
+        out.append("dlse")
     return out
 
 
@@ -369,6 +401,7 @@ def describe(p: Problem) -> str:
     if p.split is not None:
         parts.append(f"split={list(p.split)}")
     parts += (["lse"] if p.lse else []) + (["float32 out"] if p.out_f32 else [])
+    parts += (["deterministic"] if p.deterministic else []) + (["dlse"] if p.dlse else [])
     return " ".join(parts)
 
 
@@ -422,7 +455,7 @@ def candidates(p: Problem) -> Iterator[Problem]:
                 yield _lengths(p, j, nq, nk)
     v = VARIANTS[p.variant]
     simpler = dict(cache_offsets=None, q_start_pos=None, out_f32=v.out_f32 >= 1, lse=v.lse >= 1,
-                   page_size=p.page_size if v.paged >= 1 else 0)
+                   page_size=p.page_size if v.paged >= 1 else 0, deterministic=False, dlse=False)
     for name, value in simpler.items():
         if getattr(p, name) != value:
             yield dataclasses.replace(p, **{name: value})
@@ -494,9 +527,9 @@ def run_range(seed: int, start: int, end: int, *, budget_s: float = 450.0, kerne
     """
     kernels, skip = set(kernels), set(skip)
     t0 = clock()
-    rec = dict(kind="fuzz", seed=seed, start=start, end=end, total=end if total is None else total, budget_s=budget_s,
-               next_start=start, stopped="running", problems=[], failures=[], fatal=None, counts={}, tags={},
-               elapsed_s=0.0, worst_error={})
+    rec = dict(kind="fuzz", seed=seed, schedule=schedule_names(), start=start, end=end,
+               total=end if total is None else total, budget_s=budget_s, next_start=start, stopped="running",
+               problems=[], failures=[], fatal=None, counts={}, tags={}, elapsed_s=0.0, worst_error={})
     name = record_name(seed, start, time.time())
     recent: deque = deque(maxlen=20)
 
@@ -651,6 +684,11 @@ def main(argv=None) -> int:
     from _verify import fuzz_outcomes, load_records, resume_start
 
     records = load_records(a.out, "fuzz") if a.out else []
+    others = [r for r in records if r.get("schedule") != schedule_names()]
+    if others:
+        print(f"fuzz.py: {len(others)} record(s) in {a.out} are of another schedule (an older commit): "
+              "not resumed from", file=sys.stderr)
+        records = [r for r in records if r not in others]
     seed = a.seed
     if seed is None:
         seed = records[-1]["seed"] if records else int(np.random.default_rng().integers(0, 2**31))

@@ -16,9 +16,15 @@ several host threads, each with its own stream and plans, against the serial res
 * :func:`concurrency`: ``threads`` threads, each with its own non-blocking stream, its own plans and
   its own outputs, run every layout ``iters`` times (plans and one-shot calls alternating) at once;
   every result must equal the serial one bit for bit.
+* :func:`backward_repeatability`: the backward of one problem (:data:`BACKWARD_LAYOUT`) on each
+  kernel, checked against the float64 reference; in deterministic mode ``runs`` runs one after
+  another and ``runs`` in each of ``threads`` threads with their own streams at once, every result
+  bitwise equal to the first; in the default mode runs from the threads within the reference's
+  bound of the serial result (its dq sums follow the order the key blocks finish in: not bitwise).
 
-``python benchmarks/verify.py soak --out DIR`` runs both and writes ``soak.json`` (:mod:`_verify`);
-``tests/test_gpu_reliability.py`` runs shorter versions in the GPU suite.
+``python benchmarks/verify.py soak --out DIR`` runs the three and writes ``soak.json``
+(:mod:`_verify`); ``tests/test_gpu_reliability.py`` runs them (the first two shorter) in the GPU
+suite.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, Paged
 from mla_cupy.masks import Mask
 
 from _cases import BF16, FP16, build_paged, make_case
+from _threads import in_threads
 
 MIB = 2**20
 #: The most a sampled quantity may move after the warm-up.
@@ -388,17 +395,123 @@ def concurrency(threads: int = 8, iters: int = 10, prepared=None, log=print) -> 
     return rec
 
 
+#: The problem of :func:`backward_repeatability` (bf16, with a gradient of lse): a ragged causal
+#: batch with an empty sequence and a sequence whose query blocks each sum the dq of up to 11 key
+#: blocks (the Hopper kernel's 96 keys; 16 of the portable kernel's 64).
+BACKWARD_LAYOUT = Layout((700, 129, 0, 65), (1000, 129, 7, 300), 16, CausalMask())
+
+
+def _same_bits(grads, first):
+    """A device count of the elements of ``grads`` whose bits differ from ``first``'s."""
+    import cupy as cp
+
+    n = cp.zeros((), cp.int64)
+    for g, f in zip(grads, first):
+        n += cp.count_nonzero(_bits(g) != _bits(f))
+    return n
+
+
+def _repoisoned(grads):
+    for g in grads:
+        g.fill(np.nan)
+    return grads
+
+
+def _backward_kernel(out: dict, L: Layout, runs: int, threads: int, free_runs: int) -> None:
+    """:func:`backward_repeatability` on the kernel ``out["kernel"]``: fills its part of the record."""
+    import cupy as cp
+
+    from gpu_util import BackwardProblem, check_gradients, gradient_errors
+
+    bp = BackwardProblem(make_case(L.sq, L.sk, L.heads, BF16, seed=20), L.mask, out["kernel"], dlse=True, seed=21)
+    first = bp.run(deterministic=True)
+    try:
+        out["ref_error"] = bp.check(first)
+    except AssertionError as exc:
+        out["errors"].append(f"deterministic result against the reference: {exc}")
+    grads, bad = bp.gradients(), cp.zeros((), cp.int64)
+    for _ in range(runs):
+        bad += _same_bits(bp.run(_repoisoned(grads), deterministic=True), first)
+    out["serial_mismatches"] = int(bad)
+    serial = bp.run(deterministic=False)
+    try:
+        check_gradients(serial, bp.reference(), BF16, L.heads)
+    except AssertionError as exc:
+        out["errors"].append(f"default-mode result against the reference: {exc}")
+    serial_host = [cp.asnumpy(g).astype(np.float64) for g in serial]
+    thread_bad, worst, differ = [0] * threads, [0.0] * threads, [0] * threads
+    barrier = threading.Barrier(threads, timeout=300)
+
+    def work(t: int) -> None:
+        try:
+            stream = cp.cuda.Stream(non_blocking=True)
+            with stream:
+                grads, n = bp.gradients(), cp.zeros((), cp.int64)
+                barrier.wait()
+                for _ in range(runs):
+                    n += _same_bits(bp.run(_repoisoned(grads), deterministic=True, stream=stream), first)
+                for _ in range(free_runs):
+                    got = bp.run(_repoisoned(grads), deterministic=False, stream=stream)
+                    differ[t] += int(_same_bits(got, serial)) > 0
+                    worst[t] = max(worst[t], *gradient_errors(got, serial_host, L.heads))
+                stream.synchronize()
+                thread_bad[t] = int(n)
+        except Exception:
+            barrier.abort()
+            raise
+
+    errors = in_threads(work, threads)
+    causes = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]  # the others follow from them
+    out["errors"] += [f"a thread: {type(e).__name__}: {e}" for e in causes or errors]
+    out.update(thread_mismatches=sum(thread_bad), free_worst=max(worst), free_differ_bits=sum(differ))
+
+
+def backward_repeatability(runs: int = 100, threads: int = 8, free_runs: int = 10, kernels=None,
+                           layout: Layout = BACKWARD_LAYOUT, log=print) -> dict:
+    """The backward's repeatability on every kernel this GPU runs (module doc): deterministic mode
+    ``runs`` times serially and ``runs`` times in each of ``threads`` threads (own streams and
+    gradients, NaN-poisoned before each run), bitwise equal to the first result; the default mode
+    ``free_runs`` times in each thread, within the reference's bound of the serial result. The
+    problem: ``layout`` in bf16 with a dlse."""
+    from gpu_util import KERNELS, backward_bound
+
+    t0 = time.perf_counter()
+    parts = []
+    for kernel in KERNELS if kernels is None else kernels:
+        p = dict(kernel=kernel, ref_error=None, serial_mismatches=None, thread_mismatches=None, free_worst=None,
+                 free_differ_bits=None, errors=[])
+        try:
+            _backward_kernel(p, layout, runs, threads, free_runs)
+        except Exception as exc:  # a refused or failed call: the record says so, the other kernels still run
+            p["errors"].append(f"{type(exc).__name__}: {exc}")
+        p["ok"] = (not p["errors"] and p["serial_mismatches"] == 0 and p["thread_mismatches"] == 0
+                   and p["free_worst"] < backward_bound(BF16))
+        parts.append(p)
+    rec = dict(layout=layout.label + " bf16 dlse", runs=runs, threads=threads, free_runs=free_runs, kernels=parts,
+               ok=all(p["ok"] for p in parts), elapsed_s=round(time.perf_counter() - t0, 2))
+    for p in parts:
+        log(f"backward {p['kernel']}: deterministic {runs} serial + {threads} threads x {runs} runs: "
+            f"{p['serial_mismatches']} + {p['thread_mismatches']} elements differ from the first result; default mode "
+            f"{threads} threads x {free_runs} runs: worst {p['free_worst']} against the serial result "
+            f"({p['free_differ_bits']} differ in bits); reference error {p['ref_error']}"
+            + ("" if p["ok"] else f"; FAILED {p['errors']}"))
+    return rec
+
+
 def main(argv=None) -> int:
-    """``python benchmarks/verify.py soak [--calls N] [--threads T] [--iters I] [--no-torch] [--out DIR]``:
-    the soak, then the concurrency check; the record goes to ``DIR/soak.json``. Exit status 1 when
-    either failed."""
+    """``python benchmarks/verify.py soak [--calls N] [--threads T] [--iters I] [--bwd-runs R] [--no-torch]
+    [--out DIR]``: the soak, the concurrency check, then the backward's repeatability; the record
+    goes to ``DIR/soak.json``. Exit status 1 when any failed."""
     ap = argparse.ArgumentParser(prog="verify.py soak", description=main.__doc__)
     ap.add_argument("--calls", type=int, default=10_000)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--iters", type=int, default=20, help="runs of every layout per thread")
+    ap.add_argument("--bwd-runs", type=int, default=100, help="deterministic backward runs, serial and per thread")
     ap.add_argument("--no-torch", action="store_true", help="leave out the torch op")
     ap.add_argument("--out", help="folder of the record")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    from _verify import write_record
+
     prepared = prepare(with_torch=not a.no_torch)
     print("layouts (first result vs the float64 reference, worst per-slice error):")
     for p in prepared:
@@ -408,8 +521,13 @@ def main(argv=None) -> int:
     if not rec["concurrency"]["ok"]:
         rec["failures"].append("concurrency: results differ from the serial ones or a thread failed")
         rec["ok"] = False
+    if a.out:  # kept if the backward's runs never return (a hang ends the step at its time limit)
+        write_record(a.out, "soak.json", dict(rec, backward=dict(ok=False, unfinished=True, kernels=[])))
+    rec["backward"] = backward_repeatability(a.bwd_runs, a.threads)
+    if not rec["backward"]["ok"]:
+        rec["failures"].append("backward: deterministic results differ, or a result is off the reference or the "
+                               "serial one, or a thread failed")
+        rec["ok"] = False
     if a.out:
-        from _verify import write_record
-
         print(f"record: {write_record(a.out, 'soak.json', rec)}")
     return 0 if rec["ok"] else 1

@@ -2,7 +2,8 @@
 
 Each run writes a JSON record into the ``--out`` folder of ``bash benchmarks/gpu.sh verify``:
 ``fuzz-s<seed>-<start>-<time>.json`` (:mod:`_fuzz`), ``sanitize-<tool>.json`` (from the tool's
-log, :func:`sanitizer_record`) and ``soak.json`` (:mod:`_soak`). :func:`summarize` reads them back
+log, :func:`sanitizer_record`) and ``soak.json`` (:mod:`_soak`: the soak, the concurrency check
+and the backward's repeatability). :func:`summarize` reads them back
 (problems counted once per (seed, index), whatever runs repeated them) and :func:`format_summary`
 prints the summary with a ready-to-paste markdown row for ``benchmarks/RESULTS.md``.
 
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 #: The markdown columns of :func:`markdown_row`.
 TABLE_HEADER = ("| commit | GPU | problems (seed: indices) | mismatches | sanitizer errors | soak memory after warm-up "
-                "| concurrency |\n| --- | --- | --- | --- | --- | --- | --- |")
+                "| concurrency | backward repeatability |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def commit() -> str:
@@ -177,6 +178,7 @@ def summarize(records: List[dict]) -> dict:
         ranges={seed: _ranges(ix) for seed, ix in by_seed.items()}, failures=list(failures.values()),
         fatal=[r["fatal"] for r in fuzz_recs if r.get("fatal")], sanitize=sanitize,
         soak=soaks[-1] if soaks else None,
+        schedules=len({tuple(r.get("schedule") or ()) for r in fuzz_recs}),
         commits=sorted({r.get("commit", "?") for r in records}), devices=sorted({r.get("device", "?") for r in records}),
     )
 
@@ -240,12 +242,31 @@ def _concurrency_text(soak: Optional[dict]) -> str:
     return f"{c['threads']} threads x {c['runs_per_thread']} runs: {verdict}"
 
 
+def _backward_text(soak: Optional[dict]) -> str:
+    b = (soak or {}).get("backward")
+    if not b:
+        return "not run"
+    if b.get("unfinished"):
+        return "did not finish (hung or stopped: the soak step's log says where)"
+    parts = b["kernels"]
+    names = ", ".join(p["kernel"] for p in parts)
+    if b["ok"]:
+        worst = max(p["free_worst"] for p in parts)
+        differ = sum(p["free_differ_bits"] for p in parts)
+        return (f"{names}: deterministic {b['runs']} serial + {b['threads']} threads x {b['runs']} runs bitwise equal; "
+                f"default mode {b['threads']} threads x {b['free_runs']} runs within {worst:.1e} of serial "
+                f"({differ} of {len(parts) * b['threads'] * b['free_runs']} differ in bits)")
+    bad = [f"{p['kernel']}: {p['serial_mismatches']} + {p['thread_mismatches']} elements differ, default mode worst "
+           f"{p['free_worst']}, {len(p['errors'])} errors" for p in parts if not p["ok"]]
+    return f"{names}: FAILED ({'; '.join(bad)})"
+
+
 def markdown_row(summary: dict) -> str:
     """One row of the reliability table (:data:`TABLE_HEADER`)."""
     return "| " + " | ".join([
         ", ".join(summary["commits"]) or "?", ", ".join(d for d in summary["devices"] if d != "no GPU") or "?",
         f"{summary['problems']:,} ({_ranges_text(summary)})", str(summary["failed"]), _sanitizer_text(summary),
-        _soak_text(summary["soak"]), _concurrency_text(summary["soak"])]) + " |"
+        _soak_text(summary["soak"]), _concurrency_text(summary["soak"]), _backward_text(summary["soak"])]) + " |"
 
 
 def format_summary(summary: dict) -> str:
@@ -253,6 +274,8 @@ def format_summary(summary: dict) -> str:
     lines = [f"commit {', '.join(summary['commits']) or '?'} on {', '.join(summary['devices']) or '?'}"]
     if len(summary["commits"]) > 1:
         lines.append("!! the records come from more than one commit: run every step on the same one")
+    if summary.get("schedules", 0) > 1:
+        lines.append("!! the fuzz records come from more than one schedule: an index names another problem in each")
     combos = ", ".join(f"{k} {n}" for k, n in sorted(summary["combos"].items()))
     masks = ", ".join(f"{k} {n}" for k, n in sorted(summary["masks"].items()))
     lines += [f"fuzz: {summary['problems']:,} problems ({_ranges_text(summary)}), {summary['failed']} mismatches, "
@@ -269,7 +292,11 @@ def format_summary(summary: dict) -> str:
     lines += [f"sanitizers: {_sanitizer_text(summary)}", f"soak: {_soak_text(summary['soak'])}"]
     if summary["soak"] and summary["soak"].get("failures"):
         lines += [f"  {f}" for f in summary["soak"]["failures"]]
-    lines += [f"concurrency: {_concurrency_text(summary['soak'])}", "", "markdown row (benchmarks/RESULTS.md):",
+    lines += [f"concurrency: {_concurrency_text(summary['soak'])}",
+              f"backward repeatability: {_backward_text(summary['soak'])}"]
+    if summary["soak"] and summary["soak"].get("backward"):
+        lines += [f"  {p['kernel']}: {e}" for p in summary["soak"]["backward"]["kernels"] for e in p["errors"]]
+    lines += ["", "markdown row (benchmarks/RESULTS.md):",
               TABLE_HEADER, markdown_row(summary)]
     return "\n".join(lines)
 

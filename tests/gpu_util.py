@@ -1,5 +1,8 @@
 """Helpers for GPU tests: upload a Case, run the kernel with a NaN-poisoned output, compare with
-the float64 reference per (sequence, head) slice as the SPEC defines accuracy."""
+the float64 reference per (sequence, head) slice as the SPEC defines accuracy; the backward's
+problem (forward, then backward into poisoned gradients) and its check against the reference."""
+from typing import List
+
 import numpy as np
 
 import mla_cupy
@@ -126,3 +129,123 @@ def assert_like_reference(got, ref, valid_length, tol=1e-2, got_lse=None, ref_ls
         np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(ref_lse), err_msg="lse -inf positions differ")
         fin = np.isfinite(ref_lse)
         np.testing.assert_allclose(got_lse[fin], ref_lse[fin], rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------------------------------------
+# The backward
+
+#: mla_prefill_backward's results, in its order.
+GRADIENTS = ("dq", "dk", "dv", "dk_rope")
+#: The least norm a gradient's error is measured against, per (row, head) slice that the gradient
+#: or its reference holds. A row that sees one key has ``P = 1`` and ``out = v``, so its
+#: ``dS = P (dP - D)`` is 0 exactly in the reference, while the kernels' dP (tensor cores) and D
+#: (the pre-pass) are two float32 sums of the same 128 products in different orders, which differ
+#: by about 1e-6 (1e-5 at most): a gradient made of such rows alone has a reference of 0 (or near)
+#: and the kernels' rounding noise, which this floor keeps below 1e-3 of it.
+GRADIENT_FLOOR = 1e-2
+
+
+def backward_bound(dtype) -> float:
+    """The bound of each gradient's relative error: 1e-2 for bf16 inputs, 2e-3 for fp16."""
+    return 2e-3 if np.dtype(dtype) == np.float16 else 1e-2
+
+
+def gradient_error(got, ref, per_slice: int = 1) -> float:
+    """``|got - ref| / max(|ref|, GRADIENT_FLOOR sqrt(n))`` (Frobenius norms), ``n`` the slices
+    (last axis) where either is not 0, times ``per_slice`` (the heads summed into ``dk_rope``'s);
+    ``inf`` where ``got`` holds a NaN or an Inf."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if not np.isfinite(got).all():
+        return float("inf")
+    slices = int(np.count_nonzero(np.any((got != 0) | (ref != 0), axis=-1))) * per_slice
+    den = max(float(np.linalg.norm(ref)), GRADIENT_FLOOR * float(np.sqrt(slices)))
+    return float(np.linalg.norm(got - ref)) / den if den > 0 else 0.0
+
+
+def gradient_errors(grads, ref, heads: int) -> List[float]:
+    """:func:`gradient_error` of each gradient (host or device arrays) against the reference's."""
+    import cupy as cp
+
+    return [gradient_error(cp.asnumpy(g), r, heads if name == "dk_rope" else 1)
+            for name, g, r in zip(GRADIENTS, grads, ref)]
+
+
+def check_gradients(grads, ref, dtype, heads: int) -> float:
+    """The kernels' gradients (host or device arrays) against the reference's: no NaN (every
+    element was poisoned before), each within :func:`backward_bound` (:func:`gradient_error`).
+    Returns the worst error."""
+    import cupy as cp
+
+    grads = [np.asarray(cp.asnumpy(g), np.float64) for g in grads]
+    for name, g in zip(GRADIENTS, grads):
+        nans = int(np.isnan(g).sum())
+        assert not nans, f"{name}: {nans} NaN (elements not written, or NaN computed)"
+    bound, errs = backward_bound(dtype), gradient_errors(grads, ref, heads)
+    for name, err in zip(GRADIENTS, errs):
+        assert err < bound, f"{name}: relative error {err:.3g} >= {bound:.0e}"
+    return max(errs)
+
+
+class BackwardProblem:
+    """A case's backward on the GPU: its inputs on the device, ``dout`` (and ``dlse``) drawn from
+    ``seed`` (a NumPy generator's seed), the forward's ``out`` and ``lse`` (``mla_prefill`` into NaN-poisoned buffers, every
+    element checked written), then backward runs into poisoned gradients (:meth:`run`) and their
+    check against the float64 reference backward of the same out, lse, dout and dlse (:meth:`check`)."""
+
+    def __init__(self, case, mask=None, kernel="auto", out_dtype=None, dlse=False, seed=99):
+        import cupy as cp
+
+        self.case, self.mask, self.kernel = case, mask, kernel
+        self.d = d = upload(case)
+        tq, h = case.q.shape[:2]
+        rng = np.random.default_rng(seed)
+        self.dout = cp.asarray(rng.standard_normal((tq, h, 128)).astype(case.q.dtype))
+        self.dlse = cp.asarray(rng.standard_normal((tq, h)).astype(np.float32)) if dlse else None
+        self.extra = {n: d[n] for n in ("cache_offsets", "q_start_pos") if d[n] is not None}
+        out = cp.full((tq, h, 128), np.nan, np.dtype(out_dtype or case.q.dtype))
+        lse = cp.full((tq, h), np.nan, np.float32)
+        got, got_lse = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"],
+                                            d["cache_row_offsets"], mask=mask, out=out, lse=lse, out_dtype=out_dtype,
+                                            return_lse=True, kernel=kernel, **self.extra)
+        assert got is out and got_lse is lse
+        self.host = {n: cp.asnumpy(x) for n, x in (("dout", self.dout), ("out", out), ("lse", lse))}
+        for n in ("out", "lse"):
+            nans = int(np.isnan(np.asarray(self.host[n], np.float32)).sum())
+            assert not nans, f"the forward left {nans} elements of {n} unwritten or NaN"
+        self.out, self.lse = out, lse
+        self._ref = None
+
+    def gradients(self):
+        """NaN-filled ``dq, dk, dv, dk_rope`` buffers (q's dtype) on the current stream."""
+        import cupy as cp
+
+        d, dtype = self.d, self.case.q.dtype
+        return [cp.full(d[n].shape, np.nan, dtype) for n in ("q", "k", "v", "k_rope")]
+
+    def run(self, grads=None, deterministic=False, stream=None):
+        """``mla_prefill_backward`` into ``grads`` (new poisoned ones by default); returns them."""
+        d = self.d
+        grads = self.gradients() if grads is None else grads
+        got = mla_cupy.mla_prefill_backward(self.dout, d["q"], d["k"], d["v"], d["k_rope"], self.out, self.lse,
+                                            d["valid_length"], d["cache_row_offsets"], mask=self.mask,
+                                            kernel=self.kernel, deterministic=deterministic, dq=grads[0],
+                                            dk=grads[1], dv=grads[2], dk_rope=grads[3], dlse=self.dlse, stream=stream,
+                                            **self.extra)
+        assert all(g is w for g, w in zip(got, grads))
+        return grads
+
+    def reference(self):
+        """The float64 reference backward of the problem (computed once)."""
+        import cupy as cp
+
+        if self._ref is None:
+            c, h = self.case, self.host
+            self._ref = reference.mla_prefill_backward(
+                h["dout"], c.q, c.k, c.v, c.k_rope, h["out"], h["lse"], c.valid_length, c.cache_row_offsets,
+                mask=self.mask, cache_offsets=c.cache_offsets, q_start_pos=c.q_start_pos,
+                dlse=None if self.dlse is None else cp.asnumpy(self.dlse))
+        return self._ref
+
+    def check(self, grads) -> float:
+        """:func:`check_gradients` of ``grads`` against :meth:`reference`; the worst error."""
+        return check_gradients(grads, self.reference(), self.case.q.dtype, self.case.q.shape[1])

@@ -9,7 +9,7 @@ import mla_cupy
 from mla_cupy import CausalMask, ChunkedCausalMask, ChunkedMask, NullMask, SlidingWindowCausalMask, reference
 
 from _cases import BF16, FP16, make_case, rel_err
-from gpu_util import KERNELS, upload
+from gpu_util import GRADIENTS, KERNELS, BackwardProblem
 
 pytestmark = pytest.mark.gpu
 
@@ -18,42 +18,17 @@ MASKS = [NullMask(), CausalMask(), SlidingWindowCausalMask(37), ChunkedMask(50),
 # odd lengths, a sequence without queries, one with fewer keys than a key block, one over several blocks
 ODD_SQ = [1, 7, 63, 65, 129, 0, 200]
 ODD_SK = [1, 7, 63, 65, 129, 5, 300]
-NAMES = ("dq", "dk", "dv", "dk_rope")
 
 
-def run_backward(c, mask, kernel, deterministic=False, **kw):
-    """Forward (for out and lse) and backward on the GPU, the gradients poisoned first; returns the
-    gradients on the host, the dout and the forward's results (host) for the reference."""
+def assert_like_reference(c, mask, kernel, deterministic=False, **kw):
+    """Forward (out and lse) and backward on the GPU into poisoned buffers, every gradient against the
+    reference (gpu_util.check_gradients); returns the gradients on the host."""
     import cupy as cp
 
-    d = upload(c)
-    rng = np.random.default_rng(99)
-    dout = cp.asarray(rng.standard_normal((c.q.shape[0], c.q.shape[1], 128)).astype(c.q.dtype))
-    extra = {name: d[name] for name in ("cache_offsets", "q_start_pos") if d[name] is not None}
-    out, lse = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
-                                    mask=mask, return_lse=True, kernel=kernel, **extra)
-    grads = [cp.full(x.shape if n != "dk_rope" else d["k_rope"].shape, np.nan, c.q.dtype)
-             for n, x in zip(NAMES, (d["q"], d["k"], d["v"], d["k_rope"]))]
-    got = mla_cupy.mla_prefill_backward(dout, d["q"], d["k"], d["v"], d["k_rope"], out, lse, d["valid_length"],
-                                        d["cache_row_offsets"], mask=mask, kernel=kernel, deterministic=deterministic,
-                                        dq=grads[0], dk=grads[1], dv=grads[2], dk_rope=grads[3], **extra, **kw)
-    assert all(g is w for g, w in zip(got, grads))
-    return [cp.asnumpy(g) for g in grads], cp.asnumpy(dout), cp.asnumpy(out), cp.asnumpy(lse)
-
-
-def assert_like_reference(c, mask, kernel, deterministic=False):
-    grads, dout, out, lse = run_backward(c, mask, kernel, deterministic)
-    ref = reference.mla_prefill_backward(dout, c.q, c.k, c.v, c.k_rope, out, lse, c.valid_length, c.cache_row_offsets,
-                                         mask=mask, cache_offsets=c.cache_offsets, q_start_pos=c.q_start_pos)
-    bound = 1e-2 if c.q.dtype == BF16 else 2e-3
-    for name, g, r in zip(NAMES, grads, ref):
-        assert not np.isnan(g.astype(np.float32)).any(), f"{name}: NaN (a row not written, or a NaN computed)"
-        if np.linalg.norm(r) == 0:
-            assert not g.astype(np.float32).any(), f"{name}: expected zeros"
-        else:
-            err = rel_err(g, r)
-            assert err < bound, f"{name}: relative error {err:.2e} >= {bound:.0e}"
-    return grads
+    bp = BackwardProblem(c, mask, kernel, **kw)
+    grads = bp.run(deterministic=deterministic)
+    bp.check(grads)
+    return [cp.asnumpy(g) for g in grads]
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: type(m).__name__)
@@ -99,12 +74,15 @@ def test_no_queries_or_no_sequences(kernel):
 
 @kernels
 def test_deterministic_mode_repeats_bits(kernel):
-    c = make_case([300, 129], [400, 129], 16, BF16, seed=14)
-    first = assert_like_reference(c, CausalMask(), kernel, deterministic=True)
+    import cupy as cp
+
+    bp = BackwardProblem(make_case([300, 129], [400, 129], 16, BF16, seed=14), CausalMask(), kernel)
+    first = bp.run(deterministic=True)
+    bp.check(first)
     for _ in range(3):
-        again, *_ = run_backward(c, CausalMask(), kernel, deterministic=True)
+        again = bp.run(deterministic=True)
         for a, b in zip(first, again):
-            assert a.tobytes() == b.tobytes()
+            assert cp.asnumpy(a).tobytes() == cp.asnumpy(b).tobytes()
 
 
 @kernels
@@ -130,27 +108,24 @@ def test_rope_as_a_view_of_latent_rows_and_torch_tensors(kernel):
 
     ref = reference.mla_prefill_backward(host(dout), c.q, c.k, c.v, c.k_rope, host(out), host(lse), c.valid_length,
                                          c.cache_row_offsets)
-    for name, g, r in zip(NAMES, (dq, dk, dv, dkr), ref):
+    for name, g, r in zip(GRADIENTS, (dq, dk, dv, dkr), ref):
         assert rel_err(host(g), r) < 1e-2, name
 
 
 @kernels
 def test_gradient_of_lse(kernel):
-    import cupy as cp
+    assert_like_reference(make_case([130, 33], [200, 33], 16, BF16, seed=16), None, kernel, dlse=True, seed=5)
 
-    c = make_case([130, 33], [200, 33], 16, BF16, seed=16)
-    d = upload(c)
-    rng = np.random.default_rng(5)
-    dout = cp.asarray(rng.standard_normal((c.q.shape[0], 16, 128)).astype(BF16))
-    dlse = cp.asarray(rng.standard_normal((c.q.shape[0], 16)).astype(np.float32))
-    out, lse = mla_cupy.mla_prefill(d["q"], d["k"], d["v"], d["k_rope"], d["valid_length"], d["cache_row_offsets"],
-                                    return_lse=True, kernel=kernel)
-    got = mla_cupy.mla_prefill_backward(dout, d["q"], d["k"], d["v"], d["k_rope"], out, lse, d["valid_length"],
-                                        d["cache_row_offsets"], kernel=kernel, dlse=dlse)
-    ref = reference.mla_prefill_backward(cp.asnumpy(dout), c.q, c.k, c.v, c.k_rope, cp.asnumpy(out), cp.asnumpy(lse),
-                                         c.valid_length, c.cache_row_offsets, dlse=cp.asnumpy(dlse))
-    for name, g, r in zip(NAMES, got, ref):
-        assert rel_err(cp.asnumpy(g), r) < 1e-2, name
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@kernels
+def test_float32_out_dlse_deterministic(dtype, kernel):
+    """The forward's float32 out (the pre-pass reads it), the gradient of lse and deterministic mode
+    together, on a ragged batch with an empty sequence, prefix context and query positions."""
+    c = make_case([70, 1, 0, 129], [100, 1, 9, 200], 16, dtype, seed=18, cache_offsets=[0, 5, 3, 40],
+                  q_start_pos=[30, 5, 0, 90])
+    assert_like_reference(c, SlidingWindowCausalMask(100), kernel, deterministic=True, out_dtype=np.float32,
+                          dlse=True)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -181,5 +156,5 @@ def test_autograd_through_the_torch_op(deterministic):
 
     ref = reference.mla_prefill_backward(host(dout), c.q, c.k, c.v, c.k_rope, host(out), host(lse), c.valid_length,
                                          c.cache_row_offsets, dlse=host(dlse))
-    for name, g, w in zip(NAMES, (q.grad, k.grad, v.grad, r.grad), ref):
+    for name, g, w in zip(GRADIENTS, (q.grad, k.grad, v.grad, r.grad), ref):
         assert rel_err(host(g), w) < 1e-2, name

@@ -1,7 +1,7 @@
 """Random problems against the float64 reference (pytest -m gpu): the first MLA_FUZZ_EXAMPLES
 (default 20) problems of seed MLA_FUZZ_SEED (default 0) of the generator in _fuzz.py, which go
-round every variant (plain and paged rope, chunked, accumulate, fp8 per token, fp8 rope) on every
-kernel this GPU runs, at every mask. ``python benchmarks/fuzz.py`` (``bash benchmarks/gpu.sh
+round every variant (plain and paged rope, chunked, accumulate, fp8 per token, fp8 rope, all-e4m3,
+the backward) on every kernel this GPU runs, at every mask. ``python benchmarks/fuzz.py`` (``bash benchmarks/gpu.sh
 verify fuzz N``) runs thousands of the same problems with progress, resume and shrinking."""
 import os
 

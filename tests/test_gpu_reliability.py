@@ -1,5 +1,5 @@
-"""Large sizes (64-bit offsets), memory limits, a soak of repeated calls, host threads
-(pytest -m gpu)."""
+"""Large sizes (64-bit offsets), memory limits, a soak of repeated calls, host threads, the
+backward's deterministic mode repeated (pytest -m gpu)."""
 import os
 
 import numpy as np
@@ -80,6 +80,16 @@ def test_threads_with_their_own_streams_and_plans_equal_serial():
     the serial one bit for bit."""
     rec = _soak.concurrency(threads=8, iters=int(os.environ.get("MLA_SOAK_THREAD_ITERS", "4")))
     assert rec["ok"], (rec["mismatches"], rec["errors"])
+
+
+def test_backward_deterministic_bits_over_runs_and_threads():
+    """The backward on each kernel (_soak.BACKWARD_LAYOUT): deterministic mode MLA_SOAK_BWD_RUNS
+    (default 100) times serially and as many times in each of 8 threads with their own streams,
+    every result bitwise equal to the first (checked against the reference); the default mode from
+    the 8 threads within the reference's bound of the serial result."""
+    rec = _soak.backward_repeatability(runs=int(os.environ.get("MLA_SOAK_BWD_RUNS", "100")), threads=8)
+    assert rec["ok"], [(p["kernel"], p["serial_mismatches"], p["thread_mismatches"], p["free_worst"], p["errors"])
+                       for p in rec["kernels"]]
 
 
 def test_unvalidated_calls_still_reject_bad_input():

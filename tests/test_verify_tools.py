@@ -1,8 +1,13 @@
 """The reliability tooling on the CPU: the fuzz generator, shrinker, budget and resume logic
 (_fuzz.py), the soak's drift check (_soak.py), the sanitizer log parser and the summary
-(_verify.py), and ``gpu.sh verify summary``. The GPU checks themselves run in the GPU tests."""
+(_verify.py), ``gpu.sh verify summary`` and the sanitizers' subset, the backward's gradient check
+(gpu_util.py). The GPU checks themselves run in the GPU tests."""
 import dataclasses
+import json
+import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +16,7 @@ import pytest
 import _fuzz
 import _soak
 import _verify
+import gpu_util
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,10 +42,32 @@ def test_draw_is_a_function_of_seed_and_index():
 
 def test_every_variant_kernel_and_mask_within_five_rounds():
     n = len(_fuzz.SCHEDULE) * len(_fuzz.MASK_TYPES)
-    problems = [_fuzz.draw(5, i) for i in range(n)]
-    assert {(p.variant, p.kernel, p.mask[0]) for p in problems} == {
-        (v, k, m) for v, k in _fuzz.SCHEDULE for m in _fuzz.MASK_TYPES}
+    for start in (0, 7):
+        problems = [_fuzz.draw(5, i) for i in range(start, start + n)]
+        assert {(p.variant, p.kernel, p.mask[0]) for p in problems} == {
+            (v, k, m) for v, k in _fuzz.SCHEDULE for m in _fuzz.MASK_TYPES}
     assert {"sm80", "sm90"} == {k for _, k in _fuzz.SCHEDULE}
+    assert (len(_fuzz.SCHEDULE) + 1) % len(_fuzz.MASK_TYPES) != 0
+
+
+#: The schedule before the backward variant came: the first round of every seed keeps these pairs.
+FORWARD_SCHEDULE = (("plain", "sm80"), ("plain", "sm90"), ("paged", "sm80"), ("paged", "sm90"), ("chunked", "sm80"),
+                    ("chunked", "sm90"), ("accumulate", "sm80"), ("accumulate", "sm90"), ("fp8", "sm90"),
+                    ("fp8_rope", "sm90"), ("e4m3", "sm90"))
+
+
+def test_the_backward_comes_last_in_the_schedule():
+    """Problems 0 to 10 of every seed are those drawn before the backward variant came (its pairs
+    come last, and a problem's data is drawn from (seed, index) and its variant alone); a problem
+    written before it (JSON without its fields) reads back with its options off."""
+    assert _fuzz.SCHEDULE[:len(FORWARD_SCHEDULE)] == FORWARD_SCHEDULE
+    assert _fuzz.SCHEDULE[len(FORWARD_SCHEDULE):] == (("backward", "sm80"), ("backward", "sm90"))
+    before = ('{"variant":"e4m3","kernel":"sm90","sq":[1],"sk":[38],"heads":128,"dtype":"bf16","mask":["NullMask",0],'
+              '"cache_offsets":null,"q_start_pos":null,"out_f32":true,"lse":true,"page_size":0,"chunk_size":0,'
+              '"split":null,"data_seed":548136401}')  # problem 10 of seed 3, as the fuzz printed it before
+    p = _fuzz.Problem.from_json(before)
+    assert p == _fuzz.draw(3, 10) and not p.deterministic and not p.dlse
+    assert json.loads(p.to_json()) == dict(json.loads(before), deterministic=False, dlse=False)
 
 
 def test_problems_respect_their_variant():
@@ -59,12 +87,24 @@ def test_problems_respect_their_variant():
             assert p.chunk_size in _fuzz.CHUNK_SIZES
         if p.variant.startswith("fp8"):
             assert p.kernel == "sm90" and p.dtype == "bf16"
+        if p.variant == "backward":  # a plain rope only: the backward refuses a paged one
+            assert p.page_size == 0 and p.lse and p.chunk_size == 0 and p.split is None
+        else:
+            assert not p.deterministic and not p.dlse
     tags = set()
+    backward = dict()
     for i in range(600):
-        tags.update(_fuzz.tags(_fuzz.draw(9, i)))
+        p = _fuzz.draw(9, i)
+        tags.update(_fuzz.tags(p))
+        if p.variant == "backward":
+            for t in _fuzz.tags(p) + [p.kernel]:
+                backward[t] = backward.get(t, 0) + 1
     for want in ("empty sequence", "cache_offsets", "q_start_pos", "ragged", "lse", "float32 out", "B=0",
                  "paged 16 aligned", "paged 64 gathered", "paged 512 aligned", "paged 512 gathered"):
         assert want in tags
+    for want in ("sm80", "sm90", "bf16", "fp16", "empty sequence", "cache_offsets", "q_start_pos", "ragged",
+                 "float32 out", "deterministic", "dlse", *_fuzz.MASK_TYPES):
+        assert backward.get(want, 0) >= 3, (want, backward)
 
 
 def test_split_keys_partitions_every_sequence():
@@ -94,6 +134,20 @@ def test_shrink_finds_the_smallest_failing_problem():
     assert small.page_size == 64  # the paged variant keeps its paged rope
     for c in _fuzz.candidates(small):  # nothing smaller still fails
         assert not _failing(c)
+
+
+def test_shrink_drops_the_backward_options_that_do_not_matter():
+    p = _fuzz.Problem("backward", "sm90", (70, 0, 33), (90, 5, 40), 16, "fp16", ("CausalMask", 0),
+                      cache_offsets=(3, 0, 9), q_start_pos=(1, 2, 3), out_f32=True, lse=True, deterministic=True,
+                      dlse=True, data_seed=3)
+
+    def fails(c):  # a fake check: fails in deterministic mode with 10+ queries
+        return c.deterministic and sum(c.sq) >= 10
+
+    small, _ = _fuzz.shrink(p, fails, budget_s=60)
+    assert small.deterministic and not small.dlse and not small.out_f32 and small.lse and small.heads == 1
+    assert small.cache_offsets is None and small.q_start_pos is None and sum(small.sq) == 10
+    assert "deterministic" in _fuzz.describe(small) and "dlse" not in _fuzz.describe(small)
 
 
 def test_shrink_keeps_the_variants_batch_and_split_consistent():
@@ -207,6 +261,13 @@ def test_fuzz_cli_show_and_remaining(tmp_path, capsys):
     _run(3, 0, 6, FakeClock(), out=tmp_path, budget=1e6)
     assert _fuzz.main(["--out", str(tmp_path), "--total", "10", "--remaining"]) == 0  # the records' seed
     assert capsys.readouterr().out.strip() == "4"
+    # a record of another schedule (an older commit's) is not resumed from: its indices are other problems
+    _verify.write_record(tmp_path, "fuzz-old.json", dict(kind="fuzz", seed=3, time=0, problems=[
+        [i, "sm80/plain", "ok", ["CausalMask"]] for i in range(6, 10)], failures=[], fatal=None))
+    assert _fuzz.main(["--out", str(tmp_path), "--seed", "3", "--total", "10", "--remaining"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "4" and "1 record(s)" in captured.err and "another schedule" in captured.err
+    assert "more than one schedule" in _verify.format_summary(_verify.summarize(_verify.load_records(tmp_path)))
     assert _fuzz.main(["--problem", _fuzz.draw(3, 1).to_json(), "--show"]) == 0
     assert _fuzz.draw(3, 1).to_json() in capsys.readouterr().out
 
@@ -229,11 +290,18 @@ def test_sanitizer_logs():
     assert cut["errors"] is None
 
 
+def _backward_part(kernel, ok=True):
+    return dict(kernel=kernel, ref_error=3e-3, serial_mismatches=0, thread_mismatches=0 if ok else 17, free_worst=4e-4,
+                free_differ_bits=70, errors=[] if ok else ["a thread: RuntimeError: boom"], ok=ok)
+
+
 def _soak_record(**drift):
     d = dict(pool_used=0, torch_allocated=0, device_free=-2 * 2**20, compiled_modules=0, plan_records=0, plan_cache=0,
              **drift)
     return dict(kind="soak", calls=10_000, drift=d, span={k: abs(v) for k, v in d.items()}, ok=True, failures=[],
-                concurrency=dict(threads=8, runs_per_thread=140, mismatches=0, errors=[], ok=True))
+                concurrency=dict(threads=8, runs_per_thread=140, mismatches=0, errors=[], ok=True),
+                backward=dict(layout="auto", runs=100, threads=8, free_runs=10, ok=True,
+                              kernels=[_backward_part("sm80"), _backward_part("sm90")]))
 
 
 def test_soak_drift_and_judgement():
@@ -274,9 +342,16 @@ def test_summary_counts_each_problem_once_and_prints_a_table_row(tmp_path):
     assert row == ("| abc1234 | NVIDIA H200 | 1,000 (seed 7: 0-999) | 0 | memcheck 0, racecheck 0, synccheck 0, "
                    "initcheck not run | 10,000 calls: pool used +0 B, torch allocated +0 B, device free "
                    "-2.0 MiB, compiled modules +0, plan records +0, plan cache entries +0 | 8 threads x 140 runs: "
-                   "bitwise equal to serial |")
+                   "bitwise equal to serial | sm80, sm90: deterministic 100 serial + 8 threads x 100 runs bitwise "
+                   "equal; default mode 8 threads x 10 runs within 4.0e-04 of serial (140 of 160 differ in bits) |")
     assert row.count("|") == _verify.TABLE_HEADER.splitlines()[0].count("|")
-    assert text.endswith(row)
+    assert text.endswith(row) and "schedule" not in text
+    soak = _soak_record()
+    soak["backward"].update(ok=False, kernels=[_backward_part("sm80"), _backward_part("sm90", ok=False)])
+    _verify.write_record(tmp_path, "soak.json", dict(soak, commit="abc1234", device="NVIDIA H200"))
+    text = _verify.format_summary(_verify.summarize(_verify.load_records(tmp_path)))
+    assert ("backward repeatability: sm80, sm90: FAILED (sm90: 0 + 17 elements differ, default mode worst 0.0004, "
+            "1 errors)\n  sm90: a thread: RuntimeError: boom") in text
 
 
 def test_gpu_sh_verify_summary_needs_no_gpu(tmp_path):
@@ -288,6 +363,32 @@ def test_gpu_sh_verify_summary_needs_no_gpu(tmp_path):
     assert "memcheck incomplete (time limit)" in res.stdout and "| commit | GPU |" in res.stdout
     assert not (tmp_path / "env.txt").exists()  # a summary on another machine leaves the GPU's records alone
     assert (tmp_path / "summary.txt").read_text() == res.stdout.split("logs: ")[0]
+
+
+def test_the_sanitizer_subset_names_tests_that_exist_and_holds_the_backward():
+    """Every test name in gpu.sh's sanitizer subset selects a test of its files (a renamed test
+    would drop out of the sanitizers silently), and the backward is in it: both main kernels
+    (gpu_util.KERNELS: the Hopper one joins on a Hopper GPU) at every mask in bf16 and at a mask in
+    fp16 (the passes of both dtypes), float32 out with dlse, deterministic mode."""
+    text = (ROOT / "benchmarks" / "gpu.sh").read_text()
+    subset = re.search(r"^SANITIZER_SUBSET='([^']*)'$", text, re.M).group(1)
+    files = re.search(r"^SANITIZER_FILES=\(([^)]*)\)$", text, re.M).group(1).split()
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                          *files, "-k", subset], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    ids = [line for line in res.stdout.splitlines() if "::" in line]
+    assert ids, res.stdout + res.stderr
+    for name in set(re.findall(r"[a-z0-9]+(?:_[a-z0-9]+)+", subset)):
+        assert any(name in i for i in ids), f"{name}: the sanitizer subset names no test"
+    bwd = [i for i in ids if i.startswith("tests/test_gpu_backward.py::")]
+    for kernel in gpu_util.KERNELS:
+        for mask in _fuzz.MASK_TYPES:
+            assert f"test_every_mask_and_dtype[{kernel}-bf16-{mask}]" in "\n".join(bwd)
+        assert f"test_every_mask_and_dtype[{kernel}-fp16-CausalMask]" in "\n".join(bwd)
+        assert f"test_deterministic_mode_repeats_bits[{kernel}]" in "\n".join(bwd)
+        for dtype in ("bf16", "fp16"):
+            assert f"test_float32_out_dlse_deterministic[{kernel}-{dtype}]" in "\n".join(bwd)
+    assert len(bwd) == 9 * len(gpu_util.KERNELS), bwd
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,8 +423,8 @@ def _plain_rope(k_rope, vl, cro, co, tk):
 
 
 class ReferenceKernels:
-    """``mla_prefill``, ``mla_prefill_chunked`` and ``mla_prefill_fp8`` computed by the reference
-    (``ignore``: keyword arguments it drops, to make it wrong on purpose)."""
+    """``mla_prefill``, ``mla_prefill_chunked``, ``mla_prefill_fp8`` and ``mla_prefill_backward``
+    computed by the reference (``ignore``: keyword arguments it drops, to make it wrong on purpose)."""
 
     def __init__(self, ignore=()):
         self.ignore = set(ignore)
@@ -380,23 +481,32 @@ class ReferenceKernels:
                                          **self._kw(kw))
         return self._finish(o, l, out, lse, out_dtype, return_lse, accumulate, np.zeros(0, BF16))
 
+    def mla_prefill_backward(self, *args, **kw):
+        from mla_cupy import reference
+
+        self.calls += 1
+        return reference.mla_prefill_backward(*args, **{n: x for n, x in kw.items() if n not in self.ignore})
+
 
 @pytest.fixture
 def on_the_cpu(monkeypatch):
     """CuPy as NumPy; returns a function that installs reference kernels."""
-    import sys
     import types
 
     import mla_cupy
+    import mla_cupy._arrays
 
     fake = types.ModuleType("cupy")
     fake.__getattr__ = lambda name: getattr(np, name)  # cupy.full, cupy.float32, ... are NumPy's
     fake.asnumpy = np.asarray
     fake.get_array_module = lambda *arrays: np
     monkeypatch.setitem(sys.modules, "cupy", fake)
+    # NumPy arrays stay host arrays to the argument checks (whose cache of array kinds would
+    # otherwise take them for CuPy's, as fake.ndarray is NumPy's, when this test runs first)
+    monkeypatch.setitem(mla_cupy._arrays._KINDS, np.ndarray, mla_cupy._arrays._OTHER)
 
     def install(kernels):
-        for name in ("mla_prefill", "mla_prefill_chunked", "mla_prefill_fp8"):
+        for name in ("mla_prefill", "mla_prefill_chunked", "mla_prefill_fp8", "mla_prefill_backward"):
             monkeypatch.setattr(mla_cupy, name, getattr(kernels, name))
         return kernels
     return install
@@ -415,7 +525,69 @@ def test_every_runner_passes_with_reference_kernels(on_the_cpu):
     for i in range(n):
         p = _small(_fuzz.draw(21, i))
         assert _fuzz.check(p) < 1e-2, _fuzz.describe(p)
-    assert kernels.calls >= n  # the accumulate variant calls twice
+    assert kernels.calls >= n  # the accumulate variant calls twice, the backward its forward too
+
+
+def test_the_backward_runner_passes_its_options_and_poisons_the_gradients(on_the_cpu, monkeypatch):
+    """The backward's runner: the drawn mode, dlse and output dtype reach the calls; gradients that
+    a kernel leaves unwritten (NaN) or gets wrong fail, and so does a forward that leaves its out
+    unwritten."""
+    kernels = on_the_cpu(ReferenceKernels())
+    seen = []
+    backward, forward = kernels.mla_prefill_backward, kernels.mla_prefill
+
+    def spy(*args, **kw):
+        seen.append((kw["deterministic"], kw["dlse"] is not None, args[5].dtype, kw["kernel"]))
+        return backward(*args, **kw)
+
+    monkeypatch.setattr("mla_cupy.mla_prefill_backward", spy)
+    p = _fuzz.Problem("backward", "sm90", (20, 0, 30), (35, 4, 40), 2, "fp16", ("SlidingWindowCausalMask", 9),
+                      cache_offsets=(50, 0, 70), q_start_pos=(65, 0, 80), out_f32=True, deterministic=True, dlse=True,
+                      data_seed=4)
+    assert _fuzz.check(p) < 2e-3
+    assert seen == [(True, True, np.float32, "sm90")]
+
+    def skips_a_row(*args, **kw):
+        grads = backward(*args, **kw)
+        grads[1][3] = np.nan
+        return grads
+
+    monkeypatch.setattr("mla_cupy.mla_prefill_backward", skips_a_row)
+    with pytest.raises(AssertionError, match="dk: 256 NaN"):
+        _fuzz.check(p)
+
+    def off(*args, **kw):
+        grads = backward(*args, **kw)
+        grads[3][...] *= 1.01
+        return grads
+
+    monkeypatch.setattr("mla_cupy.mla_prefill_backward", off)
+    with pytest.raises(AssertionError, match="dk_rope: relative error"):
+        _fuzz.check(p)
+
+    def unwritten(*args, out=None, **kw):
+        res = forward(*args, out=out, **kw)
+        out[-1] = np.nan
+        return res
+
+    monkeypatch.setattr("mla_cupy.mla_prefill", unwritten)
+    with pytest.raises(AssertionError, match="the forward left 256 elements of out unwritten"):
+        _fuzz.check(p)
+
+
+def test_the_gradient_error_floor():
+    """A gradient whose reference is 0 (every row sees one key: dS = 0 exactly) against the kernels'
+    float32 rounding noise passes; garbage there, or an error where the reference is not 0, fails."""
+    rng = np.random.default_rng(0)
+    zero = np.zeros((5, 16, 192))
+    noise = rng.standard_normal(zero.shape) * 1e-5 / np.sqrt(192)  # 1e-5 per row: the worst measured
+    assert gpu_util.gradient_error(noise, zero) < 2e-3 and gpu_util.gradient_error(zero, zero) == 0.0
+    assert gpu_util.gradient_error(noise * 1e3, zero) > 1e-2
+    ref = rng.standard_normal(zero.shape)
+    assert gpu_util.gradient_error(ref * 1.01, ref) == pytest.approx(1e-2)
+    rope = np.zeros((5, 1, 64))
+    rope_noise = rng.standard_normal(rope.shape) * 1e-5 * np.sqrt(128 / 64)  # 128 heads' noise summed
+    assert gpu_util.gradient_error(rope_noise, rope, per_slice=128) < 2e-3 < gpu_util.gradient_error(rope_noise, rope)
 
 
 def test_a_wrong_kernel_fails_through_the_runners(on_the_cpu):
@@ -428,3 +600,85 @@ def test_a_wrong_kernel_fails_through_the_runners(on_the_cpu):
                                 split=(10, 20) if variant == "accumulate" else None)
         with pytest.raises(AssertionError):
             _fuzz.check(p)
+
+
+class _Stream:
+    """A CUDA stream on the CPU: a context and nothing to wait for."""
+
+    def __init__(self, non_blocking=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+def test_the_backward_repeatability_harness(on_the_cpu, monkeypatch):
+    """_soak.backward_repeatability with the reference as kernels (every run the same bits): it
+    passes; a deterministic run in a thread that differs in one bit, a default-mode run off the
+    serial one, a NaN, or a raising call fail it, each named in the record and the summary."""
+    import types
+
+    import mla_cupy
+
+    kernels = on_the_cpu(ReferenceKernels())
+    monkeypatch.setattr(sys.modules["cupy"], "cuda", types.SimpleNamespace(Stream=_Stream), raising=False)
+    small = _soak.Layout((9, 0, 4), (12, 3, 4), 2, _soak.CausalMask())
+    logs = []
+
+    def run(**kw):
+        return _soak.backward_repeatability(runs=3, threads=3, free_runs=2, kernels=("sm80", "sm90"), layout=small,
+                                            log=logs.append, **kw)
+
+    rec = run()
+    assert rec["ok"] and [p["kernel"] for p in rec["kernels"]] == ["sm80", "sm90"]
+    for p in rec["kernels"]:
+        assert p["serial_mismatches"] == p["thread_mismatches"] == 0 and p["free_worst"] == 0.0 and not p["errors"]
+        assert p["free_differ_bits"] == 0 and p["ref_error"] < 1e-2
+    assert kernels.calls == 2 * (1 + 1 + 3 + 1 + 3 * (3 + 2))  # per kernel: forward, first, serial, default, threads
+    assert "3 serial + 3 threads x 3 runs: 0 + 0 elements differ" in logs[0]
+
+    backward = kernels.mla_prefill_backward
+    calls = []
+
+    def flips_a_bit(*args, **kw):  # in one deterministic run of a thread on sm90
+        grads = backward(*args, **kw)
+        if kw["deterministic"] and kw["stream"] is not None and kw["kernel"] == "sm90":
+            calls.append(1)
+            if len(calls) == 5:
+                grads[2].view(np.uint16)[0, 0, 0] ^= 1
+        return grads
+
+    monkeypatch.setattr(mla_cupy, "mla_prefill_backward", flips_a_bit)
+    rec = run()
+    assert not rec["ok"] and rec["kernels"][0]["ok"]
+    bad = rec["kernels"][1]
+    assert (bad["serial_mismatches"], bad["thread_mismatches"], bad["errors"]) == (0, 1, [])
+
+    def off_when_free(*args, **kw):
+        grads = backward(*args, **kw)
+        if not kw["deterministic"] and kw["stream"] is not None:
+            grads[0][...] *= 1.05 if kw["kernel"] == "sm80" else np.nan
+        return grads
+
+    monkeypatch.setattr(mla_cupy, "mla_prefill_backward", off_when_free)
+    rec = run()
+    assert [p["ok"] for p in rec["kernels"]] == [False, False]
+    assert 0.03 < rec["kernels"][0]["free_worst"] < 0.07 and rec["kernels"][1]["free_worst"] == np.inf
+    assert all(p["thread_mismatches"] == 0 and p["free_differ_bits"] == 6 for p in rec["kernels"])
+
+    def raises_in_a_thread(*args, **kw):
+        if kw["stream"] is not None and kw["kernel"] == "sm80":
+            raise RuntimeError("boom")
+        return backward(*args, **kw)
+
+    monkeypatch.setattr(mla_cupy, "mla_prefill_backward", raises_in_a_thread)
+    rec = run()
+    assert set(rec["kernels"][0]["errors"]) == {"a thread: RuntimeError: boom"} and rec["kernels"][1]["ok"]
+    summary = _verify.summarize([dict(_soak_record(), backward=rec)])
+    assert "sm80: a thread: RuntimeError: boom" in _verify.format_summary(summary)
