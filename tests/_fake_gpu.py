@@ -226,6 +226,23 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
 
 
 @contextlib.contextmanager
+def fake_gpu_empty_cache(capability: str):
+    """:func:`fake_gpu` of ``capability`` with the one-shot calls' plan cache empty and of its default
+    size, before and after (the plan-cache tests' fixture)."""
+    import mla_cupy
+    from mla_cupy._plan_cache import DEFAULT_MAXSIZE
+
+    mla_cupy.plan_cache_clear()
+    mla_cupy.set_plan_cache_size(DEFAULT_MAXSIZE)
+    try:
+        with fake_gpu(capability) as g:
+            yield g
+    finally:
+        mla_cupy.plan_cache_clear()
+        mla_cupy.set_plan_cache_size(DEFAULT_MAXSIZE)
+
+
+@contextlib.contextmanager
 def torch_as_cuda(stream: int = 0x5000):
     """Inside :func:`fake_gpu`: torch CPU tensors pose as CUDA tensors of device 0 (``is_cuda``,
     ``get_device()``), torch's current stream is ``stream``, and the torch ops' CuPy views are CuPy

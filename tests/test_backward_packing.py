@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 
 import mla_cupy
-from mla_cupy import CausalMask, NullMask, plan_cache_clear, plan_cache_info
+from mla_cupy import CausalMask, NullMask, plan_cache_info
 from mla_cupy._backward import workspace_parts
-from mla_cupy._plan_cache import DEFAULT_MAXSIZE
 import mla_cupy._packing as packing
 from mla_cupy.validation import Problem
 
 from _cases import BF16, FP16, make_case
-from _fake_gpu import fake_gpu, host_array, host_cupy, require_cupy, write_host
+from _fake_gpu import fake_gpu_empty_cache, host_array, host_cupy, require_cupy, write_host
 
 require_cupy()
 
@@ -24,11 +23,8 @@ GRADS = ("dq", "dk", "dv", "dk_rope")
 def gpu(request):
     """A fake GPU of compute capability 9.0 (the Hopper backward) or 8.0 (the portable one), an
     empty plan cache of the default size."""
-    plan_cache_clear()
-    mla_cupy.set_plan_cache_size(DEFAULT_MAXSIZE)
-    with fake_gpu(request.param) as g:
+    with fake_gpu_empty_cache(request.param) as g:
         yield g
-    plan_cache_clear()
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ import pytest
 
 import mla_cupy
 from mla_cupy import NullMask, PagedKVCache, SlidingWindowCausalMask, plan_cache_clear, plan_cache_info
-from mla_cupy._plan_cache import CACHE, DEFAULT_MAXSIZE
+from mla_cupy._plan_cache import CACHE
 
 from _cases import BF16, FP16, build_paged, make_case
-from _fake_gpu import fake_gpu, host_array, host_cupy, require_cupy, write_host
+from _fake_gpu import fake_gpu_empty_cache, host_array, host_cupy, require_cupy, write_host
 from _threads import in_threads
 
 require_cupy()  # the cases below are built at import from CuPy arrays over host memory
@@ -25,12 +25,8 @@ FAST = dict(q_max_seq_len=5, validate=False)
 def gpu(request):
     """A fake GPU of compute capability 9.0 (``"auto"`` runs the Hopper kernel) or 8.0, and an
     empty plan cache of the default size."""
-    plan_cache_clear()
-    mla_cupy.set_plan_cache_size(DEFAULT_MAXSIZE)
-    with fake_gpu(request.param) as g:
+    with fake_gpu_empty_cache(request.param) as g:
         yield g
-    plan_cache_clear()
-    mla_cupy.set_plan_cache_size(DEFAULT_MAXSIZE)
 
 
 def arrays(sq=(5, 3), sk=(6, 3), heads=4, dtype=BF16, seed=0, out_dtype=None):
