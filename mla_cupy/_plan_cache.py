@@ -418,10 +418,16 @@ def backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *
     synchronization): the grid spans the longest sequence's key blocks, and a call whose longest
     sequence (or, without ``q_max_seq_len``, longest query count) differs from its cached plan's is
     planned again under the same key; with ``validate`` the values are checked too."""
-    arrays = BackwardCallArrays(dout, q, k, v, k_rope, out, lse, dq, dk, dv, dk_rope, dlse, valid_length,
-                                cache_row_offsets, cache_offsets, q_start_pos)
+    return _backward_call(BackwardCallArrays(dout, q, k, v, k_rope, out, lse, dq, dk, dv, dk_rope, dlse, valid_length,
+                                             cache_row_offsets, cache_offsets, q_start_pos),
+                          scale=scale, mask=mask, q_max_seq_len=q_max_seq_len, deterministic=deterministic,
+                          stream=stream, validate=validate, kernel=kernel)
+
+
+def _backward_call(arrays, *, scale, mask, q_max_seq_len, deterministic, stream, validate, kernel):
+    """:func:`backward` on its arrays (a ``BackwardCallArrays``)."""
     key = None
-    if CACHE.maxsize > 0 and not isinstance(k_rope, PagedKVCache):
+    if CACHE.maxsize > 0 and not isinstance(arrays.k_rope, PagedKVCache):
         try:
             ptrs, layouts = pointers_and_layouts(arrays)
             key = ("backward", _select.device_id(), kernel, kernel == "auto" and _select.sm90_disabled(),

@@ -268,21 +268,25 @@ class PrefillPlan:
         stream it ran on (about 780 bytes per query row and head, kernels/backward.cuh).
         """
         check_deterministic(deterministic)
-        torch_in = is_torch(q)
-        arrays = backward_arrays(dout, q, k, v, k_rope, out, lse, dq, dk, dv, dk_rope, dlse)
-        if dq is None or dk is None or dv is None or dk_rope is None:
+        return self._run_backward(backward_arrays(dout, q, k, v, k_rope, out, lse, dq, dk, dv, dk_rope, dlse),
+                                  bool(deterministic), stream)
+
+    def _run_backward(self, arrays: BackwardArrays, deterministic: bool,
+                      stream: Stream) -> Tuple[Array, Array, Array, Array]:
+        torch_in = is_torch(arrays.q)
+        if any(getattr(arrays, name) is None for name in ("dq", "dk", "dv", "dk_rope")):
             check_backward_run(self._p, self._t, self._bounds, self._checkable_backward(arrays))
             arrays = _with_gradients(arrays, torch_in)
         try:
             ptrs, layouts = pointers_and_layouts(arrays)
         except (TypeError, AttributeError):
             ptrs, layouts = pointers_and_layouts(self._checkable_backward(arrays))
-        key = ("backward", bool(deterministic), *layouts)
+        key = ("backward", deterministic, *layouts)
         rec = self._records.get(key)
         if rec is None:
             checkable_arrays = self._checkable_backward(arrays)
             run_p = check_backward_run(self._p, self._t, self._bounds, checkable_arrays)
-            rec = self._remember(key, pack_backward(self._t, run_p, checkable_arrays, deterministic=bool(deterministic)))
+            rec = self._remember(key, pack_backward(self._t, run_p, checkable_arrays, deterministic=deterministic))
         if stream is None and not torch_in:
             raw_stream = self._current_stream().ptr
         else:
