@@ -14,14 +14,17 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from ._geometry import backward_kernel, backward_passes
+from ._arrays import is_torch
 from ._launch import PreparedLaunch
 from ._packing import LOG2E, Record, Step, map_fields, slots_of, stride16
 from ._run_args import BackwardArrays, Target
 from ._select import sm_count
+from .dims import DQK, DR, DV
 from .tma import ZERO_MAP, encode_tiled
 from .validation import Problem
+from .workspace import empty_result
 
-__all__ = ["pack_backward", "heads_per_group", "workspace_parts", "aligned_slots"]
+__all__ = ["pack_backward", "heads_per_group", "workspace_parts", "aligned_slots", "GRADIENTS", "new_gradients"]
 
 _CHUNK_ROWS = 64  # kernels/backward.cuh: kChunkRows (checked against the main kernel's block_m)
 
@@ -55,6 +58,21 @@ def aligned_slots(arrays: BackwardArrays) -> Tuple[int, ...]:
     slot = slots_of(BackwardArrays)
     return tuple(slot[n] for n in ("dout", "q", "k", "v", "k_rope", "out", "dq", "dk", "dv", "dk_rope")
                  if getattr(arrays, n) is not None and math.prod(getattr(arrays, n).shape))
+
+
+#: The gradients a backward writes, in the order it returns them.
+GRADIENTS = ("dq", "dk", "dv", "dk_rope")
+
+
+def new_gradients(q, tk: int, dtype, given: tuple) -> list:
+    """The gradients not ``given`` (None where given, in :data:`GRADIENTS` order): new device
+    arrays (views of torch's memory for a torch ``q``) of ``q``'s Tq and H and ``tk`` keys, in
+    ``dtype``."""
+    torch_device = q.device if is_torch(q) else None
+    tq, heads = int(q.shape[0]), int(q.shape[1])
+    shapes = ((tq, heads, DQK), (tk, heads, DV), (tk, heads, DV), (tk, 1, DR))
+    return [None if g is not None else empty_result(shape, dtype, torch_device, name)
+            for g, shape, name in zip(given, shapes, GRADIENTS)]
 
 
 def _strides(x) -> Tuple[int, int]:

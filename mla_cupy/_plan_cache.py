@@ -27,7 +27,7 @@ import numpy as np
 from . import _select
 from ._arrays import (FP32, checkable, cupy_stream, device_pointer, is_torch, pointers_and_layouts, result_wrapper,
                       stream_ptr)
-from ._backward import pack_backward
+from ._backward import GRADIENTS, new_gradients, pack_backward
 from ._packing import Record, launch_record, pack
 from ._run_args import BackwardArrays, Offsets, PrefillArrays
 from .dims import DV
@@ -403,8 +403,7 @@ def launch_checked(p: Problem, q, k, v, k_rope, out, lse, offsets: Offsets, kern
 BackwardCallArrays = namedtuple("BackwardCallArrays", BackwardArrays._fields + (
     "valid_length", "cache_row_offsets", "cache_offsets", "q_start_pos"))
 _BWD_SLOTS = len(BackwardArrays._fields)
-_GRADIENTS = ("dq", "dk", "dv", "dk_rope")
-_GRADIENT_SLOTS = tuple(BackwardArrays._fields.index(name) for name in _GRADIENTS)
+_GRADIENT_SLOTS = tuple(BackwardArrays._fields.index(name) for name in GRADIENTS)
 
 
 def backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *, scale, mask, q_max_seq_len,
@@ -444,14 +443,6 @@ def _backward_call(arrays, *, scale, mask, q_max_seq_len, deterministic, stream,
                              deterministic=deterministic, stream=stream, validate=validate, kernel=kernel, key=key)
 
 
-def _new_gradients(p: Problem, q, given: tuple) -> list:
-    """The gradients not given, new (``None`` where given), of the kind of ``q`` (device views)."""
-    torch_device = q.device if is_torch(q) else None
-    shapes = ((p.tq, p.heads, 192), (p.tk, p.heads, 128), (p.tk, p.heads, 128), (p.tk, 1, 64))
-    return [None if g is not None else empty_result(shape, p.dtype, torch_device, name)
-            for g, shape, name in zip(given, shapes, _GRADIENTS)]
-
-
 def _results(q, given: tuple, new: list) -> tuple:
     wrap = result_wrapper(q)
     return tuple(g if g is not None else wrap(n) for g, n in zip(given, new))
@@ -474,8 +465,8 @@ def _cached_backward(entry: CachedCall, arrays, ptrs: list, q_max_seq_len, valid
         return None
     q = arrays.q
     raw_stream = stream_ptr(stream, is_torch(q))
-    given = tuple(getattr(arrays, name) for name in _GRADIENTS)
-    new = _new_gradients(p, q, given)
+    given = tuple(getattr(arrays, name) for name in GRADIENTS)
+    new = new_gradients(q, p.tk, p.dtype, given)
     for slot, n in zip(_GRADIENT_SLOTS, new):
         if n is not None:
             ptrs[slot] = device_pointer(n)
@@ -501,9 +492,9 @@ def _checked_backward(arrays, *, scale, mask, q_max_seq_len, deterministic, stre
                               deterministic=deterministic, validate=validate, device=True, read_offsets=True,
                               kernel=kernel, api="mla_prefill_backward", dlse=c.dlse)
     raw_stream = stream_ptr(stream, is_torch(q))
-    given = tuple(getattr(arrays, name) for name in _GRADIENTS)
-    new = _new_gradients(p, q, given)
-    run = BackwardArrays(*c[:_BWD_SLOTS])._replace(**{name: n for name, n in zip(_GRADIENTS, new) if n is not None})
+    given = tuple(getattr(arrays, name) for name in GRADIENTS)
+    new = new_gradients(q, p.tk, p.dtype, given)
+    run = BackwardArrays(*c[:_BWD_SLOTS])._replace(**{name: n for name, n in zip(GRADIENTS, new) if n is not None})
     q_start_64 = c.q_start_pos
     if q_start_64 is not None and np.dtype(q_start_64.dtype) != np.int64:
         q_start_64 = widened(q_start_64, raw_stream)

@@ -21,13 +21,13 @@ import numpy as np
 from ._arrays import (FP32, INSTALL_GPU, Array, Stream, as_device, checkable, cupy_or_none, device_pointer, is_torch,
                       optional_ptr, pointers_and_layouts, require_gpu, result_wrapper, stream_ptr)
 from ._checks import check_offsets_layout, dtype_of
-from ._backward import pack_backward
+from ._backward import GRADIENTS, new_gradients, pack_backward
 from ._packing import Record, launch_record, pack
 from ._plan_checks import RunBounds, check_backward_run, check_plan_args, check_run
 from ._run_args import BackwardArrays, Offsets, PrefillArrays, Target, backward_arrays, prefill_arrays
 from . import _select
 from ._select import choose_kernel
-from .dims import DQK, DR, DV
+from .dims import DV
 from .fp8 import TransposedV, check_transposed_v_offsets, fp8_bytes
 from .masks import Mask
 from .paged import PagedKVCache
@@ -274,7 +274,7 @@ class PrefillPlan:
     def _run_backward(self, arrays: BackwardArrays, deterministic: bool,
                       stream: Stream) -> Tuple[Array, Array, Array, Array]:
         torch_in = is_torch(arrays.q)
-        if any(getattr(arrays, name) is None for name in ("dq", "dk", "dv", "dk_rope")):
+        if any(getattr(arrays, name) is None for name in GRADIENTS):
             check_backward_run(self._p, self._t, self._bounds, self._checkable_backward(arrays))
             arrays = _with_gradients(arrays, torch_in)
         try:
@@ -404,15 +404,11 @@ _WORKSPACE = PrefillArrays._fields.index("workspace")
 
 def _with_gradients(arrays: BackwardArrays, torch_in: bool) -> BackwardArrays:
     """``arrays`` with new gradients where none are given: in q's dtype, of the kind of ``q``."""
-    q, k = arrays.q, arrays.k
-    torch_device = q.device if torch_in else None
+    q = arrays.q
+    new = new_gradients(q, int(arrays.k.shape[0]), np.dtype(checkable(q, "q").dtype),
+                        tuple(getattr(arrays, name) for name in GRADIENTS))
     wrap = result_wrapper(q)
-    dtype = np.dtype(checkable(q, "q").dtype)
-    tq, heads, tk = int(q.shape[0]), int(q.shape[1]), int(k.shape[0])
-    shapes = {"dq": (tq, heads, DQK), "dk": (tk, heads, DV), "dv": (tk, heads, DV), "dk_rope": (tk, 1, DR)}
-    new = {name: wrap(empty_result(shape, dtype, torch_device, name)) for name, shape in shapes.items()
-           if getattr(arrays, name) is None}
-    return arrays._replace(**new)
+    return arrays._replace(**{name: wrap(x) for name, x in zip(GRADIENTS, new) if x is not None})
 
 
 def workspace_on(shape, raw_stream: int):

@@ -212,7 +212,7 @@ def fake_gpu(capability: str = "90", record: bool = True, stream: int = 0x5000):
         mp.setattr(plan_checks, "to_host", to_host)
         mp.setattr(prefill_plan, "_require_gpu", lambda: None)
         # device memory the one-shot calls allocate: host memory here
-        for module in (launch_services, prefill_plan):
+        for module in (launch_services, prefill_plan, backward):
             mp.setattr(module, "empty_result", lambda shape, dtype, like, name="out": host_cupy(np.zeros(shape, dtype)))
         mp.setattr(launch_services, "workspace_on",
                    lambda shape, raw_stream: host_cupy(np.zeros(max(int(np.prod(shape)), 1), np.uint8)))
