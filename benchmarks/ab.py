@@ -903,9 +903,15 @@ def format_case(res: dict, base: str) -> List[str]:
 
 def checkout_commit() -> str:
     """The commit of the checkout this script runs from (``git rev-parse --short HEAD``), with
-    ``+modified`` when kernels/ or mla_cupy/ differ from it; ``"unknown"`` outside a git checkout."""
+    ``+modified`` when kernels/ or mla_cupy/ differ from it; ``"unknown"`` outside a git checkout.
+    ``MLA_CUPY_COMMIT`` in the environment overrides it: a copy of a working tree on another machine
+    can carry git metadata of another commit than its files'."""
+    import os
     import subprocess
     from pathlib import Path
+
+    if os.environ.get("MLA_CUPY_COMMIT"):
+        return os.environ["MLA_CUPY_COMMIT"]
 
     root = Path(__file__).resolve().parent.parent
     try:

@@ -28,7 +28,8 @@
 #                            prefill at 1k, 4k and 16k tokens, mla_cupy against sdpa and eager (JSON
 #                            into --out)
 #   perf [ARGS...]           the README's performance run: benchmarks/ab.py over the README's cases, ours
-#                            against FlashAttention-3 (needs --wheels), 7 rounds, into --out/perf.json;
+#                            against FlashAttention-4 and -3, each also with its K build (needs --wheels),
+#                            7 rounds, into --out/perf.json;
 #                            then, on any machine: python benchmarks/perf_plot.py DIR/perf.json
 #   ab [ARGS...]             benchmarks/ab.py ARGS (implementations timed in one process)
 #   ncu CASE                 Nsight Compute (--set full, --clock-control none) of one launch: CASE is a
@@ -67,7 +68,8 @@
 #   --timeout S      limit of each step in seconds (default 540; each sanitizer tool is one step)
 #
 # Environment: PYTHON (default python3); NCU and SANITIZER name the tools when they are neither on
-# PATH nor in $CUDA_HOME/bin (CUDA_HOME defaults to CUDA_PATH, then /usr/local/cuda).
+# PATH nor in $CUDA_HOME/bin (CUDA_HOME defaults to CUDA_PATH, then /usr/local/cuda); MLA_CUPY_COMMIT
+# names the commit of the files (logs and ab.py's JSON) where the checkout's git metadata is not theirs.
 set -u -o pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
@@ -144,7 +146,8 @@ summary() { grep -h -E "$1" "$OUT_DIR/$2.log" | tail -"${3:-20}"; }
 [ "$MODE $*" = "verify summary" ] || {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu \
     --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- kernels mla_cupy 2>/dev/null || echo ' (kernels/ or mla_cupy/ modified)')"
+  if [ -n "${MLA_CUPY_COMMIT:-}" ]; then echo "commit $MLA_CUPY_COMMIT (MLA_CUPY_COMMIT)"
+  else echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- kernels mla_cupy 2>/dev/null || echo ' (kernels/ or mla_cupy/ modified)')"; fi
   "$PY" -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)" 2>&1 | tail -1
 } | tee "$OUT_DIR/env.txt"
 
@@ -204,7 +207,7 @@ case "$MODE" in
     step_shown e2e "$PY" benchmarks/transformers_e2e.py --json "$OUT_DIR/e2e.json" "$@" ;;
   perf)
     PERF_CASES=1x512,1x1024,1x2048,1x4096,1x8192,1x16384,1x32768,4x2048,16x512,64x128,ragged,ragged-300+5000+77+1500,1024+ctx8192,H16-1x8192,H16-1x16384,noncausal-1x4096
-    step_shown perf "$PY" benchmarks/ab.py --impls ours,fa3,fa3+kbuild --cases "$PERF_CASES" --rounds 7 \
+    step_shown perf "$PY" benchmarks/ab.py --impls ours,fa4,fa3,fa4+kbuild,fa3+kbuild --cases "$PERF_CASES" --rounds 7 \
       --out "$OUT_DIR/perf.json" "$@" ;;
   train)
     step_shown train "$PY" benchmarks/train_e2e.py --json "$OUT_DIR/train.json" --plot "$OUT_DIR/train.png" "$@" ;;

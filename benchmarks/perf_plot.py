@@ -42,7 +42,7 @@ CASES = [("1x512", "1 x 512"), ("1x1024", "1 x 1024"), ("1x2048", "1 x 2048"), (
          ("H16-1x8192", "H = 16, 1 x 8192"), ("H16-1x16384", "H = 16, 1 x 16384"),
          ("noncausal-1x4096", "not causal, 1 x 4096")]
 #: The peers ``gpu.sh perf`` times beside ours (ab.py's --impls after "ours").
-PEERS = ["fa3", "fa3+kbuild"]
+PEERS = ["fa4", "fa3", "fa4+kbuild", "fa3+kbuild"]
 
 
 def label(spec: str) -> str:

@@ -107,15 +107,17 @@ __device__ __forceinline__ void visible_query_rows(const Mask& mask, const WorkT
 
 // The query blocks [m_begin, m_end) that key block n of width block_n processes. Both ends never
 // decrease with n (mask.cuh: the visible keys' ends never decrease with the query), which the
-// deterministic mode relies on (first_key_block).
+// deterministic mode relies on (first_key_block): a block that no row sees gets an empty range at
+// its clamped row, 0 before every row or the last block's end past them (an empty range at 0 after
+// the seen blocks would send the bisection past them, and their turns would never come).
 template <typename Mask>
 __device__ __forceinline__ void query_blocks(const Mask& mask, const WorkTile& w, int n, int block_n, int& m_begin,
                                              int& m_end) {
   const int n0 = n * block_n, n1 = min(n0 + block_n, w.sk);
   int lo = 0, hi = 0;
   if (n0 < n1) visible_query_rows(mask, w, n0, n1, lo, hi);
-  if (lo >= hi) {
-    m_begin = m_end = 0;
+  if (lo >= hi) {  // no row sees the block: lo is 0 or the sequence's length
+    m_begin = m_end = (lo + kChunkRows - 1) / kChunkRows;
     return;
   }
   m_begin = lo / kChunkRows;

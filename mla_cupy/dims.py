@@ -35,6 +35,7 @@ def _text(path: str) -> str:
     return (KERNEL_DIR / path).read_text(encoding="utf-8")
 
 
+@functools.lru_cache(maxsize=None)  # read once: the checks ask for the schedule's constants on every call
 def _literal(path: str, ctype: str, name: str, literal: str) -> str:
     found = re.findall(rf"\bconstexpr {ctype} {re.escape(name)} = ({literal});", _text(path))
     if len(found) != 1:

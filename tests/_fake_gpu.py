@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.util
 import time
 import warnings
@@ -52,6 +53,7 @@ def _compiled(params: str, threads: int, smem: int, geometry: dict):
 
 def _kernels():
     """(the Hopper kernel of a variant and mask, the portable kernel, the V^T pre-pass, the gather)."""
+    @functools.lru_cache(maxsize=None)  # a compiled kernel per variant and mask, as mla_cupy._geometry keeps them
     def sm90(variant, mask):
         sched = sm90_schedule(variant, mask)
         return _compiled("MLA_SM90_PARAMS", 128 * (1 + sched.block_m // sched.q_rows), 200 * 1024,

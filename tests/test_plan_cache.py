@@ -457,6 +457,27 @@ def test_counts_clear_and_size(gpu):
             mla_cupy.set_plan_cache_size(bad)
 
 
+def test_a_miss_reads_no_kernel_source(gpu, monkeypatch):
+    """A call the cache does not serve checks and packs, but takes the kernels' constants from
+    memory: no kernel source is searched per call (a miss costs a few hits, not a parse)."""
+    import re
+    from types import SimpleNamespace
+
+    from mla_cupy import dims
+
+    d = arrays()
+    mla_cupy.set_plan_cache_size(0)
+    call(d, **FAST)  # whatever the first call of a layout reads
+    searches = []
+    monkeypatch.setattr(dims, "re", SimpleNamespace(
+        **{n: getattr(re, n) for n in ("compile", "escape", "MULTILINE", "DOTALL")},
+        findall=lambda *a, **k: searches.append(a[0]) or re.findall(*a, **k)))
+    for _ in range(3):
+        call(d, **FAST)
+    assert plan_cache_info().misses == 4
+    assert searches == []
+
+
 def test_an_entry_keeps_no_array_alive(gpu):
     d = arrays()
     call(d, cache_offsets=host_cupy(np.array([0, 0], np.uint32)), **FAST)
