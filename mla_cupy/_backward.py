@@ -9,7 +9,7 @@ kernel's tensor maps."""
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -19,14 +19,16 @@ from ._launch import PreparedLaunch
 from ._packing import LOG2E, Record, Step, map_fields, slots_of, stride16
 from ._run_args import BackwardArrays, Target
 from ._select import sm_count
-from .dims import DQK, DR, DV
+from .dims import DQK, DR, DV, kernel_int
 from .tma import ZERO_MAP, encode_tiled
 from .validation import Problem
 from .workspace import empty_result
 
 __all__ = ["pack_backward", "heads_per_group", "workspace_parts", "aligned_slots", "GRADIENTS", "new_gradients"]
 
-_CHUNK_ROWS = 64  # kernels/backward.cuh: kChunkRows (checked against the main kernel's block_m)
+#: Query rows of a dq chunk, the workspace's unit (kernels/backward.cuh: kChunkRows; a main kernel's
+#: query blocks, its geometry's block_m, must be one chunk: checked where a launch is packed).
+_CHUNK_ROWS = kernel_int("backward.cuh", "kChunkRows")
 
 
 def heads_per_group(heads: int, work_per_group: int, sms: int) -> int:
@@ -39,11 +41,17 @@ def heads_per_group(heads: int, work_per_group: int, sms: int) -> int:
     return min(g, heads)
 
 
+def num_chunks(p: Problem) -> int:
+    """dq chunks of the workspace: every sequence's query blocks, none shared (kernels/backward.cuh:
+    chunk_of, below Tq / 64 + B + 1)."""
+    return p.tq // _CHUNK_ROWS + p.batch + 1
+
+
 def workspace_parts(p: Problem, groups: int, deterministic: bool) -> Tuple[int, Dict[str, Tuple[int, int]]]:
     """Bytes of the workspace and each part's (byte offset, floats) in it (kernels/backward.cuh)."""
-    chunks = p.tq // _CHUNK_ROWS + p.batch + 1
+    chunks = num_chunks(p)
     stat = p.heads * chunks * _CHUNK_ROWS
-    parts = [("lse_log2", stat), ("dpsum", stat), ("dq_accum", stat * 192), ("rope_part", groups * p.tk * 64),
+    parts = [("lse_log2", stat), ("dpsum", stat), ("dq_accum", stat * DQK), ("rope_part", groups * p.tk * DR),
              ("dq_sem", -(-p.heads * chunks // 4) * 4 if deterministic else 0)]
     out, off = {}, 0
     for name, n in parts:
@@ -105,7 +113,7 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
     g = heads_per_group(p.heads, n_blocks * p.batch, sms)
     groups = -(-p.heads // g)
     ws_bytes, parts = workspace_parts(p, groups, deterministic)
-    chunks = p.tq // _CHUNK_ROWS + p.batch + 1
+    chunks = num_chunks(p)
     o = target.offsets
     out, lse, dlse = arrays.out, arrays.lse, arrays.dlse
 
@@ -164,7 +172,8 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
                   scale_log2=p.scale * LOG2E, scale=p.scale, mask_arg=p.mask.arg, deterministic=int(deterministic),
                   tile_counter=0)
     work = n_blocks * p.batch * groups
-    make_maps = map_slots = map_field = None
+    make_maps: Optional[Callable[[tuple], bytes]] = None
+    map_slots = map_field = None
     if target.kernel == "sm90":
         maps = map_fields(main.params)
         values.update({n: ZERO_MAP for n in maps})
@@ -175,14 +184,15 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
         st = {n: (stride16(getattr(arrays, n), 1), stride16(getattr(arrays, n), 0)) for n in ("q", "k", "v", "dout")}
         rope_row = stride16(arrays.k_rope, 0)
 
-        def make_maps(map_key: tuple) -> bytes:
+        def sm90_maps(map_key: tuple) -> bytes:
             qp, kp, vp, rp, dp, _scratch = map_key
-            by_name = dict(tm_q=encode_tiled(qp, dtype, (192, heads, tq), st["q"], (64, 1, 64)),
-                           tm_k=encode_tiled(kp, dtype, (128, heads, tk), st["k"], (32, 1, block_n), swizzle=64),
-                           tm_v=encode_tiled(vp, dtype, (128, heads, tk), st["v"], (64, 1, block_n)),
-                           tm_rope=encode_tiled(rp, dtype, (64, tk), (rope_row,), (32, block_n), swizzle=64),
-                           tm_do=encode_tiled(dp, dtype, (128, heads, tq), st["dout"], (64, 1, 64)))
+            by_name = dict(tm_q=encode_tiled(qp, dtype, (DQK, heads, tq), st["q"], (64, 1, _CHUNK_ROWS)),
+                           tm_k=encode_tiled(kp, dtype, (DV, heads, tk), st["k"], (32, 1, block_n), swizzle=64),
+                           tm_v=encode_tiled(vp, dtype, (DV, heads, tk), st["v"], (64, 1, block_n)),
+                           tm_rope=encode_tiled(rp, dtype, (DR, tk), (rope_row,), (32, block_n), swizzle=64),
+                           tm_do=encode_tiled(dp, dtype, (DV, heads, tq), st["dout"], (64, 1, _CHUNK_ROWS)))
             return b"".join(by_name[n].tobytes() for n in maps)  # the struct's consecutive map fields
+        make_maps = sm90_maps
     else:
         grid = max(1, work)  # one CTA per work tile (its ticket from the counter)
     launch = PreparedLaunch(main.params, main.fn, (grid, 1, 1), main.threads, main.smem, values)
