@@ -369,7 +369,8 @@ def test_the_sanitizer_subset_names_tests_that_exist_and_holds_the_backward():
     """Every test name in gpu.sh's sanitizer subset selects a test of its files (a renamed test
     would drop out of the sanitizers silently), and the backward is in it: both main kernels
     (gpu_util.KERNELS: the Hopper one joins on a Hopper GPU) at every mask in bf16 and at a mask in
-    fp16 (the passes of both dtypes), float32 out with dlse, deterministic mode."""
+    fp16 (the passes of both dtypes), float32 out with dlse, deterministic mode (key blocks that no
+    query sees among its layouts)."""
     text = (ROOT / "benchmarks" / "gpu.sh").read_text()
     subset = re.search(r"^SANITIZER_SUBSET='([^']*)'$", text, re.M).group(1)
     files = re.search(r"^SANITIZER_FILES=\(([^)]*)\)$", text, re.M).group(1).split()
@@ -385,10 +386,11 @@ def test_the_sanitizer_subset_names_tests_that_exist_and_holds_the_backward():
         for mask in _fuzz.MASK_TYPES:
             assert f"test_every_mask_and_dtype[{kernel}-bf16-{mask}]" in "\n".join(bwd)
         assert f"test_every_mask_and_dtype[{kernel}-fp16-CausalMask]" in "\n".join(bwd)
-        assert f"test_deterministic_mode_repeats_bits[{kernel}]" in "\n".join(bwd)
+        for layout in ("end-aligned", "keys-past-every-query"):
+            assert f"test_deterministic_mode_repeats_bits[{layout}-{kernel}]" in "\n".join(bwd)
         for dtype in ("bf16", "fp16"):
             assert f"test_float32_out_dlse_deterministic[{kernel}-{dtype}]" in "\n".join(bwd)
-    assert len(bwd) == 9 * len(gpu_util.KERNELS), bwd
+    assert len(bwd) == 10 * len(gpu_util.KERNELS), bwd
 
 
 # ------------------------------------------------------------------------------------------------
