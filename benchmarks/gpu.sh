@@ -21,9 +21,10 @@
 #                            into --out), then the paged-rope and merge timings
 #   host [ARGS...]           benchmarks/matrix.py --host: host time per call of every entry point (CuPy
 #                            and torch) beside the peers' calls (JSON into --out)
-#   train [ARGS...]          benchmarks/train_e2e.py: a DeepSeek-V3-shaped model trained on a copy task
-#                            with mla_cupy and with sdpa (loss curves, tokens/s, peak memory; JSON and
-#                            plot into --out)
+#   train [ARGS...]          benchmarks/train_e2e.py: a DeepSeek-V3-shaped model trained on segments of
+#                            repeated random patterns (each next token the one --period back) with
+#                            mla_cupy and with sdpa (loss curves, tokens/s, peak memory; JSON and plot
+#                            into --out)
 #   e2e [ARGS...]            benchmarks/transformers_e2e.py: a DeepSeek-V3-shaped transformers model's
 #                            prefill at 1k, 4k and 16k tokens, mla_cupy against sdpa and eager (JSON
 #                            into --out)
