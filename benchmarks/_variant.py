@@ -14,8 +14,12 @@ _SWITCHED = "mla_prefill_sm90.cu"
 def use_sources(directory):
     """The next API calls compile every kernel from the .cu/.cuh files under ``directory`` (an
     older version of kernels/, e.g. written by ``git archive``), so that two versions run in one
-    process. Its kernels must take the parameters the current launch code packs."""
+    process. Its kernels must take the parameters the current launch code packs. ``directory`` is
+    the kernels folder itself or a folder holding it (what ``git archive REV kernels | tar -x -C
+    DIR`` writes)."""
     root = Path(directory)
+    if (root / "kernels").is_dir():
+        root = root / "kernels"
     raw = {p.relative_to(root).as_posix(): p.read_text(encoding="utf-8") for p in root.rglob("*")
            if p.suffix in (".cu", ".cuh")}
     return _swap(raw)
