@@ -23,6 +23,7 @@ CPU_CHECKS = (
        "paged cache vs dense", "chunked merge (24 keys per chunk) vs one-shot: out",
        "merge_states on NumPy vs the merge written here", "mla_prefill_chunked on NumPy (chunk_size=24) vs one-shot",
        "fp8 per token: reference vs dense of the dequantized inputs", "fp8 rope: reference vs dense of the dequantized rope")
+    + tuple(f"backward: reference vs dense: {g}" for g in ("dq", "dk", "dv", "dk_rope"))
 )
 #: ... with torch installed.
 TORCH_CHECKS = ("torch CPU tensors through the reference",)
@@ -33,20 +34,22 @@ GPU_CHECKS = (
      "kernel sm80: 1 x 1024 against the reference")
     + tuple(f"kernel: {m}" for m in MASK_NAMES)
     + tuple(f"kernel: plan.run, layer {i}" for i in range(3))
+    + tuple(f"kernel: backward {g}" for g in ("dq", "dk", "dv", "dk_rope"))
 )
 #: ... on a Hopper GPU (the fp8 variants).
 HOPPER_CHECKS = ("kernel: fp8 per token", "kernel: fp8 rope", "kernel sm90: 1 x 1024 against the reference")
 #: ... with torch seeing a CUDA device.
 TORCH_CUDA_CHECKS = ("kernel: torch CUDA tensors",)
 #: ... with transformers installed and torch seeing a CUDA device.
-TRANSFORMERS_CUDA_CHECKS = ("kernel: transformers DeepseekV3 logits vs eager",)
+TRANSFORMERS_CUDA_CHECKS = ("kernel: transformers DeepseekV3 logits vs eager",
+                            "kernel: a model trained with mla_cupy learns the task")
 #: Sections with a GPU part print one ``[no GPU]`` line each without a GPU: the batch, speed,
-#: accuracy, masks, positions, paged cache, chunked prefill, fp8 and plan sections, the torch
-#: section when torch is installed, the transformers one when transformers and torch are.
-GPU_SECTIONS = 9
+#: accuracy, masks, positions, paged cache, chunked prefill, fp8, plan and backward sections, the
+#: torch section when torch is installed, the transformers one when transformers and torch are.
+GPU_SECTIONS = 10
 #: Figures a run shows: speed (measured: GPU only), accuracy by position, the mask patterns, the
-#: fp8 error distribution.
-FIGURES_GPU, FIGURES_CPU = 4, 3
+#: fp8 error distribution, the training curves (GPU, torch and transformers only).
+FIGURES_GPU, FIGURES_CPU = 5, 3
 
 
 def _installed(name: str) -> bool:
