@@ -413,10 +413,11 @@ def backward(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, *
     launched and kept. Returns ``(dq, dk, dv, dk_rope)``.
 
     The key is that of a forward call (:func:`from_cache`) for the backward's arguments, with
-    ``deterministic``. Unlike the forward, every call reads its key offsets back (one
-    synchronization): the grid spans the longest sequence's key blocks, and a call whose longest
-    sequence (or, without ``q_max_seq_len``, longest query count) differs from its cached plan's is
-    planned again under the same key; with ``validate`` the values are checked too."""
+    ``deterministic``. A call that reads its key offsets back (:func:`reads_offsets`) sizes the
+    grid by the longest sequence's key blocks, and one whose longest sequence (or, without
+    ``q_max_seq_len``, longest query count) differs from its cached plan's is planned again under
+    the same key; with ``validate`` the values are checked too. With ``q_max_seq_len`` and without
+    ``validate`` nothing is read back, as in the forward."""
     return _backward_call(BackwardCallArrays(dout, q, k, v, k_rope, out, lse, dq, dk, dv, dk_rope, dlse, valid_length,
                                              cache_row_offsets, cache_offsets, q_start_pos),
                           scale=scale, mask=mask, q_max_seq_len=q_max_seq_len, deterministic=deterministic,
@@ -443,6 +444,14 @@ def _backward_call(arrays, *, scale, mask, q_max_seq_len, deterministic, stream,
                              deterministic=deterministic, stream=stream, validate=validate, kernel=kernel, key=key)
 
 
+def reads_offsets(q_max_seq_len, validate: bool) -> bool:
+    """Whether a one-shot backward reads its offsets back (one synchronization) to size its grid by
+    the longest sequence's key blocks: unless ``q_max_seq_len`` is given and ``validate`` is off,
+    when Tk's key blocks bound the grid (a sequence's blocks past its own end decode to nothing)
+    and nothing is read, so that the call can be captured in a CUDA graph."""
+    return bool(validate) or q_max_seq_len is None
+
+
 def _results(q, given: tuple, new: list) -> tuple:
     wrap = result_wrapper(q)
     return tuple(g if g is not None else wrap(n) for g, n in zip(given, new))
@@ -457,12 +466,14 @@ def _cached_backward(entry: CachedCall, arrays, ptrs: list, q_max_seq_len, valid
     if misaligned & 15:
         return None
     p = entry.problem
-    observed, key_offsets = check_values(arrays.valid_length, arrays.cache_row_offsets, arrays.cache_offsets,
-                                         arrays.k_rope, None, tq=p.tq, tk=p.tk,
-                                         q_max_seq_len=None if q_max_seq_len is None else p.max_sq, validate=validate)
-    max_sk = int(np.diff(key_offsets).max()) if len(key_offsets) > 1 else 0
-    if (q_max_seq_len is None and observed != p.max_sq) or max_sk != p.max_sk:
-        return None
+    if reads_offsets(q_max_seq_len, validate):
+        observed, key_offsets = check_values(arrays.valid_length, arrays.cache_row_offsets, arrays.cache_offsets,
+                                             arrays.k_rope, None, tq=p.tq, tk=p.tk,
+                                             q_max_seq_len=None if q_max_seq_len is None else p.max_sq,
+                                             validate=validate)
+        max_sk = int(np.diff(key_offsets).max()) if len(key_offsets) > 1 else 0
+        if (q_max_seq_len is None and observed != p.max_sq) or max_sk != p.max_sk:
+            return None
     q = arrays.q
     raw_stream = stream_ptr(stream, is_torch(q))
     given = tuple(getattr(arrays, name) for name in GRADIENTS)
@@ -489,7 +500,8 @@ def _checked_backward(arrays, *, scale, mask, q_max_seq_len, deterministic, stre
     p = check_backward_inputs(c.dout, c.q, c.k, c.v, c.k_rope, c.out, c.lse, c.valid_length, c.cache_row_offsets,
                               scale=scale, mask=mask, q_max_seq_len=q_max_seq_len, cache_offsets=c.cache_offsets,
                               q_start_pos=c.q_start_pos, dq=c.dq, dk=c.dk, dv=c.dv, dk_rope=c.dk_rope,
-                              deterministic=deterministic, validate=validate, device=True, read_offsets=True,
+                              deterministic=deterministic, validate=validate, device=True,
+                              read_offsets=reads_offsets(q_max_seq_len, validate),
                               kernel=kernel, api="mla_prefill_backward", dlse=c.dlse)
     raw_stream = stream_ptr(stream, is_torch(q))
     given = tuple(getattr(arrays, name) for name in GRADIENTS)

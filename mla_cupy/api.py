@@ -226,8 +226,10 @@ def mla_prefill_backward(
     Notes
     -----
     Every argument is checked before anything runs, as :func:`mla_prefill` checks its own, and the
-    call is kept in the plan cache the same way; each call reads the key offsets back (one
-    synchronization: the grid spans the longest sequence's key blocks). The float32 workspace
+    call is kept in the plan cache the same way. A call reads the key offsets back (one
+    synchronization) to span the longest sequence's key blocks, unless ``q_max_seq_len`` is given
+    and ``validate=False``: then nothing is read back (Tk's key blocks bound the grid), and the
+    call can be captured in a CUDA graph, as :func:`mla_prefill` can. The float32 workspace
     (about 780 bytes per query row and head) comes from CuPy's pool for the call. To run many
     layers of one batch layout, :meth:`PrefillPlan.run_backward <mla_cupy.PrefillPlan.run_backward>`
     reads nothing back and keeps its workspace.

@@ -222,15 +222,16 @@ class BackwardProblem:
         d, dtype = self.d, self.case.q.dtype
         return [cp.full(d[n].shape, np.nan, dtype) for n in ("q", "k", "v", "k_rope")]
 
-    def run(self, grads=None, deterministic=False, stream=None):
-        """``mla_prefill_backward`` into ``grads`` (new poisoned ones by default); returns them."""
+    def run(self, grads=None, deterministic=False, stream=None, **call):
+        """``mla_prefill_backward`` into ``grads`` (new poisoned ones by default), ``call`` its
+        further keywords (``q_max_seq_len``, ``validate``); returns them."""
         d = self.d
         grads = self.gradients() if grads is None else grads
         got = mla_cupy.mla_prefill_backward(self.dout, d["q"], d["k"], d["v"], d["k_rope"], self.out, self.lse,
                                             d["valid_length"], d["cache_row_offsets"], mask=self.mask,
                                             kernel=self.kernel, deterministic=deterministic, dq=grads[0],
                                             dk=grads[1], dv=grads[2], dk_rope=grads[3], dlse=self.dlse, stream=stream,
-                                            **self.extra)
+                                            **self.extra, **call)
         assert all(g is w for g, w in zip(got, grads))
         return grads
 

@@ -125,6 +125,30 @@ def test_the_key_blocks_span_the_longest_sequence(gpu):
     assert grid == (min(work, 132) if gpu.capability == "90" else work)  # persistent on Hopper
 
 
+def test_without_read_back_tk_bounds_the_key_blocks(gpu, monkeypatch):
+    """q_max_seq_len and validate=False: nothing is read back, on a miss or a hit; the key blocks
+    span Tk; other key lengths of the same Tk launch the same record."""
+    import mla_cupy._plan_cache as launch_services
+    import mla_cupy.validation as validation
+
+    d = problem(sq=(5, 3), sk=(200, 3), heads=2)
+    reads = []
+
+    def no_read(*a, **k):
+        reads.append(a)
+        raise AssertionError("the offsets were read back")
+
+    monkeypatch.setattr(validation, "read_back", no_read)
+    monkeypatch.setattr(launch_services, "check_values", no_read)
+    kw = dict(q_max_seq_len=5, validate=False)
+    _, (_, main, _, _) = launched(gpu, lambda: backward(d, **kw))
+    block_n = 96 if gpu.capability == "90" else 64
+    assert main["num_n_blocks"] == -(-203 // block_n)
+    write_host(d["cache_row_offsets"], [0, 101, 203])
+    _, (_, again, _, _) = launched(gpu, lambda: backward(d, **kw))
+    assert counts() == (1, 1) and again["num_n_blocks"] == main["num_n_blocks"] and not reads
+
+
 def test_deterministic_mode_and_dlse_reach_their_passes(gpu):
     d = problem()
     dlse = host_cupy(np.zeros((8, 4), np.float32))

@@ -55,6 +55,26 @@ def test_prefix_context_and_positions(mask, kernel):
     assert_like_reference(c, mask, kernel)
 
 
+@pytest.mark.parametrize("mask", [CausalMask(), SlidingWindowCausalMask(37)], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@kernels
+def test_without_read_back_tk_bounds_the_grid(mask, deterministic, kernel):
+    """With q_max_seq_len and validate=False nothing is read back: the grid spans Tk's key blocks,
+    the blocks past a sequence's own end do nothing (a ragged batch, an empty sequence, prefix
+    context, query positions; rows after the last sequence); deterministic mode repeats its bits."""
+    import cupy as cp
+
+    c = make_case([65, 0, 1, 200, 30], [300, 4, 129, 201, 31], 16, BF16, seed=23,
+                  cache_offsets=[0, 3, 7, 50, 0], q_start_pos=[200, 0, 100, 40, 1], extra_keys=70)
+    bp = BackwardProblem(c, mask, kernel)
+    call = dict(q_max_seq_len=200, validate=False, deterministic=deterministic)
+    first = bp.run(**call)
+    bp.check(first)
+    if deterministic:
+        again = bp.run(**call)
+        assert all(cp.asnumpy(a).tobytes() == cp.asnumpy(b).tobytes() for a, b in zip(first, again))
+
+
 @kernels
 def test_rows_of_no_sequence_and_queries_that_see_nothing(kernel):
     # Key rows past the last sequence get zero gradients; queries at negative positions (causal) see no

@@ -224,6 +224,39 @@ def test_flash_attn_varlen_replays_from_a_graph():
     _assert_same(captured, call())
 
 
+def test_backward_op_replays_from_a_graph():
+    """With q_max_seq_len and validate=False the backward op reads nothing back: it captures in a
+    CUDA graph and replays with eager's bits on fresh inputs (deterministic mode), its gradients
+    those of the call that reads the offsets back (which spans the longest sequence's key blocks)."""
+    kw = dict(q_max_seq_len=max(SQ), validate=False)
+    q, k, v, r, vl, cro = _case(20)
+    out, lse = ops.mla_prefill(q, k, v, r, vl, cro, return_lse=True, **kw)
+    static = [torch.randn_like(out), q, k, v, r, out, lse, vl, cro]
+
+    def step():
+        return ops.mla_prefill_backward(*static, deterministic=True, **kw)
+
+    eager = step()
+    for g, w in zip(eager, mla_cupy.mla_prefill_backward(*static, deterministic=True)):
+        assert float((g.float() - w.float()).norm() / w.float().norm()) < 1e-2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    g = torch.Generator(device="cuda").manual_seed(21)
+    for t in static[:5]:  # dout, q, k, v, k_rope; then their out and lse
+        t.copy_(torch.randn(t.shape, generator=g, device="cuda").to(t.dtype))
+    ops.mla_prefill(q, k, v, r, vl, cro, out=out, lse=lse, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, step()):
+        assert torch.equal(got, want)
+
+
 def test_ops_launch_from_the_plan_cache():
     """Calls seen before launch their cached record on the tensors themselves: they equal the first
     call bit for bit, count as hits, run on torch's current stream, and with validate=True read the
