@@ -320,21 +320,36 @@ def _gradients_like(q: Tensor, k: Tensor, k_rope: Tensor) -> Tuple[Tensor, Tenso
 def _backward_op(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, cache_offsets=None,
                  q_start_pos=None, dlse=None, *, scale=None, mask_kind=1, mask_arg=0, q_max_seq_len=None,
                  validate=True, deterministic=False, kernel_choice="auto"):
+    if q.is_cuda:
+        return _backward_cuda(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, cache_offsets,
+                              q_start_pos, dlse, (None,) * 4, scale=scale, mask_kind=mask_kind, mask_arg=mask_arg,
+                              q_max_seq_len=q_max_seq_len, validate=validate, deterministic=deterministic,
+                              kernel_choice=kernel_choice)
     grads = _gradients_like(q, k, k_rope)
     kw = dict(scale=scale, mask=mask_from_args(mask_kind, mask_arg),
               q_max_seq_len=None if q_max_seq_len is None else int(q_max_seq_len), validate=validate,
               deterministic=deterministic, kernel=kernel_choice)
-    if q.is_cuda:
-        with _torch_context(q.device):
-            c = [_cupy(x) for x in (dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets)]
-            _plan_cache.backward(*c, cache_offsets=_cupy(cache_offsets), q_start_pos=_cupy(q_start_pos),
-                                 dq=_cupy(grads[0]), dk=_cupy(grads[1]), dv=_cupy(grads[2]), dk_rope=_cupy(grads[3]),
-                                 dlse=_cupy(dlse), stream=None, **kw)
-    else:
-        n = [_np(x) for x in (dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets)]
-        reference.mla_prefill_backward(*n, cache_offsets=_np(cache_offsets), q_start_pos=_np(q_start_pos),
-                                       dq=_np(grads[0]), dk=_np(grads[1]), dv=_np(grads[2]), dk_rope=_np(grads[3]),
-                                       dlse=_np(dlse), **kw)
+    n = [_np(x) for x in (dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets)]
+    reference.mla_prefill_backward(*n, cache_offsets=_np(cache_offsets), q_start_pos=_np(q_start_pos),
+                                   dq=_np(grads[0]), dk=_np(grads[1]), dv=_np(grads[2]), dk_rope=_np(grads[3]),
+                                   dlse=_np(dlse), **kw)
+    return grads
+
+
+def _backward_cuda(dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, cache_offsets, q_start_pos,
+                   dlse, given: tuple, *, scale, mask_kind, mask_arg, q_max_seq_len, validate, deterministic,
+                   kernel_choice) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The CUDA kernels of the backward op, on torch's stream: ``(dq, dk, dv, dk_rope)``, the
+    tensors of ``given`` (None: new ones) written."""
+    grads = tuple(n if g is None else g for g, n in zip(given, _gradients_like(q, k, k_rope)))
+    with _torch_context(q.device):
+        c = [_cupy(x) for x in (dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets)]
+        _plan_cache.backward(*c, cache_offsets=_cupy(cache_offsets), q_start_pos=_cupy(q_start_pos),
+                             dq=_cupy(grads[0]), dk=_cupy(grads[1]), dv=_cupy(grads[2]), dk_rope=_cupy(grads[3]),
+                             dlse=_cupy(dlse), stream=None, scale=scale, mask=mask_from_args(mask_kind, mask_arg),
+                             q_max_seq_len=None if q_max_seq_len is None else int(q_max_seq_len), validate=validate,
+                             deterministic=deterministic, kernel=kernel_choice)
+    _written(*(g for g in given if g is not None))
     return grads
 
 
@@ -374,17 +389,34 @@ def mla_prefill_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, k_rope: 
                          mask: Optional[Mask] = None, q_max_seq_len: Optional[int] = None,
                          cache_offsets: Optional[Tensor] = None, q_start_pos: Optional[Tensor] = None,
                          dlse: Optional[Tensor] = None, validate: bool = True, deterministic: bool = False,
-                         kernel: str = "auto") -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                         kernel: str = "auto", dq: Optional[Tensor] = None, dk: Optional[Tensor] = None,
+                         dv: Optional[Tensor] = None,
+                         dk_rope: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`mla_cupy.mla_prefill_backward` through the ``mla_cupy::mla_prefill_backward`` op
-    (traceable by ``torch.compile``); new ``(dq, dk, dv, dk_rope)`` tensors. ``loss.backward()``
-    through :func:`mla_prefill` (and the transformers backend, ``flash_attn_varlen_func``) calls it:
-    the functional op's autograd formula, with ``deterministic`` from
-    ``torch.are_deterministic_algorithms_enabled()``."""
+    (traceable by ``torch.compile``); ``(dq, dk, dv, dk_rope)``. ``loss.backward()`` through
+    :func:`mla_prefill` (and ``flash_attn_varlen_func``) calls it: the functional op's autograd
+    formula, with ``deterministic`` from ``torch.are_deterministic_algorithms_enabled()``.
+
+    ``dq``, ``dk``, ``dv``, ``dk_rope``: tensors to write the gradients into (any strides the
+    kernel reads: rows and heads strided, the last dimension contiguous; the transformers backend
+    passes views of its inputs' gradients). In eager execution on CUDA the kernels write them
+    directly; otherwise the functional op's results are copied into them. New tensors where not
+    given."""
     kind, arg = mask_args(mask)
-    return torch.ops.mla_cupy.mla_prefill_backward(
-        dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, cache_offsets, q_start_pos, dlse,
-        scale=None if scale is None else float(scale), mask_kind=kind, mask_arg=arg, q_max_seq_len=q_max_seq_len,
-        validate=validate, deterministic=deterministic, kernel_choice=kernel)
+    given = (dq, dk, dv, dk_rope)
+    kw = dict(scale=None if scale is None else float(scale), mask_kind=kind, mask_arg=arg, q_max_seq_len=q_max_seq_len,
+              validate=validate, deterministic=deterministic, kernel_choice=kernel)
+    args = (dout, q, k, v, k_rope, out, lse, valid_length, cache_row_offsets, cache_offsets, q_start_pos, dlse)
+    if all(g is None for g in given):
+        return torch.ops.mla_cupy.mla_prefill_backward(*args, **kw)
+    if eager_cuda((*args, *given)) and _plain_scalars(q_max_seq_len, validate, False, kernel, None):
+        return _backward_cuda(*args, given, **kw)
+    new = torch.ops.mla_cupy.mla_prefill_backward(*args, **kw)
+    for g, n in zip(given, new):
+        if g is not None:
+            with torch.no_grad():
+                g.copy_(n)
+    return tuple(n if g is None else g for g, n in zip(given, new))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """GPU tests of the transformers backend (pytest -m gpu): a small random DeepseekV3 model in
 bfloat16, the kernel's logits against eager attention's, held to the error torch's SDPA has
-against eager (at most twice it, or 1e-2), with and without padding; and greedy generation
-(decode steps over a growing cache) agreeing with eager at least as well as SDPA does."""
+against eager (at most twice it, or 1e-2), with and without padding; the parameter gradients of a
+training step held to the same rule; and greedy generation (decode steps over a growing cache)
+agreeing with eager at least as well as SDPA does."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -68,6 +69,37 @@ def test_logits_as_close_to_eager_as_sdpa(model, name):
     assert torch.isfinite(ours).all()
     bound = max(2 * _error(sdpa, eager), 1e-2)
     assert _error(ours, eager) <= bound, (_error(ours, eager), _error(sdpa, eager))
+
+
+def _gradients(model, impl, ids, mask):
+    """The parameter gradients of one training step, concatenated (float32)."""
+    model.set_attn_implementation(impl)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)  # padding rows: no loss
+    try:
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+
+
+@pytest.mark.parametrize("name", list(PADDING))
+def test_training_gradients_as_close_to_eager_as_sdpa(model, name):
+    """loss.backward() through the backend's backward kernels: the rope's gradient summed over the
+    heads in the kernel, padding keys given none."""
+    ids = torch.randint(1, 256, (3, SEQ), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    mask = _mask(name)
+    eager = _gradients(model, "eager", ids, mask)
+    sdpa = _gradients(model, "sdpa", ids, mask)
+    ours = _gradients(model, mt.NAME, ids, mask)
+    assert torch.isfinite(ours).all() and ours.numel() == eager.numel()
+
+    def err(x):
+        return float((x - eager).norm() / eager.norm())
+
+    assert err(ours) <= max(2 * err(sdpa), 1e-2), (err(ours), err(sdpa))
 
 
 def _generate(model, impl, ids, mask):

@@ -382,6 +382,28 @@ def test_opcheck_backward_op():
     assert dkr.shape == (r.shape[0], 1, 64)
 
 
+def test_backward_writes_into_given_strided_tensors():
+    """dq=, dk=, dv=, dk_rope= views of wider tensors (head-major, as the transformers backend
+    passes its inputs' gradients) get the functional op's gradients; the rest stays untouched."""
+    c = _case(15)
+    o, l = ops.mla_prefill(*_args(c), return_lse=True)
+    dout = torch.randn(o.shape, generator=torch.Generator().manual_seed(6))
+    q, k, v, r, vl, cro = _args(c)
+    want = ops.mla_prefill_backward(dout, q, k, v, r, o, l, vl, cro)
+    tq, tk = q.shape[0], k.shape[0]
+    gq, gk, gv = torch.full((H, tq, 192), 7.0), torch.full((H, tk, 192), 7.0), torch.full((H, tk, 130), 7.0)
+    given = (gq.transpose(0, 1), gk[..., :128].transpose(0, 1), gv[..., :128].transpose(0, 1), gk[0, :, None, 128:])
+    got = ops.mla_prefill_backward(dout, q, k, v, r, o, l, vl, cro, dq=given[0], dk=given[1], dv=given[2],
+                                   dk_rope=given[3])
+    assert all(a is b for a, b in zip(got, given))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert (gk[1:, :, 128:] == 7).all() and (gv[..., 128:] == 7).all()
+    part = ops.mla_prefill_backward(dout, q, k, v, r, o, l, vl, cro, dv=torch.empty_like(v))
+    for g, w in zip(part, want):
+        torch.testing.assert_close(g, w)
+
+
 def test_backward_refuses_a_paged_rope():
     c = _case(13, sq=(4,), sk=(5,))
     blocks = torch.randn(2, 16, 1, 576)

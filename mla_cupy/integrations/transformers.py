@@ -11,12 +11,12 @@ on zero-copy views: the nope keys are ``key[..., :128]``, the rope is head 0's `
 Handled: batches without padding, right padding (prefill) and left padding (prefill and
 ``generate``), decode steps (the queries are the last positions of the keys: one query over a
 growing cache), caches longer than the mask (static caches: keys past the mask are unused).
-Trains: with gradients enabled, each sequence's call is the functional op, whose autograd formula
-runs the backward kernels (the rope's gradient, summed over the heads in the kernel, flows to
-head 0's rope values of ``key``, which transformers' expansion of the shared rope then gives back
-to it). Refused with a clear error: dropout, a mask with holes inside a sequence (right padding
-during ``generate``), 4-D masks, and mask patterns other than causal (sliding windows, packed
-sequences).
+Trains: with gradients enabled the attention is one autograd function whose backward runs the
+backward kernels per sequence, their gradients written into views of the inputs' gradients (the
+rope's, summed over the heads in the kernel, into head 0's rope values of ``key``, which
+transformers' expansion of the shared rope sums back). Refused with a clear error: dropout, a
+mask with holes inside a sequence (right padding during ``generate``), 4-D masks, and mask
+patterns other than causal (sliding windows, packed sequences).
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def mla_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, v
     (attn_output ``[B, Sq, H, 128]``, None): no attention weights.
     """
     value = _check(module, query, key, value, dropout, kwargs)
-    batch, heads, sq, _ = query.shape
+    batch, _, sq, _ = query.shape
     sk = key.shape[2]
     ranges = sequence_ranges(attention_mask, batch, sk)
     span = sk if attention_mask is None else attention_mask.shape[1]  # the queries are its last sq columns
@@ -171,14 +171,75 @@ def mla_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, v
     mask = CausalMask() if causal else NullMask()
     scale = 1.0 / math.sqrt(DQK) if scaling is None else float(scaling)
     offsets, q_start = _device_offsets(ranges, sq, span, query.device)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    out = None if grad else query.new_empty((batch, sq, heads, DV))
-    outs = []
-    for b, (first, end) in enumerate(ranges):
+    calls = _Calls(ranges, offsets, q_start, sq, scale, mask)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return _Attention.apply(query, key, value, calls), None
+    return calls.forward(query, key, value, want_lse=False)[0], None
+
+
+class _Calls:
+    """The kernel calls of one attention: one per sequence of the batch, on views of the
+    ``[B, H, S, D]`` tensors transformers hands over, the results written into place (the output's
+    ``[B, Sq, H, 128]``, the gradients' ``[B, H, S, D]``), so that no copy or zero-filled
+    intermediate of a whole tensor is made on the way in or out."""
+
+    def __init__(self, ranges, offsets, q_start, sq: int, scale: float, mask):
+        self.ranges, self.offsets, self.q_start, self.sq, self.scale, self.mask = ranges, offsets, q_start, sq, scale, mask
+
+    def _views(self, b: int, query, key, value):
+        """Sequence ``b``'s ``(q, k, v, k_rope)`` views in the kernels' ``[T, H, D]`` layout."""
+        first, end = self.ranges[b]
         keys = key[b, :, first:end]  # [H, Lk, 192]
-        o = torch_ops.mla_prefill(query[b].transpose(0, 1), keys[..., :DV].transpose(0, 1),
-                                  value[b, :, first:end].transpose(0, 1), keys[0, :, None, DV:], offsets[b, :2],
-                                  offsets[b, 2:], scale=scale, mask=mask, q_max_seq_len=sq, q_start_pos=q_start[b:b + 1],
-                                  out=None if grad else out[b], validate=False)
-        outs.append(o)
-    return (torch.stack(outs) if grad else out), None
+        return (query[b].transpose(0, 1), keys[..., :DV].transpose(0, 1), value[b, :, first:end].transpose(0, 1),
+                keys[0, :, None, DV:])
+
+    def _kw(self, b: int) -> dict:
+        return dict(scale=self.scale, mask=self.mask, q_max_seq_len=self.sq, q_start_pos=self.q_start[b:b + 1],
+                    validate=False)
+
+    def forward(self, query, key, value, *, want_lse: bool):
+        """``(out [B, Sq, H, 128], lse [B, Sq, H] float32 or None)``."""
+        batch, heads, sq, _ = query.shape
+        out = query.new_empty((batch, sq, heads, DV))
+        lse = query.new_empty((batch, sq, heads), dtype=torch.float32) if want_lse else None
+        for b in range(batch):
+            torch_ops.mla_prefill(*self._views(b, query, key, value), self.offsets[b, :2], self.offsets[b, 2:],
+                                  out=out[b], lse=None if lse is None else lse[b], **self._kw(b))
+        return out, lse
+
+    def backward(self, dout, query, key, value, out, lse):
+        """The gradients of ``query``, ``key`` and ``value`` (their shapes and dtypes). The rope's
+        gradient, summed over the heads in the kernel, goes to head 0's rope values of ``key`` and
+        zeros to the other heads' (transformers' expansion of the shared rope sums them); keys
+        outside a sequence's attended run get zeros."""
+        dout = dout.contiguous()
+        dquery, dkey, dvalue = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        dkey[:, 1:, :, DV:].zero_()
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        for b, (first, end) in enumerate(self.ranges):
+            for g in (dkey, dvalue):  # padding: keys no query of this sequence attends
+                g[b, :, :first].zero_()
+                g[b, :, end:].zero_()
+            dk = dkey[b, :, first:end]
+            torch_ops.mla_prefill_backward(dout[b], *self._views(b, query, key, value), out[b], lse[b],
+                                           self.offsets[b, :2], self.offsets[b, 2:], deterministic=deterministic,
+                                           dq=dquery[b].transpose(0, 1), dk=dk[..., :DV].transpose(0, 1),
+                                           dv=dvalue[b, :, first:end].transpose(0, 1),
+                                           dk_rope=dk[0, :, None, DV:], **self._kw(b))
+        return dquery, dkey, dvalue
+
+
+class _Attention(torch.autograd.Function):
+    """The attention with the backward kernels as its gradient: :class:`_Calls` forward and backward."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, calls: _Calls):
+        out, lse = calls.forward(query, key, value, want_lse=True)
+        ctx.calls = calls
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        query, key, value, out, lse = ctx.saved_tensors
+        return (*ctx.calls.backward(dout, query, key, value, out, lse), None)
