@@ -55,6 +55,20 @@ class Attention(torch.nn.Module):
         return o, lse, merged, merged_lse
 
 
+def _capture(call):
+    """``call`` run once on a side stream (the warm-up compiles the kernels outside the capture),
+    then captured: ``(graph, its results)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    return graph, captured
+
+
 def _assert_same(got, want):
     for g, w in zip(got, want):
         assert torch.equal(g, w) or torch.equal(torch.nan_to_num(g), torch.nan_to_num(w))
@@ -83,14 +97,7 @@ def test_compile_fullgraph_equals_eager(mask):
 def test_cuda_graph_replay_equals_eager(mask):
     static = _case(3)
     model = Attention(mask)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compiles the kernels outside the capture
-        model(*static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = model(*static)
+    graph, captured = _capture(lambda: model(*static))
     for seed in (4, 5):
         _refill(static, seed)
         graph.replay()
@@ -143,14 +150,7 @@ def test_fp8_op_equals_the_api_and_replays_from_a_graph():
     eager = ops.mla_prefill_fp8(*static, return_lse=True, **kw)
     want = mla_cupy.mla_prefill_fp8(*static, return_lse=True)
     _assert_same(eager, want)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ops.mla_prefill_fp8(*static, **kw)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = ops.mla_prefill_fp8(*static, return_lse=True, **kw)
+    graph, captured = _capture(lambda: ops.mla_prefill_fp8(*static, return_lse=True, **kw))
     fresh = _fp8_inputs(9)
     for t, new in zip(static, fresh):
         t.copy_(new)
@@ -210,14 +210,7 @@ def test_flash_attn_varlen_replays_from_a_graph():
         return fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(SQ), max(SK), causal=True, return_softmax_lse=True,
                                          k_rope=k_rope)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
+    graph, captured = _capture(call)
     _refill(static, 13)
     graph.replay()
     torch.cuda.synchronize()
@@ -239,14 +232,7 @@ def test_backward_op_replays_from_a_graph():
     eager = step()
     for g, w in zip(eager, mla_cupy.mla_prefill_backward(*static, deterministic=True)):
         assert float((g.float() - w.float()).norm() / w.float().norm()) < 1e-2
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = _capture(step)
     g = torch.Generator(device="cuda").manual_seed(21)
     for t in static[:5]:  # dout, q, k, v, k_rope; then their out and lse
         t.copy_(torch.randn(t.shape, generator=g, device="cuda").to(t.dtype))
