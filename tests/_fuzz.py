@@ -61,7 +61,9 @@ class Problem:
     ``cache_offsets`` of a paged problem are multiples of the page size when ``aligned`` (whole
     pages copied) and not otherwise (rows gathered); ``chunk_size`` is the chunked variant's;
     ``split`` the accumulate variant's keys of each sequence in its first call; ``deterministic``
-    and ``dlse`` the backward variant's mode and whether the loss reads the lse.
+    and ``dlse`` the backward variant's mode and whether the loss reads the lse; ``no_read_back``
+    the backward called with ``q_max_seq_len`` and ``validate=False`` (nothing read back: Tk's
+    key blocks bound its grid).
     """
 
     variant: str
@@ -81,6 +83,7 @@ class Problem:
     data_seed: int = 0
     deterministic: bool = False
     dlse: bool = False
+    no_read_back: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -127,7 +130,7 @@ class Variant:
         Fewest sequences it draws (its shrinker keeps at least that many).
     extra : callable, optional
         ``extra(rng, sk) -> dict`` of more :class:`Problem` fields (``chunk_size``, ``split``,
-        ``deterministic``, ``dlse``), drawn after the common fields.
+        ``deterministic``, ``dlse``, ``no_read_back``), drawn after the common fields.
     """
 
     name: str
@@ -274,7 +277,8 @@ def _run_backward(p: Problem, case: Case) -> float:
 
     bp = BackwardProblem(case, p.mask_object(), p.kernel, out_dtype=np.float32 if p.out_f32 else None, dlse=p.dlse,
                          seed=(p.data_seed, 1))  # dout's stream apart from the inputs' (data_seed's)
-    return bp.check(bp.run(deterministic=p.deterministic))
+    call = dict(q_max_seq_len=max(p.sq, default=0), validate=False) if p.no_read_back else {}
+    return bp.check(bp.run(deterministic=p.deterministic, **call))
 
 
 def _chunk_size(rng, sk) -> dict:
@@ -286,7 +290,8 @@ def _split(rng, sk) -> dict:
 
 
 def _backward_options(rng, sk) -> dict:
-    return dict(deterministic=bool(rng.random() < 0.4), dlse=bool(rng.random() < 0.3))
+    return dict(deterministic=bool(rng.random() < 0.4), dlse=bool(rng.random() < 0.3),
+                no_read_back=bool(rng.random() < 0.5))
 
 
 #: Every variant the fuzz runs, in schedule order.
@@ -382,6 +387,8 @@ def tags(p: Problem) -> List[str]:
         out.append("deterministic")
     if p.dlse:
         out.append("dlse")
+    if p.no_read_back:
+        out.append("no read-back")
     return out
 
 
@@ -402,6 +409,7 @@ def describe(p: Problem) -> str:
         parts.append(f"split={list(p.split)}")
     parts += (["lse"] if p.lse else []) + (["float32 out"] if p.out_f32 else [])
     parts += (["deterministic"] if p.deterministic else []) + (["dlse"] if p.dlse else [])
+    parts += ["q_max_seq_len, validate=False"] if p.no_read_back else []
     return " ".join(parts)
 
 

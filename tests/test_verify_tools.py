@@ -66,8 +66,8 @@ def test_the_backward_comes_last_in_the_schedule():
               '"cache_offsets":null,"q_start_pos":null,"out_f32":true,"lse":true,"page_size":0,"chunk_size":0,'
               '"split":null,"data_seed":548136401}')  # problem 10 of seed 3, as the fuzz printed it before
     p = _fuzz.Problem.from_json(before)
-    assert p == _fuzz.draw(3, 10) and not p.deterministic and not p.dlse
-    assert json.loads(p.to_json()) == dict(json.loads(before), deterministic=False, dlse=False)
+    assert p == _fuzz.draw(3, 10) and not p.deterministic and not p.dlse and not p.no_read_back
+    assert json.loads(p.to_json()) == dict(json.loads(before), deterministic=False, dlse=False, no_read_back=False)
 
 
 def test_problems_respect_their_variant():
