@@ -184,7 +184,8 @@ class _Calls:
     intermediate of a whole tensor is made on the way in or out."""
 
     def __init__(self, ranges, offsets, q_start, sq: int, scale: float, mask):
-        self.ranges, self.offsets, self.q_start, self.sq, self.scale, self.mask = ranges, offsets, q_start, sq, scale, mask
+        self.ranges, self.offsets, self.q_start = ranges, offsets, q_start
+        self.sq, self.scale, self.mask = sq, scale, mask
 
     def _views(self, b: int, query, key, value):
         """Sequence ``b``'s ``(q, k, v, k_rope)`` views in the kernels' ``[T, H, D]`` layout."""
