@@ -67,13 +67,15 @@ constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * kLaunchRegs, "register budget");
 
-// Named barriers (0 is __syncthreads), each over the two consumer warpgroups: P^T / dS^T free to be
-// overwritten (both consumers' dQ of the previous query block complete), P^T / dS^T written (and
-// any rows zeroed), and k's rows past the sequence zeroed, q's and dout's rows past it zeroed.
+// Named barriers (0 is __syncthreads), the first four over the two consumer warpgroups: dS^T free to
+// be overwritten (both consumers' dQ of the previous query block complete), P^T / dS^T written (and
+// any rows zeroed), and k's rows past the sequence zeroed, q's and dout's rows past it zeroed; then
+// one per consumer over its own 128 threads: its P^T rows written (they are its dV's alone).
 constexpr int kPdsFreeBar = 1;
 constexpr int kPdsReadyBar = 2;
 constexpr int kKZeroBar = 3;
 constexpr int kRowZeroBar = 4;
+constexpr int kPtReadyBar = 5;  // + the consumer's index
 
 }  // namespace sm90_bwd
 }  // namespace mla

@@ -4,12 +4,14 @@
 // holding the group's sum over heads (store_rope). Per query block (step):
 //   1. S = Q K_c^T and dP = dO V_c^T, issued back to back (wgmma, both operands in shared memory);
 //   2. once S is done: P = exp2(scale_log2 S - lse_log2), then P^T to shared memory by stmatrix;
-//      once dP is done: dS = P (dP - D), dS^T to shared memory;
-//   3. dV^T += dO^T P^T and dK^T += Q^T dS^T over the consumer's own 48 keys; dQ's 96 columns of
-//      the consumer = dS K over all 96 keys of the tile (both consumers' dS^T);
-//   4. dq staged in shared memory for the dq thread's bulk reduction.
-// The two consumers meet twice per step on named barriers: before writing P^T / dS^T (both are done
-// with the previous step's, which the other's dQ read) and after (the other's dS^T is there).
+//      dV^T += dO^T P^T issued at once over the consumer's own 48 keys (its own P^T rows alone: a
+//      barrier of its 128 threads), so that it runs under the dS math;
+//   3. once dP is done: dS = P (dP - D), dS^T to shared memory;
+//   4. dQ's 96 columns of the consumer = dS K over all 96 keys of the tile (both consumers' dS^T),
+//      then dK^T += Q^T dS^T over its own keys;
+//   5. dq staged in shared memory for the dq thread's bulk reduction.
+// The two consumers meet twice per step on named barriers: before writing dS^T (both are done with
+// the previous step's, which the other's dQ read) and after (the other's dS^T is there).
 //
 // Masks and bounds. A step's tile (64 query rows x the consumer's 48 keys) that is not wholly visible
 // and inside its sequence takes the per-element predicate: invisible pairs get P = dS = 0 by a
@@ -231,36 +233,52 @@ struct Consumer {
                                        w.k_pos0 + key0 + kWgKeys - 1);
     int lo[2] = {0, 0}, hi[2] = {kWgKeys, kWgKeys};
     if (!full) row_intervals(w, qrow0 + row0, key0, lo, hi);
+    const float lse[2] = {lds_f32(sm.lse(s) + 4 * row0), lds_f32(sm.lse(s) + 4 * (row0 + 8))};
+    const float d[2] = {lds_f32(sm.dpsum(s) + 4 * row0), lds_f32(sm.dpsum(s) + 4 * (row0 + 8))};
+    const int rows = w.sq - qrow0;
+    const bool whole = rows >= kBlockM;  // no row past the sequence
     wgmma_wait<1>();
     fence_operands(sc);
-    const float lse[2] = {lds_f32(sm.lse(s) + 4 * row0), lds_f32(sm.lse(s) + 4 * (row0 + 8))};
     u32 packed[6][2];
     if (full) probabilities<false>(sc, lse, lo, hi, packed);
     else probabilities<true>(sc, lse, lo, hi, packed);
-    both_consumers(kPdsFreeBar);  // both consumers' previous dQ (which read all of dS^T) complete
+    // P^T rows of this consumer's keys: read by its own dV^T alone (desc_keys), which the previous
+    // block's last wait saw done
     const u32 pt = sm.pt(), dst = sm.dst();
     store_transposed(pt, packed);
-    wgmma_wait<0>();
-    fence_operands(dp);
-    const float d[2] = {lds_f32(sm.dpsum(s) + 4 * row0), lds_f32(sm.dpsum(s) + 4 * (row0 + 8))};
-    if (full) score_grads<false>(sc, dp, d, lo, hi, packed);
-    else score_grads<true>(sc, dp, d, lo, hi, packed);
-    store_transposed(dst, packed);
-    fence_proxy_async();
-    both_consumers(kPdsReadyBar);  // P^T, dS^T whole; both consumers' S and dP complete
-    const int rows = w.sq - qrow0;
-    if (rows < kBlockM) {  // the sequence's last query block: q's and dout's rows past it zeroed
+    if (!whole) {  // the sequence's last query block: q's and dout's rows past it zeroed, once both
+      wgmma_wait<0>();  // consumers' S and dP (which read them) are done
+      both_consumers(kRowZeroBar);
       const u32 q = sm.q(s), dout = sm.dout(s);
       zero_rows(kBlockM - rows, 5 * 8, [&](int r, int i) {
         const int blk = i / 8;
         return (blk < 3 ? q + blk * kQBlk : dout + (blk - 3) * kQBlk) + (rows + r) * 128 + (i % 8) * 16;
       });
-      fence_proxy_async();
-      both_consumers(kRowZeroBar);
     }
+    fence_proxy_async();
+    if (whole) sm90::named_barrier_sync(kPtReadyBar + cw, 128);  // this consumer's P^T rows in
+    else both_consumers(kRowZeroBar);                            // and both consumers' zeroed rows
+    // dV^T += dO^T P^T (4 k-steps of 16 queries), a commit group of its own under the dS math
+    const unsigned long long dot = make_desc(sm.dout(s), kQBlk, 1024), qt = make_desc(sm.q(s), kQBlk, 1024);
+    const unsigned long long ptk = desc_keys(pt), dstk = desc_keys(dst);
+    wgmma_fence();
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        G::template ss<1, 0>(dv[mb], desc_add(dot, mb * kQBlk + kk * 2048), desc_add(ptk, kk * 32), 1);
+    wgmma_commit();
+    wgmma_wait<1>();  // dP, committed before dV^T
+    fence_operands(dp);
+    if (full) score_grads<false>(sc, dp, d, lo, hi, packed);
+    else score_grads<true>(sc, dp, d, lo, hi, packed);
+    both_consumers(kPdsFreeBar);  // both consumers' previous dQ (which read all of dS^T) complete
+    store_transposed(dst, packed);
+    fence_proxy_async();
+    both_consumers(kPdsReadyBar);  // dS^T whole
 
-    // dQ = dS K (6 k-steps of 16 keys) first, then dV^T += dO^T P^T and dK^T += Q^T dS^T (4 k-steps of
-    // 16 queries): two commit groups
+    // dQ = dS K (6 k-steps of 16 keys), then dK^T += Q^T dS^T (4 k-steps of 16 queries): two commit
+    // groups
     float dq[12][4];
     const unsigned long long dq_a = make_desc(dst, kPdsBytes, 1024);                          // dS, transposed
     const unsigned long long dq_b = make_desc(sm.k() + 3 * cw * kKBlk, kKBlk, 512, kDescSwizzle64);  // K, transposed
@@ -269,14 +287,6 @@ struct Consumer {
     for (int kk = 0; kk < kBlockN / 16; ++kk)
       G::template ss<1, 1>(dq, desc_add(dq_a, kk * 2048), desc_add(dq_b, kk * 1024), kk > 0);
     wgmma_commit();
-    // dO and Q read transposed, P^T and dS^T rows of this consumer's keys
-    const unsigned long long dot = make_desc(sm.dout(s), kQBlk, 1024), qt = make_desc(sm.q(s), kQBlk, 1024);
-    const unsigned long long ptk = desc_keys(pt), dstk = desc_keys(dst);
-#pragma unroll
-    for (int mb = 0; mb < 2; ++mb)
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        G::template ss<1, 0>(dv[mb], desc_add(dot, mb * kQBlk + kk * 2048), desc_add(ptk, kk * 32), 1);
 #pragma unroll
     for (int mb = 0; mb < 3; ++mb)
 #pragma unroll
@@ -284,8 +294,8 @@ struct Consumer {
         G::template ss<1, 0>(dk[mb], desc_add(qt, mb * kQBlk + kk * 2048), desc_add(dstk, kk * 32), 1);
     wgmma_commit();
 
-    // dq staged once dQ is done: float4 (n-tile nt, thread) at (nt * 128 + thread) * 16 bytes
-    // (post-pass: kDqWgmma), while dV^T and dK^T run
+    // dq staged once dQ (and dV^T, committed before it) is done: float4 (n-tile nt, thread) at
+    // (nt * 128 + thread) * 16 bytes (post-pass: kDqWgmma), while dK^T runs
     wgmma_wait<1>();
     fence_operands(dq);
     mbar_wait(sm.dq_empty(cw), (staged & 1) ^ 1);  // the first pass does not wait
