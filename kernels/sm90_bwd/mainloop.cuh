@@ -157,6 +157,18 @@ struct Consumer {
     return sm90::make_desc(tile + cw * kWgKeys * 128, 16, 1024);
   }
 
+  // acc += A^T B over the query block's 64 rows (4 k-steps of 16 queries), one 64-dim block of A per
+  // mb: dV^T (A = dO, B = P^T) and dK^T (A = Q, B = dS^T) over this consumer's keys (desc_keys).
+  template <int MB>
+  static __device__ __forceinline__ void add_over_queries(float (&acc)[MB][6][4], unsigned long long a,
+                                                          unsigned long long b) {
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        Wgmma<T>::template ss<1, 0>(acc[mb], sm90::desc_add(a, mb * kQBlk + kk * 2048), sm90::desc_add(b, kk * 32), 1);
+  }
+
   // S = Q K_c^T (12 k-steps of 16 over 192) and dP = dO V_c^T (8 over 128) of query block `it`, once
   // its rows are in; two commit groups.
   __device__ __forceinline__ void issue_s_dp(float (&sc)[6][4], float (&dp)[6][4]) const {
@@ -262,11 +274,7 @@ struct Consumer {
     const unsigned long long dot = make_desc(sm.dout(s), kQBlk, 1024), qt = make_desc(sm.q(s), kQBlk, 1024);
     const unsigned long long ptk = desc_keys(pt), dstk = desc_keys(dst);
     wgmma_fence();
-#pragma unroll
-    for (int mb = 0; mb < 2; ++mb)
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        G::template ss<1, 0>(dv[mb], desc_add(dot, mb * kQBlk + kk * 2048), desc_add(ptk, kk * 32), 1);
+    add_over_queries(dv, dot, ptk);
     wgmma_commit();
     wgmma_wait<1>();  // dP, committed before dV^T
     fence_operands(dp);
@@ -287,11 +295,7 @@ struct Consumer {
     for (int kk = 0; kk < kBlockN / 16; ++kk)
       G::template ss<1, 1>(dq, desc_add(dq_a, kk * 2048), desc_add(dq_b, kk * 1024), kk > 0);
     wgmma_commit();
-#pragma unroll
-    for (int mb = 0; mb < 3; ++mb)
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        G::template ss<1, 0>(dk[mb], desc_add(qt, mb * kQBlk + kk * 2048), desc_add(dstk, kk * 32), 1);
+    add_over_queries(dk, qt, dstk);
     wgmma_commit();
 
     // dq staged once dQ (and dV^T, committed before it) is done: float4 (n-tile nt, thread) at
