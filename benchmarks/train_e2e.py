@@ -28,6 +28,10 @@ shift between the two curves shows up there too). Steps are timed by the wall cl
 synchronizations after ``--warmup`` steps; the peak is ``torch.cuda.max_memory_allocated`` over the
 training of each backend.
 
+``--impls mla_cupy,sdpa,eager`` adds transformers' eager attention (bf16 matmuls, a float32 softmax
+of the whole score matrix): a control for how far the step where the loss falls moves between two
+attentions that differ by rounding alone.
+
 ``--device cpu`` with small sizes runs the same steps without a GPU (the backend then runs the float64
 reference): a check of this script, not a measurement.
 """
@@ -41,7 +45,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-IMPLS = ("mla_cupy", "sdpa")
+IMPLS = ("mla_cupy", "sdpa", "eager")  # eager: transformers' own attention (float32 softmax), a third rounding
+DEFAULT_IMPLS = IMPLS[:2]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -51,7 +56,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps per backend (default 200)")
     ap.add_argument("--warmup", type=int, default=5,
                     help="steps left out of the timing (default 5; the learning-rate warm-up is --lr-warmup)")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated backends (default: %(default)s)")
+    ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                    help=f"comma-separated backends of {', '.join(IMPLS)} (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=128)
