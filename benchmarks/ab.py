@@ -58,8 +58,8 @@ Implementations (``--impls``, comma separated; the first is the base):
   kbuild            the K build alone (``torch.cat``)
 
 With ``--backward`` the implementations are backward passes, given our forward's out and lse and a random
-dout: ``ours`` (``ours:det=1`` deterministic, ``ours:kernel=sm80`` the portable kernel, ``ours:src=DIR``
-and ``ours:def=...`` as above), ``cudnn`` and
+dout: ``ours`` (``ours:det=1`` deterministic, ``ours:kernel=sm80`` the portable kernel, ``ours:hpg=N`` N
+heads per work tile instead of the host's rule, ``ours:src=DIR`` and ``ours:def=...`` as above), ``cudnn`` and
 ``fa4`` (their backward kernels through torch autograd, K at 192 given), ``cudnn+kbuild`` and
 ``fa4+kbuild`` (the whole step a trainer pays: K built in the forward graph, whose backward also
 splits dK and sums its rope part over the heads); the check is dq, dk and dv against the float64
@@ -560,19 +560,26 @@ def _bwd_ours(case: BenchCase, sets, opts) -> BwdImpl:
     """Our backward (kernels/mla_backward_*.cu) through a plan of each set's layout
     (:meth:`~mla_cupy.PrefillPlan.run_backward`: checked and packed at the first run, not timed),
     the gradients given (``det=1``: deterministic mode; ``kernel=sm80``: the portable kernel;
+    ``hpg=N``: N heads per work tile, the packing's rule overridden while the plans pack;
     ``src=DIR``: the kernels under DIR, ``def=A:0+B:1``: compile-time switches, as for the forward)."""
+    from mla_cupy import _backward
+
     saved = None
+    rule = _backward.heads_per_group
     if "src" in opts or "def" in opts:  # the first runs below compile from the variant's sources
         sys.path.insert(0, __file__.rsplit("/", 1)[0])
         from _variant import restore, use_defines, use_sources
 
         saved = (use_sources(opts["src"]) if "src" in opts else
                  use_defines(dict(d.split(":", 1) for d in opts["def"].split("+")), "mla_backward_sm90.cu"))
+    if "hpg" in opts:
+        _backward.heads_per_group = lambda heads, work_per_group, sms: min(int(opts["hpg"]), heads)
     try:
         runs = _bwd_runs(case, sets, opts)
         for run, _ in runs:
             run()  # the first run of each: checked, packed, compiled
     finally:
+        _backward.heads_per_group = rule
         if saved is not None:
             restore(saved)
     return (lambda i: runs[i][0]()), (lambda i: runs[i][1])

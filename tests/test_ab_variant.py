@@ -1,6 +1,7 @@
 """benchmarks/_variant.py on the CPU: switching the kernel sources forgets every cache derived from
 the compiled modules, the exported globals included (a variant with a larger shared memory must not
 launch with the base kernel's size)."""
+import pytest
 from _scripts import load_script
 
 from mla_cupy import _geometry, jit
@@ -49,3 +50,29 @@ def test_fp8_paged_rope_takes_one_sequence_per_token():
         base, opts = ab.parse_impl(f"{impl}:paged=64")
         with pytest.raises(SystemExit, match="one-sequence cases, per token"):
             ab.FACTORIES[base](ab.parse_case(case), [], opts)
+
+
+def test_backward_heads_per_tile_overridden_while_the_plans_pack(monkeypatch):
+    """``ours:hpg=N`` (ab.py --backward): the packing's heads-per-tile rule gives N while the plans
+    are packed and its own answer again afterwards, also when packing fails."""
+    from mla_cupy import _backward
+
+    ab = load_script("benchmarks/ab.py", "ab_hpg")
+    rule = _backward.heads_per_group
+    seen = []
+
+    def runs(case, sets, opts):
+        seen.append(_backward.heads_per_group(128, 10, 132))
+        return [(lambda: None, ())]
+
+    monkeypatch.setattr(ab, "_bwd_runs", runs)
+    ab._bwd_ours(None, [None], {"hpg": "1"})
+    assert seen == [1] and _backward.heads_per_group is rule and rule(128, 10, 132) == 2
+
+    def fails(case, sets, opts):
+        raise RuntimeError("packing failed")
+
+    monkeypatch.setattr(ab, "_bwd_runs", fails)
+    with pytest.raises(RuntimeError, match="packing failed"):
+        ab._bwd_ours(None, [None], {"hpg": "2"})
+    assert _backward.heads_per_group is rule
