@@ -58,8 +58,10 @@ constexpr float kLog2e = 1.4426950408889634f;
   /* the ragged batch (tile_scheduler.cuh: SeqOffsets) */                                                 \
   X(const u32*, q_offsets) X(const u32*, kv_begin) X(const u32*, kv_end) X(const u32*, cache_offsets)     \
   X(const i64*, q_start_pos)                                                                              \
-  /* the work: heads, heads per group, sequences, key blocks of the longest sequence, dq chunks */        \
+  /* the work: heads, heads per group, sequences, key blocks of the longest sequence, dq chunks, the */  \
+  /* last head groups whose key blocks go slowest (decode_key_tile) */                                    \
   X(int, num_heads) X(int, heads_per_group) X(int, batch) X(int, num_n_blocks) X(int, num_chunks)        \
+  X(int, tail_groups)                                                                                     \
   /* scale * log2(e), scale, the mask's argument, 1: dq summed in key-block order (deterministic) */      \
   X(float, scale_log2) X(float, scale) X(i64, mask_arg) X(int, deterministic)                           \
   /* the work-tile counter of this launch's stream (Hopper), or null: round robin */                      \
@@ -142,13 +144,26 @@ __device__ __forceinline__ int first_key_block(const Mask& mask, const WorkTile&
 // Decodes work tile idx (0 <= idx < num_n_blocks * batch * groups) in the order: key blocks fastest
 // (block 0, which sees the most queries under a causal mask, first), then sequences, then head
 // groups. The CTAs running at once then work on the key blocks of a few heads, whose q and dout
-// rows stay in L2. Returns false when the sequence has no such key block.
+// rows stay in L2. The last tail_groups head groups (0: none) take key blocks slowest instead, so
+// that the launch ends on the short tiles of every one of them rather than on the long first
+// blocks of its last group; a sequence's blocks keep their order either way (deterministic mode: a
+// block's turn comes after the lower ones of its sequence and group, handed out before it).
+// Returns false when the sequence has no such key block.
 template <typename Mask>
 __device__ __forceinline__ bool decode_key_tile(const SeqOffsets& so, const Mask& mask, int idx, int num_heads,
                                                 int heads_per_group, int batch, int num_n_blocks, int block_n,
-                                                KeyTile& t) {
-  t.n_block = idx % num_n_blocks;
-  int rest = idx / num_n_blocks;
+                                                int tail_groups, KeyTile& t) {
+  const int groups = (num_heads + heads_per_group - 1) / heads_per_group;
+  const int tail0 = (groups - tail_groups) * num_n_blocks * batch;  // the first index of the tail
+  int rest;
+  if (idx < tail0) {
+    t.n_block = idx % num_n_blocks;
+    rest = idx / num_n_blocks;
+  } else {
+    const int j = idx - tail0, per_block = batch * tail_groups;
+    t.n_block = j / per_block;
+    rest = (groups - tail_groups) * batch + j % per_block;
+  }
   t.w.b = rest % batch;
   const int g = rest / batch;
   WorkTile& w = t.w;

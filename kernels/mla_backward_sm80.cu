@@ -505,7 +505,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_backward_kernel(const __grid_
   const SeqOffsets so{p.q_offsets, p.kv_begin, p.kv_end, p.cache_offsets, p.q_start_pos};
   const Mask mask{p.mask_arg};
   bwd::KeyTile t;
-  if (!bwd::decode_key_tile(so, mask, idx, p.num_heads, p.heads_per_group, p.batch, p.num_n_blocks, kBlockN, t)) return;
+  if (!bwd::decode_key_tile(so, mask, idx, p.num_heads, p.heads_per_group, p.batch, p.num_n_blocks, kBlockN,
+                            p.tail_groups, t))
+    return;
   const int warp = threadIdx.x / 32;
   const Cta<T, Mask> cta{p, mask, t, smem_addr(smem), static_cast<int>(threadIdx.x), warp, static_cast<int>(threadIdx.x % 32),
                          warp % 4, warp / 4};

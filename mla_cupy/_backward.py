@@ -18,13 +18,14 @@ from ._arrays import is_torch
 from ._launch import PreparedLaunch
 from ._packing import LOG2E, Record, Step, map_fields, slots_of, stride16
 from ._run_args import BackwardArrays, Target
-from ._select import sm_count
+from ._select import l2_bytes, sm_count
 from .dims import DQK, DR, DV, kernel_int
 from .tma import ZERO_MAP, encode_tiled
 from .validation import Problem
 from .workspace import empty_result
 
-__all__ = ["pack_backward", "heads_per_group", "workspace_parts", "aligned_slots", "GRADIENTS", "new_gradients"]
+__all__ = ["pack_backward", "heads_per_group", "tail_groups", "workspace_parts", "aligned_slots", "GRADIENTS",
+           "new_gradients"]
 
 #: Query rows of a dq chunk, the workspace's unit (kernels/backward.cuh: kChunkRows; a main kernel's
 #: query blocks, its geometry's block_m, must be one chunk: checked where a launch is packed).
@@ -39,6 +40,21 @@ def heads_per_group(heads: int, work_per_group: int, sms: int) -> int:
     if work_per_group * -(-heads // g) < 4 * sms:
         g = 2
     return min(g, heads)
+
+
+def tail_groups(groups: int, work_per_group: int, ctas: int, heads_per_group: int, tq: int,
+                l2: int) -> int:
+    """Head groups at the end of a persistent launch whose key blocks are handed out slowest
+    (kernels/backward.cuh: decode_key_tile): the fewest last groups that hold two work tiles per
+    CTA, so that the launch ends on the short tiles of all of them, not on the long first blocks
+    of the last one; 0 where those groups' q and dout rows (``(192 + 128) * 2`` bytes per row and
+    head) exceed the L2, which their concurrent tiles then read from DRAM. On H100, H = 16 at
+    1 x 4096 and 1 x 8192 took 0.87 and 0.94 of the time, a ragged batch of 4 sequences 0.98;
+    where the rows did not fit (H = 128 at 1 x 2048 to 1 x 8192) the order took 1.06-1.09."""
+    if not groups or not work_per_group:
+        return 0
+    tail = min(groups, -(-2 * ctas // work_per_group))
+    return tail if tail * heads_per_group * tq * (DQK + DV) * 2 <= l2 else 0
 
 
 def num_chunks(p: Problem) -> int:
@@ -168,7 +184,7 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
                   dk=0, dv=0, dk_st=dk_st[0], dk_sh=dk_st[1], dv_st=dv_st[0], dv_sh=dv_st[1], dq_accum=0,
                   lse_log2=0, dpsum=0, rope_part=0, dq_sem=0, tk=p.tk, q_offsets=o.q_offsets, kv_begin=o.kv_begin,
                   kv_end=o.kv_end, cache_offsets=o.cache_offsets, q_start_pos=o.q_start, num_heads=p.heads,
-                  heads_per_group=g, batch=p.batch, num_n_blocks=n_blocks, num_chunks=chunks,
+                  heads_per_group=g, batch=p.batch, num_n_blocks=n_blocks, num_chunks=chunks, tail_groups=0,
                   scale_log2=p.scale * LOG2E, scale=p.scale, mask_arg=p.mask.arg, deterministic=int(deterministic),
                   tile_counter=0)
     work = n_blocks * p.batch * groups
@@ -178,6 +194,7 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
         maps = map_fields(main.params)
         values.update({n: ZERO_MAP for n in maps})
         grid = max(1, min(work, sms))  # persistent
+        values["tail_groups"] = tail_groups(groups, n_blocks * p.batch, grid, g, p.tq, l2_bytes(dev))
         map_slots = tuple(slot[n] for n in ("q", "k", "v", "k_rope", "dout"))
         map_field = maps[0]
         dtype, heads, tq, tk = p.dtype, p.heads, p.tq, p.tk

@@ -35,6 +35,11 @@ def sm_count(dev: int) -> int:
     return _sm_count_and_l2(dev)[0]
 
 
+def l2_bytes(dev: int) -> int:
+    """Bytes of device ``dev``'s L2 cache."""
+    return _sm_count_and_l2(dev)[1]
+
+
 def device_id() -> int:
     """The current CUDA device."""
     import cupy
@@ -85,7 +90,7 @@ def heads_per_section(p, device_id: int) -> int:
     is equal (H = 16 at 16384 keys: sections of 2 or 4 heads 3% faster than 3). ``p`` is the checked
     :class:`~mla_cupy.validation.Problem`."""
     kv_bytes_per_head = max(1, p.tk) * 2 * DV * (1 if p.fp8 else p.dtype.itemsize)
-    l2 = _sm_count_and_l2(device_id)[1]
+    l2 = l2_bytes(device_id)
     budget = l2 // 8 if isinstance(p.mask, NullMask) else l2 // (2 if p.batch == 1 else 4)
     g = max(1, min(p.heads, budget // kv_bytes_per_head))
     return max(d for d in range(1, g + 1) if p.heads % d == 0)

@@ -7,7 +7,7 @@ import pytest
 
 import mla_cupy
 from mla_cupy import CausalMask, NullMask, plan_cache_info
-from mla_cupy._backward import workspace_parts
+from mla_cupy._backward import tail_groups, workspace_parts
 import mla_cupy._packing as packing
 from mla_cupy.validation import Problem
 
@@ -123,6 +123,26 @@ def test_the_key_blocks_span_the_longest_sequence(gpu):
     grid = gpu.launches[-3][0].grid[0]
     work = main["num_n_blocks"] * 2 * -(-2 // main["heads_per_group"])
     assert grid == (min(work, 132) if gpu.capability == "90" else work)  # persistent on Hopper
+    # Hopper: every head group in the tail (a few tiles, their rows far within the L2); the portable
+    # kernel's one CTA per tile keeps key blocks fastest
+    groups = -(-2 // main["heads_per_group"])
+    assert main["tail_groups"] == (groups if gpu.capability == "90" else 0)
+
+
+@pytest.mark.parametrize("heads, tq, hpg, expected", [
+    (16, 4096, 2, 7),     # 8 groups of 43 key blocks: the last 7 hold 2 tiles per CTA, 37 MB of rows
+    (16, 8192, 2, 4),     # 8 groups of 86: the last 4, 42 MB
+    (128, 2048, 4, 0),    # 32 groups of 22: the last 12 would read 63 MB of rows, past the L2
+    (128, 8192, 4, 0),    # 32 groups of 86: the last 4, 84 MB
+    (16, 16384, 4, 0),    # 4 groups of 171: the last 2, 84 MB
+])
+def test_tail_groups_where_their_rows_fit_in_l2(heads, tq, hpg, expected):
+    """The head groups handed out key blocks slowest at a Hopper launch's end (132 CTAs, a 50 MiB
+    L2, one causal sequence of tq rows)."""
+    n_blocks = -(-tq // 96)
+    assert tail_groups(heads // hpg, n_blocks, 132, hpg, tq, 50 << 20) == expected
+    assert tail_groups(heads // hpg, n_blocks, 132, hpg, tq, 1 << 40) == min(heads // hpg, -(-264 // n_blocks))
+    assert tail_groups(0, n_blocks, 132, hpg, tq, 50 << 20) == tail_groups(heads // hpg, 0, 132, hpg, tq, 50 << 20) == 0
 
 
 def test_without_read_back_tk_bounds_the_key_blocks(gpu, monkeypatch):

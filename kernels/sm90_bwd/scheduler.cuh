@@ -26,7 +26,8 @@ struct KeyTiles {
   __device__ __forceinline__ int find(const Params& p, const Mask& mask, int idx, bwd::KeyTile& t) const {
     const SeqOffsets so{p.q_offsets, p.kv_begin, p.kv_end, p.cache_offsets, p.q_start_pos};
     for (; idx < counter.num_work; idx = next(idx))
-      if (bwd::decode_key_tile(so, mask, idx, p.num_heads, p.heads_per_group, p.batch, p.num_n_blocks, kBlockN, t))
+      if (bwd::decode_key_tile(so, mask, idx, p.num_heads, p.heads_per_group, p.batch, p.num_n_blocks, kBlockN,
+                               p.tail_groups, t))
         return idx;
     t.valid = 0;
     return idx;
