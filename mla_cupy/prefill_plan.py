@@ -313,7 +313,9 @@ class PrefillPlan:
 
     def _run(self, arrays: PrefillArrays, stream):
         """A run: the record of its arrays' layout (checked and packed by the first run of that
-        layout), its pointers rewritten and launched (:func:`~mla_cupy._packing.launch_record`)."""
+        layout, :meth:`_first_run`), results made where none are given, the pointers rewritten and
+        launched (:meth:`_launch`). The layout is the arrays' as given (``out`` / ``lse`` None
+        included), so a layout run before was checked and its results are made without checks."""
         torch_in = is_torch(arrays.q)
         v = arrays.v
         tv = v if type(v) is TransposedV else None  # V^T made ahead: its data in place of v
@@ -322,11 +324,6 @@ class PrefillPlan:
             check_transposed_v_offsets(tv, self._p.batch, given, self._bounds.cache_row_offsets is not None,
                                        self._bounds.cache_row_offsets, also=device)
             arrays = arrays._replace(v=tv.data)
-        out, lse = arrays.out, arrays.lse
-        if out is None or (lse is None and self.return_lse):
-            check_run(self._p, self._t, self._bounds, self._checkable(arrays, tv))
-            arrays = self._with_results(arrays, torch_in)
-            out, lse = arrays.out, arrays.lse
         try:
             ptrs, layouts = pointers_and_layouts(arrays)  # read without converting the arrays
         except (TypeError, AttributeError):  # read through DLPack, or not an array: the CuPy views (or the error)
@@ -335,9 +332,22 @@ class PrefillPlan:
         last_key, rec = self._last  # the previous run's layout: most runs' own (no hash)
         if key != last_key:
             rec = self._records.get(key)
-            if rec is None:
-                rec = self._first_run(key, arrays, tv, stream, torch_in)
-            self._last = (key, rec)
+            if rec is not None:
+                self._last = (key, rec)
+        if rec is not None:
+            return self._launch(rec, arrays, ptrs, tv, stream, torch_in)
+        return self._first_run(key, arrays, tv, stream, torch_in)
+
+    def _launch(self, rec: Record, arrays: PrefillArrays, ptrs: list, tv, stream, torch_in: bool):
+        """Launch ``rec`` over ``arrays`` (``ptrs`` their pointers; ``tv`` the V^T made ahead whose
+        data is v, or None): new ``out`` / ``lse`` where none are given, the plan's own fp8
+        workspace where the run brings none."""
+        out, lse = arrays.out, arrays.lse
+        if out is None or (lse is None and self.return_lse):
+            arrays = self._with_results(arrays, torch_in)
+            out, lse = arrays.out, arrays.lse
+            ptrs[_OUT] = device_pointer(out)
+            ptrs[_LSE] = optional_ptr(lse)
         if stream is None and not torch_in:
             raw_stream = self._current_stream().ptr
         else:
@@ -371,15 +381,23 @@ class PrefillPlan:
         return arrays._replace(out=out, lse=lse)
 
     # -- the first run of a layout: checks and packing --------------------------------------------
-    def _first_run(self, key: tuple, arrays: PrefillArrays, tv, stream, torch_in: bool) -> Record:
-        """The record of a layout the plan has not run: the run's arrays checked against the plan
-        (:func:`~mla_cupy._plan_checks.check_run`), packed and remembered under ``key``."""
-        checkable_arrays = self._checkable(arrays, tv)
+    def _first_run(self, key: tuple, arrays: PrefillArrays, tv, stream, torch_in: bool):
+        """A run of a layout the plan has not run: its arrays checked against the plan
+        (:func:`~mla_cupy._plan_checks.check_run`; without results first, so that a bad ``q`` is
+        told before results are made from its rows), packed, remembered under ``key`` and launched."""
+        with_results = arrays
+        if arrays.out is None or (arrays.lse is None and self.return_lse):
+            check_run(self._p, self._t, self._bounds, self._checkable(arrays, tv))
+            with_results = self._with_results(arrays, torch_in)
+        checkable_arrays = self._checkable(with_results, tv)
         run_p = check_run(self._p, self._t, self._bounds, checkable_arrays)  # device arrays from here on
         if tv is not None:
             checkable_arrays = checkable_arrays._replace(v=checkable_arrays.v.data)
-        raw_stream = stream_ptr(stream, torch_in)
-        return self._remember(key, pack(self._t, run_p, checkable_arrays, raw_stream, self._workspace_for))
+        rec = self._remember(key, pack(self._t, run_p, checkable_arrays, stream_ptr(stream, torch_in),
+                                       self._workspace_for))
+        self._last = (key, rec)
+        ptrs, _ = pointers_and_layouts(checkable_arrays)
+        return self._launch(rec, with_results, ptrs, tv, stream, torch_in)
 
     def _remember(self, key: tuple, rec: Record) -> Record:
         with self._lock:
@@ -398,8 +416,9 @@ class PrefillPlan:
         return self._workspace
 
 
-#: The slot of a forward run's V^T workspace, which a plan may fill with its own.
-_WORKSPACE = PrefillArrays._fields.index("workspace")
+#: The slots of a forward run's results, made where a run gives none, and of its V^T workspace,
+#: which a plan may fill with its own.
+_OUT, _LSE, _WORKSPACE = (PrefillArrays._fields.index(name) for name in ("out", "lse", "workspace"))
 
 
 def _with_gradients(arrays: BackwardArrays, torch_in: bool) -> BackwardArrays:
