@@ -273,26 +273,46 @@ class PrefillPlan:
 
     def _run_backward(self, arrays: BackwardArrays, deterministic: bool,
                       stream: Stream) -> Tuple[Array, Array, Array, Array]:
+        """A backward run, as :meth:`_run` a forward one: the record of its arrays' layout as given
+        (checked and packed by the first run of that layout, :meth:`_first_backward_run`), gradients
+        made where none are given, the pointers rewritten and launched."""
         torch_in = is_torch(arrays.q)
-        if any(getattr(arrays, name) is None for name in GRADIENTS):
-            check_backward_run(self._p, self._t, self._bounds, self._checkable_backward(arrays))
-            arrays = _with_gradients(arrays, torch_in)
         try:
             ptrs, layouts = pointers_and_layouts(arrays)
         except (TypeError, AttributeError):
             ptrs, layouts = pointers_and_layouts(self._checkable_backward(arrays))
         key = ("backward", deterministic, *layouts)
         rec = self._records.get(key)
-        if rec is None:
-            checkable_arrays = self._checkable_backward(arrays)
-            run_p = check_backward_run(self._p, self._t, self._bounds, checkable_arrays)
-            rec = self._remember(key, pack_backward(self._t, run_p, checkable_arrays, deterministic=deterministic))
-        if stream is None and not torch_in:
-            raw_stream = self._current_stream().ptr
-        else:
-            raw_stream = stream_ptr(stream, torch_in)
-        launch_record(rec, ptrs, raw_stream)
+        if rec is not None:
+            return self._launch_backward(rec, arrays, ptrs, stream, torch_in)
+        return self._first_backward_run(key, arrays, deterministic, stream, torch_in)
+
+    def _launch_backward(self, rec: Record, arrays: BackwardArrays, ptrs: list, stream, torch_in: bool):
+        """Launch ``rec`` over ``arrays`` (``ptrs`` their pointers), new gradients where none are given."""
+        if any(getattr(arrays, name) is None for name in GRADIENTS):
+            arrays = _with_gradients(arrays, torch_in)
+            for slot in _GRADIENT_SLOTS:
+                ptrs[slot] = device_pointer(arrays[slot])
+        launch_record(rec, ptrs, self._raw_stream(stream, torch_in))
         return arrays.dq, arrays.dk, arrays.dv, arrays.dk_rope
+
+    def _first_backward_run(self, key: tuple, arrays: BackwardArrays, deterministic: bool, stream, torch_in: bool):
+        """A backward run of a layout the plan has not run, as :meth:`_first_run` a forward one."""
+        with_gradients = arrays
+        if any(getattr(arrays, name) is None for name in GRADIENTS):
+            check_backward_run(self._p, self._t, self._bounds, self._checkable_backward(arrays))
+            with_gradients = _with_gradients(arrays, torch_in)
+        checkable_arrays = self._checkable_backward(with_gradients)
+        run_p = check_backward_run(self._p, self._t, self._bounds, checkable_arrays)
+        rec = self._remember(key, pack_backward(self._t, run_p, checkable_arrays, deterministic=deterministic))
+        ptrs, _ = pointers_and_layouts(checkable_arrays)
+        return self._launch_backward(rec, with_gradients, ptrs, stream, torch_in)
+
+    def _raw_stream(self, stream, torch_in: bool) -> int:
+        """The raw stream of a run: CuPy's current one for CuPy arrays and no ``stream``."""
+        if stream is None and not torch_in:
+            return self._current_stream().ptr
+        return stream_ptr(stream, torch_in)
 
     @staticmethod
     def _checkable_backward(arrays: BackwardArrays) -> BackwardArrays:
@@ -348,13 +368,9 @@ class PrefillPlan:
             out, lse = arrays.out, arrays.lse
             ptrs[_OUT] = device_pointer(out)
             ptrs[_LSE] = optional_ptr(lse)
-        if stream is None and not torch_in:
-            raw_stream = self._current_stream().ptr
-        else:
-            raw_stream = stream_ptr(stream, torch_in)
         if self._fp8 and tv is None and arrays.workspace is None:
             ptrs[_WORKSPACE] = self._workspace.data.ptr if self._workspace is not None else 0
-        launch_record(rec, ptrs, raw_stream)
+        launch_record(rec, ptrs, self._raw_stream(stream, torch_in))
         return (out, lse) if self.return_lse else out
 
     @staticmethod
@@ -419,6 +435,8 @@ class PrefillPlan:
 #: The slots of a forward run's results, made where a run gives none, and of its V^T workspace,
 #: which a plan may fill with its own.
 _OUT, _LSE, _WORKSPACE = (PrefillArrays._fields.index(name) for name in ("out", "lse", "workspace"))
+#: The slots of a backward run's gradients, made where a run gives none.
+_GRADIENT_SLOTS = tuple(BackwardArrays._fields.index(name) for name in GRADIENTS)
 
 
 def _with_gradients(arrays: BackwardArrays, torch_in: bool) -> BackwardArrays:
