@@ -273,26 +273,46 @@ class PrefillPlan:
 
     def _run_backward(self, arrays: BackwardArrays, deterministic: bool,
                       stream: Stream) -> Tuple[Array, Array, Array, Array]:
+        """A backward run, as :meth:`_run` a forward one: the record of its arrays' layout as given
+        (checked and packed by the first run of that layout, :meth:`_first_backward_run`), gradients
+        made where none are given, the pointers rewritten and launched."""
         torch_in = is_torch(arrays.q)
-        if any(getattr(arrays, name) is None for name in GRADIENTS):
-            check_backward_run(self._p, self._t, self._bounds, self._checkable_backward(arrays))
-            arrays = _with_gradients(arrays, torch_in)
         try:
             ptrs, layouts = pointers_and_layouts(arrays)
         except (TypeError, AttributeError):
             ptrs, layouts = pointers_and_layouts(self._checkable_backward(arrays))
         key = ("backward", deterministic, *layouts)
         rec = self._records.get(key)
-        if rec is None:
-            checkable_arrays = self._checkable_backward(arrays)
-            run_p = check_backward_run(self._p, self._t, self._bounds, checkable_arrays)
-            rec = self._remember(key, pack_backward(self._t, run_p, checkable_arrays, deterministic=deterministic))
-        if stream is None and not torch_in:
-            raw_stream = self._current_stream().ptr
-        else:
-            raw_stream = stream_ptr(stream, torch_in)
-        launch_record(rec, ptrs, raw_stream)
+        if rec is not None:
+            return self._launch_backward(rec, arrays, ptrs, stream, torch_in)
+        return self._first_backward_run(key, arrays, deterministic, stream, torch_in)
+
+    def _launch_backward(self, rec: Record, arrays: BackwardArrays, ptrs: list, stream, torch_in: bool):
+        """Launch ``rec`` over ``arrays`` (``ptrs`` their pointers), new gradients where none are given."""
+        if any(getattr(arrays, name) is None for name in GRADIENTS):
+            arrays = _with_gradients(arrays, torch_in)
+            for slot in _GRADIENT_SLOTS:
+                ptrs[slot] = device_pointer(arrays[slot])
+        launch_record(rec, ptrs, self._raw_stream(stream, torch_in))
         return arrays.dq, arrays.dk, arrays.dv, arrays.dk_rope
+
+    def _first_backward_run(self, key: tuple, arrays: BackwardArrays, deterministic: bool, stream, torch_in: bool):
+        """A backward run of a layout the plan has not run, as :meth:`_first_run` a forward one."""
+        with_gradients = arrays
+        if any(getattr(arrays, name) is None for name in GRADIENTS):
+            check_backward_run(self._p, self._t, self._bounds, self._checkable_backward(arrays))
+            with_gradients = _with_gradients(arrays, torch_in)
+        checkable_arrays = self._checkable_backward(with_gradients)
+        run_p = check_backward_run(self._p, self._t, self._bounds, checkable_arrays)
+        rec = self._remember(key, pack_backward(self._t, run_p, checkable_arrays, deterministic=deterministic))
+        ptrs, _ = pointers_and_layouts(checkable_arrays)
+        return self._launch_backward(rec, with_gradients, ptrs, stream, torch_in)
+
+    def _raw_stream(self, stream, torch_in: bool) -> int:
+        """The raw stream of a run: CuPy's current one for CuPy arrays and no ``stream``."""
+        if stream is None and not torch_in:
+            return self._current_stream().ptr
+        return stream_ptr(stream, torch_in)
 
     @staticmethod
     def _checkable_backward(arrays: BackwardArrays) -> BackwardArrays:
@@ -313,7 +333,9 @@ class PrefillPlan:
 
     def _run(self, arrays: PrefillArrays, stream):
         """A run: the record of its arrays' layout (checked and packed by the first run of that
-        layout), its pointers rewritten and launched (:func:`~mla_cupy._packing.launch_record`)."""
+        layout, :meth:`_first_run`), results made where none are given, the pointers rewritten and
+        launched (:meth:`_launch`). The layout is the arrays' as given (``out`` / ``lse`` None
+        included), so a layout run before was checked and its results are made without checks."""
         torch_in = is_torch(arrays.q)
         v = arrays.v
         tv = v if type(v) is TransposedV else None  # V^T made ahead: its data in place of v
@@ -322,11 +344,6 @@ class PrefillPlan:
             check_transposed_v_offsets(tv, self._p.batch, given, self._bounds.cache_row_offsets is not None,
                                        self._bounds.cache_row_offsets, also=device)
             arrays = arrays._replace(v=tv.data)
-        out, lse = arrays.out, arrays.lse
-        if out is None or (lse is None and self.return_lse):
-            check_run(self._p, self._t, self._bounds, self._checkable(arrays, tv))
-            arrays = self._with_results(arrays, torch_in)
-            out, lse = arrays.out, arrays.lse
         try:
             ptrs, layouts = pointers_and_layouts(arrays)  # read without converting the arrays
         except (TypeError, AttributeError):  # read through DLPack, or not an array: the CuPy views (or the error)
@@ -335,16 +352,25 @@ class PrefillPlan:
         last_key, rec = self._last  # the previous run's layout: most runs' own (no hash)
         if key != last_key:
             rec = self._records.get(key)
-            if rec is None:
-                rec = self._first_run(key, arrays, tv, stream, torch_in)
-            self._last = (key, rec)
-        if stream is None and not torch_in:
-            raw_stream = self._current_stream().ptr
-        else:
-            raw_stream = stream_ptr(stream, torch_in)
+            if rec is not None:
+                self._last = (key, rec)
+        if rec is not None:
+            return self._launch(rec, arrays, ptrs, tv, stream, torch_in)
+        return self._first_run(key, arrays, tv, stream, torch_in)
+
+    def _launch(self, rec: Record, arrays: PrefillArrays, ptrs: list, tv, stream, torch_in: bool):
+        """Launch ``rec`` over ``arrays`` (``ptrs`` their pointers; ``tv`` the V^T made ahead whose
+        data is v, or None): new ``out`` / ``lse`` where none are given, the plan's own fp8
+        workspace where the run brings none."""
+        out, lse = arrays.out, arrays.lse
+        if out is None or (lse is None and self.return_lse):
+            arrays = self._with_results(arrays, torch_in)
+            out, lse = arrays.out, arrays.lse
+            ptrs[_OUT] = device_pointer(out)
+            ptrs[_LSE] = optional_ptr(lse)
         if self._fp8 and tv is None and arrays.workspace is None:
             ptrs[_WORKSPACE] = self._workspace.data.ptr if self._workspace is not None else 0
-        launch_record(rec, ptrs, raw_stream)
+        launch_record(rec, ptrs, self._raw_stream(stream, torch_in))
         return (out, lse) if self.return_lse else out
 
     @staticmethod
@@ -371,15 +397,23 @@ class PrefillPlan:
         return arrays._replace(out=out, lse=lse)
 
     # -- the first run of a layout: checks and packing --------------------------------------------
-    def _first_run(self, key: tuple, arrays: PrefillArrays, tv, stream, torch_in: bool) -> Record:
-        """The record of a layout the plan has not run: the run's arrays checked against the plan
-        (:func:`~mla_cupy._plan_checks.check_run`), packed and remembered under ``key``."""
-        checkable_arrays = self._checkable(arrays, tv)
+    def _first_run(self, key: tuple, arrays: PrefillArrays, tv, stream, torch_in: bool):
+        """A run of a layout the plan has not run: its arrays checked against the plan
+        (:func:`~mla_cupy._plan_checks.check_run`; without results first, so that a bad ``q`` is
+        told before results are made from its rows), packed, remembered under ``key`` and launched."""
+        with_results = arrays
+        if arrays.out is None or (arrays.lse is None and self.return_lse):
+            check_run(self._p, self._t, self._bounds, self._checkable(arrays, tv))
+            with_results = self._with_results(arrays, torch_in)
+        checkable_arrays = self._checkable(with_results, tv)
         run_p = check_run(self._p, self._t, self._bounds, checkable_arrays)  # device arrays from here on
         if tv is not None:
             checkable_arrays = checkable_arrays._replace(v=checkable_arrays.v.data)
-        raw_stream = stream_ptr(stream, torch_in)
-        return self._remember(key, pack(self._t, run_p, checkable_arrays, raw_stream, self._workspace_for))
+        rec = self._remember(key, pack(self._t, run_p, checkable_arrays, stream_ptr(stream, torch_in),
+                                       self._workspace_for))
+        self._last = (key, rec)
+        ptrs, _ = pointers_and_layouts(checkable_arrays)
+        return self._launch(rec, with_results, ptrs, tv, stream, torch_in)
 
     def _remember(self, key: tuple, rec: Record) -> Record:
         with self._lock:
@@ -398,8 +432,11 @@ class PrefillPlan:
         return self._workspace
 
 
-#: The slot of a forward run's V^T workspace, which a plan may fill with its own.
-_WORKSPACE = PrefillArrays._fields.index("workspace")
+#: The slots of a forward run's results, made where a run gives none, and of its V^T workspace,
+#: which a plan may fill with its own.
+_OUT, _LSE, _WORKSPACE = (PrefillArrays._fields.index(name) for name in ("out", "lse", "workspace"))
+#: The slots of a backward run's gradients, made where a run gives none.
+_GRADIENT_SLOTS = tuple(BackwardArrays._fields.index(name) for name in GRADIENTS)
 
 
 def _with_gradients(arrays: BackwardArrays, torch_in: bool) -> BackwardArrays:

@@ -331,6 +331,32 @@ def test_run_without_out_checks_before_allocating():
         cpu_plan(accumulate=True).run(a["q"], a["k"], a["v"], a["k_rope"])
 
 
+def test_a_layout_run_before_goes_straight_to_its_launch(monkeypatch):
+    """The first run of a layout is checked (before its results are made, then with them) and
+    packed; a later run of that layout makes new results and launches its record, unchecked; a run
+    with out given is another layout. (Checks, packing and launch are stand-ins: no GPU here.)"""
+    from mla_cupy import prefill_plan as pp
+
+    seen = []
+    monkeypatch.setattr(pp, "check_run", lambda p, t, bounds, arrays: seen.append(("check", arrays.out is None)))
+    monkeypatch.setattr(pp, "pack", lambda *a: seen.append("pack") or object())
+    monkeypatch.setattr(pp, "launch_record", lambda rec, ptrs, stream: seen.append(("launch", rec, ptrs[4])))
+    monkeypatch.setattr(pp, "stream_ptr", lambda stream, torch_in: 0)
+    monkeypatch.setattr(pp, "empty_result", lambda shape, dtype, torch_device, *name: dev(np.zeros(shape, dtype)))
+    pl, a = cpu_plan(), run_args()
+    pl._current_stream = lambda: type("S", (), {"ptr": 0})()
+    first = pl.run(a["q"], a["k"], a["v"], a["k_rope"])
+    assert seen[:3] == [("check", True), ("check", False), "pack"]
+    rec = seen[3][1]
+    assert seen[3] == ("launch", rec, first.ctypes.data) and first.shape == (8, 4, 128)
+    del seen[:]
+    second = pl.run(a["q"], a["k"], a["v"], a["k_rope"])
+    assert second is not first and seen == [("launch", rec, second.ctypes.data)]
+    del seen[:]
+    assert pl.run(a["q"], a["k"], a["v"], a["k_rope"], out=a["out"]) is a["out"]
+    assert seen[:2] == [("check", False), "pack"] and seen[2][2] == a["out"].ctypes.data
+
+
 def test_run_kinds_and_paged_ropes():
     a = run_args()
     with pytest.raises(TypeError, match="run: this plan is for fp8 inputs"):
