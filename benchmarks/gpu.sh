@@ -229,7 +229,7 @@ case "$MODE" in
       bwd) DRIVER=(benchmarks/ab.py --backward --impls ours --cases 1x8192 --profile)
            KERNEL=(-k regex:mla_backward_kernel) ;;
       fa4-bwd) DRIVER=(benchmarks/ab.py --backward --impls fa4 --cases 1x8192 --profile)
-               KERNEL=(--kernel-name-base demangled -k regex:Backward) ;;
+               KERNEL=(--kernel-name-base demangled -k regex:BackwardSm90) ;;  # the main kernel, not its pre- and post-process
       *) DRIVER=(benchmarks/ncu_case.py "$CASE") ;;
     esac
     # The drivers launch the kernel three times; the third launch is profiled.
