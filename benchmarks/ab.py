@@ -573,7 +573,7 @@ def _bwd_ours(case: BenchCase, sets, opts) -> BwdImpl:
         saved = (use_sources(opts["src"]) if "src" in opts else
                  use_defines(dict(d.split(":", 1) for d in opts["def"].split("+")), "mla_backward_sm90.cu"))
     if "hpg" in opts:
-        _backward.heads_per_group = lambda heads, work_per_group, sms: min(int(opts["hpg"]), heads)
+        _backward.heads_per_group = lambda heads, *shape: min(int(opts["hpg"]), heads)
     try:
         runs = _bwd_runs(case, sets, opts)
         for run, _ in runs:

@@ -32,10 +32,18 @@ __all__ = ["pack_backward", "heads_per_group", "tail_groups", "workspace_parts",
 _CHUNK_ROWS = kernel_int("backward.cuh", "kChunkRows")
 
 
-def heads_per_group(heads: int, work_per_group: int, sms: int) -> int:
-    """Heads a work tile takes one after another (its rope gradient summed over them in registers):
-    4 when that still leaves 4 work tiles per SM, else 2 (a rope slot per group: ``heads / g``
-    rows of float32 per key in the workspace, never one per head)."""
+def heads_per_group(heads: int, work_per_group: int, sms: int, kernel: str) -> int:
+    """Heads a work tile takes one after another (its rope gradient summed over them in registers,
+    a rope slot per group: ``heads / g`` rows of float32 per key in the workspace).
+
+    The Hopper kernel's persistent tiles take one head: a tile one head long keeps about half as
+    many heads' q and dout rows in flight in the L2 and ends the launch on shorter tiles. On H100
+    one head took 0.84-0.86 (1 x 2048), 0.94-0.95 (1 x 4096), 0.90-0.92 (ragged), 0.90-0.95
+    (H = 16) of the time of four heads (two at H = 16), and 0.99-1.01 at 1 x 8192. The portable
+    kernel (a CTA per tile) takes 4 when that still leaves 4 tiles per SM (``work_per_group`` key
+    tiles per group, ``sms`` SMs), else 2."""
+    if kernel == "sm90":
+        return 1
     g = 4
     if work_per_group * -(-heads // g) < 4 * sms:
         g = 2
@@ -126,7 +134,7 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
     m_blocks = -(-p.max_sq // _CHUNK_ROWS) if p.max_sq else 0
     queries = bool(m_blocks and p.batch)
     sms = sm_count(dev)
-    g = heads_per_group(p.heads, n_blocks * p.batch, sms)
+    g = heads_per_group(p.heads, n_blocks * p.batch, sms, target.kernel)
     groups = -(-p.heads // g)
     ws_bytes, parts = workspace_parts(p, groups, deterministic)
     chunks = num_chunks(p)

@@ -67,7 +67,7 @@ def test_backward_heads_per_tile_overridden_while_the_plans_pack(monkeypatch):
 
     monkeypatch.setattr(ab, "_bwd_runs", runs)
     ab._bwd_ours(None, [None], {"hpg": "1"})
-    assert seen == [1] and _backward.heads_per_group is rule and rule(128, 10, 132) == 2
+    assert seen == [1] and _backward.heads_per_group is rule and rule(128, 10, 132, "sm80") == 2
 
     def fails(case, sets, opts):
         raise RuntimeError("packing failed")
