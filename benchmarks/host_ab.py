@@ -2,8 +2,9 @@
 against another tree's (``--base DIR``: a checkout or ``git archive`` with ``mla_cupy/`` and
 ``kernels/``), imported beside it as ``mla_cupy_base``.
 
-Separate processes of the same package land at host times up to 40% apart (a process keeps the core
-and clock it starts on), so a comparison of two versions from separate runs measures the processes.
+Separate processes of the same package land at host times up to 1.6x apart (on an H100 machine,
+about 12 or about 18 us per ``plan.run`` call, the whole process at one level), so a comparison of
+two versions from separate runs measures the processes.
 Here every call of both versions is a row of one :func:`mla_cupy.bench_host.time_calls`: interleaved
 rounds in alternating order, each version's row next to the other's, on the same arrays. Each pair's
 ratio is the median over rounds of new / base, with the smallest and largest.
