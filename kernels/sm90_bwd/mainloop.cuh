@@ -310,7 +310,9 @@ struct Consumer {
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(stage + nt * 128 * 16), "f"(dq[nt][0]),
                    "f"(dq[nt][1]), "f"(dq[nt][2]), "f"(dq[nt][3])
                    : "memory");
-    fence_proxy_async();
+    // no proxy fence here: the arrive releases the stores, and the dq thread, having acquired them,
+    // fences them to the async proxy before its bulk reduction (a proxy fence orders what precedes
+    // it in causality order, whichever thread wrote it), off the consumers' path
     mbar_arrive(sm.dq_full(cw));
 
     // this block's rows released once dV^T and dK^T are done

@@ -90,6 +90,7 @@ __device__ __forceinline__ void dq_reduce(const Params& p, const Smem& sm, const
         }
         for (int c = 0; c < kConsumers; ++c) {
           mbar_wait(sm.dq_full(c), staged & 1);
+          fence_proxy_async();  // the consumer's staging stores (acquired above), to the async proxy
           bulk_reduce_add_f32(dst + c * kDqHalf, sm.dq_stage(c), kDqHalf * 4);
           bulk_commit();
         }
