@@ -62,7 +62,7 @@ constexpr float kLog2e = 1.4426950408889634f;
   /* last head groups whose key blocks go slowest (decode_key_tile) */                                    \
   X(int, num_heads) X(int, heads_per_group) X(int, batch) X(int, num_n_blocks) X(int, num_chunks)        \
   X(int, tail_groups)                                                                                     \
-  /* scale * log2(e), scale, the mask's argument, 1: dq summed in key-block order (deterministic) */      \
+  /* scale * log2(e), scale, the mask's argument, 1: dq summed in a fixed key-block order */             \
   X(float, scale_log2) X(float, scale) X(i64, mask_arg) X(int, deterministic)                           \
   /* the work-tile counter of this launch's stream (Hopper), or null: round robin */                      \
   X(u32*, tile_counter)
@@ -109,9 +109,9 @@ __device__ __forceinline__ void visible_query_rows(const Mask& mask, const WorkT
 
 // The query blocks [m_begin, m_end) that key block n of width block_n processes. Both ends never
 // decrease with n (mask.cuh: the visible keys' ends never decrease with the query), which the
-// deterministic mode relies on (first_key_block): a block that no row sees gets an empty range at
-// its clamped row, 0 before every row or the last block's end past them (an empty range at 0 after
-// the seen blocks would send the bisection past them, and their turns would never come).
+// deterministic mode relies on (dq_turn): a block that no row sees gets an empty range at its
+// clamped row, 0 before every row or the last block's end past them (an empty range at 0 after the
+// seen blocks would send the bisection past them, and their turns would never come).
 template <typename Mask>
 __device__ __forceinline__ void query_blocks(const Mask& mask, const WorkTile& w, int n, int block_n, int& m_begin,
                                              int& m_end) {
@@ -126,19 +126,27 @@ __device__ __forceinline__ void query_blocks(const Mask& mask, const WorkTile& w
   m_end = (hi + kChunkRows - 1) / kChunkRows;
 }
 
-// Deterministic mode: the first key block that processes query block m (the key blocks that do are
-// [first, ...) contiguous: see query_blocks), found by bisection on m_end.
+// Deterministic mode: the turn of key block n at query block m's dq chunk (the chunk's semaphore
+// counts the blocks that have added to it). The blocks that process m are [first, last], contiguous
+// (query_blocks: both ends never decrease with n). Under a mask bounded above (every mask but
+// NullMask) they add from the last down, the order in which they reach m: a higher block's query
+// blocks begin no earlier, so it reaches m in no more steps, and it is handed out before
+// (decode_key_tile, last_first). In key-block order from the first, each block of a causal mask
+// waited on the one below it, which reaches m later: every tile then lasted as long as its
+// sequence's longest. Without a mask every block starts at the first query block, and they add
+// from the first up. Either end is found by bisection.
 template <typename Mask>
-__device__ __forceinline__ int first_key_block(const Mask& mask, const WorkTile& w, int m, int block_n) {
-  int lo = 0, hi = (w.sk + block_n - 1) / block_n;  // the answer is in [lo, hi]
+__device__ __forceinline__ int dq_turn(const Mask& mask, const WorkTile& w, int m, int n, int block_n) {
+  constexpr bool kLastFirst = Mask::kBoundedAbove;
+  int lo = 0, hi = (w.sk + block_n - 1) / block_n;  // the first block past the end sought is in [lo, hi]
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
     int mb, me;
     query_blocks(mask, w, mid, block_n, mb, me);
-    if (me > m) hi = mid;
+    if (kLastFirst ? mb > m : me > m) hi = mid;
     else lo = mid + 1;
   }
-  return lo;
+  return kLastFirst ? lo - 1 - n : n - lo;
 }
 
 // Decodes work tile idx (0 <= idx < num_n_blocks * batch * groups) in the order: key blocks fastest
@@ -146,13 +154,14 @@ __device__ __forceinline__ int first_key_block(const Mask& mask, const WorkTile&
 // groups. The CTAs running at once then work on the key blocks of a few heads, whose q and dout
 // rows stay in L2. The last tail_groups head groups (0: none) take key blocks slowest instead, so
 // that the launch ends on the short tiles of every one of them rather than on the long first
-// blocks of its last group; a sequence's blocks keep their order either way (deterministic mode: a
-// block's turn comes after the lower ones of its sequence and group, handed out before it).
-// Returns false when the sequence has no such key block.
+// blocks of its last group. With last_first (deterministic mode) and a mask bounded above, a
+// sequence's key blocks go out from its last, in either order: a block's turn at a chunk comes after
+// the higher blocks of its sequence and group (dq_turn), so those must hold lower indices. Returns false when the sequence
+// has no such key block.
 template <typename Mask>
 __device__ __forceinline__ bool decode_key_tile(const SeqOffsets& so, const Mask& mask, int idx, int num_heads,
                                                 int heads_per_group, int batch, int num_n_blocks, int block_n,
-                                                int tail_groups, KeyTile& t) {
+                                                int tail_groups, bool last_first, KeyTile& t) {
   const int groups = (num_heads + heads_per_group - 1) / heads_per_group;
   const int tail0 = (groups - tail_groups) * num_n_blocks * batch;  // the first index of the tail
   int rest;
@@ -164,6 +173,7 @@ __device__ __forceinline__ bool decode_key_tile(const SeqOffsets& so, const Mask
     t.n_block = j / per_block;
     rest = (groups - tail_groups) * batch + j % per_block;
   }
+  if (Mask::kBoundedAbove && last_first) t.n_block = num_n_blocks - 1 - t.n_block;
   t.w.b = rest % batch;
   const int g = rest / batch;
   WorkTile& w = t.w;

@@ -49,12 +49,12 @@
 // half their pairs so that each holds 4 adjacent columns of one row, then one red.global.add.v4.f32
 // per n-tile. A last chunk's rows past the sequence receive exact zeros (no predicate).
 //
-// Deterministic mode (p.deterministic): the additions to each (head, chunk) in key-block order. The
-// chunk's semaphore dq_sem counts the key blocks that have added to it; the key blocks that process
-// query block m are contiguous from bwd::first_key_block (backward.cuh), so block n waits until the
-// semaphore equals n - first, adds, and increments it (release) once every thread's additions are done.
-// Forward progress: a CTA only ever waits on key blocks n' < n of its own (sequence, group), whose
-// work-tile indices are lower. With p.tile_counter set, a CTA takes its index as a ticket from the
+// Deterministic mode (p.deterministic): the additions to each (head, chunk) in a fixed order of the
+// key blocks (backward.cuh: dq_turn; from the last that processes it down under a mask). The chunk's
+// semaphore dq_sem counts the key blocks that have added to it; block n waits until it equals its
+// turn, adds, and increments it (release) once every thread's additions are done. Forward progress:
+// a CTA only ever waits on key blocks of its own (sequence, group) whose turns come first, and
+// decode_key_tile hands those out at lower work-tile indices in this mode. With p.tile_counter set, a CTA takes its index as a ticket from the
 // counter when it starts (not blockIdx.x), so every lower index belongs to a CTA that is already
 // running (resident) or done: the CTA holding the lowest unfinished index waits on nothing
 // unfinished, and by induction every CTA finishes, whatever order the hardware dispatches CTAs in and
@@ -351,12 +351,12 @@ struct Cta {
 
     // 4. dQ = dS K, rows 16 w4 x dims 96 w2, in two halves of 48 dims (24 accumulator registers each,
     //    not 48: dK and dV hold 80 across the loop); each half added to the chunk (row-major) at once.
-    //    Deterministic mode: the additions after the key blocks before this one.
+    //    Deterministic mode: the additions after those of the key blocks whose turn comes first (dq_turn).
     const i64 chunk = bwd::chunk_of(static_cast<u32>(w.q_row0), w.b, m);
     int* sem = p.deterministic ? p.dq_sem + static_cast<i64>(h) * p.num_chunks + chunk : nullptr;
     if (sem != nullptr) {
       if (tid == 0) {
-        const int turn = t.n_block - bwd::first_key_block(mask, w, m, kBlockN);
+        const int turn = bwd::dq_turn(mask, w, m, t.n_block, kBlockN);
         while (bwd::load_acquire(sem) != turn) {
         }
       }
@@ -506,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_backward_kernel(const __grid_
   const Mask mask{p.mask_arg};
   bwd::KeyTile t;
   if (!bwd::decode_key_tile(so, mask, idx, p.num_heads, p.heads_per_group, p.batch, p.num_n_blocks, kBlockN,
-                            p.tail_groups, t))
+                            p.tail_groups, p.deterministic != 0, t))
     return;
   const int warp = threadIdx.x / 32;
   const Cta<T, Mask> cta{p, mask, t, smem_addr(smem), static_cast<int>(threadIdx.x), warp, static_cast<int>(threadIdx.x % 32),

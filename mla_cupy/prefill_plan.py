@@ -254,7 +254,7 @@ class PrefillPlan:
         dlse : ``[Tq, H]`` float32 device array, optional
             The gradient of the loss with respect to ``lse``, when the loss reads it.
         deterministic : bool
-            dq's sums in key-block order: the same bits on every run.
+            dq's sums in a fixed order of the key blocks: the same bits on every run.
         stream : cupy / torch stream or raw ``cudaStream_t`` int, optional
 
         Returns

@@ -83,8 +83,8 @@ __device__ __forceinline__ void dq_reduce(const Params& p, const Smem& sm, const
         const i64 chunk = bwd::chunk_of(static_cast<u32>(w.q_row0), w.b, m);
         float* dst = p.dq_accum + (static_cast<i64>(h) * p.num_chunks + chunk) * kBlockM * kDqk;
         int* sem = p.deterministic ? p.dq_sem + static_cast<i64>(h) * p.num_chunks + chunk : nullptr;
-        if (sem != nullptr) {  // wait for the key blocks before this one
-          const int turn = t.n_block - bwd::first_key_block(mask, w, m, kBlockN);
+        if (sem != nullptr) {  // wait for the key blocks that add to the chunk before this one (dq_turn)
+          const int turn = bwd::dq_turn(mask, w, m, t.n_block, kBlockN);
           while (bwd::load_acquire(sem) != turn) {
           }
         }

@@ -27,7 +27,7 @@ struct KeyTiles {
     const SeqOffsets so{p.q_offsets, p.kv_begin, p.kv_end, p.cache_offsets, p.q_start_pos};
     for (; idx < counter.num_work; idx = next(idx))
       if (bwd::decode_key_tile(so, mask, idx, p.num_heads, p.heads_per_group, p.batch, p.num_n_blocks, kBlockN,
-                               p.tail_groups, t))
+                               p.tail_groups, p.deterministic != 0, t))
         return idx;
     t.valid = 0;
     return idx;
