@@ -156,8 +156,8 @@ __device__ __forceinline__ int dq_turn(const Mask& mask, const WorkTile& w, int 
 // that the launch ends on the short tiles of every one of them rather than on the long first
 // blocks of its last group. With last_first (deterministic mode) and a mask bounded above, a
 // sequence's key blocks go out from its last, in either order: a block's turn at a chunk comes after
-// the higher blocks of its sequence and group (dq_turn), so those must hold lower indices. Returns false when the sequence
-// has no such key block.
+// the higher blocks of its sequence and group (dq_turn), so those must hold lower indices. Returns
+// false when the sequence has no such key block.
 template <typename Mask>
 __device__ __forceinline__ bool decode_key_tile(const SeqOffsets& so, const Mask& mask, int idx, int num_heads,
                                                 int heads_per_group, int batch, int num_n_blocks, int block_n,

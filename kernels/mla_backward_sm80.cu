@@ -54,9 +54,10 @@
 // semaphore dq_sem counts the key blocks that have added to it; block n waits until it equals its
 // turn, adds, and increments it (release) once every thread's additions are done. Forward progress:
 // a CTA only ever waits on key blocks of its own (sequence, group) whose turns come first, and
-// decode_key_tile hands those out at lower work-tile indices in this mode. With p.tile_counter set, a CTA takes its index as a ticket from the
-// counter when it starts (not blockIdx.x), so every lower index belongs to a CTA that is already
-// running (resident) or done: the CTA holding the lowest unfinished index waits on nothing
+// decode_key_tile hands those out at lower work-tile indices in this mode. With p.tile_counter set,
+// a CTA takes its index as a ticket from the counter when it starts (not blockIdx.x), so every lower
+// index belongs to a CTA that is already running (resident) or done: the CTA holding the lowest
+// unfinished index waits on nothing
 // unfinished, and by induction every CTA finishes, whatever order the hardware dispatches CTAs in and
 // however few fit at once. (A non-persistent grid keyed on blockIdx.x would rely on in-order dispatch,
 // which CUDA does not promise; a persistent grid would need every CTA resident.) The CTA that takes
@@ -65,9 +66,10 @@
 // deterministic; the host passes the counter in deterministic mode.
 //
 // Launch: grid num_n_blocks * batch * groups (num_n_blocks counted in kGeometry's block_n keys; a
-// smaller grid faults, a larger one is fine), 256 threads, kGeometry[0] bytes of dynamic shared memory. Rows of q, k, v, k_rope and dout must start on
-// 16 bytes (cp.async: 16-byte aligned bases, element strides multiples of 8); dk and dv are stored two
-// values at a time (even element strides), rope_part as float2.
+// smaller grid faults, a larger one is fine), 256 threads, kGeometry[0] bytes of dynamic shared
+// memory. Rows of q, k, v, k_rope and dout must start on 16 bytes (cp.async: 16-byte aligned bases,
+// element strides multiples of 8); dk and dv are stored two values at a time (even element strides),
+// rope_part as float2.
 #include "backward.cuh"
 #include "common.cuh"
 #include "mask.cuh"
