@@ -57,9 +57,8 @@
 // decode_key_tile hands those out at lower work-tile indices in this mode. With p.tile_counter set,
 // a CTA takes its index as a ticket from the counter when it starts (not blockIdx.x), so every lower
 // index belongs to a CTA that is already running (resident) or done: the CTA holding the lowest
-// unfinished index waits on nothing
-// unfinished, and by induction every CTA finishes, whatever order the hardware dispatches CTAs in and
-// however few fit at once. (A non-persistent grid keyed on blockIdx.x would rely on in-order dispatch,
+// unfinished index waits on nothing unfinished, and by induction every CTA finishes, whatever order
+// the hardware dispatches CTAs in and however few fit at once. (A non-persistent grid keyed on blockIdx.x would rely on in-order dispatch,
 // which CUDA does not promise; a persistent grid would need every CTA resident.) The CTA that takes
 // the last ticket (gridDim.x - 1) resets the counter to 0 for the next launch (word 0 only; word 1,
 // the Hopper protocol's, is left at its 0). Without a counter the index is blockIdx.x: fine when not
