@@ -61,8 +61,8 @@ Implementations (``--impls``, comma separated; the first is the base):
 
 With ``--backward`` the implementations are backward passes, given our forward's out and lse and a random
 dout: ``ours`` (``ours:det=1`` deterministic, ``ours:kernel=sm80`` the portable kernel, ``ours:hpg=N`` N
-heads per work tile instead of the host's rule, ``ours:src=DIR`` and ``ours:def=...`` as above), ``cudnn`` and
-``fa4`` (their backward kernels through torch autograd, K at 192 given), ``cudnn+kbuild`` and
+heads per work tile instead of the host's rule, ``ours:src=DIR``, ``ours:def=...`` and ``ours:pkg=DIR`` as
+above), ``cudnn`` and ``fa4`` (their backward kernels through torch autograd, K at 192 given), ``cudnn+kbuild`` and
 ``fa4+kbuild`` (the whole step a trainer pays: K built in the forward graph, whose backward also
 splits dK and sums its rope part over the heads); the check is dq, dk and dv against the float64
 reference backward on two heads.
@@ -563,7 +563,8 @@ def _bwd_ours(case: BenchCase, sets, opts) -> BwdImpl:
     (:meth:`~mla_cupy.PrefillPlan.run_backward`: checked and packed at the first run, not timed),
     the gradients given (``det=1``: deterministic mode; ``kernel=sm80``: the portable kernel;
     ``hpg=N``: N heads per work tile, the packing's rule overridden while the plans pack;
-    ``src=DIR``: the kernels under DIR, ``def=A:0+B:1``: compile-time switches, as for the forward)."""
+    ``src=DIR``: the kernels under DIR, ``def=A:0+B:1``: compile-time switches, ``pkg=DIR``: an older
+    version of the whole package, as for the forward)."""
     from mla_cupy import _backward
 
     saved = None
@@ -595,10 +596,14 @@ def _bwd_runs(case: BenchCase, sets, opts) -> list:
     from mla_cupy._arrays import BF16
 
     det = opts.get("det") == "1"
+    mask = case.mask
+    if "pkg" in opts:
+        mla_cupy = _package(opts["pkg"])
+        mask = _mask_of(mla_cupy, mask)
     runs = []
     for x in sets:
         pl = mla_cupy.plan(x["valid_length"], x["cache_row_offsets"], num_heads=case.heads, dtype=BF16,
-                           mask=case.mask, q_max_seq_len=max(case.sq), kernel=opts.get("kernel", "auto"))
+                           mask=mask, q_max_seq_len=max(case.sq), kernel=opts.get("kernel", "auto"))
         grads = dict(dq=cp.empty_like(x["q"]), dk=cp.empty_like(x["k"]), dv=cp.empty_like(x["v"]),
                      dk_rope=cp.empty(x["k_rope"].shape, x["q"].dtype))
 

@@ -12,8 +12,10 @@
 // Work: key-block CTAs. A work tile is (key block n, head group g, sequence b); its CTA loads the
 // block's rope rows once, then for each head of the group its k and v rows, and loops over the
 // query blocks that see the key block, keeping dk and dv in registers. The rope part of dkey is
-// summed over the group's heads in the same registers (it is never reset between heads) and
-// written once per work tile to the group's slot of `rope_part`; the post-pass sums the slots.
+// summed over the group's heads in the same registers (it is never reset between heads) and leaves
+// the tile once: the Hopper kernel adds it into the one slot of `rope_part` by a bulk reduction
+// (in deterministic mode in head-group order: rope_sem), the portable kernel stores it into the
+// group's own slot; the post-pass sums the slots.
 // dq is summed over key blocks in the float32 `dq_accum`, one chunk of 64 rows per query block.
 //
 // The workspace (float32 unless said), sized by the host from num_chunks and the group count:
@@ -23,12 +25,17 @@
 //   dpsum[H][num_chunks * 64]      D = dout . out (0 past the sequence)
 //   dq_accum[H][num_chunks][64 * 192]  sum over key blocks of dS K (unscaled), layout per kernel
 //                                  (the post-pass takes it as a template argument: DqLayout)
-//   rope_part[groups][tk][64]      per head group, the scaled sum over its heads of dkey[128:]
+//   rope_part[slots][tk][64]       the scaled sum over heads of dkey[128:]: one slot that every
+//                                  tile adds into (Hopper; zeroed by the pre-pass), or one per head
+//                                  group (portable)
+//   rope_sem[key_blocks] (int32)   Hopper, deterministic mode: head groups that have added a key
+//                                  block's rope rows (key_block_of), zeroed with rope_part
 //   dq_sem[H][num_chunks] (int32)  deterministic mode: key blocks that have added to a chunk
 // Query block m of sequence b (rows 64m .. 64m + 63 of the sequence) is chunk
 // chunk_of(q_offsets[b], b, m) = q_offsets[b] / 64 + b + m: the sequences' chunks never overlap
 // (sequence b + 1's first chunk is past b's last one) and every chunk index is below
-// num_chunks = Tq / 64 + B + 1.
+// num_chunks = Tq / 64 + B + 1. Key blocks are numbered alike (key_block_of), below
+// Tk / block_n + B + 1.
 #pragma once
 #include "common.cuh"
 #include "mask.cuh"
@@ -54,7 +61,7 @@ constexpr float kLog2e = 1.4426950408889634f;
   X(void*, dk) X(void*, dv) X(i64, dk_st) X(i64, dk_sh) X(i64, dv_st) X(i64, dv_sh)                        \
   /* the workspace (above); tk: rows of rope_part per group */                                           \
   X(float*, dq_accum) X(const float*, lse_log2) X(const float*, dpsum) X(float*, rope_part) X(int*, dq_sem) \
-  X(i64, tk)                                                                                              \
+  X(int*, rope_sem) X(i64, tk)                                                                            \
   /* the ragged batch (tile_scheduler.cuh: SeqOffsets) */                                                 \
   X(const u32*, q_offsets) X(const u32*, kv_begin) X(const u32*, kv_end) X(const u32*, cache_offsets)     \
   X(const i64*, q_start_pos)                                                                              \
@@ -69,6 +76,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ i64 chunk_of(u32 q_offset, int b, int m) {
   return static_cast<i64>(q_offset / kChunkRows) + b + m;
+}
+// Key block n (of block_n keys) of sequence b, whose keys start at row kv_begin: its index among
+// every sequence's key blocks, none shared, as chunk_of's (the sequences' key rows are consecutive).
+__device__ __forceinline__ i64 key_block_of(u32 kv_begin, int b, int n, int block_n) {
+  return static_cast<i64>(kv_begin / block_n) + b + n;
 }
 
 // Deterministic mode: a chunk's semaphore (dq_sem) read with acquire semantics, and its release

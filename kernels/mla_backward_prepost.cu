@@ -1,10 +1,12 @@
 // The backward's passes around its main kernel (backward.cuh says what the workspace holds):
 //   pre_kernel        per query row and head: lse_log2 and D = dout . out (less dlse, the gradient of
 //                     lse where the loss reads it: dS = P (dP - D + dlse)) into the workspace, and
-//                     the row's dq chunk zeroed (and its semaphore, deterministic mode);
+//                     the row's dq chunk zeroed (and its semaphore, deterministic mode); and
+//                     the words that the Hopper kernel adds into, zeroed: rope_part's one slot
+//                     (and the key blocks' semaphores, deterministic mode);
 //   dq_kernel         per dq chunk and head: dq = scale * dq_accum, un-permuted from the main
 //                     kernel's layout (DqLayout), in q's dtype;
-//   rope_kernel       per key row: dk_rope = the sum of the head groups' slots of rope_part; and zero
+//   rope_kernel       per key row: dk_rope = the sum of the slots of rope_part; and zero
 //                     gradients for the rows of k, v and k_rope that no sequence uses.
 // All three are bandwidth-bound copies with 16-byte accesses where the layout allows.
 #include "backward.cuh"
@@ -35,7 +37,8 @@ __device__ __forceinline__ int dq_index(int row, int col) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The pre-pass. Grid (query blocks of the longest sequence, sequences, head blocks of kPreHeads).
+// The pre-pass. Grid (query blocks of the longest sequence, or more for the words zeroed,
+// sequences, head blocks of kHeads).
 // ---------------------------------------------------------------------------------------------
 namespace pre {
 constexpr int kThreads = 256;
@@ -47,6 +50,8 @@ constexpr int kHeads = 8;  // heads per CTA
   X(const float*, lse) X(i64, lse_st) X(const float*, dlse) X(i64, dlse_st)                               \
   /* the workspace (backward.cuh) */                                                                      \
   X(float*, lse_log2) X(float*, dpsum) X(float*, dq_accum) X(int*, dq_sem)                                \
+  /* zeroed_f4 float4s from rope_part: rope_part's one slot and rope_sem after it (0: none) */            \
+  X(float*, rope_part) X(i64, zeroed_f4)                                                                  \
   X(const u32*, q_offsets) X(int, num_heads) X(int, batch) X(int, num_chunks)
 MLA_DEFINE_PARAMS(Params, MLA_BWD_PRE_PARAMS)
 #define MLA_BWD_PRE_GEOMETRY(X) X(threads, kThreads) X(heads_per_cta, kHeads)
@@ -57,6 +62,12 @@ MLA_DEFINE_GEOMETRY(MLA_BWD_PRE_GEOMETRY)
 template <typename T, typename OutT>
 __global__ void __launch_bounds__(pre::kThreads) pre_kernel(const __grid_constant__ pre::Params p) {
   const int m = blockIdx.x, b = blockIdx.y, h0 = blockIdx.z * pre::kHeads;
+  {  // every CTA its share of the words zeroed, before any returns
+    const i64 cta = blockIdx.x + static_cast<i64>(gridDim.x) * (blockIdx.y + static_cast<i64>(gridDim.y) * blockIdx.z);
+    const i64 stride = static_cast<i64>(gridDim.x) * gridDim.y * gridDim.z * pre::kThreads;
+    float4* zeroed = reinterpret_cast<float4*>(p.rope_part);
+    for (i64 i = cta * pre::kThreads + threadIdx.x; i < p.zeroed_f4; i += stride) zeroed[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   const u32 q0 = p.q_offsets[b];
   const int sq = static_cast<int>(p.q_offsets[b + 1] - q0);
   if (m * kChunkRows >= sq) return;
@@ -167,8 +178,8 @@ namespace post_rope {
 constexpr int kThreads = 256;
 constexpr int kRows = kThreads / 16;
 #define MLA_BWD_ROPE_PARAMS(X)                                                                            \
-  /* rope_part [groups][tk][64]; dk_rope [tk, 1, 64] (row stride); dk, dv [tk, H, 128] */                 \
-  X(const float*, rope_part) X(int, groups) X(i64, tk) X(void*, dk_rope) X(i64, dkr_st)                   \
+  /* rope_part [slots][tk][64]; dk_rope [tk, 1, 64] (row stride); dk, dv [tk, H, 128] */                  \
+  X(const float*, rope_part) X(int, slots) X(i64, tk) X(void*, dk_rope) X(i64, dkr_st)                   \
   X(void*, dk) X(i64, dk_st) X(i64, dk_sh) X(void*, dv) X(i64, dv_st) X(i64, dv_sh) X(int, num_heads)      \
   /* the sequences' last key row + 1 (kv_end[batch - 1]); batch 0: every row is of no sequence */         \
   X(const u32*, kv_end) X(int, batch)
@@ -185,7 +196,7 @@ __global__ void __launch_bounds__(post_rope::kThreads) rope_kernel(const __grid_
   const i64 used_end = p.batch > 0 ? static_cast<i64>(p.kv_end[p.batch - 1]) : 0;
   float sum[4] = {0.f, 0.f, 0.f, 0.f};
   if (row < used_end) {
-    for (int g = 0; g < p.groups; ++g) {
+    for (int g = 0; g < p.slots; ++g) {
       float x[4];
       load4(p.rope_part + (static_cast<i64>(g) * p.tk + row) * kDr + 4 * q, x);
 #pragma unroll

@@ -24,17 +24,21 @@ from .tma import ZERO_MAP, encode_tiled
 from .validation import Problem
 from .workspace import empty_result
 
-__all__ = ["pack_backward", "heads_per_group", "tail_groups", "workspace_parts", "aligned_slots", "GRADIENTS",
+__all__ = ["pack_backward", "heads_per_group", "tail_groups", "rope_slots", "workspace_parts", "aligned_slots", "GRADIENTS",
            "new_gradients"]
 
 #: Query rows of a dq chunk, the workspace's unit (kernels/backward.cuh: kChunkRows; a main kernel's
 #: query blocks, its geometry's block_m, must be one chunk: checked where a launch is packed).
 _CHUNK_ROWS = kernel_int("backward.cuh", "kChunkRows")
+#: float4s of the words the main kernel adds into that a pre-pass thread zeroes at most (the grid
+#: widened past the query blocks where they are many: a long prefix of keys, few queries).
+_ZEROED_PER_THREAD = 8
 
 
 def heads_per_group(heads: int, work_per_group: int, sms: int, kernel: str) -> int:
-    """Heads a work tile takes one after another (its rope gradient summed over them in registers,
-    a rope slot per group: ``heads / g`` rows of float32 per key in the workspace).
+    """Heads a work tile takes one after another (its rope gradient summed over them in registers;
+    on the portable kernel a rope slot per group: ``heads / g`` rows of float32 per key in the
+    workspace).
 
     The Hopper kernel's persistent tiles take one head: a tile one head long keeps about half as
     many heads' q and dout rows in flight in the L2 and ends the launch on shorter tiles. On H100
@@ -71,12 +75,30 @@ def num_chunks(p: Problem) -> int:
     return p.tq // _CHUNK_ROWS + p.batch + 1
 
 
-def workspace_parts(p: Problem, groups: int, deterministic: bool) -> Tuple[int, Dict[str, Tuple[int, int]]]:
-    """Bytes of the workspace and each part's (byte offset, floats) in it (kernels/backward.cuh)."""
+def rope_slots(groups: int, kernel: str) -> int:
+    """Slots of the workspace's ``rope_part`` (kernels/backward.cuh): one on Hopper, whose work tiles
+    add their rope rows into it by bulk reductions (in deterministic mode in head-group order), one
+    per head group on the portable kernel, whose tiles store into their group's."""
+    return 1 if kernel == "sm90" else groups
+
+
+def key_blocks_bound(p: Problem, block_n: int) -> int:
+    """A bound on the key blocks' indices over every sequence (kernels/backward.cuh: key_block_of)."""
+    return p.tk // block_n + p.batch + 1
+
+
+def workspace_parts(p: Problem, slots: int, deterministic: bool,
+                    key_blocks: int = 0) -> Tuple[int, Dict[str, Tuple[int, int]]]:
+    """Bytes of the workspace and each part's (byte offset, floats) in it (kernels/backward.cuh):
+    ``slots`` of ``rope_part``, and in deterministic mode a semaphore per dq chunk and head and, where
+    the kernel adds the rope rows into one slot, per key block (``key_blocks`` of them; 0: none)."""
     chunks = num_chunks(p)
     stat = p.heads * chunks * _CHUNK_ROWS
-    parts = [("lse_log2", stat), ("dpsum", stat), ("dq_accum", stat * DQK), ("rope_part", groups * p.tk * DR),
-             ("dq_sem", -(-p.heads * chunks // 4) * 4 if deterministic else 0)]
+
+    def words(n: int) -> int:  # int32 counters, in whole float4s
+        return -(-n // 4) * 4 if deterministic else 0
+    parts = [("lse_log2", stat), ("dpsum", stat), ("dq_accum", stat * DQK), ("rope_part", slots * p.tk * DR),
+             ("rope_sem", words(key_blocks)), ("dq_sem", words(p.heads * chunks))]
     out, off = {}, 0
     for name, n in parts:
         out[name] = (4 * off, n)
@@ -136,7 +158,10 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
     sms = sm_count(dev)
     g = heads_per_group(p.heads, n_blocks * p.batch, sms, target.kernel)
     groups = -(-p.heads // g)
-    ws_bytes, parts = workspace_parts(p, groups, deterministic)
+    slots = rope_slots(groups, target.kernel)
+    one_slot = target.kernel == "sm90"  # the main kernel adds into it: the pre-pass zeroes it
+    ws_bytes, parts = workspace_parts(p, slots, deterministic, key_blocks_bound(p, block_n) if one_slot else 0)
+    zeroed_f4 = (parts["rope_part"][1] + parts["rope_sem"][1]) // 4 if one_slot else 0
     chunks = num_chunks(p)
     o = target.offsets
     out, lse, dlse = arrays.out, arrays.lse, arrays.dlse
@@ -147,30 +172,33 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
     def scratch_of(launch: PreparedLaunch, part_names: List[str]) -> tuple:
         return tuple((launch.pack.offsets[n], parts[n][0]) for n in part_names if parts[n][1])
 
-    # the pre-pass: lse_log2, D (less dlse), the accumulator (and semaphores) zeroed
+    # the pre-pass: lse_log2, D (less dlse), the accumulator (and semaphores) zeroed, and what the main
+    # kernel adds into (its grid widened so that a thread zeroes at most _ZEROED_PER_THREAD float4s)
     out_st = _strides(out)
     dout_st = _strides(arrays.dout)
-    pre_launch = PreparedLaunch(pre.params, pre.fn, (max(1, m_blocks), max(1, p.batch),
-                                                     -(-p.heads // pre.geometry["heads_per_cta"])), pre.threads, 0,
+    head_blocks = -(-p.heads // pre.geometry["heads_per_cta"])
+    zeroing_ctas = -(-zeroed_f4 // (pre.threads * _ZEROED_PER_THREAD * max(1, p.batch) * head_blocks))
+    pre_launch = PreparedLaunch(pre.params, pre.fn, (max(1, m_blocks, zeroing_ctas), max(1, p.batch), head_blocks),
+                                pre.threads, 0,
                                 dict(dout=0, do_st=dout_st[0], do_sh=dout_st[1], out=0, o_st=out_st[0], o_sh=out_st[1],
                                      lse=0, lse_st=int(lse.strides[0]) // 4, dlse=0,
                                      dlse_st=0 if dlse is None else int(dlse.strides[0]) // 4, lse_log2=0, dpsum=0,
-                                     dq_accum=0, dq_sem=0, q_offsets=o.q_offsets, num_heads=p.heads, batch=p.batch,
-                                     num_chunks=chunks))
+                                     dq_accum=0, dq_sem=0, rope_part=0, zeroed_f4=zeroed_f4, q_offsets=o.q_offsets,
+                                     num_heads=p.heads, batch=p.batch, num_chunks=chunks))
     pre_ptrs = [("dout", "dout"), ("out", "out"), ("lse", "lse")] + ([("dlse", "dlse")] if dlse is not None else [])
     pre_step = Step(pre_launch, fields_of(pre_launch, pre_ptrs),
-                    scratch_of(pre_launch, ["lse_log2", "dpsum", "dq_accum", "dq_sem"]))
+                    scratch_of(pre_launch, ["lse_log2", "dpsum", "dq_accum", "dq_sem"] + (["rope_part"] if zeroed_f4 else [])))
     # the dq pass: dq = scale * dq_accum, in q's dtype
     dq_st = _strides(arrays.dq)
     dq_launch = PreparedLaunch(dq.params, dq.fn, (max(1, m_blocks), max(1, p.batch), p.heads), dq.threads, dq.smem,
                                dict(dq_accum=0, dq=0, dq_st=dq_st[0], dq_sh=dq_st[1], scale=p.scale,
                                     q_offsets=o.q_offsets, num_heads=p.heads, batch=p.batch, num_chunks=chunks))
     dq_step = Step(dq_launch, fields_of(dq_launch, [("dq", "dq")]), scratch_of(dq_launch, ["dq_accum"]))
-    # the rope pass: dk_rope summed over the groups; the rows of no sequence (all rows without a query) zeroed
+    # the rope pass: dk_rope summed over the slots; the rows of no sequence (all rows without a query) zeroed
     dk_st, dv_st = _strides(arrays.dk), _strides(arrays.dv)
     rope_launch = PreparedLaunch(rope.params, rope.fn, (max(1, -(-p.tk // rope.geometry["rows_per_cta"])), 1, 1),
                                  rope.threads, 0,
-                                 dict(rope_part=0, groups=groups, tk=p.tk, dk_rope=0,
+                                 dict(rope_part=0, slots=slots, tk=p.tk, dk_rope=0,
                                       dkr_st=_strides(arrays.dk_rope)[0], dk=0, dk_st=dk_st[0], dk_sh=dk_st[1], dv=0,
                                       dv_st=dv_st[0], dv_sh=dv_st[1], num_heads=p.heads, kv_end=o.kv_end,
                                       batch=p.batch if queries else 0))
@@ -190,7 +218,7 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
     values = dict(q=0, k=0, v=0, k_rope=0, dout=0, q_st=q_st[0], q_sh=q_st[1], k_st=k_st[0], k_sh=k_st[1],
                   v_st=v_st[0], v_sh=v_st[1], rope_st=_strides(arrays.k_rope)[0], do_st=dout_st[0], do_sh=dout_st[1],
                   dk=0, dv=0, dk_st=dk_st[0], dk_sh=dk_st[1], dv_st=dv_st[0], dv_sh=dv_st[1], dq_accum=0,
-                  lse_log2=0, dpsum=0, rope_part=0, dq_sem=0, tk=p.tk, q_offsets=o.q_offsets, kv_begin=o.kv_begin,
+                  lse_log2=0, dpsum=0, rope_part=0, dq_sem=0, rope_sem=0, tk=p.tk, q_offsets=o.q_offsets, kv_begin=o.kv_begin,
                   kv_end=o.kv_end, cache_offsets=o.cache_offsets, q_start_pos=o.q_start, num_heads=p.heads,
                   heads_per_group=g, batch=p.batch, num_n_blocks=n_blocks, num_chunks=chunks, tail_groups=0,
                   scale_log2=p.scale * LOG2E, scale=p.scale, mask_arg=p.mask.arg, deterministic=int(deterministic),
@@ -225,7 +253,7 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
     rec = Record(launch, ptr_fields, align, names, map_slots=map_slots, make_maps=make_maps, before=(pre_step,),
                  after=after, counter=(main.params.offsets["tile_counter"], dev), map_field=map_field,
                  q_start_field=main.params.offsets["q_start_pos"], scratch_bytes=ws_bytes,
-                 scratch_fields=scratch_of(launch, ["dq_accum", "lse_log2", "dpsum", "rope_part", "dq_sem"]))
+                 scratch_fields=scratch_of(launch, ["dq_accum", "lse_log2", "dpsum", "rope_part", "dq_sem", "rope_sem"]))
     rec.keep_scratch = not one_shot
     return rec
 

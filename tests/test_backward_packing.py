@@ -7,7 +7,7 @@ import pytest
 
 import mla_cupy
 from mla_cupy import CausalMask, NullMask, plan_cache_info
-from mla_cupy._backward import tail_groups, workspace_parts
+from mla_cupy._backward import key_blocks_bound, tail_groups, workspace_parts
 import mla_cupy._packing as packing
 from mla_cupy.validation import Problem
 
@@ -107,12 +107,30 @@ def test_the_passes_launch_in_order_on_the_arrays_and_one_workspace(gpu):
     assert pre["lse_log2"] == main["lse_log2"] and pre["dpsum"] == main["dpsum"]
     assert main["rope_part"] == rope["rope_part"]
     base = int(main["lse_log2"])
-    groups = int(rope["groups"])
+    slots = int(rope["slots"])
     p = Problem(2, 4, 8, 9, BF16, BF16, CausalMask(), 1.0, 5, False)  # B, H, Tq, Tk as above
-    _, parts = workspace_parts(p, groups, False)
+    _, parts = workspace_parts(p, slots, False)
     for name in ("lse_log2", "dpsum", "dq_accum", "rope_part"):
         assert main[name] == base + parts[name][0], name
-    assert main["dq_sem"] == 0 and main["deterministic"] == 0  # no semaphores without deterministic
+    assert main["dq_sem"] == 0 and main["rope_sem"] == 0 and main["deterministic"] == 0  # no semaphores
+    if gpu.capability == "90":  # one slot that every tile adds into, zeroed by the pre-pass
+        assert slots == 1 and pre["rope_part"] == main["rope_part"] and pre["zeroed_f4"] == 9 * 64 // 4
+    else:  # a slot per head group, each stored by its tiles: nothing to zero
+        assert slots == -(-4 // main["heads_per_group"]) and pre["zeroed_f4"] == 0
+
+
+def test_the_pre_pass_grid_covers_the_zeroed_rope_slot(gpu):
+    """A long prefix of keys under few queries: the pre-pass's grid grows past the query blocks so that
+    no thread zeroes more than a few float4s of the one rope slot (Hopper); on the portable kernel
+    nothing is zeroed and the grid is the query blocks'."""
+    d = problem(sq=(5,), sk=(40000,), heads=1)
+    _, (pre, _, _, _) = launched(gpu, lambda: backward(d))
+    grid = gpu.launches[-4][0].grid
+    if gpu.capability == "90":
+        assert pre["zeroed_f4"] == 40000 * 64 // 4
+        assert grid[0] * grid[1] * grid[2] * 256 * 8 >= pre["zeroed_f4"] > (grid[0] - 1) * 256 * 8
+    else:
+        assert pre["zeroed_f4"] == 0 and grid == (1, 1, 1)
 
 
 def test_the_key_blocks_span_the_longest_sequence(gpu):
@@ -174,6 +192,12 @@ def test_deterministic_mode_and_dlse_reach_their_passes(gpu):
     dlse = host_cupy(np.zeros((8, 4), np.float32))
     kinds, (pre, main, _, _) = launched(gpu, lambda: backward(d, deterministic=True, dlse=dlse))
     assert main["deterministic"] == 1 and main["dq_sem"] > main["rope_part"] and pre["dq_sem"] == main["dq_sem"]
+    if gpu.capability == "90":  # the key blocks' semaphores right after the one rope slot, zeroed with it
+        p = Problem(2, 4, 8, 9, BF16, BF16, CausalMask(), 1.0, 5, False)
+        sems = -(-key_blocks_bound(p, 96) // 4) * 4
+        assert main["rope_sem"] == main["rope_part"] + 9 * 64 * 4 and pre["zeroed_f4"] == (9 * 64 + sems) // 4
+    else:
+        assert main["rope_sem"] == 0 and pre["zeroed_f4"] == 0
     assert pre["dlse"] == dlse.data.ptr and pre["dlse_st"] == 4
 
 

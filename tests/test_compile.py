@@ -126,17 +126,18 @@ REQUIRED_EXPORTS = {reg.PREFILL_SM80[0]: reg.SM80_EXPORTS, reg.BACKWARD_SM80[0]:
 NO_SPILL = [i for i, (_, f) in enumerate(FAMILIES) if f[0] != reg.PREFILL_SM80[0]]
 
 # The one kernel allowed a little local memory, by its template's name: the Hopper backward kernel
-# (kernels/mla_backward_sm90.cu), whose producer warpgroup runs at 40 registers (sm90_bwd/config.cuh:
-# kProducerRegs, setmaxnreg: all that the consumers' 232 leave of the launch's 168 per thread)
-# while its load thread and dq thread decode key tiles and walk the query blocks: ptxas spills a
-# few scalars there (NVRTC 13.0, its ten instantiations: up to 64 bytes of stack frame and 120 of
-# spill stores (the sliding window's), 140 of spill loads (the chunked causal mask's, whose dq thread
-# also bisects for its first key block in deterministic mode)); the ceiling leaves a few bytes.
-# ptxas reports per kernel, not per warpgroup, so the allowance
-# is a ceiling on those bytes for that kernel alone, every other backward kernel (the portable one,
-# the pre-pass and post-passes) must have none, and a growth past the ceiling fails as any spill does.
+# (kernels/mla_backward_sm90.cu). Its producer warpgroup runs at 40 registers (sm90_bwd/config.cuh:
+# kProducerRegs, setmaxnreg: all that the consumers' 232 leave of the launch's 168 per thread) while
+# its load thread and dq thread decode key tiles and walk the query blocks, and its consumers hold
+# 232 registers' worth of accumulators: ptxas spills a few scalars in both, outside the step loop
+# (benchmarks/sass.py: no local load or store in it), which the consumers reload once per head and
+# the producer's threads once per tile (NVRTC 13.0, its ten instantiations: up to 112 bytes of stack
+# frame, 200 of spill stores and 236 of spill loads, the sliding window's); the ceiling leaves a few
+# bytes. ptxas reports per kernel, not per warpgroup, so the allowance is a ceiling on those bytes
+# for that kernel alone, every other backward kernel (the portable one, the pre-pass and
+# post-passes) must have none, and a growth past the ceiling fails as any spill does.
 #: kernel template -> the most (stack frame, spill stores, spill loads) bytes it may report
-SPILL_ALLOWANCE = {reg.BACKWARD_SM90[1]: (72, 128, 144)}
+SPILL_ALLOWANCE = {reg.BACKWARD_SM90[1]: (120, 208, 244)}
 
 
 def _spill_allowed(name: str, f) -> bool:
@@ -184,9 +185,11 @@ def test_spill_allowance_is_the_hopper_backward_kernels_alone():
     assert set(SPILL_ALLOWANCE) == {reg.BACKWARD_SM90[1]} and _spill_allowed(hopper, f)
     assert not _spill_allowed(reg.backward_name("sm80", reg.BF16, CausalMask()), f)
     assert not _spill_allowed(reg.backward_pre_name(reg.BF16, reg.BF16), f)
-    assert _spill_allowed(hopper, jit.PtxasFunction("k", stack_frame=72, spill_stores=128, spill_loads=144))
-    assert not _spill_allowed(hopper, jit.PtxasFunction("k", stack_frame=80))
-    assert not _spill_allowed(hopper, jit.PtxasFunction("k", spill_loads=152))
+    stack, stores, loads = SPILL_ALLOWANCE[reg.BACKWARD_SM90[1]]
+    assert _spill_allowed(hopper, jit.PtxasFunction("k", stack_frame=stack, spill_stores=stores, spill_loads=loads))
+    assert not _spill_allowed(hopper, jit.PtxasFunction("k", stack_frame=stack + 8))
+    assert not _spill_allowed(hopper, jit.PtxasFunction("k", spill_stores=stores + 4))
+    assert not _spill_allowed(hopper, jit.PtxasFunction("k", spill_loads=loads + 4))
 
 
 # Switches of the Hopper kernel kept for A/B measurements (kernels/sm90/config.cuh), built away from

@@ -1,7 +1,8 @@
 // The consumer warpgroups: consumer c owns keys 48c .. 48c + 47 of each work tile. Per head of the
 // tile's group it keeps dV^T and dK^T (head dims x its 48 keys) in registers across the query
 // blocks; dK^T's rope rows (column block 2 of Q) are not reset between heads, so they end the tile
-// holding the group's sum over heads (store_rope). Per query block (step):
+// holding the group's sum over heads, staged for the dq thread's bulk reduction into rope_part's one
+// slot (stage_rope). Per query block (step):
 //   1. S = Q K_c^T and dP = dO V_c^T, issued back to back (wgmma, both operands in shared memory);
 //   2. once S is done: P = exp2(scale_log2 S - lse_log2), then P^T to shared memory by stmatrix;
 //      dV^T += dO^T P^T issued at once over the consumer's own 48 keys (its own P^T rows alone: a
@@ -39,7 +40,7 @@ struct Consumer {
   int it = 0;      // query blocks consumed: the position in the q / dout ring
   int heads = 0;   // heads consumed (kv_full's completions)
   int tiles = 0;   // tiles whose rope was loaded
-  int staged = 0;  // dq halves staged (dq_empty's)
+  int staged = 0;  // stagings: dq halves and the tiles' rope rows (dq_empty's)
 
   __device__ __forceinline__ Consumer(const Params& p_, const Smem& sm_, const Mask& mask_)
       : p(p_), sm(sm_), mask(mask_) {
@@ -104,7 +105,7 @@ struct Consumer {
   }
 
   // The tile: zero dk^T's rope rows, then per head the query blocks, dk and dv stored per head, the
-  // rope rows' sum at the end.
+  // rope rows' sum staged at the end (a tile that no query sees adds nothing: the slot is zeroed).
   __device__ __forceinline__ void run(const bwd::KeyTile& t) {
     float dk[3][6][4], dv[2][6][4];
     zero(dk[2]);
@@ -135,8 +136,10 @@ struct Consumer {
       }
       store_head(t, h, dk, dv);
     }
-    if (any) release(sm.rope_empty());
-    store_rope(t, dk[2]);
+    if (any) {
+      release(sm.rope_empty());
+      stage_rope(dk[2]);
+    }
   }
 
   template <int N>
@@ -355,18 +358,24 @@ struct Consumer {
       }
   }
 
-  // The rope rows' sum over the group's heads (times scale) into the group's slot of rope_part.
-  __device__ __forceinline__ void store_rope(const bwd::KeyTile& t, const float (&dkr)[6][4]) const {
-    float* part = p.rope_part + static_cast<i64>(t.h0 / p.heads_per_group) * p.tk * kDr;
-    const int key0 = t.n0 + cw * kWgKeys;
+  // The rope rows' sum over the group's heads (times scale) staged in the consumer's dq staging as
+  // rope_part's rows: float (key 48 cw + k, dim d) at k * 64 + d, so that the dq thread adds the
+  // consumer's keys that exist by one bulk reduction (producer.cuh: dq_reduce). The staging is free
+  // once the dq thread has read the tile's last dq half (dq_empty), as for a query block.
+  __device__ __forceinline__ void stage_rope(const float (&dkr)[6][4]) {
+    sm90::mbar_wait(sm.dq_empty(cw), (staged & 1) ^ 1);
+    ++staged;
+    const u32 stage = sm.dq_stage(cw);
 #pragma unroll
     for (int nt = 0; nt < 6; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = key0 + col_of(nt, e);
-        if (key < t.w.sk)
-          part[(t.w.kv_row0 + key) * kDr + 16 * wi + lane / 4 + 8 * (e / 2)] = p.scale * dkr[nt][e];
+        const int dim = 16 * wi + lane / 4 + 8 * (e / 2);
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(stage + (col_of(nt, e) * kDr + dim) * 4),
+                     "f"(p.scale * dkr[nt][e])
+                     : "memory");
       }
+    sm90::mbar_arrive(sm.dq_full(cw));
   }
 };
 

@@ -6,8 +6,11 @@
 //     Tiles whose key block no query sees load nothing (the consumers write zero gradients).
 //   dq thread (warp 1): per query block, each consumer's staged 64 x 96 dq half added to the
 //     block's dq_accum chunk by one bulk reduction (cp.reduce.async.bulk .add.f32), the staging
-//     released once the reduction has read it. Deterministic mode: the reductions of a chunk in key
-//     block order (the chunk's semaphore counts the key blocks that have added to it).
+//     released once the reduction has read it; at the end of a tile that a query sees, each
+//     consumer's staged rope rows (its keys that exist) added to rope_part's one slot likewise.
+//     Deterministic mode: the reductions of a chunk in key block order (the chunk's semaphore counts
+//     the key blocks that have added to it), and a key block's rope rows in head-group order (the
+//     block's semaphore counts the groups that have added them).
 #pragma once
 #include "config.cuh"
 #include "scheduler.cuh"
@@ -70,7 +73,7 @@ __device__ __forceinline__ void producer_load(const Params& p, const Smem& sm, c
 template <class Mask>
 __device__ __forceinline__ void dq_reduce(const Params& p, const Smem& sm, const KeyTiles& sched, const Mask& mask) {
   using namespace sm90;
-  int staged = 0;  // query blocks reduced (dq_full's completions per consumer)
+  int staged = 0;  // stagings reduced, dq halves and rope rows (dq_full's completions per consumer)
   for (int n = 0;; ++n) {
     bwd::KeyTile t;
     sched.take(n, t, false);
@@ -103,6 +106,34 @@ __device__ __forceinline__ void dq_reduce(const Params& p, const Smem& sm, const
         }
         for (int c = 0; c < kConsumers; ++c) mbar_arrive(sm.dq_empty(c));
       }
+    }
+    if (t.m_begin < t.m_end) {  // the tile's rope rows (Consumer::stage_rope), its keys that exist
+      float* dst = p.rope_part + (w.kv_row0 + t.n0) * kDr;
+      int* sem = p.deterministic ? p.rope_sem + bwd::key_block_of(static_cast<u32>(w.kv_row0), w.b, t.n_block, kBlockN)
+                                 : nullptr;
+      if (sem != nullptr) {  // the groups before this one (handed out before it: decode_key_tile)
+        const int turn = t.h0 / p.heads_per_group;
+        while (bwd::load_acquire(sem) != turn) {
+        }
+      }
+      for (int c = 0; c < kConsumers; ++c) {
+        const int keys = min(kWgKeys, w.sk - t.n0 - c * kWgKeys);
+        mbar_wait(sm.dq_full(c), staged & 1);
+        if (keys > 0) {
+          fence_proxy_async();
+          bulk_reduce_add_f32(dst + c * kWgKeys * kDr, sm.dq_stage(c), keys * kDr * 4);
+          bulk_commit();
+        }
+      }
+      if (sem != nullptr) {
+        bulk_wait();
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");
+        bwd::add_release(sem, 1);
+      } else {
+        bulk_wait_read();
+      }
+      for (int c = 0; c < kConsumers; ++c) mbar_arrive(sm.dq_empty(c));
+      ++staged;
     }
   }
   bulk_wait();
