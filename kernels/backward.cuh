@@ -59,7 +59,7 @@ constexpr float kLog2e = 1.4426950408889634f;
   X(i64, do_st) X(i64, do_sh)                                                                             \
   /* results: dk, dv [Tk, H, 128] */                                                                      \
   X(void*, dk) X(void*, dv) X(i64, dk_st) X(i64, dk_sh) X(i64, dv_st) X(i64, dv_sh)                        \
-  /* the workspace (above); tk: rows of rope_part per group */                                           \
+  /* the workspace (above); tk: rows of rope_part per slot */                                            \
   X(float*, dq_accum) X(const float*, lse_log2) X(const float*, dpsum) X(float*, rope_part) X(int*, dq_sem) \
   X(int*, rope_sem) X(i64, tk)                                                                            \
   /* the ragged batch (tile_scheduler.cuh: SeqOffsets) */                                                 \
