@@ -24,8 +24,8 @@ from .tma import ZERO_MAP, encode_tiled
 from .validation import Problem
 from .workspace import empty_result
 
-__all__ = ["pack_backward", "heads_per_group", "tail_groups", "rope_slots", "workspace_parts", "aligned_slots", "GRADIENTS",
-           "new_gradients"]
+__all__ = ["pack_backward", "heads_per_group", "tail_groups", "rope_added", "rope_slots", "workspace_parts",
+           "aligned_slots", "GRADIENTS", "new_gradients"]
 
 #: Query rows of a dq chunk, the workspace's unit (kernels/backward.cuh: kChunkRows; a main kernel's
 #: query blocks, its geometry's block_m, must be one chunk: checked where a launch is packed).
@@ -75,11 +75,17 @@ def num_chunks(p: Problem) -> int:
     return p.tq // _CHUNK_ROWS + p.batch + 1
 
 
+def rope_added(kernel: str) -> bool:
+    """Whether the main kernel adds its work tiles' rope rows into one slot of ``rope_part`` by bulk
+    reductions (Hopper; in deterministic mode in head-group order), which the pre-pass then zeroes,
+    rather than storing them into their head group's own slot (the portable kernel)."""
+    return kernel == "sm90"
+
+
 def rope_slots(groups: int, kernel: str) -> int:
-    """Slots of the workspace's ``rope_part`` (kernels/backward.cuh): one on Hopper, whose work tiles
-    add their rope rows into it by bulk reductions (in deterministic mode in head-group order), one
-    per head group on the portable kernel, whose tiles store into their group's."""
-    return 1 if kernel == "sm90" else groups
+    """Slots of the workspace's ``rope_part`` (kernels/backward.cuh): one where the kernel adds into it
+    (:func:`rope_added`), else one per head group."""
+    return 1 if rope_added(kernel) else groups
 
 
 def key_blocks_bound(p: Problem, block_n: int) -> int:
@@ -159,7 +165,7 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
     g = heads_per_group(p.heads, n_blocks * p.batch, sms, target.kernel)
     groups = -(-p.heads // g)
     slots = rope_slots(groups, target.kernel)
-    one_slot = target.kernel == "sm90"  # the main kernel adds into it: the pre-pass zeroes it
+    one_slot = rope_added(target.kernel)  # the main kernel adds into it: the pre-pass zeroes it
     ws_bytes, parts = workspace_parts(p, slots, deterministic, key_blocks_bound(p, block_n) if one_slot else 0)
     zeroed_f4 = (parts["rope_part"][1] + parts["rope_sem"][1]) // 4 if one_slot else 0
     chunks = num_chunks(p)
@@ -187,7 +193,8 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
                                      num_heads=p.heads, batch=p.batch, num_chunks=chunks))
     pre_ptrs = [("dout", "dout"), ("out", "out"), ("lse", "lse")] + ([("dlse", "dlse")] if dlse is not None else [])
     pre_step = Step(pre_launch, fields_of(pre_launch, pre_ptrs),
-                    scratch_of(pre_launch, ["lse_log2", "dpsum", "dq_accum", "dq_sem"] + (["rope_part"] if zeroed_f4 else [])))
+                    scratch_of(pre_launch, ["lse_log2", "dpsum", "dq_accum", "dq_sem"]
+                               + (["rope_part"] if zeroed_f4 else [])))
     # the dq pass: dq = scale * dq_accum, in q's dtype
     dq_st = _strides(arrays.dq)
     dq_launch = PreparedLaunch(dq.params, dq.fn, (max(1, m_blocks), max(1, p.batch), p.heads), dq.threads, dq.smem,
@@ -218,7 +225,8 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
     values = dict(q=0, k=0, v=0, k_rope=0, dout=0, q_st=q_st[0], q_sh=q_st[1], k_st=k_st[0], k_sh=k_st[1],
                   v_st=v_st[0], v_sh=v_st[1], rope_st=_strides(arrays.k_rope)[0], do_st=dout_st[0], do_sh=dout_st[1],
                   dk=0, dv=0, dk_st=dk_st[0], dk_sh=dk_st[1], dv_st=dv_st[0], dv_sh=dv_st[1], dq_accum=0,
-                  lse_log2=0, dpsum=0, rope_part=0, dq_sem=0, rope_sem=0, tk=p.tk, q_offsets=o.q_offsets, kv_begin=o.kv_begin,
+                  lse_log2=0, dpsum=0, rope_part=0, dq_sem=0, rope_sem=0, tk=p.tk, q_offsets=o.q_offsets,
+                  kv_begin=o.kv_begin,
                   kv_end=o.kv_end, cache_offsets=o.cache_offsets, q_start_pos=o.q_start, num_heads=p.heads,
                   heads_per_group=g, batch=p.batch, num_n_blocks=n_blocks, num_chunks=chunks, tail_groups=0,
                   scale_log2=p.scale * LOG2E, scale=p.scale, mask_arg=p.mask.arg, deterministic=int(deterministic),
@@ -253,7 +261,8 @@ def pack_backward(target: Target, p: Problem, arrays: BackwardArrays, *, determi
     rec = Record(launch, ptr_fields, align, names, map_slots=map_slots, make_maps=make_maps, before=(pre_step,),
                  after=after, counter=(main.params.offsets["tile_counter"], dev), map_field=map_field,
                  q_start_field=main.params.offsets["q_start_pos"], scratch_bytes=ws_bytes,
-                 scratch_fields=scratch_of(launch, ["dq_accum", "lse_log2", "dpsum", "rope_part", "dq_sem", "rope_sem"]))
+                 scratch_fields=scratch_of(launch, ["dq_accum", "lse_log2", "dpsum", "rope_part", "dq_sem",
+                                                    "rope_sem"]))
     rec.keep_scratch = not one_shot
     return rec
 
