@@ -17,6 +17,11 @@ take the clock out of a comparison that the cap's drift would otherwise blur. Th
 gives, per implementation, the medians over rounds and the medians of per-round ratios to the
 base's J and cycles.
 
+With ``--launches N`` nothing is timed in rounds: each implementation runs N calls per case under
+torch's profiler, and a table gives per kernel its launches and microseconds per call and its share
+of the kernels' time, and the span per call (first kernel start to last kernel end: the gaps between
+launches included), to see whether a difference lies in a main kernel or in its passes.
+
 Implementations (``--impls``, comma separated; the first is the base):
 
   ours              16-bit Hopper kernel (``mla_prefill``, out= given, validate=False)
@@ -86,7 +91,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -915,6 +920,57 @@ def format_case(res: dict, base: str) -> List[str]:
     return lines
 
 
+def launch_table(kernels: Sequence[Tuple[str, float, float]], calls: int) -> Tuple[List[dict], float]:
+    """Where a call's GPU time goes, from the kernels recorded over ``calls`` calls (``(name, start_us,
+    end_us)`` each): one row per kernel name (``launches`` per call, ``us`` per call, ``share`` of the
+    kernels' summed time), longest first, and the span per call (first start to last end over
+    ``calls``: the kernels plus the gaps between them)."""
+    if calls <= 0:
+        raise ValueError(f"calls must be positive, got {calls}")
+    rows: Dict[str, dict] = {}
+    for name, start, end in kernels:
+        if end < start:
+            raise ValueError(f"kernel {name!r} ends ({end}) before it starts ({start})")
+        r = rows.setdefault(name, {"kernel": name, "launches": 0, "us": 0.0})
+        r["launches"] += 1
+        r["us"] += end - start
+    total = sum(r["us"] for r in rows.values())
+    out = sorted(rows.values(), key=lambda r: -r["us"])
+    for r in out:
+        r["share"] = r["us"] / total if total > 0 else 0.0
+        r["launches"] /= calls
+        r["us"] /= calls
+    span = (max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) / calls if kernels else 0.0
+    return out, span
+
+
+def format_launches(case: str, impl: str, rows: List[dict], span: float, width: int = 90) -> List[str]:
+    """Markdown rows of :func:`launch_table`'s result, kernel names cut to ``width`` characters."""
+    lines = [f"| {case} | {impl} | {r['kernel'][:width]} | {r['launches']:g} | {r['us']:.1f} | {100 * r['share']:.1f}% |"
+             for r in rows]
+    busy = sum(r["us"] for r in rows)
+    lines.append(f"| {case} | {impl} | (span per call: kernels and the gaps between them) | | {span:.1f} | "
+                 f"{100 * busy / span if span > 0 else 0.0:.1f}% busy |")
+    return lines
+
+
+def profile_launches(call: Callable[[int], object], calls: int, sync: Callable[[], object]):
+    """The CUDA kernels of ``calls`` calls of ``call`` (after three untimed ones), recorded by torch's
+    profiler (CUPTI: every kernel of the process, CuPy's included): ``(name, start_us, end_us)`` each."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(3):
+        call(i)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            call(i)
+        sync()
+    return [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
+            if e.device_type == DeviceType.CUDA]
+
+
 def checkout_commit() -> str:
     """The commit of the checkout this script runs from (``git rev-parse --short HEAD``), with
     ``+modified`` when kernels/ or mla_cupy/ differ from it; ``"unknown"`` outside a git checkout.
@@ -957,9 +1013,33 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="no timing: run each implementation three times per case (for ncu: --launch-skip 2 "
                          "--launch-count 1 with a kernel-name filter)")
+    ap.add_argument("--launches", type=int, default=0, metavar="N",
+                    help="no interleaved timing: record N calls of each implementation per case with torch's "
+                         "profiler and print, per kernel, launches and microseconds per call and its share, and "
+                         "the span per call (0: off)")
     a = ap.parse_args(argv)
     specs = [s for s in a.impls.split(",") if s]
     cases = [parse_case(c) for c in a.cases.split(",") if c]
+    if a.launches > 0:
+        import cupy as cp
+
+        print("| case | impl | kernel | launches per call | us per call | share |", flush=True)
+        print("|---|---|---|---|---|---|", flush=True)
+        for case in cases:
+            sets = [bench.make_inputs(case, 0)]
+            if a.backward:
+                backward_inputs(case, sets)
+            for spec in specs:
+                base, opts = parse_impl(spec, a.backward)
+                try:
+                    call, _ = (BWD_FACTORIES if a.backward else FACTORIES)[base](case, sets, opts)
+                except LeftOut as exc:
+                    print(f"{case.name} / {spec}: left out ({exc})", file=sys.stderr, flush=True)
+                    continue
+                kernels = profile_launches(call, a.launches, cp.cuda.Device().synchronize)
+                rows, span = launch_table(kernels, a.launches)
+                print("\n".join(format_launches(case.name, spec, rows, span)), flush=True)
+        return 0
     if a.profile:
         import cupy as cp
 

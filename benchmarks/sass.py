@@ -48,6 +48,13 @@ Usage (``cuobjdump`` from CUDA, ``PATH``, ``$CUOBJDUMP`` or the pip package
     # the main loop of each (or --ours-loop / --theirs-loop ADDRESS)
     python benchmarks/sass.py --family "mla_prefill_sm90<bf16, CausalMask, 16-bit>" "${FA3_BF16[@]}"
 
+FlashAttention-4's SM90 kernels (the ``flash-attn-4`` CuTe DSL package) are compiled here, without a
+GPU, under torch's FakeTensorMode: ``--fa4 fwd`` or ``--fa4 bwd`` (causal unless ``--fa4-no-mask``),
+with ``--fa4-python`` naming an interpreter that has flash-attn-4, nvidia-cutlass-dsl (its CUDA 13
+libraries) and torch, e.g. a virtual environment made with ``--system-site-packages``::
+
+    python benchmarks/sass.py --family "mla_backward_sm90<bf16, CausalMask>" --fa4 bwd --fa4-python fa4env/bin/python
+
 ``--kernel`` may be given several times (every substring must appear in the demangled or the
 mangled name); when several kernels still match, ``--index N`` picks one of the listed matches.
 ``--json`` prints the same content as JSON. As a module: :func:`analyze_family`,
@@ -66,7 +73,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -441,8 +448,9 @@ def _report(name: str, label: str, source: str, instrs: List[Instr], resources: 
 
 
 def main_loop(report: KernelReport, start: Optional[int] = None) -> LoopReport:
-    """The loop at address ``start``, or the innermost loop with the most GMMA (of several, the
-    shortest: the mask-free copy when masked iterations have a loop of their own).
+    """The loop at address ``start``, or of the loops with MMA that hold no other such loop the one
+    with the most GMMA (of several, the shortest: the mask-free copy when masked iterations have a
+    loop of their own).
 
     Raises
     ------
@@ -455,9 +463,13 @@ def main_loop(report: KernelReport, start: Optional[int] = None) -> LoopReport:
                 return lp
         raise ValueError(f"no loop starts at {start:#x} in {report.label[:120]}; loops: "
                          f"{[lp.where for lp in report.loops]}")
-    inner = [lp for lp in report.loops if lp.innermost] or report.loops
-    if not inner:
+    if not report.loops:
         raise ValueError(f"{report.label[:120]} has no loop")
+    mma = [lp for lp in report.loops if lp.gmma > 0]
+    # innermost among the loops with MMA: a cold loop without MMA inside one (a rare path's
+    # zeroing loop) does not make it an outer loop
+    inner = [lp for lp in mma if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in mma)]
+    inner = inner or [lp for lp in report.loops if lp.innermost] or report.loops
     return max(inner, key=lambda lp: (lp.gmma, -lp.total))
 
 
@@ -579,6 +591,62 @@ def analyze_library(so: str, substrings: Sequence[str], index: Optional[int] = N
     return _report(k.name, k.demangled, f"{so} (ELF {k.elf_index}: {k.elf_name})", sass[k.name], k.resources)
 
 
+#: FlashAttention-4's SM90 kernel compiled on a machine without a GPU: its CuTe DSL traces and
+#: compiles under torch's FakeTensorMode once FLASH_ATTENTION_ARCH and CUTE_DSL_ARCH name the target,
+#: and CUTE_DSL_KEEP=cubin leaves the binary in CUTE_DSL_DUMP_DIR. The shape is MLA's (192 / 128, 128
+#: heads, one varlen sequence); the kernels do not depend on the lengths.
+_FA4_COMPILE = """
+import sys, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from flash_attn.cute import interface as fi
+which, causal = sys.argv[1], sys.argv[2] == "1"
+T, H = 4096, 128
+with FakeTensorMode():
+    e = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device="cuda")
+    q, k, v, cu = e(T, H, 192), e(T, H, 192), e(T, H, 128), e(2, dt=torch.int32)
+    lens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=T, max_seqlen_k=T)
+    if which == "fwd":
+        fi._flash_attn_fwd(q, k, v, softmax_scale=192 ** -0.5, causal=causal, return_lse=True, **lens)
+    else:
+        fi._flash_attn_bwd(q, k, v, e(T, H, 128), e(T, H, 128), e(H, T, dt=torch.float32),
+                           softmax_scale=192 ** -0.5, causal=causal, **lens)
+"""
+#: The class name of FlashAttention-4's main SM90 kernel per direction, in its kernel and file names.
+FA4_KERNELS = {"fwd": "FlashAttentionForwardSm90", "bwd": "FlashAttentionBackwardSm90"}
+
+
+def analyze_fa4(which: str, causal: bool = True, python: Optional[str] = None) -> KernelReport:
+    """FlashAttention-4's SM90 ``which`` ("fwd" or "bwd") kernel for MLA's head sizes, compiled here
+    without a GPU by ``python`` (an interpreter with flash-attn-4, nvidia-cutlass-dsl and torch;
+    default: this one), and reported as a library kernel.
+
+    Raises
+    ------
+    ValueError
+        ``which`` is neither "fwd" nor "bwd".
+    RuntimeError
+        The compile failed (its output's tail in the message) or left no kernel binary.
+    """
+    if which not in FA4_KERNELS:
+        raise ValueError(f"--fa4 takes fwd or bwd, got {which!r}")
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132",
+                   CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=tmp)
+        r = subprocess.run([python or sys.executable, "-c", _FA4_COMPILE, which, "1" if causal else "0"],
+                           env=env, capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0:
+            raise RuntimeError(f"FlashAttention-4's {which} kernel did not compile (rc {r.returncode}):\n"
+                               f"{(r.stdout + r.stderr)[-3000:]}")
+        found = sorted(f for f in os.listdir(tmp) if f.endswith(".cubin") and FA4_KERNELS[which] in f)
+        if not found:
+            raise RuntimeError(f"the compile left no {FA4_KERNELS[which]} binary in {tmp}: {os.listdir(tmp)}")
+        path = os.path.join(tmp, "fa4_" + which + ".cubin")
+        shutil.copyfile(os.path.join(tmp, found[0]), path)
+        rep = analyze_library(path, [FA4_KERNELS[which]])
+    mask = "causal" if causal else "no mask"
+    return replace(rep, source=f"FlashAttention-4 SM90 {which}, 192 / 128, {mask} (compiled without a GPU)")
+
+
 # ---------------------------------------------------------------------------------------------
 # output
 # ---------------------------------------------------------------------------------------------
@@ -675,6 +743,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="part of the library kernel's demangled or mangled name (repeatable: all must match)")
     ap.add_argument("--index", type=int, default=None, help="pick the N-th of several matching library kernels")
     ap.add_argument("--list", action="store_true", help="list the library's kernels that match --kernel and exit")
+    ap.add_argument("--fa4", choices=sorted(FA4_KERNELS), default=None,
+                    help="the other kernel is FlashAttention-4's SM90 forward or backward at 192 / 128, compiled "
+                         "here without a GPU (needs flash-attn-4 and nvidia-cutlass-dsl: --fa4-python)")
+    ap.add_argument("--fa4-python", default=None, metavar="PY",
+                    help="the interpreter that has flash-attn-4 installed (default: this one)")
+    ap.add_argument("--fa4-no-mask", action="store_true", help="FlashAttention-4's kernel without the causal mask")
     ap.add_argument("--ours-loop", type=lambda s: int(s, 0), default=None, help="side by side: our loop's start address")
     ap.add_argument("--theirs-loop", type=lambda s: int(s, 0), default=None,
                     help="side by side: the library kernel's loop start address")
@@ -694,8 +768,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for i, k in enumerate(found):
                 print(f"[{i}] ELF {k.elf_index} REG {k.resources.get('REG')} STACK {k.resources.get('STACK')}: {_short(k.demangled)}")
             return 0
-        if not a.family and not a.so:
-            ap.error("give --family, --so (with --kernel), or both for the side-by-side view")
+        if not a.family and not a.so and not a.fa4:
+            ap.error("give --family, --so (with --kernel) or --fa4, or --family with one of the others for the "
+                     "side-by-side view")
+        if a.so and a.fa4:
+            ap.error("give --so or --fa4, not both")
         if a.so and not a.kernel and a.index is None:
             ap.error("--so needs --kernel (see --list)")
         from mla_cupy.jit import parse_defines
@@ -703,11 +780,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         defines = parse_defines(",".join(a.define))
         ours = analyze_family(a.family, a.arch, a.family_kernel, defines) if a.family else []
         theirs = analyze_library(a.so, a.kernel, a.index) if a.so else None
+        if a.fa4:
+            theirs = analyze_fa4(a.fa4, not a.fa4_no_mask, a.fa4_python)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"sass.py: {exc}", file=sys.stderr)
         return 2
     if ours and theirs is not None:  # side by side: our first kernel's main loop against theirs
-        names = ("ours", Path(a.so).parent.name or "theirs")
+        names = ("ours", "fa4" if a.fa4 else (Path(a.so).parent.name or "theirs"))
         try:
             lo, lt = main_loop(ours[0], a.ours_loop), main_loop(theirs, a.theirs_loop)
         except ValueError as exc:

@@ -81,3 +81,30 @@ def test_energy_rows_format_every_field():
                        "| 1800 |")
     assert rows[1] == ("| 1x8192 | fa3 | 2.2000 | 1.100 (1.100-1.100) | 6800 | 0.944 (0.944-0.944) | 4.000 | 550 "
                        "| 1700 |")
+
+
+def test_launch_table_groups_kernels_per_call_longest_first():
+    # two calls, each: a pre-pass (10 us), the main kernel (100 us) and a post-pass (20 us), 5 us apart
+    kernels = []
+    for c in range(2):
+        t0 = 1000.0 * c
+        kernels += [("pre", t0, t0 + 10), ("main", t0 + 15, t0 + 115), ("post", t0 + 120, t0 + 140)]
+    rows, span = ab.launch_table(kernels, 2)
+    assert [r["kernel"] for r in rows] == ["main", "post", "pre"]
+    assert [r["launches"] for r in rows] == [1, 1, 1]
+    assert [r["us"] for r in rows] == pytest.approx([100, 20, 10])
+    assert [r["share"] for r in rows] == pytest.approx([100 / 130, 20 / 130, 10 / 130])
+    assert span == pytest.approx((1140 - 0) / 2)
+    lines = ab.format_launches("1x2048", "ours", rows, span)
+    assert lines[0].startswith("| 1x2048 | ours | main | 1 | 100.0 | 76.9% |")
+    assert "570.0" in lines[-1] and "22.8% busy" in lines[-1]
+
+
+def test_launch_table_counts_repeated_launches_and_rejects_bad_input():
+    rows, _ = ab.launch_table([("k", 0, 4), ("k", 5, 9), ("k", 10, 14), ("k", 15, 19)], 2)
+    assert rows[0]["launches"] == 2 and rows[0]["us"] == pytest.approx(8)
+    with pytest.raises(ValueError, match="calls"):
+        ab.launch_table([("k", 0, 1)], 0)
+    with pytest.raises(ValueError, match="before it starts"):
+        ab.launch_table([("k", 5, 1)], 1)
+    assert ab.launch_table([], 3) == ([], 0.0)

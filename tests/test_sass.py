@@ -91,6 +91,18 @@ def test_main_loop_prefers_most_gmma_then_the_shortest():
         sass.main_loop(rep, 0x123)
 
 
+def test_main_loop_is_the_innermost_with_mma_around_a_cold_loop():
+    # the step loop (0x2570) holds a zeroing loop without MMA (0x4190), so it is not innermost
+    def loop(start, end, gmma, total, depth, innermost):
+        return sass.LoopReport(start, end, total, 0, gmma, depth, innermost, False, 10, {}, {})
+
+    rep = sass.KernelReport("k", "k", "t", {}, None, [], [], 10, 100, {},
+                            [loop(0x0e70, 0xbbd0, 46, 2775, 0, False), loop(0x1740, 0xb5d0, 46, 2538, 1, False),
+                             loop(0x2570, 0x5d70, 46, 897, 2, False), loop(0x4190, 0x4630, 0, 75, 3, True),
+                             loop(0xe7f0, 0xea10, 0, 35, 3, True)])
+    assert sass.main_loop(rep).start == 0x2570
+
+
 def test_res_usage_per_elf():
     text = """
 Fatbin elf code:
@@ -142,3 +154,10 @@ def test_family_end_to_end(capsys):
 def test_demangle_leaves_names_without_cxxfilt(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert sass.demangle(["_Z1av"]) == ["_Z1av"]
+
+
+def test_fa4_rejects_an_unknown_direction_and_reports_a_failed_compile():
+    with pytest.raises(ValueError, match="fwd or bwd"):
+        sass.analyze_fa4("backward")
+    with pytest.raises(RuntimeError, match="did not compile"):
+        sass.analyze_fa4("bwd", python="/bin/false")
