@@ -946,8 +946,8 @@ def launch_table(kernels: Sequence[Tuple[str, float, float]], calls: int) -> Tup
 
 def format_launches(case: str, impl: str, rows: List[dict], span: float, width: int = 90) -> List[str]:
     """Markdown rows of :func:`launch_table`'s result, kernel names cut to ``width`` characters."""
-    lines = [f"| {case} | {impl} | {r['kernel'][:width]} | {r['launches']:g} | {r['us']:.1f} | {100 * r['share']:.1f}% |"
-             for r in rows]
+    lines = [f"| {case} | {impl} | {r['kernel'][:width]} | {r['launches']:g} | {r['us']:.1f} | "
+             f"{100 * r['share']:.1f}% |" for r in rows]
     busy = sum(r["us"] for r in rows)
     lines.append(f"| {case} | {impl} | (span per call: kernels and the gaps between them) | | {span:.1f} | "
                  f"{100 * busy / span if span > 0 else 0.0:.1f}% busy |")
