@@ -994,6 +994,23 @@ def checkout_commit() -> str:
     return rev + ("+modified" if dirty else "")
 
 
+def _calls(cases: List[BenchCase], specs: List[str], backward: bool):
+    """(case, implementation, its call) for every case and implementation, inputs made once per case;
+    an implementation left out of a case is said on stderr and skipped."""
+    for case in cases:
+        sets = [bench.make_inputs(case, 0)]
+        if backward:
+            backward_inputs(case, sets)
+        for spec in specs:
+            base, opts = parse_impl(spec, backward)
+            try:
+                call, _ = (BWD_FACTORIES if backward else FACTORIES)[base](case, sets, opts)
+            except LeftOut as exc:
+                print(f"{case.name} / {spec}: left out ({exc})", file=sys.stderr, flush=True)
+                continue
+            yield case, spec, call
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -1020,43 +1037,21 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     specs = [s for s in a.impls.split(",") if s]
     cases = [parse_case(c) for c in a.cases.split(",") if c]
-    if a.launches > 0:
+    if a.launches > 0 or a.profile:
         import cupy as cp
 
-        print("| case | impl | kernel | launches per call | us per call | share |", flush=True)
-        print("|---|---|---|---|---|---|", flush=True)
-        for case in cases:
-            sets = [bench.make_inputs(case, 0)]
-            if a.backward:
-                backward_inputs(case, sets)
-            for spec in specs:
-                base, opts = parse_impl(spec, a.backward)
-                try:
-                    call, _ = (BWD_FACTORIES if a.backward else FACTORIES)[base](case, sets, opts)
-                except LeftOut as exc:
-                    print(f"{case.name} / {spec}: left out ({exc})", file=sys.stderr, flush=True)
-                    continue
-                kernels = profile_launches(call, a.launches, cp.cuda.Device().synchronize)
-                rows, span = launch_table(kernels, a.launches)
+        sync = cp.cuda.Device().synchronize
+        if a.launches > 0:
+            print("| case | impl | kernel | launches per call | us per call | share |", flush=True)
+            print("|---|---|---|---|---|---|", flush=True)
+        for case, spec, call in _calls(cases, specs, a.backward):
+            if a.launches > 0:
+                rows, span = launch_table(profile_launches(call, a.launches, sync), a.launches)
                 print("\n".join(format_launches(case.name, spec, rows, span)), flush=True)
-        return 0
-    if a.profile:
-        import cupy as cp
-
-        for case in cases:
-            sets = [bench.make_inputs(case, 0)]
-            if a.backward:
-                backward_inputs(case, sets)
-            for spec in specs:
-                base, opts = parse_impl(spec, a.backward)
-                try:
-                    call, _ = (BWD_FACTORIES if a.backward else FACTORIES)[base](case, sets, opts)
-                except LeftOut as exc:
-                    print(f"{case.name} / {spec}: left out ({exc})", file=sys.stderr, flush=True)
-                    continue
+            else:
                 for _ in range(3):
                     call(0)
-                cp.cuda.Device().synchronize()
+                sync()
         return 0
     results = []
     run_info = dict(bench.device_info(), commit=checkout_commit(), command=" ".join(["benchmarks/ab.py", *sys.argv[1:]]))
