@@ -24,7 +24,10 @@ are hidden unless ``--all-loops``. The consumer main loop is the innermost loop 
 the shortest of several such (the mask-free copy where masked and unmasked iterations have loops
 of their own, as in FlashAttention-3).
 Counts are static, per warp and per iteration of every path of the body: a masked path inside the
-body counts as much as the unmasked one.
+body counts as much as the unmasked one. The shortest and the longest way round the body (from the
+header back to it, inner loops once, out-of-line blocks where a way passes them) are counted apart,
+and side by side the shortest way's classes too: where masked and mask-free iterations share one
+body, the shortest way is the mask-free path.
 
 Why: instruction counts per loop, registers and spills are the first thing to compare with a faster
 kernel, and every change to a kernel moves them; this needs no GPU and takes seconds.
@@ -315,7 +318,11 @@ class LoopReport:
     """One natural loop: ``start`` / ``end`` are the addresses of its header and of its last
     backward branch; ``classes`` / ``opcodes`` count its in-line body (``total`` instructions),
     ``cold`` the body instructions laid out elsewhere; ``gmma`` its MMA instructions; ``max_register``
-    the highest register its in-line body names; ``depth`` 0 for an outermost loop."""
+    the highest register its in-line body names; ``depth`` 0 for an outermost loop. ``path_min`` /
+    ``path_max``: the instructions of the shortest and the longest way from the header round to it
+    (inner loops once, cold blocks where the way passes them), ``path_classes`` the shortest way's
+    counts: where masked and mask-free iterations share a body, the shortest way is the mask-free
+    one."""
 
     start: int
     end: int
@@ -328,6 +335,9 @@ class LoopReport:
     max_register: int
     classes: Dict[str, int]
     opcodes: Dict[str, int]
+    path_min: int = 0
+    path_max: int = 0
+    path_classes: Dict[str, int] = field(default_factory=dict)
 
     @property
     def where(self) -> str:
@@ -345,6 +355,43 @@ def _count(instrs: Iterable[Instr]) -> Tuple[Dict[str, int], Dict[str, int], int
         if regs:
             top = max(top, max(regs))
     return {c: classes[c] for c in CLASSES}, dict(opcodes.most_common()), top
+
+
+def _ways(instrs: List[Instr], spans, succs, idom, h: int, body: set, latches: List[int]):
+    """(shortest, longest, the shortest's class counts): the ways through a loop's body from its
+    header ``h`` to a latch, over the body's edges that are not back edges (an inner loop counts
+    once), in instructions."""
+    size = {b: spans[b][1] - spans[b][0] for b in body}
+    dag = {b: [x for x in succs[b] if x in body and not _dominates(idom, x, b)] for b in body}
+    order, state, stack = [], {}, [(h, 0)]
+    while stack:  # depth-first postorder from the header
+        b, i = stack.pop()
+        state[b] = 1
+        if i < len(dag[b]):
+            stack.append((b, i + 1))
+            x = dag[b][i]
+            if x not in state:
+                stack.append((x, 0))
+        else:
+            order.append(b)
+    shortest, longest, prev = {h: size[h]}, {h: size[h]}, {h: None}
+    for b in reversed(order):  # topological
+        if b not in shortest:
+            continue
+        for x in dag[b]:
+            if shortest[b] + size[x] < shortest.get(x, 1 << 60):
+                shortest[x], prev[x] = shortest[b] + size[x], b
+            longest[x] = max(longest.get(x, -1), longest[b] + size[x])
+    ends = [u for u in latches if u in shortest]
+    if not ends:
+        return 0, 0, {}
+    end = min(ends, key=lambda u: shortest[u])
+    way, b = [], end
+    while b is not None:
+        way.append(b)
+        b = prev[b]
+    classes, _, _ = _count(ins for b in way for ins in instrs[spans[b][0]:spans[b][1]])
+    return shortest[end], max(longest[u] for u in ends), classes
 
 
 def find_loops(instrs: List[Instr]) -> List[LoopReport]:
@@ -386,8 +433,10 @@ def find_loops(instrs: List[Instr]) -> List[LoopReport]:
                     cold += 1
         inline.sort(key=lambda i: i.addr)
         classes, opcodes, top = _count(inline)
+        short, long_, way = _ways(instrs, spans, succs, idom, h, body, latches[h])
         loops.append((h, body, LoopReport(start, end, len(inline), cold, classes["GMMA"], 0, False,
-                                          len(inline) <= SMALL_LOOP and classes["GMMA"] == 0, top, classes, opcodes)))
+                                          len(inline) <= SMALL_LOOP and classes["GMMA"] == 0, top, classes, opcodes,
+                                          short, long_, way)))
     for h, body, rep in loops:
         rep.depth = sum(1 for h2, b2, _ in loops if h2 != h and h in b2)
         rep.innermost = not rep.small and not any(h2 != h and h2 in body and not r2.small for h2, _, r2 in loops)
@@ -687,9 +736,12 @@ def format_kernel(rep: KernelReport, all_loops: bool = False) -> str:
     shown = [lp for lp in rep.loops if all_loops or not lp.small]
     hidden = len(rep.loops) - len(shown)
     rows = [[lp.where, str(lp.depth), "*" if lp.innermost else "", str(lp.cold), _reg(lp.max_register)]
-            + [str(lp.classes[c]) for c in CLASSES] + [str(lp.total)] for lp in shown]
-    lines += ["  loops (inner *: innermost; cold: body instructions laid out elsewhere, not counted)"]
-    lines += ["  " + ln for ln in _table(["loop", "depth", "inner", "cold", "top reg", *CLASSES, "total"], rows)]
+            + [str(lp.classes[c]) for c in CLASSES] + [str(lp.total), str(lp.path_min), str(lp.path_max)]
+            for lp in shown]
+    lines += ["  loops (inner *: innermost; cold: body instructions laid out elsewhere, not counted; ways: the "
+              "shortest and the longest way round the body)"]
+    lines += ["  " + ln for ln in _table(["loop", "depth", "inner", "cold", "top reg", *CLASSES, "total",
+                                          "shortest way", "longest way"], rows)]
     for lp in shown:
         if lp.innermost:
             lines.append(f"  {lp.where} other: {_other(lp) or '-'}")
@@ -704,14 +756,24 @@ def format_side_by_side(ours: KernelReport, ours_loop: LoopReport, theirs: Kerne
     a, b = names
     lines = [f"{a}: {_short(ours.label, 200)}", f"  loop {ours_loop.where}, {ours_loop.gmma} GMMA",
              f"{b}: {_short(theirs.label, 200)}", f"  loop {theirs_loop.where}, {theirs_loop.gmma} GMMA"]
-    rows = [[c, str(ours_loop.classes[c]), str(theirs_loop.classes[c]), f"{theirs_loop.classes[c] - ours_loop.classes[c]:+d}"]
+    def pair(x: int, y: int) -> List[str]:
+        return [str(x), str(y), f"{y - x:+d}"]
+
+    wa, wb = ours_loop.path_classes, theirs_loop.path_classes
+    rows = [[c, *pair(ours_loop.classes[c], theirs_loop.classes[c]), *pair(wa.get(c, 0), wb.get(c, 0))]
             for c in CLASSES]
-    rows.append(["total", str(ours_loop.total), str(theirs_loop.total), f"{theirs_loop.total - ours_loop.total:+d}"])
-    rows.append(["cold", str(ours_loop.cold), str(theirs_loop.cold), f"{theirs_loop.cold - ours_loop.cold:+d}"])
-    rows.append(["top register", _reg(ours_loop.max_register), _reg(theirs_loop.max_register), ""])
-    rows.append(["setmaxnreg", "/".join(map(str, ours.setmaxnreg)) or "-", "/".join(map(str, theirs.setmaxnreg)) or "-", ""])
-    rows.append(["stack B", str(ours.resources.get("STACK", "?")), str(theirs.resources.get("STACK", "?")), ""])
-    lines += _table(["class", a, b, f"{b} - {a}"], rows)
+    rows.append(["total", *pair(ours_loop.total, theirs_loop.total), *pair(ours_loop.path_min, theirs_loop.path_min)])
+    rows.append(["longest way", "", "", "", *pair(ours_loop.path_max, theirs_loop.path_max)])
+    rows.append(["cold", *pair(ours_loop.cold, theirs_loop.cold), "", "", ""])
+    rows.append(["top register", _reg(ours_loop.max_register), _reg(theirs_loop.max_register), "", "", "", ""])
+    rows.append(["setmaxnreg", "/".join(map(str, ours.setmaxnreg)) or "-", "/".join(map(str, theirs.setmaxnreg)) or "-",
+                 "", "", "", ""])
+    rows.append(["stack B", str(ours.resources.get("STACK", "?")), str(theirs.resources.get("STACK", "?")), "", "", "",
+                 ""])
+    lines.append("(body: every instruction of the loop's body; shortest way: those of the shortest way round it, the "
+                 "mask-free path where masked iterations share the body)")
+    lines += _table(["class", f"{a} body", f"{b} body", f"{b} - {a}", f"{a} shortest way", f"{b} shortest way",
+                     f"{b} - {a}"], rows)
     lines += [f"{a} other: {_other(ours_loop) or '-'}", f"{b} other: {_other(theirs_loop) or '-'}"]
     for name, rep, lp in ((a, ours, ours_loop), (b, theirs, theirs_loop)):
         alike = [f"{o.where} ({o.total})" for o in rep.loops if o is not lp and o.innermost and o.gmma == lp.gmma]

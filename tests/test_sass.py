@@ -68,6 +68,17 @@ def test_loop_classes():
     assert inner.opcodes["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1 and sum(inner.opcodes.values()) == inner.total
 
 
+def test_ways_round_a_loop_skip_the_retry_path_and_count_inner_loops_once():
+    loops = _loops()
+    inner, outer = loops[0x30], loops[0x20]
+    # inner: the wait (2) and the body (5); the longest way takes the out-of-line retry (2 + 1)
+    assert (inner.path_min, inner.path_max) == (7, 10)
+    assert inner.path_classes == {c: {"GMMA": 1, "EX2": 1, "FFMA": 1, "INT": 1, "SYNC": 1, "BRA": 2}.get(c, 0)
+                                  for c in sass.CLASSES}
+    # outer: its head (1), the inner loop's way once (7 or 10), its own test and branch (2)
+    assert (outer.path_min, outer.path_max) == (10, 13)
+
+
 @pytest.mark.parametrize("opcode, cls", [
     ("HGMMA.64x128x16.F32.BF16", "GMMA"), ("QGMMA.64x128x32.F32.E4M3.E4M3", "GMMA"), ("HMMA.16816.F32.BF16", "GMMA"),
     ("MUFU.EX2", "EX2"), ("MUFU.RCP", "MUFU"), ("FFMA.FTZ", "FFMA"), ("FMNMX", "FMNMX"), ("LDSM.16.M88.4", "LDS/STS"),
