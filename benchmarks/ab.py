@@ -955,17 +955,18 @@ def format_launches(case: str, impl: str, rows: List[dict], span: float, width: 
 
 
 def profile_launches(call: Callable[[int], object], calls: int, sync: Callable[[], object]):
-    """The CUDA kernels of ``calls`` calls of ``call`` (after three untimed ones), recorded by torch's
-    profiler (CUPTI: every kernel of the process, CuPy's included): ``(name, start_us, end_us)`` each."""
+    """The CUDA kernels of ``calls`` calls of ``call(0)`` (input set 0, after three untimed calls),
+    recorded by torch's profiler (CUPTI: every kernel of the process, CuPy's included): ``(name,
+    start_us, end_us)`` each."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    for i in range(3):
-        call(i)
+    for _ in range(3):
+        call(0)
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(calls):
-            call(i)
+        for _ in range(calls):
+            call(0)
         sync()
     return [(e.name, float(e.time_range.start), float(e.time_range.end)) for e in prof.events()
             if e.device_type == DeviceType.CUDA]

@@ -108,3 +108,50 @@ def test_launch_table_counts_repeated_launches_and_rejects_bad_input():
     with pytest.raises(ValueError, match="before it starts"):
         ab.launch_table([("k", 5, 1)], 1)
     assert ab.launch_table([], 3) == ([], 0.0)
+
+
+def test_profile_launches_calls_input_set_zero_and_keeps_device_events(monkeypatch):
+    import types
+
+    import torch.profiler as tp
+    from torch.autograd import DeviceType
+
+    class _Event:
+        def __init__(self, name, device_type, start, end):
+            self.name, self.device_type = name, device_type
+            self.time_range = types.SimpleNamespace(start=start, end=end)
+
+    class _Profile:  # records the calls made inside it, as the profiler's device events would
+        def __init__(self, activities):
+            self.inside = False
+
+        def __enter__(self):
+            self.inside = True
+            return self
+
+        def __exit__(self, *exc):
+            self.inside = False
+
+        def events(self):
+            return [_Event("cudaLaunchKernel", DeviceType.CPU, 0, 1)] + [
+                _Event("main", DeviceType.CUDA, 10 * i, 10 * i + 7) for i in range(len(inside))]
+
+    inside, synced = [], []
+    prof_box = {}
+
+    def make(activities):
+        prof_box["p"] = _Profile(activities)
+        return prof_box["p"]
+
+    monkeypatch.setattr(tp, "profile", make)
+    seen = []
+
+    def call(i):
+        seen.append(i)
+        if "p" in prof_box and prof_box["p"].inside:
+            inside.append(i)
+
+    kernels = ab.profile_launches(call, 4, lambda: synced.append(len(seen)))
+    assert seen == [0] * 7, "three untimed calls, then four recorded, all on input set 0"
+    assert inside == [0] * 4 and synced == [3, 7]
+    assert kernels == [("main", 0.0, 7.0), ("main", 10.0, 17.0), ("main", 20.0, 27.0), ("main", 30.0, 37.0)]
