@@ -20,9 +20,10 @@ between its header and its last backward branch (nested loops included once); bo
 the compiler placed elsewhere (the retry paths of mbarrier waits, laid out after the kernel's end)
 are reported apart as ``cold``. ``inner`` marks the innermost loops; loops of at most
 :data:`SMALL_LOOP` instructions without MMA (try-wait retries, the compiler's ``BRA.U.ANY`` loops)
-are hidden unless ``--all-loops``. The consumer main loop is the innermost loop with the most GMMA,
-the shortest of several such (the mask-free copy where masked and unmasked iterations have loops
-of their own, as in FlashAttention-3).
+are hidden unless ``--all-loops``. The consumer main loop is, of the loops with MMA that hold no
+other loop with MMA (a rare path's loop without MMA inside, such as a zeroing loop, does not count),
+the one with the most GMMA, the shortest of several such (the mask-free copy where masked and
+unmasked iterations have loops of their own, as in FlashAttention-3).
 Counts are static, per warp and per iteration of every path of the body: a masked path inside the
 body counts as much as the unmasked one. The shortest and the longest way round the body (from the
 header back to it, inner loops once, out-of-line blocks where a way passes them) are counted apart,
